@@ -1,0 +1,134 @@
+// CPU driver of fused_adam_: argument checks, the parallel loop, and the run-time choice of the
+// instruction set whose loop runs (see adam_cpu_loop.h and [Note: one math, many ISAs]).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "adam_checks.h"
+#include "adam_cpu.h"
+
+namespace zerofast {
+namespace cpu {
+namespace {
+
+// Elements per parallel chunk: 64K floats are 256 KiB per state array, so a chunk keeps each
+// thread streaming for tens of microseconds, well above the cost of waking a worker; a tensor
+// smaller than that runs on the calling thread alone.
+constexpr int64_t kGrain = 1 << 16;
+
+Storage storage_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return Storage::kFloat;
+    case at::kBFloat16: return Storage::kBFloat16;
+    case at::kHalf: return Storage::kHalf;
+    default: TORCH_CHECK(false, "zerofast: unsupported storage dtype ", t);
+  }
+}
+
+bool cpu_has(const char* feature) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (std::strcmp(feature, "avx512") == 0) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+  }
+  if (std::strcmp(feature, "avx2") == 0) {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }
+#endif
+  (void)feature;
+  return false;
+}
+
+}  // namespace
+
+// ZEROFAST_CPU_ISA=portable|avx2|avx512 forces a loop (asking for one this CPU lacks is an error);
+// unset or "auto" takes the widest the CPU supports. Read on every call, so tests can switch it.
+Isa selected_isa() {
+  const char* env = std::getenv("ZEROFAST_CPU_ISA");
+  const std::string want = env ? env : "auto";
+  if (want == "portable") return Isa::kPortable;
+  if (want == "avx2" || want == "avx512") {
+    TORCH_CHECK(cpu_has(want.c_str()), "zerofast: ZEROFAST_CPU_ISA=", want, " but this CPU lacks ", want);
+    return want == "avx2" ? Isa::kAvx2 : Isa::kAvx512;
+  }
+  TORCH_CHECK(want == "auto" || want.empty(),
+              "zerofast: ZEROFAST_CPU_ISA must be portable, avx2, avx512 or auto; got '", want, "'");
+  if (cpu_has("avx512")) return Isa::kAvx512;
+  if (cpu_has("avx2")) return Isa::kAvx2;
+  return Isa::kPortable;
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kPortable: return "portable";
+  }
+  return "portable";
+}
+
+namespace {
+
+IsaKernels kernels_for(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512: return avx512_kernels();
+    case Isa::kAvx2: return avx2_kernels();
+    case Isa::kPortable: return portable_kernels();
+  }
+  return portable_kernels();
+}
+
+// All or nothing: look at every gradient value before anything is written.
+bool any_nonfinite(const IsaKernels& k, const at::Tensor& grad, float grad_scale) {
+  std::atomic<bool> found{false};
+  const void* data = grad.data_ptr();
+  const Storage type = storage_of(grad.scalar_type());
+  at::parallel_for(0, grad.numel(), kGrain, [&](int64_t begin, int64_t end) {
+    if (!found.load(std::memory_order_relaxed) && k.nonfinite_range(data, type, grad_scale, begin, end)) {
+      found.store(true, std::memory_order_relaxed);
+    }
+  });
+  return found.load();
+}
+
+void fused_adam_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                    const at::Tensor& exp_avg_sq, double lr, double beta1, double beta2, double eps,
+                    double weight_decay, int64_t step, bool adamw, double grad_scale,
+                    const std::optional<at::Tensor>& grad_scale_tensor,
+                    const std::optional<at::Tensor>& found_inf,
+                    const std::optional<at::Tensor>& param_copy) {
+  check_fused_adam_args(param, grad, exp_avg, exp_avg_sq, step, grad_scale_tensor, found_inf, param_copy);
+  const double scale = grad_scale * (grad_scale_tensor ? grad_scale_tensor->item<double>() : 1.0);
+  const AdamScalars s = make_adam_scalars(lr, beta1, beta2, eps, weight_decay, step, adamw, scale);
+  const IsaKernels k = kernels_for(selected_isa());
+  if (found_inf.has_value()) {
+    if (any_nonfinite(k, grad, s.grad_scale)) found_inf->fill_(1.0);
+    // A value set by an earlier call (another bucket of the same step) skips this one too.
+    if (found_inf->item<float>() != 0.0f) return;
+  }
+  const AdamPointers ptr{param.data_ptr<float>(),
+                         grad.data_ptr(),
+                         exp_avg.data_ptr<float>(),
+                         exp_avg_sq.data_ptr<float>(),
+                         param_copy ? param_copy->data_ptr() : nullptr,
+                         storage_of(grad.scalar_type()),
+                         param_copy ? storage_of(param_copy->scalar_type()) : Storage::kNone};
+  at::parallel_for(0, param.numel(), kGrain,
+                   [&](int64_t begin, int64_t end) { k.adam_range(ptr, s, begin, end); });
+}
+
+}  // namespace
+}  // namespace cpu
+
+TORCH_LIBRARY_IMPL(zerofast, CPU, m) {
+  m.impl("fused_adam_", &cpu::fused_adam_cpu);
+}
+
+}  // namespace zerofast

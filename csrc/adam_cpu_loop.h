@@ -1,0 +1,112 @@
+// The CPU loops, compiled once per instruction set: see [Note: one math, many ISAs] in adam_math.h.
+//
+// Include this after every library header and after the translation unit's `#pragma GCC target`,
+// with ZEROFAST_ISA_NAMESPACE naming a namespace of its own, so that each copy has its own symbols.
+// The loops are plain element loops over contiguous memory; `omp simd` (with -fopenmp-simd and
+// -fno-math-errno) lets the compiler turn sqrt and division into vector instructions of the target.
+
+#ifndef ZEROFAST_ISA_NAMESPACE
+#error "define ZEROFAST_ISA_NAMESPACE before including adam_cpu_loop.h"
+#endif
+
+namespace zerofast {
+namespace cpu {
+namespace ZEROFAST_ISA_NAMESPACE {
+namespace {
+
+// Storage types as the loop reads and writes them. bf16 is converted with bit operations (exactly
+// c10::BFloat16's round-to-nearest-even, nan kept nan) so that the conversion vectorizes; fp16 uses
+// the compiler's _Float16, IEEE round-to-nearest-even like c10::Half (F16C instructions where the
+// target has them).
+struct Bf16 { uint16_t bits; };
+using F16 = _Float16;
+
+C10_ALWAYS_INLINE float to_float(float x) { return x; }
+C10_ALWAYS_INLINE float to_float(F16 x) { return static_cast<float>(x); }
+C10_ALWAYS_INLINE float to_float(Bf16 x) {
+  uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+C10_ALWAYS_INLINE void store(float* out, float x) { *out = x; }
+C10_ALWAYS_INLINE void store(F16* out, float x) { *out = static_cast<F16>(x); }
+C10_ALWAYS_INLINE void store(Bf16* out, float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  out->bits = static_cast<uint16_t>(x != x ? 0x7fc0u : rounded);
+}
+
+struct NoCopy {};
+
+template <typename G, typename C>
+void adam_typed(const AdamPointers& ptr, const AdamScalars& s, int64_t begin, int64_t end) {
+  float* __restrict param = ptr.param;
+  const G* __restrict grad = static_cast<const G*>(ptr.grad);
+  float* __restrict exp_avg = ptr.exp_avg;
+  float* __restrict exp_avg_sq = ptr.exp_avg_sq;
+  C* __restrict copy = static_cast<C*>(ptr.param_copy);
+#pragma omp simd
+  for (int64_t i = begin; i < end; ++i) {
+    float p = param[i];
+    float m = exp_avg[i];
+    float v = exp_avg_sq[i];
+    adam_update(p, to_float(grad[i]), m, v, s);
+    param[i] = p;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    if constexpr (!std::is_same_v<C, NoCopy>) {
+      store(&copy[i], p);
+    }
+  }
+}
+
+template <typename G>
+void adam_for_grad(const AdamPointers& ptr, const AdamScalars& s, int64_t begin, int64_t end) {
+  switch (ptr.copy_type) {
+    case Storage::kNone: return adam_typed<G, NoCopy>(ptr, s, begin, end);
+    case Storage::kFloat: return adam_typed<G, float>(ptr, s, begin, end);
+    case Storage::kBFloat16: return adam_typed<G, Bf16>(ptr, s, begin, end);
+    case Storage::kHalf: return adam_typed<G, F16>(ptr, s, begin, end);
+  }
+}
+
+void adam_range(const AdamPointers& ptr, const AdamScalars& s, int64_t begin, int64_t end) {
+  switch (ptr.grad_type) {
+    case Storage::kFloat: return adam_for_grad<float>(ptr, s, begin, end);
+    case Storage::kBFloat16: return adam_for_grad<Bf16>(ptr, s, begin, end);
+    case Storage::kHalf: return adam_for_grad<F16>(ptr, s, begin, end);
+    case Storage::kNone: return;
+  }
+}
+
+template <typename G>
+bool nonfinite_typed(const G* __restrict grad, float grad_scale, int64_t begin, int64_t end) {
+  bool found = false;
+#pragma omp simd reduction(|| : found)
+  for (int64_t i = begin; i < end; ++i) {
+    found = found || is_nonfinite(to_float(grad[i]) * grad_scale);
+  }
+  return found;
+}
+
+bool nonfinite_range(const void* grad, Storage type, float grad_scale, int64_t begin, int64_t end) {
+  switch (type) {
+    case Storage::kFloat:
+      return nonfinite_typed(static_cast<const float*>(grad), grad_scale, begin, end);
+    case Storage::kBFloat16:
+      return nonfinite_typed(static_cast<const Bf16*>(grad), grad_scale, begin, end);
+    case Storage::kHalf:
+      return nonfinite_typed(static_cast<const F16*>(grad), grad_scale, begin, end);
+    case Storage::kNone:
+      return false;
+  }
+  return false;
+}
+
+}  // namespace
+}  // namespace ZEROFAST_ISA_NAMESPACE
+}  // namespace cpu
+}  // namespace zerofast

@@ -1,0 +1,177 @@
+// CUDA driver of fused_adam_: a vectorized grid-stride kernel on the current stream. The math is
+// adam_math.h's; this file only decides how threads walk the flat tensors.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "adam_checks.h"
+#include "adam_math.h"
+
+namespace zerofast {
+namespace cuda {
+namespace {
+
+// Elements per vector access: 4 floats are one 16-byte load, the widest a thread issues.
+constexpr int kVec = 4;
+constexpr int kThreads = 256;
+
+C10_DEVICE C10_ALWAYS_INLINE float to_float(float x) { return x; }
+C10_DEVICE C10_ALWAYS_INLINE float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+C10_DEVICE C10_ALWAYS_INLINE float to_float(__half x) { return __half2float(x); }
+C10_DEVICE C10_ALWAYS_INLINE void store(float* out, float x) { *out = x; }
+C10_DEVICE C10_ALWAYS_INLINE void store(__nv_bfloat16* out, float x) { *out = __float2bfloat16_rn(x); }
+C10_DEVICE C10_ALWAYS_INLINE void store(__half* out, float x) { *out = __float2half_rn(x); }
+
+struct NoCopy {};
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T val[N];
+};
+
+// One kVec-wide (or, in the tail, 1-wide) group of elements starting at i.
+template <int N, typename G, typename C>
+C10_DEVICE C10_ALWAYS_INLINE void update_group(float* param, const G* grad, float* exp_avg, float* exp_avg_sq,
+                                               C* copy, int64_t i, const AdamScalars& s) {
+  Pack<float, N> p = *reinterpret_cast<const Pack<float, N>*>(param + i);
+  Pack<float, N> m = *reinterpret_cast<const Pack<float, N>*>(exp_avg + i);
+  Pack<float, N> v = *reinterpret_cast<const Pack<float, N>*>(exp_avg_sq + i);
+  Pack<G, N> g = *reinterpret_cast<const Pack<G, N>*>(grad + i);
+#pragma unroll
+  for (int k = 0; k < N; ++k) adam_update(p.val[k], to_float(g.val[k]), m.val[k], v.val[k], s);
+  *reinterpret_cast<Pack<float, N>*>(param + i) = p;
+  *reinterpret_cast<Pack<float, N>*>(exp_avg + i) = m;
+  *reinterpret_cast<Pack<float, N>*>(exp_avg_sq + i) = v;
+  if constexpr (!std::is_same_v<C, NoCopy>) {
+    Pack<C, N> c;
+#pragma unroll
+    for (int k = 0; k < N; ++k) store(&c.val[k], p.val[k]);
+    *reinterpret_cast<Pack<C, N>*>(copy + i) = c;
+  }
+}
+
+// `vectorized` is decided on the host: every pointer aligned for kVec-wide access.
+template <typename G, typename C>
+__global__ void adam_kernel(float* param, const G* grad, float* exp_avg, float* exp_avg_sq, C* copy,
+                            int64_t n, AdamScalars s, const float* grad_scale_tensor,
+                            const float* found_inf, bool vectorized) {
+  if (found_inf != nullptr && *found_inf != 0.0f) return;  // all or nothing: see check_kernel
+  if (grad_scale_tensor != nullptr) s.grad_scale *= *grad_scale_tensor;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  int64_t done = 0;
+  if (vectorized) {
+    const int64_t groups = n / kVec;
+    for (int64_t gi = tid; gi < groups; gi += stride) {
+      update_group<kVec>(param, grad, exp_avg, exp_avg_sq, copy, gi * kVec, s);
+    }
+    done = groups * kVec;
+  }
+  for (int64_t i = done + tid; i < n; i += stride) {
+    update_group<1>(param, grad, exp_avg, exp_avg_sq, copy, i, s);
+  }
+}
+
+// Sets *found_inf = 1 when any scaled gradient value is inf or nan. Several threads may store the
+// same 1.0f at once; that race is benign. Runs before adam_kernel on the same stream.
+template <typename G>
+__global__ void check_kernel(const G* grad, int64_t n, float grad_scale, const float* grad_scale_tensor,
+                             float* found_inf) {
+  const float scale = grad_scale * (grad_scale_tensor != nullptr ? *grad_scale_tensor : 1.0f);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  bool found = false;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    found = found || is_nonfinite(to_float(grad[i]) * scale);
+  }
+  if (found) *found_inf = 1.0f;
+}
+
+bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+int blocks_for(int64_t work) {
+  // Enough resident blocks to keep every multiprocessor's memory pipeline full; the grid-stride
+  // loop covers the rest.
+  const int64_t max_blocks = static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * 8;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads, max_blocks)));
+}
+
+template <typename G, typename C>
+void launch(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+            const at::Tensor& exp_avg_sq, C* copy, const AdamScalars& s, const float* grad_scale_tensor,
+            float* found_inf) {
+  const int64_t n = param.numel();
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const G* g = reinterpret_cast<const G*>(grad.data_ptr());
+  if (found_inf != nullptr) {
+    check_kernel<G><<<blocks_for(n), kThreads, 0, stream>>>(g, n, s.grad_scale, grad_scale_tensor, found_inf);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  const bool vectorized = aligned(param.data_ptr(), 16) && aligned(exp_avg.data_ptr(), 16) &&
+                          aligned(exp_avg_sq.data_ptr(), 16) && aligned(g, sizeof(G) * kVec) &&
+                          (copy == nullptr || aligned(copy, sizeof(C) * kVec));
+  adam_kernel<G, C><<<blocks_for(vectorized ? n / kVec : n), kThreads, 0, stream>>>(
+      param.data_ptr<float>(), g, exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), copy, n, s,
+      grad_scale_tensor, found_inf, vectorized);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename G>
+void launch_for_grad(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                     const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_copy,
+                     const AdamScalars& s, const float* grad_scale_tensor, float* found_inf) {
+  if (!param_copy.has_value()) {
+    return launch<G, NoCopy>(param, grad, exp_avg, exp_avg_sq, nullptr, s, grad_scale_tensor, found_inf);
+  }
+  void* copy = param_copy->data_ptr();
+  switch (param_copy->scalar_type()) {
+    case at::kFloat:
+      return launch<G, float>(param, grad, exp_avg, exp_avg_sq, static_cast<float*>(copy), s, grad_scale_tensor,
+                              found_inf);
+    case at::kBFloat16:
+      return launch<G, __nv_bfloat16>(param, grad, exp_avg, exp_avg_sq, static_cast<__nv_bfloat16*>(copy), s,
+                                      grad_scale_tensor, found_inf);
+    case at::kHalf:
+      return launch<G, __half>(param, grad, exp_avg, exp_avg_sq, static_cast<__half*>(copy), s, grad_scale_tensor,
+                               found_inf);
+    default:
+      TORCH_CHECK(false, "fused_adam_: unsupported param_copy dtype ", param_copy->scalar_type());
+  }
+}
+
+void fused_adam_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                     const at::Tensor& exp_avg_sq, double lr, double beta1, double beta2, double eps,
+                     double weight_decay, int64_t step, bool adamw, double grad_scale,
+                     const std::optional<at::Tensor>& grad_scale_tensor,
+                     const std::optional<at::Tensor>& found_inf,
+                     const std::optional<at::Tensor>& param_copy) {
+  check_fused_adam_args(param, grad, exp_avg, exp_avg_sq, step, grad_scale_tensor, found_inf, param_copy);
+  if (param.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(param.device());
+  const AdamScalars s = make_adam_scalars(lr, beta1, beta2, eps, weight_decay, step, adamw, grad_scale);
+  const float* scale_ptr = grad_scale_tensor ? grad_scale_tensor->data_ptr<float>() : nullptr;
+  float* found_ptr = found_inf ? found_inf->data_ptr<float>() : nullptr;
+  switch (grad.scalar_type()) {
+    case at::kFloat:
+      return launch_for_grad<float>(param, grad, exp_avg, exp_avg_sq, param_copy, s, scale_ptr, found_ptr);
+    case at::kBFloat16:
+      return launch_for_grad<__nv_bfloat16>(param, grad, exp_avg, exp_avg_sq, param_copy, s, scale_ptr, found_ptr);
+    case at::kHalf:
+      return launch_for_grad<__half>(param, grad, exp_avg, exp_avg_sq, param_copy, s, scale_ptr, found_ptr);
+    default:
+      TORCH_CHECK(false, "fused_adam_: unsupported grad dtype ", grad.scalar_type());
+  }
+}
+
+}  // namespace
+}  // namespace cuda
+
+TORCH_LIBRARY_IMPL(zerofast, CUDA, m) {
+  m.impl("fused_adam_", &cuda::fused_adam_cuda);
+}
+
+}  // namespace zerofast

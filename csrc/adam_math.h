@@ -1,0 +1,97 @@
+// The per-element Adam/AdamW update: the only copy of the math.
+//
+// Both drivers (adam_cpu_loop.h, compiled once per instruction set, and adam_cuda.cu) call these
+// functions and differ only in how they loop. Everything here computes in float ("opmath"), whatever
+// the storage type of the gradient or of the low-precision parameter copy.
+//
+// [Note: matching torch.optim.AdamW]
+// The operations and their order follow torch's single-tensor (for-loop) Adam/AdamW:
+//   AdamW:  p *= 1 - lr*wd                      (param.mul_(1 - lr * weight_decay))
+//   Adam:   g = fma(p, wd, g)                   (grad.add(param, alpha=weight_decay))
+//   m = lerp(m, g, 1 - beta1)                   (exp_avg.lerp_(grad, 1 - beta1), ATen's two-branch fused lerp)
+//   v = fma((1 - beta2)*g, g, v*beta2)          (exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2))
+//   denom = sqrt(v)/bias_correction2_sqrt + eps
+//   p = p + (-step_size*m)/denom                (param.addcdiv_(exp_avg, denom, value=-step_size))
+// ATen's vectorized CPU kernels fuse three of these into one rounding (fused multiply-add): lerp,
+// addcmul and add-with-alpha; we use fmaf in the same places, so on an FMA machine the results are
+// bitwise those of torch.optim.AdamW(foreach=False). (Where the CPU has no FMA, fmaf is a library
+// call: right, but slow; that is only the portable fallback.)
+// Host scalars (bias corrections, step size, decay factor) are computed in double and then rounded
+// once to float, exactly as torch turns its Python-float scalars into the tensor's opmath type.
+//
+// [Note: one math, many ISAs]
+// The CPU driver compiles this header into several translation units, each under its own
+// `#pragma GCC target`. The functions therefore have internal linkage (anonymous namespace): with
+// external linkage the linker could keep the AVX-512 copy of an inline function and hand it to the
+// portable path, which would then fault on a machine without AVX-512.
+#pragma once
+
+#include <c10/macros/Macros.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace zerofast {
+
+// Host-computed, per-call constants of one Adam step, already rounded to float.
+struct AdamScalars {
+  float decay_factor;           // AdamW: 1 - lr*wd (1 when wd == 0 or Adam)
+  float l2_weight_decay;        // Adam: wd added to the gradient as wd*p (0 for AdamW)
+  float lerp_weight;            // 1 - beta1
+  float beta2;                  // second-moment decay
+  float one_minus_beta2;        // 1 - beta2
+  float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
+  float eps;                    // added to the corrected sqrt(v)
+  float neg_step_size;          // -lr / (1 - beta1^step)
+  float grad_scale;             // every gradient value is multiplied by this first
+};
+
+// Build the scalars on the host, in double, as torch does (see [Note: matching torch.optim.AdamW]).
+inline AdamScalars make_adam_scalars(double lr, double beta1, double beta2, double eps,
+                                     double weight_decay, int64_t step, bool adamw,
+                                     double grad_scale) {
+  const double bias_correction1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const double bias_correction2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  AdamScalars s;
+  s.decay_factor = adamw ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
+  s.l2_weight_decay = adamw ? 0.0f : static_cast<float>(weight_decay);
+  s.lerp_weight = static_cast<float>(1.0 - beta1);
+  s.beta2 = static_cast<float>(beta2);
+  s.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  s.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  s.eps = static_cast<float>(eps);
+  s.neg_step_size = static_cast<float>(-(lr / bias_correction1));
+  s.grad_scale = static_cast<float>(grad_scale);
+  return s;
+}
+
+// The element functions have internal linkage: see [Note: one math, many ISAs].
+namespace {
+
+// True for inf and nan: x - x is 0 for every finite x and nan otherwise. Written without
+// std::isfinite so that it vectorizes and compiles unchanged for host and device.
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool is_nonfinite(float x) {
+  return !(x - x == 0.0f);
+}
+
+// ATen's lerp: two branches keep the result exact at both ends of the weight range.
+C10_HOST_DEVICE C10_ALWAYS_INLINE float lerp(float self, float end, float weight) {
+  return (weight < 0.5f) ? fmaf(weight, end - self, self) : fmaf(-(end - self), 1.0f - weight, end);
+}
+
+// One element of one step. `grad` is the raw stored gradient converted to float; it is scaled here.
+C10_HOST_DEVICE C10_ALWAYS_INLINE void adam_update(float& param, float grad, float& exp_avg,
+                                                   float& exp_avg_sq, const AdamScalars& s) {
+  float g = grad * s.grad_scale;
+  float p = param * s.decay_factor;
+  g = fmaf(p, s.l2_weight_decay, g);
+  const float m = lerp(exp_avg, g, s.lerp_weight);
+  const float v = fmaf(s.one_minus_beta2 * g, g, exp_avg_sq * s.beta2);
+  const float denom = std::sqrt(v) / s.bias_correction2_sqrt + s.eps;
+  param = p + (s.neg_step_size * m) / denom;
+  exp_avg = m;
+  exp_avg_sq = v;
+}
+
+}  // namespace
+}  // namespace zerofast

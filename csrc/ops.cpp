@@ -1,0 +1,57 @@
+// Every op schema of the zerofast library (TORCH_LIBRARY), and the module's Python bindings.
+// Backend files only add their TORCH_LIBRARY_IMPL; nothing else spells a signature.
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include "adam_cpu.h"
+
+namespace zerofast {
+
+namespace cpu {
+Isa selected_isa();
+const char* isa_name(Isa isa);
+}  // namespace cpu
+
+TORCH_LIBRARY(zerofast, m) {
+  // One Adam/AdamW step on flat fp32 master state; see adam_math.h for the math and
+  // zerofast/_ops.py for the Python face and the fake kernel. Mutates param, exp_avg, exp_avg_sq,
+  // and found_inf / param_copy when given; returns nothing.
+  m.def(
+      "fused_adam_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, *, "
+      "float lr, float beta1, float beta2, float eps, float weight_decay, int step, bool adamw, "
+      "float grad_scale, Tensor? grad_scale_tensor, Tensor(d!)? found_inf, Tensor(e!)? param_copy) -> ()");
+}
+
+#ifndef ZEROFAST_WITH_CUDA
+namespace {
+// Without this, a CUDA tensor would meet the dispatcher's generic "could not run ... CUDA backend".
+void fused_adam_cuda_missing(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             double, double, double, double, double, int64_t, bool, double,
+                             const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                             const std::optional<at::Tensor>&) {
+  TORCH_CHECK(false,
+              "fused_adam_: got CUDA tensors, but zerofast was built without its CUDA kernels "
+              "(zerofast.has_cuda_kernels() is False); rebuild with ZEROFAST_CUDA=1");
+}
+}  // namespace
+TORCH_LIBRARY_IMPL(zerofast, CUDA, m) {
+  m.impl("fused_adam_", &fused_adam_cuda_missing);
+}
+#endif
+
+bool has_cuda_kernels() {
+#ifdef ZEROFAST_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace zerofast
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "zerofast's compiled core: fused Adam kernels and bucketed collectives";
+  m.def("has_cuda_kernels", &zerofast::has_cuda_kernels, "Whether the CUDA kernels were built");
+  m.def("cpu_isa", [] { return std::string(zerofast::cpu::isa_name(zerofast::cpu::selected_isa())); },
+        "The instruction set whose CPU loop fused_adam_ runs now (ZEROFAST_CPU_ISA may force one)");
+}

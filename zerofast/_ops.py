@@ -1,0 +1,96 @@
+"""Python faces of the compiled ops (torch.ops.zerofast.*) and their fake kernels.
+
+Importing this module loads zerofast._C, which registers the ops with the dispatcher.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from . import _C  # noqa: F401  (registers torch.ops.zerofast.*)
+
+__all__ = ["fused_adam_", "has_cuda_kernels", "cpu_isa"]
+
+
+def has_cuda_kernels() -> bool:
+    """Whether this build of zerofast contains its CUDA kernels."""
+    return bool(_C.has_cuda_kernels())
+
+
+def cpu_isa() -> str:
+    """The instruction set of the CPU loop that fused_adam_ runs now: avx512, avx2 or portable.
+
+    The widest one the CPU supports, unless ZEROFAST_CPU_ISA forces one.
+    """
+    return _C.cpu_isa()
+
+
+def fused_adam_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    adamw: bool = True,
+    grad_scale: Union[float, torch.Tensor, None] = None,
+    found_inf: Optional[torch.Tensor] = None,
+    param_copy: Optional[torch.Tensor] = None,
+) -> None:
+    """One Adam (adamw=False) or AdamW (adamw=True) step on flat fp32 state, in one pass.
+
+    param, exp_avg, exp_avg_sq: flat contiguous float32 tensors (the master copy and the moments),
+      updated in place. grad: same numel, float32, bfloat16 or float16.
+    step: this step's number, counting from 1 (bias corrections use it; nothing is kept in C++).
+    grad_scale: float or 1-element float32 tensor; every gradient value is multiplied by it first
+      (the loss-scale unscale and the clip coefficient in the same pass).
+    found_inf: 1-element float32 tensor; set to 1 when any scaled gradient value is inf or nan, and
+      then nothing is updated. A value already non-zero (set by an earlier call) also skips the update.
+    param_copy: float32, bfloat16 or float16 tensor of the same numel that receives the updated
+      parameter, cast, in the same pass.
+    """
+    scale_value, scale_tensor = _split_grad_scale(grad_scale)
+    # The dispatcher routes on the "highest" device among the tensors (a meta or CUDA tensor among CPU
+    # ones would reach another kernel), so mixed devices are caught here, before dispatch.
+    named = {"grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "grad_scale": scale_tensor,
+             "found_inf": found_inf, "param_copy": param_copy}
+    for name, t in named.items():
+        if isinstance(t, torch.Tensor) and t.device != param.device:
+            raise RuntimeError(f"fused_adam_: {name} is on {t.device} but param is on {param.device}")
+    torch.ops.zerofast.fused_adam_(
+        param, grad, exp_avg, exp_avg_sq,
+        lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
+        weight_decay=float(weight_decay), step=_as_step(step), adamw=bool(adamw),
+        grad_scale=scale_value, grad_scale_tensor=scale_tensor,
+        found_inf=found_inf, param_copy=param_copy)
+
+
+def _split_grad_scale(grad_scale) -> tuple[float, Optional[torch.Tensor]]:
+    if grad_scale is None:
+        return 1.0, None
+    if isinstance(grad_scale, torch.Tensor):
+        return 1.0, grad_scale
+    if isinstance(grad_scale, (int, float)) and not isinstance(grad_scale, bool):
+        return float(grad_scale), None
+    raise TypeError(f"fused_adam_: grad_scale must be a float or a 1-element tensor; got {grad_scale!r}")
+
+
+def _as_step(step) -> int:
+    if isinstance(step, torch.Tensor):
+        step = step.item()
+    if isinstance(step, bool) or not float(step).is_integer():
+        raise TypeError(f"fused_adam_: step must be a whole number counting from 1; got {step!r}")
+    return int(step)
+
+
+@torch.library.register_fake("zerofast::fused_adam_")
+def _fused_adam_fake(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
+                     adamw, grad_scale, grad_scale_tensor, found_inf, param_copy):
+    # Mutates its arguments in place and returns nothing: no output to describe.
+    return None
