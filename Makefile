@@ -1,0 +1,57 @@
+# zerofast: two commands on a fresh machine.
+#   make demo   create .venv, install torch and zerofast, run the main job
+#   make test   the same set-up, then the whole test suite
+# Overrides: TORCH_SPEC (e.g. TORCH_SPEC="torch==2.11.0" for your own CUDA build), PYTHON (the
+# interpreter that creates the venv), ZEROFAST_CUDA (1: build the CUDA kernels, 0: CPU only,
+# auto: when torch is a CUDA build and nvcc is found).
+
+PYTHON      ?= python3
+VENV        ?= .venv
+TORCH_SPEC  ?= torch==2.14.1
+ZEROFAST_CUDA ?= auto
+export ZEROFAST_CUDA
+
+PY      := $(VENV)/bin/python
+DEPS    := $(VENV)/.zerofast-deps
+BUILT   := $(VENV)/.zerofast-built-cuda-$(ZEROFAST_CUDA)
+SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu) setup.py pyproject.toml
+
+.PHONY: setup build demo test bench cmake clean
+
+setup: $(BUILT)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Third-party packages: installed once; a second `make setup` reuses them.
+$(DEPS): | $(PY)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" ninja setuptools wheel pytest pytest-benchmark numpy
+	touch $@
+
+# The package itself, editable: rebuilt when a C++/CUDA source or the build files change.
+$(BUILT): $(DEPS) $(SOURCES)
+	rm -f $(VENV)/.zerofast-built-cuda-*
+	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
+	touch $@
+
+build: $(BUILT)
+
+demo: $(BUILT)
+	$(PY) -m zerofast.train
+
+test: $(BUILT)
+	$(PY) -m pytest -q tests
+
+bench: $(BUILT)
+	$(PY) -m pytest -q benchmarks --benchmark-only --benchmark-columns=min,median,max,rounds
+
+# The same sources built by CMake against torch's CMake package (IDEs, sanitizers); see CMakeLists.txt.
+cmake: $(DEPS)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" cmake -S . -B build-cmake/cpu -G Ninja \
+	  -DCMAKE_PREFIX_PATH="$$($(PY) -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
+	  -DPython3_EXECUTABLE="$(CURDIR)/$(PY)"
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" cmake --build build-cmake/cpu -j2
+
+clean:
+	rm -rf build build-cmake zerofast/_C*.so *.egg-info $(VENV)/.zerofast-built-cuda-*

@@ -1,0 +1,46 @@
+"""The multi-rank harness itself: results come back by rank, exceptions and hangs are reported."""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import RankFailed, run_ranks
+
+
+def _sum_of_ranks(rank, world):
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return {"rank": rank, "sum": t.item(), "threads": torch.get_num_threads()}
+
+
+def _raise_on_rank_1(rank, world):
+    if rank == 1:
+        raise ValueError("planted failure on rank 1")
+    return rank
+
+
+def _hang_on_rank_0(rank, world):
+    if rank == 0:
+        time.sleep(60)
+    return rank
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_results_come_back_by_rank(world):
+    out = run_ranks(_sum_of_ranks, world)
+    assert [o["rank"] for o in out] == list(range(world))
+    assert all(o["sum"] == sum(range(world)) for o in out)
+    assert all(o["threads"] == 1 for o in out)
+
+
+def test_exception_surfaces_with_traceback():
+    with pytest.raises(RankFailed, match="(?s)rank 1 raised.*ValueError: planted failure on rank 1"):
+        run_ranks(_raise_on_rank_1, 2)
+
+
+def test_hang_fails_with_clear_message():
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match=r"ranks \[0\] of 2 did not finish within 5 s"):
+        run_ranks(_hang_on_rank_0, 2, timeout=5)
+    assert time.monotonic() - start < 30
