@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "adam_cpu.h"
+#include "buckets.h"
 
 namespace zerofast {
 
@@ -54,4 +55,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_cuda_kernels", &zerofast::has_cuda_kernels, "Whether the CUDA kernels were built");
   m.def("cpu_isa", [] { return std::string(zerofast::cpu::isa_name(zerofast::cpu::selected_isa())); },
         "The instruction set whose CPU loop fused_adam_ runs now (ZEROFAST_CPU_ISA may force one)");
+
+  using zerofast::BucketComm;
+  py::class_<BucketComm>(m, "BucketComm", "Flat gradient buckets and their collectives (see csrc/buckets.h)")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, std::vector<int64_t>, std::vector<int64_t>,
+                    std::vector<std::vector<int64_t>>, bool, at::Tensor, std::vector<int64_t>>(),
+           py::arg("group"), py::arg("bucket_numels"), py::arg("used_numels"), py::arg("bounds"), py::arg("flat"), py::arg("grad_shard"),
+           py::arg("shard_offsets"))
+      .def("add_grad", &BucketComm::add_grad, py::arg("bucket"), py::arg("offset"), py::arg("grad"))
+      .def("zero_slot", &BucketComm::zero_slot, py::arg("bucket"), py::arg("offset"), py::arg("numel"))
+      .def("reduce", &BucketComm::reduce, py::arg("bucket"), py::call_guard<py::gil_scoped_release>())
+      .def("wait_reduces", &BucketComm::wait_reduces, py::call_guard<py::gil_scoped_release>())
+      .def("gather", &BucketComm::gather, py::arg("param_buffers"), py::call_guard<py::gil_scoped_release>())
+      .def("has_buffer", &BucketComm::has_buffer, py::arg("bucket"))
+      .def_property_readonly("buffer_bytes", &BucketComm::buffer_bytes)
+      .def_property_readonly("peak_buffer_bytes", &BucketComm::peak_buffer_bytes)
+      .def_property_readonly("rank", &BucketComm::rank)
+      .def_property_readonly("world_size", &BucketComm::world_size);
 }

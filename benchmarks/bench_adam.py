@@ -1,0 +1,109 @@
+"""zerofast.fused_adam_ against torch's AdamW on one flat parameter (50M elements on CPU, 500M on
+GPU; ZEROFAST_BENCH_NUMEL overrides), fp32 and mixed precision (bf16 gradient in, bf16 weights out).
+
+Effective GB/s counts the bytes an ideal step must move: fp32, 28 per element (read param, grad,
+exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq); mixed precision, 28 as well (the gradient
+read and the weights written are bf16: 2 + 2 + 24). The machine's in-place streaming bandwidth is
+measured in the same run as `a.add_(b)` on the same size, counted as 12 bytes per element.
+
+    make bench        # or: pytest benchmarks/bench_adam.py --benchmark-only
+"""
+import os
+
+import pytest
+import torch
+
+import zerofast
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and zerofast.has_cuda_kernels() else [])
+HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+def numel_for(device: str) -> int:
+    default = 500_000_000 if device == "cuda" else 50_000_000
+    return int(os.environ.get("ZEROFAST_BENCH_NUMEL", default))
+
+
+def run(benchmark, device, fn, rounds=15):
+    def timed():
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    fn()  # warm-up: first-touch page faults, lazy state allocation, kernel load
+    benchmark.pedantic(timed, rounds=rounds, warmup_rounds=1, iterations=1)
+
+
+class FlatState:
+    """One flat parameter with its gradient and fp32 moments, filled with random data."""
+    def __init__(self, n, device, grad_dtype=torch.float32):
+        g = torch.Generator(device=device).manual_seed(0)
+        self.param = torch.randn(n, device=device, generator=g)
+        self.grad = torch.randn(n, device=device, generator=g).to(grad_dtype)
+        self.exp_avg = torch.zeros(n, device=device)
+        self.exp_avg_sq = torch.zeros(n, device=device)
+        self.step = 0
+
+    def zerofast_step(self, param_copy=None):
+        self.step += 1
+        zerofast.fused_adam_(self.param, self.grad, self.exp_avg, self.exp_avg_sq, lr=HYPER["lr"],
+                             beta1=HYPER["betas"][0], beta2=HYPER["betas"][1], eps=HYPER["eps"],
+                             weight_decay=HYPER["weight_decay"], step=self.step, param_copy=param_copy)
+
+
+def torch_optimizer(n, device, **kw):
+    p = torch.nn.Parameter(torch.randn(n, device=device))
+    p.grad = torch.randn(n, device=device)
+    return p, torch.optim.AdamW([p], **HYPER, **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_stream_bandwidth(benchmark, record, device):
+    n = numel_for(device)
+    a, b = torch.randn(n, device=device), torch.randn(n, device=device)
+    run(benchmark, device, lambda: a.add_(b))
+    record(benchmark, f"adam fp32 {device} {n / 1e6:.0f}M", "stream a.add_(b)", 12 * n)
+    record(benchmark, f"adam mixed {device} {n / 1e6:.0f}M", "stream a.add_(b)", 12 * n)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zerofast_fp32(benchmark, record, device):
+    n = numel_for(device)
+    s = FlatState(n, device)
+    run(benchmark, device, s.zerofast_step)
+    record(benchmark, f"adam fp32 {device} {n / 1e6:.0f}M", f"zerofast fused_adam_ ({zerofast.cpu_isa() if device == 'cpu' else 'cuda'})", 28 * n)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", ["fused", "foreach", "for-loop"])
+def test_torch_adamw_fp32(benchmark, record, device, variant):
+    n = numel_for(device)
+    kw = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}[variant]
+    p, opt = torch_optimizer(n, device, **kw)
+    run(benchmark, device, opt.step, rounds=15 if variant == "fused" else 5)
+    record(benchmark, f"adam fp32 {device} {n / 1e6:.0f}M", f"torch AdamW {variant}", 28 * n)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zerofast_mixed(benchmark, record, device):
+    n = numel_for(device)
+    s = FlatState(n, device, grad_dtype=torch.bfloat16)
+    weights = torch.empty(n, dtype=torch.bfloat16, device=device)
+    run(benchmark, device, lambda: s.zerofast_step(param_copy=weights))
+    record(benchmark, f"adam mixed {device} {n / 1e6:.0f}M", "zerofast bf16 grad in, bf16 weights out", 28 * n)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_mixed(benchmark, record, device):
+    """torch's fastest way to the same result: bf16 grad copied into a preallocated fp32 buffer,
+    fused AdamW, fp32 weights copied out to bf16."""
+    n = numel_for(device)
+    p, opt = torch_optimizer(n, device, fused=True)
+    grad_bf16 = torch.randn(n, device=device).bfloat16()
+    weights = torch.empty(n, dtype=torch.bfloat16, device=device)
+
+    def step():
+        p.grad.copy_(grad_bf16)
+        opt.step()
+        weights.copy_(p.detach())
+    run(benchmark, device, step)
+    record(benchmark, f"adam mixed {device} {n / 1e6:.0f}M", "torch copy-in + fused AdamW + copy-out", 28 * n)

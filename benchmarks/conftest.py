@@ -1,0 +1,38 @@
+"""Benchmark helpers: each case records the bytes it must move; the session ends with a table of
+effective bandwidth next to the machine's streaming bandwidth measured in the same run."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+_ROWS = []
+
+
+@pytest.fixture
+def record():
+    """record(benchmark, group, name, bytes_moved): remember a finished case for the summary."""
+    def _record(benchmark, group, name, bytes_moved=None):
+        _ROWS.append((group, name, benchmark, bytes_moved))
+    return _record
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _ROWS:
+        return
+    tr = terminalreporter
+    groups = {}
+    for group, name, bench, nbytes in _ROWS:
+        if bench.stats is None:
+            continue
+        groups.setdefault(group, []).append((name, bench.stats.stats.median, nbytes, bench.extra_info))
+    for group, rows in groups.items():
+        tr.write_sep("=", f"zerofast summary: {group}")
+        stream = next((b / t for n, t, b, _ in rows if n == "stream a.add_(b)" and b), None)
+        base = rows[0][1]
+        tr.write_line(f"{'case':44s} {'median ms':>10s} {'GB/s':>8s} {'% stream':>9s} {'vs first':>9s}")
+        for name, t, nbytes, _ in rows:
+            gbs = f"{nbytes / t / 1e9:8.1f}" if nbytes else f"{'':8s}"
+            pct = f"{100 * nbytes / t / stream:8.0f}%" if (nbytes and stream) else f"{'':9s}"
+            tr.write_line(f"{name:44s} {t * 1e3:10.2f} {gbs} {pct} {t / base:8.2f}x")

@@ -1,0 +1,208 @@
+// See buckets.h. The notes on ordering live here, where the ordering is done.
+//
+// [Note: comm stream]
+// On CUDA every collective is issued with a side stream (the "comm stream") current. Before a
+// launch, an event recorded on the caller's stream (where backward copied the gradients into the
+// bucket) is waited on by the comm stream, so the collective reads finished data; ProcessGroupNCCL
+// orders its own stream after the current one, which is then the comm stream, so backward's
+// compute is never blocked by communication. A bucket buffer used on the comm stream is marked
+// with record_stream, so the caching allocator does not hand its memory out again before the
+// collective is done. When the reduces are waited for, the caller's stream waits on an event
+// recorded on the comm stream, so the optimizer step reads the reduced gradients. Gathers follow
+// the same pattern. On CPU (gloo) the Work handles alone order everything: gloo runs collectives on
+// its own threads and Work::wait() returns when the data is in place.
+//
+// [Note: grads as views]
+// Gradients are copied into the bucket (one memcpy per parameter) rather than living as views into
+// it, as DDP's gradient_as_bucket_view does. With views, AccumulateGrad would write into the
+// bucket directly, but the bucket would have to outlive the step (stage 1) or the parameter's .grad
+// would dangle (stage 2, which frees buckets as soon as they are reduced), and any user code that
+// replaces .grad (model.zero_grad(set_to_none=True) does) would silently detach it. The copy costs
+// one read and one write of each gradient, overlapped with the rest of backward.
+#include "buckets.h"
+
+#ifdef ZEROFAST_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+namespace zerofast {
+
+BucketComm::BucketComm(c10::intrusive_ptr<c10d::ProcessGroup> group, std::vector<int64_t> bucket_numels,
+                       std::vector<int64_t> used_numels, std::vector<std::vector<int64_t>> bounds, bool flat, at::Tensor grad_shard,
+                       std::vector<int64_t> shard_offsets)
+    : group_(std::move(group)),
+      rank_(group_->getRank()),
+      world_(group_->getSize()),
+      bucket_numels_(std::move(bucket_numels)),
+      used_numels_(std::move(used_numels)),
+      bounds_(std::move(bounds)),
+      flat_(flat),
+      grad_shard_(std::move(grad_shard)),
+      shard_offsets_(std::move(shard_offsets)),
+      buffers_(bucket_numels_.size()) {
+  TORCH_CHECK(bounds_.size() == bucket_numels_.size() && shard_offsets_.size() == bucket_numels_.size() &&
+                  used_numels_.size() == bucket_numels_.size(),
+              "BucketComm: used_numels (", used_numels_.size(), "), bounds (", bounds_.size(),
+              ") and shard_offsets (", shard_offsets_.size(), ") need one entry per bucket (",
+              bucket_numels_.size(), ")");
+  TORCH_CHECK(grad_shard_.dim() == 1 && grad_shard_.is_contiguous(),
+              "BucketComm: grad_shard must be a flat contiguous tensor; got shape ", grad_shard_.sizes());
+  for (size_t b = 0; b < bounds_.size(); ++b) {
+    const auto& bd = bounds_[b];
+    TORCH_CHECK(static_cast<int64_t>(bd.size()) == world_ + 1, "BucketComm: bucket ", b, " has ", bd.size(),
+                " bounds for a world of ", world_);
+    TORCH_CHECK(bd.front() == 0 && bd.back() == bucket_numels_[b], "BucketComm: bucket ", b,
+                " bounds must run from 0 to its numel ", bucket_numels_[b]);
+    TORCH_CHECK(shard_offsets_[b] + bd[rank_ + 1] - bd[rank_] <= grad_shard_.numel(), "BucketComm: bucket ", b,
+                "'s owned range does not fit in grad_shard (", grad_shard_.numel(), " elements)");
+  }
+#ifdef ZEROFAST_WITH_CUDA
+  if (grad_shard_.is_cuda()) {
+    comm_stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, grad_shard_.device().index());
+  }
+#endif
+}
+
+void BucketComm::check_bucket(int64_t bucket, const char* what) const {
+  TORCH_CHECK(bucket >= 0 && bucket < static_cast<int64_t>(bucket_numels_.size()), "BucketComm.", what,
+              ": bucket must be in [0, ", bucket_numels_.size(), "); got ", bucket);
+}
+
+at::Tensor& BucketComm::buffer(int64_t bucket) {
+  auto& slot = buffers_[bucket];
+  if (!slot.has_value()) {
+    const int64_t numel = bucket_numels_[bucket];
+    slot = at::empty({numel}, grad_shard_.options());
+    // Padding (flat layout) is never written by a gradient: keep it zero. See [Note: padding].
+    const int64_t used = used_numels_[bucket];
+    if (used < numel) slot->narrow(0, used, numel - used).zero_();
+    buffer_bytes_ += numel * slot->element_size();
+    peak_buffer_bytes_ = std::max(peak_buffer_bytes_, buffer_bytes_);
+  }
+  return *slot;
+}
+
+void BucketComm::add_grad(int64_t bucket, int64_t offset, const at::Tensor& grad) {
+  check_bucket(bucket, "add_grad");
+  at::Tensor& buf = buffer(bucket);
+  TORCH_CHECK(offset >= 0 && offset + grad.numel() <= buf.numel(), "BucketComm.add_grad: ", grad.numel(),
+              " elements at offset ", offset, " do not fit in bucket ", bucket, " of ", buf.numel());
+  TORCH_CHECK(grad.layout() == at::kStrided, "zerofast: sparse gradients are not supported; got layout ",
+              grad.layout());
+  buf.narrow(0, offset, grad.numel()).view(grad.sizes()).copy_(grad);
+}
+
+void BucketComm::zero_slot(int64_t bucket, int64_t offset, int64_t numel) {
+  check_bucket(bucket, "zero_slot");
+  buffer(bucket).narrow(0, offset, numel).zero_();
+}
+
+void BucketComm::begin_comm() {
+#ifdef ZEROFAST_WITH_CUDA
+  if (comm_stream_) {
+    at::cuda::CUDAEvent ready;
+    ready.record(at::cuda::getCurrentCUDAStream(grad_shard_.device().index()));
+    ready.block(*comm_stream_);
+  }
+#endif
+}
+
+void BucketComm::end_comm() {
+#ifdef ZEROFAST_WITH_CUDA
+  if (comm_stream_) {
+    at::cuda::CUDAEvent done;
+    done.record(*comm_stream_);
+    done.block(at::cuda::getCurrentCUDAStream(grad_shard_.device().index()));
+  }
+#endif
+}
+
+at::Tensor BucketComm::owned_grad(int64_t bucket) {
+  const auto& bd = bounds_[bucket];
+  return grad_shard_.narrow(0, shard_offsets_[bucket], bd[rank_ + 1] - bd[rank_]);
+}
+
+void BucketComm::reduce(int64_t bucket) {
+  check_bucket(bucket, "reduce");
+  TORCH_CHECK(buffers_[bucket].has_value(), "BucketComm.reduce: bucket ", bucket, " has no gradients");
+  at::Tensor buf = *buffers_[bucket];
+  begin_comm();
+#ifdef ZEROFAST_WITH_CUDA
+  std::optional<c10::cuda::CUDAStreamGuard> guard;
+  if (comm_stream_) {
+    guard.emplace(*comm_stream_);
+    buf.record_stream(*comm_stream_);
+  }
+#endif
+  const auto& bd = bounds_[bucket];
+  if (flat_) {
+    at::Tensor out = owned_grad(bucket);
+    in_flight_.emplace_back(bucket, group_->_reduce_scatter_base(out, buf, c10d::ReduceScatterOptions()));
+    return;
+  }
+  for (int64_t r = 0; r < world_; ++r) {
+    if (bd[r + 1] == bd[r]) continue;  // this owner has nothing in the bucket
+    std::vector<at::Tensor> segment{buf.narrow(0, bd[r], bd[r + 1] - bd[r])};
+    c10d::ReduceOptions opts;
+    opts.rootRank = r;
+    in_flight_.emplace_back(bucket, group_->reduce(segment, opts));
+  }
+}
+
+void BucketComm::wait_reduces() {
+  {
+#ifdef ZEROFAST_WITH_CUDA
+    std::optional<c10::cuda::CUDAStreamGuard> guard;
+    if (comm_stream_) guard.emplace(*comm_stream_);
+#endif
+    for (auto& [bucket, work] : in_flight_) work->wait();
+    for (auto& [bucket, work] : in_flight_) {
+      auto& buf = buffers_[bucket];
+      if (!buf.has_value()) continue;  // several reduces of one bucket: copied out already
+      if (!flat_) {  // the owner's reduced segment, from the bucket into the shard
+        const auto& bd = bounds_[bucket];
+        owned_grad(bucket).copy_(buf->narrow(0, bd[rank_], bd[rank_ + 1] - bd[rank_]));
+      }
+      buffer_bytes_ -= buf->numel() * buf->element_size();
+      buf.reset();
+    }
+  }
+  in_flight_.clear();
+  end_comm();
+}
+
+void BucketComm::gather(const std::vector<at::Tensor>& param_buffers) {
+  TORCH_CHECK(param_buffers.size() == bucket_numels_.size(), "BucketComm.gather: got ", param_buffers.size(),
+              " parameter buffers for ", bucket_numels_.size(), " buckets");
+  begin_comm();
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  {
+#ifdef ZEROFAST_WITH_CUDA
+    std::optional<c10::cuda::CUDAStreamGuard> guard;
+    if (comm_stream_) guard.emplace(*comm_stream_);
+#endif
+    for (size_t b = 0; b < param_buffers.size(); ++b) {
+      at::Tensor out = param_buffers[b];
+      TORCH_CHECK(out.dim() == 1 && out.numel() == bucket_numels_[b], "BucketComm.gather: bucket ", b,
+                  " needs a flat buffer of ", bucket_numels_[b], " elements; got shape ", out.sizes());
+      const auto& bd = bounds_[b];
+      if (flat_) {
+        at::Tensor mine = out.narrow(0, bd[rank_], bd[rank_ + 1] - bd[rank_]);
+        works.push_back(group_->_allgather_base(out, mine, c10d::AllgatherOptions()));
+        continue;
+      }
+      for (int64_t r = 0; r < world_; ++r) {
+        if (bd[r + 1] == bd[r]) continue;
+        std::vector<at::Tensor> segment{out.narrow(0, bd[r], bd[r + 1] - bd[r])};
+        c10d::BroadcastOptions opts;
+        opts.rootRank = r;
+        works.push_back(group_->broadcast(segment, opts));
+      }
+    }
+    for (auto& work : works) work->wait();
+  }
+  end_comm();
+}
+
+}  // namespace zerofast

@@ -1,0 +1,77 @@
+// Flat gradient buckets and the collectives that reduce them and gather parameters, issued through
+// the c10d ProcessGroup handed over from Python. Python decides the layout (zerofast/layout.py)
+// and when to launch; this class owns the buffers, the copies, the Work handles and, on CUDA, the
+// side stream and its events.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <optional>
+#include <vector>
+
+#ifdef ZEROFAST_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace zerofast {
+
+class BucketComm {
+ public:
+  // bucket_numels[b]: buffer length of bucket b (padding included); used_numels[b]: how many of
+  //   those hold parameters (the rest is padding, kept zero).
+  // bounds[b]: world + 1 offsets; rank r owns [bounds[b][r], bounds[b][r + 1]) of bucket b.
+  // flat: every bucket's slices are equal (reduce_scatter / all_gather); else one reduce to and one
+  //   broadcast from each owner's segment.
+  // grad_shard: this rank's flat reduced-gradient shard; shard_offsets[b] is where bucket b's
+  //   owned range starts in it. Its dtype is the reduce dtype; so is every bucket buffer.
+  BucketComm(c10::intrusive_ptr<c10d::ProcessGroup> group, std::vector<int64_t> bucket_numels,
+             std::vector<int64_t> used_numels, std::vector<std::vector<int64_t>> bounds, bool flat, at::Tensor grad_shard,
+             std::vector<int64_t> shard_offsets);
+
+  // Copy one parameter's gradient into its slot (allocating the bucket's buffer on first use).
+  void add_grad(int64_t bucket, int64_t offset, const at::Tensor& grad);
+  // Zero a slot whose parameter got no gradient on this rank (it then counts as zero).
+  void zero_slot(int64_t bucket, int64_t offset, int64_t numel);
+  // Start reducing a bucket (asynchronously); the buffer is released once it has been waited for.
+  void reduce(int64_t bucket);
+  // Wait for every reduce in flight; afterwards grad_shard holds the summed owned gradients.
+  void wait_reduces();
+  // Gather every bucket's updated parameters: param_buffers[b] is bucket b's flat parameter buffer,
+  // whose owned range each rank has updated. Returns when all gathers are done.
+  void gather(const std::vector<at::Tensor>& param_buffers);
+  // Is bucket b's gradient buffer allocated now (filled, or waiting to be)?
+  bool has_buffer(int64_t bucket) const { return buffers_[bucket].has_value(); }
+  // Bytes of gradient bucket buffers alive now, and the most alive at once since construction.
+  int64_t buffer_bytes() const { return buffer_bytes_; }
+  int64_t peak_buffer_bytes() const { return peak_buffer_bytes_; }
+  int64_t rank() const { return rank_; }
+  int64_t world_size() const { return world_; }
+
+ private:
+  at::Tensor& buffer(int64_t bucket);
+  void check_bucket(int64_t bucket, const char* what) const;
+  at::Tensor owned_grad(int64_t bucket);
+  void begin_comm();   // on CUDA: order the comm stream after the work queued so far
+  void end_comm();     // on CUDA: order the current stream after the comm stream
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  int64_t rank_;
+  int64_t world_;
+  std::vector<int64_t> bucket_numels_;
+  std::vector<int64_t> used_numels_;
+  std::vector<std::vector<int64_t>> bounds_;
+  bool flat_;
+  at::Tensor grad_shard_;
+  std::vector<int64_t> shard_offsets_;
+  std::vector<std::optional<at::Tensor>> buffers_;              // per bucket, alive while in use
+  std::vector<std::pair<int64_t, c10::intrusive_ptr<c10d::Work>>> in_flight_;  // (bucket, work)
+  int64_t buffer_bytes_ = 0;
+  int64_t peak_buffer_bytes_ = 0;
+#ifdef ZEROFAST_WITH_CUDA
+  std::optional<c10::cuda::CUDAStream> comm_stream_;
+#endif
+};
+
+}  // namespace zerofast

@@ -1,0 +1,69 @@
+"""The thin Python face of the compiled bucket communication (csrc/buckets.cpp), counting bytes.
+
+Every collective the engine issues goes through here, so `stats` is the whole step's traffic: the
+payload bytes of each collective (the size of the data it reduces or gathers, the seed's unit: a
+reduce of a Φ-byte gradient counts Φ), by collective, for the last step.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .layout import Layout
+
+
+class BucketComm:
+    def __init__(self, group: dist.ProcessGroup, layout: Layout, rank: int, grad_shard: torch.Tensor):
+        self.layout = layout
+        self.flat = layout.flat
+        self._impl = _C.BucketComm(
+            group,
+            [b.numel for b in layout.buckets],
+            [layout.used_numel(b.index) for b in layout.buckets],
+            [list(b.bounds) for b in layout.buckets],
+            self.flat,
+            grad_shard,
+            layout.shard_offsets(rank),
+        )
+        self.group = group
+        self.element_size = grad_shard.element_size()
+        self.stats: Counter = Counter()  # payload bytes by collective, this step
+
+    def new_step(self) -> None:
+        self.stats = Counter()
+
+    def add_grad(self, bucket: int, offset: int, grad: torch.Tensor) -> None:
+        self._impl.add_grad(bucket, offset, grad)
+
+    def zero_slot(self, bucket: int, offset: int, numel: int) -> None:
+        self._impl.zero_slot(bucket, offset, numel)
+
+    def has_buffer(self, bucket: int) -> bool:
+        return self._impl.has_buffer(bucket)
+
+    def reduce(self, bucket: int) -> None:
+        self.stats["reduce_scatter" if self.flat else "reduce"] += self.layout.buckets[bucket].numel * self.element_size
+        self._impl.reduce(bucket)
+
+    def wait_reduces(self) -> None:
+        self._impl.wait_reduces()
+
+    def gather(self, param_buffers: list[torch.Tensor]) -> None:
+        self.stats["all_gather" if self.flat else "broadcast"] += sum(t.numel() * t.element_size() for t in param_buffers)
+        self._impl.gather(param_buffers)
+
+    def all_reduce_max(self, t: torch.Tensor) -> None:
+        """A small agreement (which parameters got a gradient), counted too."""
+        self.stats["all_reduce"] += t.numel() * t.element_size()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self._impl.buffer_bytes
+
+    @property
+    def peak_buffer_bytes(self) -> int:
+        return self._impl.peak_buffer_bytes

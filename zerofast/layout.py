@@ -1,0 +1,148 @@
+"""The flat buffer layout: which bucket each parameter sits in, where, and which part of each bucket
+each rank owns. Pure Python, no process group: the engine (and the tests) read it as data.
+
+[Note: bucket order]
+Buckets follow backward order (the reverse of registration order, which is how gradients arrive in
+a feed-forward model), so the first bucket completes first and its reduce starts while backward
+still computes the others. Buckets are launched strictly in index order on every rank, so the
+collectives pair up across ranks even when a bucket fills late on one of them.
+
+[Note: padding]
+"flat" pads each bucket to a multiple of world * ALIGN elements: every rank's slice is then equally
+long (reduce_scatter and all_gather need that) and starts 16 bytes aligned (ALIGN fp32 elements),
+which the CUDA kernel's vector loads need. Padding is zero in gradients and never updated.
+Owner partitions ("round_robin", "greedy") need no padding: a bucket's parameters are grouped by
+owner, so each owner's part is one contiguous segment, reduced to and broadcast from that owner.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALIGN = 4  # elements: 16 bytes of fp32, one CUDA vector access
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter lives."""
+    param: int   # index in the engine's parameter list
+    bucket: int  # bucket index
+    offset: int  # first element inside the bucket's flat buffer
+    numel: int   # elements
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    params: tuple[int, ...]   # parameter indices in buffer order
+    numel: int                # buffer length, padding included
+    bounds: tuple[int, ...]   # world + 1 offsets: rank r owns [bounds[r], bounds[r + 1])
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter inside one rank's owned range of one bucket."""
+    param: int         # parameter index
+    bucket: int        # bucket index
+    bucket_offset: int # first element inside the bucket buffer
+    param_offset: int  # first element inside the flattened parameter
+    numel: int         # elements
+    state_offset: int  # first element inside the rank's flat shard buffers (grads, Adam state)
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    flat: bool               # True: equal padded slices per rank; False: one segment per owner
+    buckets: tuple[Bucket, ...]
+    slots: tuple[Slot, ...]  # indexed by parameter
+
+    def used_numel(self, bucket: int) -> int:
+        """Elements of bucket `bucket` that hold parameters (the rest is padding)."""
+        return sum(self.slots[i].numel for i in self.buckets[bucket].params)
+
+    def owned_range(self, bucket: int, rank: int) -> tuple[int, int]:
+        b = self.buckets[bucket]
+        return b.bounds[rank], b.bounds[rank + 1]
+
+    def owned_numel(self, rank: int) -> int:
+        """Elements of real parameters (not padding) that `rank` owns."""
+        return sum(p.numel for p in self.pieces(rank))
+
+    def shard_numel(self, rank: int) -> int:
+        """Length of `rank`'s flat shard buffers: its owned ranges, padding included."""
+        return sum(b.bounds[rank + 1] - b.bounds[rank] for b in self.buckets)
+
+    def shard_offsets(self, rank: int) -> list[int]:
+        """Where each bucket's owned range starts inside `rank`'s shard buffers."""
+        out, total = [], 0
+        for b in self.buckets:
+            out.append(total)
+            total += b.bounds[rank + 1] - b.bounds[rank]
+        return out
+
+    def pieces(self, rank: int) -> list[Piece]:
+        """The parts of parameters `rank` owns, in shard order."""
+        pieces = []
+        offsets = self.shard_offsets(rank)
+        for b in self.buckets:
+            lo, hi = b.bounds[rank], b.bounds[rank + 1]
+            for i in b.params:
+                s = self.slots[i]
+                start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
+                if start < end:
+                    pieces.append(Piece(i, b.index, start, start - s.offset, end - start,
+                                        offsets[b.index] + start - lo))
+        return pieces
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+def _group_into_buckets(order: list[int], numels: list[int], cap: int) -> list[list[int]]:
+    """Consecutive parameters (in `order`) packed until the next would exceed `cap` elements; a
+    parameter larger than cap gets a bucket of its own."""
+    buckets, current, size = [], [], 0
+    for i in order:
+        if current and size + numels[i] > cap:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += numels[i]
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def build_layout(numels: list[int], order: list[int], world: int, bucket_numel: int,
+                 owners: list[int] | None = None) -> Layout:
+    """Lay parameters (given by numel, in `order`) out in buckets of at most `bucket_numel` elements.
+
+    owners None: "flat", each bucket cut into world equal padded slices. Otherwise owners[i] is
+    parameter i's rank and each bucket is grouped into one contiguous segment per owner.
+    """
+    if sorted(order) != list(range(len(numels))):
+        raise ValueError("order must be a permutation of the parameter indices")
+    if bucket_numel < 1:
+        raise ValueError(f"bucket_numel must be positive; got {bucket_numel}")
+    slots: dict[int, Slot] = {}
+    buckets = []
+    for index, members in enumerate(_group_into_buckets(order, numels, bucket_numel)):
+        if owners is not None:
+            members = sorted(members, key=lambda i: owners[i])  # stable: keeps order within an owner
+        offset = 0
+        for i in members:
+            slots[i] = Slot(i, index, offset, numels[i])
+            offset += numels[i]
+        if owners is None:
+            total = _round_up(max(offset, 1), world * ALIGN)
+            shard = total // world
+            bounds = tuple(r * shard for r in range(world + 1))
+        else:
+            total = offset
+            bounds = [0] * (world + 1)
+            for r in range(world):
+                bounds[r + 1] = bounds[r] + sum(numels[i] for i in members if owners[i] == r)
+            bounds = tuple(bounds)
+        buckets.append(Bucket(index, tuple(members), total, bounds))
+    return Layout(world, owners is None, tuple(buckets), tuple(slots[i] for i in range(len(numels))))

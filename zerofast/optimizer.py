@@ -1,0 +1,377 @@
+"""ZeroAdam: Adam/AdamW with ZeRO stage 1 or 2 sharding, under the plain training loop.
+
+    opt = ZeroAdam(model, stage=2, lr=1e-3, partition="flat")
+    loss.backward(); opt.step(); opt.zero_grad()
+
+Goals: exactly single-process torch.optim.AdamW on the global batch; communication overlapped with
+backward; one contiguous buffer per bucket, so collectives and the optimizer step run over long
+flat ranges rather than per tensor.
+
+A step, in phases (see also the named notes in layout.py and csrc/buckets.cpp):
+  Phase 1, during backward: a post-accumulate-grad hook per parameter copies its gradient into its
+    slot of a bucket (stage 2 then drops param.grad); when every parameter of a bucket is in, the
+    bucket's reduce starts at once, asynchronously, buckets strictly in index order (which is
+    backward order: [Note: bucket order]). "flat" reduce_scatters each bucket into this rank's
+    gradient shard; "round_robin" and "greedy" reduce each owner's segment to that owner.
+  Phase 2, step(): buckets a rank never filled (parameters without a gradient there) are launched
+    with zeros in the missing slots; the ranks agree which parameters got a gradient anywhere; all
+    reduces are waited for.
+  Phase 3, step(): the fused Adam kernel runs over this rank's owned ranges of the parameter
+    buffers (the fp32 master copy, since the parameters are fp32), reading the gradient shard and
+    averaging it over ranks through its grad_scale, in runs that share a parameter group and a step
+    count.
+  Phase 4, step(): each bucket's updated parameters are gathered (all_gather for "flat", broadcast
+    from each owner otherwise) straight into the flat parameter buffers the model's parameters are
+    views of.
+
+[Note: unused parameters]
+A parameter that gets a gradient on no rank in a step is left untouched, as torch.optim.AdamW leaves
+a parameter whose grad is None: no update, no state change, its step count unchanged. Where some
+ranks have a gradient and others none, the missing ones count as zero (their slot is zeroed before
+the reduce). Which case holds is agreed by one small all_reduce(MAX) per step.
+
+[Note: determinism]
+Two runs with the same inputs give bitwise-identical results: the layout is a pure function of the
+parameter list and the arguments, buckets are launched in a fixed order, the collectives reduce in
+a fixed order for a fixed world size, and the fused kernel is elementwise.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import _ops
+from .comm import BucketComm
+from .layout import Layout, Piece, build_layout
+from .partition import PARTITIONS, imbalance, owners_for
+
+__all__ = ["ZeroAdam"]
+
+_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+@dataclass(frozen=True)
+class _Run:
+    """A contiguous range of this rank's shard that one fused_adam_ call updates."""
+    bucket: int        # which parameter buffer
+    bucket_lo: int     # first element inside that buffer
+    state_lo: int      # first element inside the shard buffers (grads, exp_avg, exp_avg_sq)
+    numel: int
+    group: int         # parameter group index
+    params: tuple[int, ...]  # the parameters it touches (their step counts advance together)
+
+
+class ZeroAdam(torch.optim.Optimizer):
+    """Adam/AdamW whose state (stage 1) and gradients (stage 2) are sharded across ranks."""
+
+    def __init__(self, model: nn.Module, stage: int = 2, lr: float = 1e-3, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, adamw: bool = True,
+                 param_groups: Optional[list[dict]] = None, partition: str = "flat",
+                 bucket_mb: float = 25.0, overlap: bool = True,
+                 process_group: Optional[dist.ProcessGroup] = None):
+        _check_args(model, stage, lr, betas, eps, weight_decay, partition, bucket_mb)
+        if not dist.is_initialized():
+            raise RuntimeError("ZeroAdam needs torch.distributed initialized (dist.init_process_group); "
+                               "world size 1 works too")
+        self.model = model
+        self.stage = stage
+        self.adamw = bool(adamw)
+        self.partition = partition
+        self.overlap = bool(overlap)
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("ZeroAdam: the model has no trainable parameters")
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        _check_same_across_ranks(model, self.group)
+        _broadcast_from_rank0(model, self.group)
+        groups = _build_groups(param_groups, named, dict(lr=lr, betas=tuple(betas), eps=eps,
+                                                         weight_decay=weight_decay))
+        super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        index_of = {id(p): i for i, p in enumerate(self._params)}
+        self._group_of = [0] * len(self._params)
+        for g, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                self._group_of[index_of[id(p)]] = g
+        self._build_buffers(bucket_mb)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i))
+                       for i, p in enumerate(self._params)]
+        self._begin_step()
+
+    # --- construction ---------------------------------------------------------------------------
+
+    def _build_buffers(self, bucket_mb: float) -> None:
+        first = self._params[0]
+        dtype, device = first.dtype, first.device
+        for n, p in zip(self._names, self._params):
+            if p.dtype != dtype or p.device != device:
+                raise ValueError(f"ZeroAdam needs every trainable parameter on one device with one dtype: "
+                                 f"{self._names[0]} is {dtype} on {device}, {n} is {p.dtype} on {p.device}")
+        if dtype != torch.float32:
+            raise ValueError(f"ZeroAdam keeps an fp32 master copy in the parameters themselves; got "
+                             f"{dtype} parameters (mixed precision is not supported yet)")
+        numels = [p.numel() for p in self._params]
+        bucket_numel = max(1, int(bucket_mb * 2**20) // first.element_size())
+        order = list(reversed(range(len(numels))))  # backward order: see [Note: bucket order]
+        self.layout: Layout = build_layout(numels, order, self.world_size, bucket_numel,
+                                           owners_for(self.partition, numels, self.world_size))
+        # The model's parameters become views into one flat buffer per bucket, so the gather
+        # writes straight into the model; the owned range of each buffer is the fp32 master copy.
+        self._param_buffers = [torch.zeros(b.numel, dtype=dtype, device=device) for b in self.layout.buckets]
+        with torch.no_grad():
+            for i, p in enumerate(self._params):
+                s = self.layout.slots[i]
+                view = self._param_buffers[s.bucket].narrow(0, s.offset, s.numel).view_as(p)
+                view.copy_(p)
+                p.data = view
+        shard = self.layout.shard_numel(self.rank)
+        self._grad_shard = torch.zeros(shard, dtype=dtype, device=device)
+        self._exp_avg = torch.zeros(shard, dtype=torch.float32, device=device)
+        self._exp_avg_sq = torch.zeros(shard, dtype=torch.float32, device=device)
+        self._pieces: list[Piece] = self.layout.pieces(self.rank)
+        self._steps = [0] * len(self._params)  # per parameter, as torch.optim keeps it
+        self.comm = BucketComm(self.group, self.layout, self.rank, self._grad_shard)
+
+    # --- phase 1: backward hooks ----------------------------------------------------------------
+
+    def _begin_step(self) -> None:
+        self._got_grad = [False] * len(self._params)
+        self._missing = [len(b.params) for b in self.layout.buckets]
+        self._next_launch = 0
+        self.comm.new_step()
+
+    def _hook_for(self, index: int):
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad(index, param)
+        return hook
+
+    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        if self._got_grad[index]:
+            raise RuntimeError(
+                f"ZeroAdam: {self._names[index]} got a second gradient before step(); call opt.step() "
+                f"after each backward (gradient accumulation across backwards is not supported yet)")
+        slot = self.layout.slots[index]
+        self.comm.add_grad(slot.bucket, slot.offset, param.grad)
+        self._got_grad[index] = True
+        if self.stage >= 2:
+            param.grad = None  # stage 2: the bucket holds it now; see [Note: grads as views]
+        self._missing[slot.bucket] -= 1
+        if self.overlap:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Start every complete bucket whose predecessors have all started: see [Note: bucket order]."""
+        buckets = self.layout.buckets
+        while self._next_launch < len(buckets) and self._missing[self._next_launch] == 0:
+            self.comm.reduce(self._next_launch)
+            self._next_launch += 1
+
+    # --- step -----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("ZeroAdam.step does not take a closure; got one")
+        used = self._flush_and_agree()          # phase 2
+        self.comm.wait_reduces()
+        self._update(used)                      # phase 3
+        self.comm.gather(self._param_buffers)   # phase 4
+        self._last_comm = dict(self.comm.stats)
+        self._begin_step()
+        return None
+
+    def _flush_and_agree(self) -> list[bool]:
+        """Launch what backward did not (zeros for missing gradients); agree on which params got one."""
+        for b in range(self._next_launch, len(self.layout.buckets)):
+            for i in self.layout.buckets[b].params:
+                if not self._got_grad[i]:
+                    s = self.layout.slots[i]
+                    self.comm.zero_slot(s.bucket, s.offset, s.numel)
+            self._missing[b] = 0
+        self._launch_ready()
+        got = torch.tensor(self._got_grad, dtype=torch.uint8, device=self._grad_shard.device)
+        self.comm.all_reduce_max(got)
+        return [bool(x) for x in got.tolist()]
+
+    def _update(self, used: list[bool]) -> None:
+        for run in self._runs(used):
+            group = self.param_groups[run.group]
+            beta1, beta2 = group["betas"]
+            state = slice(run.state_lo, run.state_lo + run.numel)
+            _ops.fused_adam_(
+                self._param_buffers[run.bucket].narrow(0, run.bucket_lo, run.numel),
+                self._grad_shard[state], self._exp_avg[state], self._exp_avg_sq[state],
+                lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"], step=self._steps[run.params[0]] + 1,
+                adamw=self.adamw, grad_scale=1.0 / self.world_size)
+        for i, u in enumerate(used):
+            if u:
+                self._steps[i] += 1
+
+    def _runs(self, used: list[bool]) -> list[_Run]:
+        """This rank's owned pieces of used parameters, merged where contiguous with equal
+        (bucket, group, step count), so one kernel call covers many small tensors."""
+        runs: list[_Run] = []
+        for pc in self._pieces:
+            if not used[pc.param]:
+                continue
+            key = (pc.bucket, self._group_of[pc.param], self._steps[pc.param])
+            last = runs[-1] if runs else None
+            if (last is not None and (last.bucket, last.group, self._steps[last.params[0]]) == key
+                    and last.bucket_lo + last.numel == pc.bucket_offset
+                    and last.state_lo + last.numel == pc.state_offset):
+                runs[-1] = _Run(last.bucket, last.bucket_lo, last.state_lo, last.numel + pc.numel,
+                                last.group, last.params + (pc.param,))
+            else:
+                runs.append(_Run(pc.bucket, pc.bucket_offset, pc.state_offset, pc.numel, key[1], (pc.param,)))
+        return runs
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self._params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    # --- the rest of the public surface ---------------------------------------------------------
+
+    @contextlib.contextmanager
+    def gathered_params(self):
+        """Full, current parameters on every rank inside the block. Stages 1 and 2 always hold
+        them, so this costs nothing there."""
+        yield self.model
+
+    def partition_report(self) -> dict:
+        """Elements each rank owns (real parameters, not padding) and the imbalance max/mean."""
+        owned = [self.layout.owned_numel(r) for r in range(self.world_size)]
+        return {"owned_numel": owned, "imbalance": imbalance(owned)}
+
+    def memory_report(self) -> dict:
+        """Bytes this rank holds now, by kind, counted from the tensors."""
+        def nbytes(t): return t.numel() * t.element_size()
+        return {
+            "params": sum(nbytes(b) for b in self._param_buffers),
+            "param_padding": sum(b.numel - self.layout.used_numel(b.index) for b in self.layout.buckets)
+            * self._param_buffers[0].element_size(),
+            "grads": sum(nbytes(p.grad) for p in self._params if p.grad is not None),
+            "grad_shard": nbytes(self._grad_shard),
+            "optimizer": nbytes(self._exp_avg) + nbytes(self._exp_avg_sq),
+            "master_copy": 0,  # fp32 parameters: the owned slice of the parameter buffer is the master
+            "bucket_buffers": self.comm.buffer_bytes,
+            "bucket_buffers_peak": self.comm.peak_buffer_bytes,
+        }
+
+    def comm_stats(self) -> dict:
+        """Payload bytes of each collective in the last step (see zerofast/comm.py)."""
+        return dict(getattr(self, "_last_comm", {}))
+
+    def state_dict(self):
+        raise NotImplementedError("ZeroAdam.state_dict: sharded checkpoints are not implemented yet")
+
+    def load_state_dict(self, state_dict):
+        raise NotImplementedError("ZeroAdam.load_state_dict: sharded checkpoints are not implemented yet")
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+# --- construction checks ----------------------------------------------------------------------------
+
+def _check_args(model, stage, lr, betas, eps, weight_decay, partition, bucket_mb) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"ZeroAdam: model must be an nn.Module; got {type(model).__name__}")
+    if stage not in (1, 2):
+        raise ValueError(f"ZeroAdam: stage must be 1 or 2 (stage 3 is not implemented yet); got {stage!r}")
+    if partition not in PARTITIONS:
+        raise ValueError(f"ZeroAdam: partition must be one of {', '.join(PARTITIONS)}; got {partition!r}")
+    if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
+        raise ValueError(f"ZeroAdam: bucket_mb must be a positive number; got {bucket_mb!r}")
+    _check_hyper("", dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+
+def _check_hyper(where: str, g: dict) -> None:
+    lr, betas, eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
+    if not (isinstance(lr, (int, float)) and lr >= 0):
+        raise ValueError(f"ZeroAdam{where}: lr must be a number >= 0; got {lr!r}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"ZeroAdam{where}: betas must be two numbers in [0, 1); got {betas!r}")
+    if not (isinstance(eps, (int, float)) and eps >= 0):
+        raise ValueError(f"ZeroAdam{where}: eps must be a number >= 0; got {eps!r}")
+    if not (isinstance(wd, (int, float)) and wd >= 0):
+        raise ValueError(f"ZeroAdam{where}: weight_decay must be a number >= 0; got {wd!r}")
+
+
+def _build_groups(param_groups, named, defaults) -> list[dict]:
+    """torch.optim-style groups over the model's trainable parameters, each exactly once."""
+    params = [p for _, p in named]
+    if param_groups is None:
+        return [dict(defaults, params=params)]
+    name_of = {id(p): n for n, p in named}
+    seen: dict[int, int] = {}
+    groups = []
+    for g, group in enumerate(param_groups):
+        if not isinstance(group, dict) or "params" not in group:
+            raise ValueError(f"ZeroAdam: param_groups[{g}] must be a dict with a 'params' list; got {group!r}")
+        unknown = set(group) - {"params", *_GROUP_KEYS}
+        if unknown:
+            raise ValueError(f"ZeroAdam: param_groups[{g}] has unknown keys {sorted(unknown)}; "
+                             f"allowed: params, {', '.join(_GROUP_KEYS)}")
+        members = list(group["params"])
+        for p in members:
+            if id(p) not in name_of:
+                raise ValueError(f"ZeroAdam: param_groups[{g}] holds a tensor of shape {tuple(p.shape)} that is "
+                                 f"not one of the model's trainable parameters")
+            if id(p) in seen:
+                raise ValueError(f"ZeroAdam: {name_of[id(p)]} is in param_groups[{seen[id(p)]}] and "
+                                 f"param_groups[{g}]; each parameter belongs to one group")
+            seen[id(p)] = g
+        full = dict(defaults, **{k: v for k, v in group.items() if k != "params"}, params=members)
+        full["betas"] = tuple(full["betas"])
+        _check_hyper(f" param_groups[{g}]", full)
+        groups.append(full)
+    missing = [name_of[id(p)] for p in params if id(p) not in seen]
+    if missing:
+        raise ValueError(f"ZeroAdam: trainable parameter {missing[0]} is in no param group "
+                         f"({len(missing)} missing in all)")
+    return groups
+
+
+def _signature(model: nn.Module) -> list[tuple]:
+    return ([("param", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()]
+            + [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in model.named_buffers()])
+
+
+def _check_same_across_ranks(model: nn.Module, group) -> None:
+    """Every rank raises the same error (naming the first mismatch) instead of hanging later."""
+    mine = _signature(model)
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    reference = everyone[0]
+    for rank, sig in enumerate(everyone[1:], start=1):
+        if sig == reference:
+            continue
+        for a, b in zip(reference, sig):
+            if a != b:
+                raise ValueError(f"ZeroAdam: ranks hold different models: rank 0 has {a[0]} {a[1]} "
+                                 f"{a[2]} {a[3]} (requires_grad={a[4]}), rank {rank} has {b[0]} {b[1]} "
+                                 f"{b[2]} {b[3]} (requires_grad={b[4]})")
+        raise ValueError(f"ZeroAdam: ranks hold different models: rank 0 has {len(reference)} parameters "
+                         f"and buffers, rank {rank} has {len(sig)}")
+
+
+def _broadcast_from_rank0(model: nn.Module, group) -> None:
+    src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, src=src, group=group)
