@@ -39,3 +39,53 @@ def single_process_adamw(world: int, steps: int, size: str = "tiny", hyper=HYPER
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), f"parameter names differ: {sorted(a.keys() ^ b.keys())}"
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+class Quirky(torch.nn.Module):
+    """The tiny GPT (tied embeddings) plus the awkward cases: a frozen parameter, a parameter used
+    only in even steps (on every rank), and one used only on rank 0 (odd numel, 7)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = make_gpt("tiny")
+        g = torch.Generator().manual_seed(1)
+        self.frozen = torch.nn.Parameter(torch.randn(5, generator=g), requires_grad=False)
+        self.sometimes = torch.nn.Linear(16, 16)
+        self.rank0_only = torch.nn.Parameter(torch.randn(7, generator=g))
+        self.cfg = self.gpt.cfg
+
+    def loss(self, x, y, step: int, rank: int) -> torch.Tensor:
+        _, loss = self.gpt(x, y)
+        loss = loss + 1e-2 * self.frozen.sum()
+        if step % 2 == 0:
+            loss = loss + 0.1 * self.sometimes(self.gpt.wte.weight[:4]).pow(2).mean()
+        if rank == 0:
+            loss = loss + 0.1 * self.rank0_only.pow(2).sum()
+        return loss
+
+
+def two_groups(model: torch.nn.Module) -> list[dict]:
+    """Matrices in one group, vectors (biases, norms, rank0_only) in another with its own lr and wd."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in trainable if p.dim() >= 2], "lr": 1e-3, "weight_decay": 0.1},
+            {"params": [p for p in trainable if p.dim() < 2], "lr": 2e-3, "weight_decay": 0.0}]
+
+
+def make_scheduler(opt):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+
+
+def single_process_quirky(world: int, steps: int, groups: bool, scheduler: bool) -> dict[str, torch.Tensor]:
+    """The oracle for Quirky: one process, the loss averaged over what each rank would compute."""
+    model = Quirky()
+    params = two_groups(model) if groups else [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, foreach=False, **HYPER)
+    sched = make_scheduler(opt) if scheduler else None
+    for step in range(steps):
+        total = sum(model.loss(*rank_batch(model, step, r), step, r) for r in range(world)) / world
+        total.backward()
+        opt.step()
+        opt.zero_grad()
+        if sched:
+            sched.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}

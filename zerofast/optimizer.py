@@ -270,6 +270,11 @@ class ZeroAdam(torch.optim.Optimizer):
             "bucket_buffers_peak": self.comm.peak_buffer_bytes,
         }
 
+    def step_counts(self) -> dict[str, int]:
+        """Adam steps taken by each trainable parameter (a parameter with no gradient on any rank
+        in a step does not advance: see [Note: unused parameters])."""
+        return dict(zip(self._names, self._steps))
+
     def comm_stats(self) -> dict:
         """Payload bytes of each collective in the last step (see zerofast/comm.py)."""
         return dict(getattr(self, "_last_comm", {}))
