@@ -31,7 +31,7 @@ def pytest_terminal_summary(terminalreporter):
         tr.write_sep("=", f"zerofast summary: {group}")
         stream = next((b / t for n, t, b, _ in rows if n == "stream a.add_(b)" and b), None)
         base = rows[0][1]
-        tr.write_line(f"{'case':44s} {'median ms':>10s} {'GB/s':>8s} {'% stream':>9s} {'vs first':>9s}")
+        tr.write_line(f"{'case':44s} {'median ms':>10s} {'GB/s':>8s} {'% stream':>9s} {'vs ' + rows[0][0][:12]:>9s}")
         for name, t, nbytes, _ in rows:
             gbs = f"{nbytes / t / 1e9:8.1f}" if nbytes else f"{'':8s}"
             pct = f"{100 * nbytes / t / stream:8.0f}%" if (nbytes and stream) else f"{'':9s}"

@@ -12,6 +12,21 @@
 // the same pattern. On CPU (gloo) the Work handles alone order everything: gloo runs collectives on
 // its own threads and Work::wait() returns when the data is in place.
 //
+// [Note: collectives per backend]
+// A flat layout needs "every rank ends with the sum of its slice" in and "every rank ends with
+// every slice" out. On NCCL those are reduce_scatter and all_gather, the ring-optimal pair. gloo's
+// own implementations of the two are slower than other collectives with the same result, measured
+// on this project's 2-rank CPU machines for a 25.6 MB bucket: reduce_scatter 34 ms against
+// all_reduce 21 ms (then keep the own slice), and all_gather 19-26 ms against one broadcast per
+// rank's slice 8 ms. So on gloo the flat layout reduces with all_reduce and gathers with
+// broadcasts (zerofast/comm.py chooses); the numbers are the same, only the wire protocol differs.
+//
+// [Note: bucket pool]
+// A bucket's buffer is released after its reduce has been waited for, and kept in a pool for the
+// next bucket of that size: allocating and first-touching 25 MB costs ~4 ms per step on CPU (page
+// faults), which a training step would pay every time. The pool never holds more than the most
+// buffers that were in use at once, which memory_report() states.
+//
 // [Note: grads as views]
 // Gradients are copied into the bucket (one memcpy per parameter) rather than living as views into
 // it, as DDP's gradient_as_bucket_view does. With views, AccumulateGrad would write into the
@@ -21,6 +36,8 @@
 // one read and one write of each gradient, overlapped with the rest of backward.
 #include "buckets.h"
 
+#include <algorithm>
+
 #ifdef ZEROFAST_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -29,8 +46,9 @@
 namespace zerofast {
 
 BucketComm::BucketComm(c10::intrusive_ptr<c10d::ProcessGroup> group, std::vector<int64_t> bucket_numels,
-                       std::vector<int64_t> used_numels, std::vector<std::vector<int64_t>> bounds, bool flat, at::Tensor grad_shard,
-                       std::vector<int64_t> shard_offsets)
+                       std::vector<int64_t> used_numels, std::vector<std::vector<int64_t>> bounds, bool flat,
+                       at::Tensor grad_shard, std::vector<int64_t> shard_offsets, std::string flat_reduce,
+                       std::string flat_gather)
     : group_(std::move(group)),
       rank_(group_->getRank()),
       world_(group_->getSize()),
@@ -38,14 +56,21 @@ BucketComm::BucketComm(c10::intrusive_ptr<c10d::ProcessGroup> group, std::vector
       used_numels_(std::move(used_numels)),
       bounds_(std::move(bounds)),
       flat_(flat),
+      reduce_by_all_reduce_(flat_reduce == "all_reduce"),
+      gather_by_broadcast_(flat_gather == "broadcast"),
       grad_shard_(std::move(grad_shard)),
       shard_offsets_(std::move(shard_offsets)),
-      buffers_(bucket_numels_.size()) {
+      buffers_(bucket_numels_.size()),
+      gathers_(bucket_numels_.size()) {
   TORCH_CHECK(bounds_.size() == bucket_numels_.size() && shard_offsets_.size() == bucket_numels_.size() &&
                   used_numels_.size() == bucket_numels_.size(),
               "BucketComm: used_numels (", used_numels_.size(), "), bounds (", bounds_.size(),
               ") and shard_offsets (", shard_offsets_.size(), ") need one entry per bucket (",
               bucket_numels_.size(), ")");
+  TORCH_CHECK(flat_reduce == "reduce_scatter" || flat_reduce == "all_reduce",
+              "BucketComm: flat_reduce must be reduce_scatter or all_reduce; got '", flat_reduce, "'");
+  TORCH_CHECK(flat_gather == "all_gather" || flat_gather == "broadcast",
+              "BucketComm: flat_gather must be all_gather or broadcast; got '", flat_gather, "'");
   TORCH_CHECK(grad_shard_.dim() == 1 && grad_shard_.is_contiguous(),
               "BucketComm: grad_shard must be a flat contiguous tensor; got shape ", grad_shard_.sizes());
   for (size_t b = 0; b < bounds_.size(); ++b) {
@@ -73,7 +98,13 @@ at::Tensor& BucketComm::buffer(int64_t bucket) {
   auto& slot = buffers_[bucket];
   if (!slot.has_value()) {
     const int64_t numel = bucket_numels_[bucket];
-    slot = at::empty({numel}, grad_shard_.options());
+    auto pooled = std::find_if(pool_.begin(), pool_.end(), [&](const at::Tensor& t) { return t.numel() == numel; });
+    if (pooled != pool_.end()) {  // see [Note: bucket pool]
+      slot = std::move(*pooled);
+      pool_.erase(pooled);
+    } else {
+      slot = at::empty({numel}, grad_shard_.options());
+    }
     // Padding (flat layout) is never written by a gradient: keep it zero. See [Note: padding].
     const int64_t used = used_numels_[bucket];
     if (used < numel) slot->narrow(0, used, numel - used).zero_();
@@ -81,6 +112,19 @@ at::Tensor& BucketComm::buffer(int64_t bucket) {
     peak_buffer_bytes_ = std::max(peak_buffer_bytes_, buffer_bytes_);
   }
   return *slot;
+}
+
+void BucketComm::release(int64_t bucket) {
+  auto& buf = buffers_[bucket];
+  buffer_bytes_ -= buf->numel() * buf->element_size();
+  pool_.push_back(std::move(*buf));
+  buf.reset();
+}
+
+int64_t BucketComm::pooled_bytes() const {
+  int64_t total = 0;
+  for (const auto& t : pool_) total += t.numel() * t.element_size();
+  return total;
 }
 
 void BucketComm::add_grad(int64_t bucket, int64_t offset, const at::Tensor& grad) {
@@ -130,12 +174,14 @@ void BucketComm::reduce(int64_t bucket) {
   begin_comm();
 #ifdef ZEROFAST_WITH_CUDA
   std::optional<c10::cuda::CUDAStreamGuard> guard;
-  if (comm_stream_) {
-    guard.emplace(*comm_stream_);
-    buf.record_stream(*comm_stream_);
-  }
+  if (comm_stream_) guard.emplace(*comm_stream_);
 #endif
   const auto& bd = bounds_[bucket];
+  if (flat_ && reduce_by_all_reduce_) {
+    std::vector<at::Tensor> whole{buf};
+    in_flight_.emplace_back(bucket, group_->allreduce(whole, c10d::AllreduceOptions()));
+    return;
+  }
   if (flat_) {
     at::Tensor out = owned_grad(bucket);
     in_flight_.emplace_back(bucket, group_->_reduce_scatter_base(out, buf, c10d::ReduceScatterOptions()));
@@ -160,48 +206,53 @@ void BucketComm::wait_reduces() {
     for (auto& [bucket, work] : in_flight_) {
       auto& buf = buffers_[bucket];
       if (!buf.has_value()) continue;  // several reduces of one bucket: copied out already
-      if (!flat_) {  // the owner's reduced segment, from the bucket into the shard
+      if (!flat_ || reduce_by_all_reduce_) {  // the own reduced segment, from the bucket into the shard
         const auto& bd = bounds_[bucket];
         owned_grad(bucket).copy_(buf->narrow(0, bd[rank_], bd[rank_ + 1] - bd[rank_]));
       }
-      buffer_bytes_ -= buf->numel() * buf->element_size();
-      buf.reset();
+      release(bucket);
     }
   }
   in_flight_.clear();
   end_comm();
 }
 
-void BucketComm::gather(const std::vector<at::Tensor>& param_buffers) {
-  TORCH_CHECK(param_buffers.size() == bucket_numels_.size(), "BucketComm.gather: got ", param_buffers.size(),
-              " parameter buffers for ", bucket_numels_.size(), " buckets");
+void BucketComm::gather_start(int64_t bucket, const at::Tensor& param_buffer) {
+  check_bucket(bucket, "gather_start");
+  TORCH_CHECK(gathers_[bucket].empty(), "BucketComm.gather_start: bucket ", bucket, " is already being gathered");
+  TORCH_CHECK(param_buffer.dim() == 1 && param_buffer.numel() == bucket_numels_[bucket], "BucketComm.gather_start: bucket ",
+              bucket, " needs a flat buffer of ", bucket_numels_[bucket], " elements; got shape ", param_buffer.sizes());
   begin_comm();
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+#ifdef ZEROFAST_WITH_CUDA
+  std::optional<c10::cuda::CUDAStreamGuard> guard;
+  if (comm_stream_) guard.emplace(*comm_stream_);
+#endif
+  at::Tensor out = param_buffer;
+  const auto& bd = bounds_[bucket];
+  if (flat_ && !gather_by_broadcast_) {
+    at::Tensor mine = out.narrow(0, bd[rank_], bd[rank_ + 1] - bd[rank_]);
+    gathers_[bucket].push_back(group_->_allgather_base(out, mine, c10d::AllgatherOptions()));
+    return;
+  }
+  for (int64_t r = 0; r < world_; ++r) {
+    if (bd[r + 1] == bd[r]) continue;
+    std::vector<at::Tensor> segment{out.narrow(0, bd[r], bd[r + 1] - bd[r])};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = r;
+    gathers_[bucket].push_back(group_->broadcast(segment, opts));
+  }
+}
+
+void BucketComm::gather_wait(int64_t bucket) {
+  check_bucket(bucket, "gather_wait");
   {
 #ifdef ZEROFAST_WITH_CUDA
     std::optional<c10::cuda::CUDAStreamGuard> guard;
     if (comm_stream_) guard.emplace(*comm_stream_);
 #endif
-    for (size_t b = 0; b < param_buffers.size(); ++b) {
-      at::Tensor out = param_buffers[b];
-      TORCH_CHECK(out.dim() == 1 && out.numel() == bucket_numels_[b], "BucketComm.gather: bucket ", b,
-                  " needs a flat buffer of ", bucket_numels_[b], " elements; got shape ", out.sizes());
-      const auto& bd = bounds_[b];
-      if (flat_) {
-        at::Tensor mine = out.narrow(0, bd[rank_], bd[rank_ + 1] - bd[rank_]);
-        works.push_back(group_->_allgather_base(out, mine, c10d::AllgatherOptions()));
-        continue;
-      }
-      for (int64_t r = 0; r < world_; ++r) {
-        if (bd[r + 1] == bd[r]) continue;
-        std::vector<at::Tensor> segment{out.narrow(0, bd[r], bd[r + 1] - bd[r])};
-        c10d::BroadcastOptions opts;
-        opts.rootRank = r;
-        works.push_back(group_->broadcast(segment, opts));
-      }
-    }
-    for (auto& work : works) work->wait();
+    for (auto& work : gathers_[bucket]) work->wait();
   }
+  gathers_[bucket].clear();
   end_comm();
 }
 

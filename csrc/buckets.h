@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 #ifdef ZEROFAST_WITH_CUDA
@@ -26,9 +27,12 @@ class BucketComm {
   //   broadcast from each owner's segment.
   // grad_shard: this rank's flat reduced-gradient shard; shard_offsets[b] is where bucket b's
   //   owned range starts in it. Its dtype is the reduce dtype; so is every bucket buffer.
+  // flat_reduce / flat_gather: the collectives a flat layout uses, "reduce_scatter" or
+  //   "all_reduce" in, "all_gather" or "broadcast" out: see [Note: collectives per backend].
   BucketComm(c10::intrusive_ptr<c10d::ProcessGroup> group, std::vector<int64_t> bucket_numels,
-             std::vector<int64_t> used_numels, std::vector<std::vector<int64_t>> bounds, bool flat, at::Tensor grad_shard,
-             std::vector<int64_t> shard_offsets);
+             std::vector<int64_t> used_numels, std::vector<std::vector<int64_t>> bounds, bool flat,
+             at::Tensor grad_shard, std::vector<int64_t> shard_offsets, std::string flat_reduce,
+             std::string flat_gather);
 
   // Copy one parameter's gradient into its slot (allocating the bucket's buffer on first use).
   void add_grad(int64_t bucket, int64_t offset, const at::Tensor& grad);
@@ -38,19 +42,23 @@ class BucketComm {
   void reduce(int64_t bucket);
   // Wait for every reduce in flight; afterwards grad_shard holds the summed owned gradients.
   void wait_reduces();
-  // Gather every bucket's updated parameters: param_buffers[b] is bucket b's flat parameter buffer,
-  // whose owned range each rank has updated. Returns when all gathers are done.
-  void gather(const std::vector<at::Tensor>& param_buffers);
+  // Start gathering bucket b's updated parameters into param_buffer (its flat parameter buffer,
+  // whose owned range each rank has updated); gather_wait(b) returns when it is in place.
+  void gather_start(int64_t bucket, const at::Tensor& param_buffer);
+  void gather_wait(int64_t bucket);
   // Is bucket b's gradient buffer allocated now (filled, or waiting to be)?
   bool has_buffer(int64_t bucket) const { return buffers_[bucket].has_value(); }
-  // Bytes of gradient bucket buffers alive now, and the most alive at once since construction.
+  // Bytes of gradient bucket buffers in use now, the most in use at once since construction, and
+  // those kept for reuse (never more than that peak).
   int64_t buffer_bytes() const { return buffer_bytes_; }
   int64_t peak_buffer_bytes() const { return peak_buffer_bytes_; }
+  int64_t pooled_bytes() const;
   int64_t rank() const { return rank_; }
   int64_t world_size() const { return world_; }
 
  private:
   at::Tensor& buffer(int64_t bucket);
+  void release(int64_t bucket);
   void check_bucket(int64_t bucket, const char* what) const;
   at::Tensor owned_grad(int64_t bucket);
   void begin_comm();   // on CUDA: order the comm stream after the work queued so far
@@ -63,10 +71,14 @@ class BucketComm {
   std::vector<int64_t> used_numels_;
   std::vector<std::vector<int64_t>> bounds_;
   bool flat_;
+  bool reduce_by_all_reduce_;   // flat layout: all_reduce the bucket, keep the own slice
+  bool gather_by_broadcast_;    // flat layout: broadcast each rank's slice from that rank
   at::Tensor grad_shard_;
   std::vector<int64_t> shard_offsets_;
   std::vector<std::optional<at::Tensor>> buffers_;              // per bucket, alive while in use
-  std::vector<std::pair<int64_t, c10::intrusive_ptr<c10d::Work>>> in_flight_;  // (bucket, work)
+  std::vector<at::Tensor> pool_;                                 // released buffers, for reuse
+  std::vector<std::pair<int64_t, c10::intrusive_ptr<c10d::Work>>> in_flight_;  // reduces: (bucket, work)
+  std::vector<std::vector<c10::intrusive_ptr<c10d::Work>>> gathers_;            // per bucket, in flight
   int64_t buffer_bytes_ = 0;
   int64_t peak_buffer_bytes_ = 0;
 #ifdef ZEROFAST_WITH_CUDA

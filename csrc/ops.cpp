@@ -59,17 +59,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using zerofast::BucketComm;
   py::class_<BucketComm>(m, "BucketComm", "Flat gradient buckets and their collectives (see csrc/buckets.h)")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, std::vector<int64_t>, std::vector<int64_t>,
-                    std::vector<std::vector<int64_t>>, bool, at::Tensor, std::vector<int64_t>>(),
-           py::arg("group"), py::arg("bucket_numels"), py::arg("used_numels"), py::arg("bounds"), py::arg("flat"), py::arg("grad_shard"),
-           py::arg("shard_offsets"))
+                    std::vector<std::vector<int64_t>>, bool, at::Tensor, std::vector<int64_t>, std::string,
+                    std::string>(),
+           py::arg("group"), py::arg("bucket_numels"), py::arg("used_numels"), py::arg("bounds"), py::arg("flat"),
+           py::arg("grad_shard"), py::arg("shard_offsets"), py::arg("flat_reduce"), py::arg("flat_gather"))
       .def("add_grad", &BucketComm::add_grad, py::arg("bucket"), py::arg("offset"), py::arg("grad"))
       .def("zero_slot", &BucketComm::zero_slot, py::arg("bucket"), py::arg("offset"), py::arg("numel"))
       .def("reduce", &BucketComm::reduce, py::arg("bucket"), py::call_guard<py::gil_scoped_release>())
       .def("wait_reduces", &BucketComm::wait_reduces, py::call_guard<py::gil_scoped_release>())
-      .def("gather", &BucketComm::gather, py::arg("param_buffers"), py::call_guard<py::gil_scoped_release>())
+      .def("gather_start", &BucketComm::gather_start, py::arg("bucket"), py::arg("param_buffer"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("gather_wait", &BucketComm::gather_wait, py::arg("bucket"), py::call_guard<py::gil_scoped_release>())
       .def("has_buffer", &BucketComm::has_buffer, py::arg("bucket"))
       .def_property_readonly("buffer_bytes", &BucketComm::buffer_bytes)
       .def_property_readonly("peak_buffer_bytes", &BucketComm::peak_buffer_bytes)
+      .def_property_readonly("pooled_bytes", &BucketComm::pooled_bytes)
       .def_property_readonly("rank", &BucketComm::rank)
       .def_property_readonly("world_size", &BucketComm::world_size);
 }

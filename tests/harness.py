@@ -32,7 +32,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, world_size, port, outdir, fn, args, timeout):
+def _rank_main(rank, world_size, port, outdir, fn, args, timeout, backend):
     import datetime
 
     import torch.distributed as dist
@@ -42,7 +42,9 @@ def _rank_main(rank, world_size, port, outdir, fn, args, timeout):
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     path = os.path.join(outdir, f"rank{rank}")
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, path + ".tmp")
@@ -55,12 +57,13 @@ def _rank_main(rank, world_size, port, outdir, fn, args, timeout):
         pass
 
 
-def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) -> list:
-    """Run fn(rank, world_size, *args) on `world_size` gloo ranks; return their results by rank."""
+def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0, backend: str = "gloo") -> list:
+    """Run fn(rank, world_size, *args) on `world_size` ranks (gloo unless told; nccl puts rank r on
+    GPU r); return their results by rank."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="zerofast-ranks-") as outdir:
         port = free_port()
-        procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, outdir, fn, args, timeout),
+        procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, outdir, fn, args, timeout, backend),
                              daemon=True) for r in range(world_size)]
         for p in procs:
             p.start()
@@ -69,12 +72,16 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) -> 
         while time.monotonic() < deadline:
             if all(os.path.exists(p) for p in paths):
                 break
-            # A rank that failed writes its file at once; don't wait for the others to time out.
-            if any(_failed(p) for p in paths):
+            # A rank that failed writes its file at once, and one that died writes none: don't wait
+            # for the others to time out.
+            if any(_failed(p) for p in paths) or any(
+                    not proc.is_alive() and not os.path.exists(path) for proc, path in zip(procs, paths)):
                 time.sleep(0.5)
                 break
             time.sleep(0.05)
-        hung = [r for r, path in enumerate(paths) if not os.path.exists(path)]
+        hung = [r for r, path in enumerate(paths) if not os.path.exists(path) and procs[r].is_alive()]
+        died = [f"--- rank {r} exited with code {procs[r].exitcode} without a result (see its stderr above)"
+                for r, path in enumerate(paths) if not os.path.exists(path) and not procs[r].is_alive()]
         outcomes = [torch.load(p, weights_only=False) if os.path.exists(p) else None for p in paths]
         for p in procs:
             p.join(timeout=5)
@@ -82,7 +89,7 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) -> 
                 p.kill()
                 p.join()
         errors = [f"--- rank {r} raised:\n{o['error']}" for r, o in enumerate(outcomes)
-                  if o is not None and not o["ok"]]
+                  if o is not None and not o["ok"]] + died
         if errors:
             raise RankFailed(f"{len(errors)} of {world_size} ranks failed"
                              + (f" (ranks {hung} did not finish)" if hung else "") + "\n" + "\n".join(errors))

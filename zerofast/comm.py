@@ -19,6 +19,10 @@ class BucketComm:
     def __init__(self, group: dist.ProcessGroup, layout: Layout, rank: int, grad_shard: torch.Tensor):
         self.layout = layout
         self.flat = layout.flat
+        # See [Note: collectives per backend] in csrc/buckets.cpp.
+        on_gloo = dist.get_backend(group) == "gloo"
+        self.reduce_name = ("all_reduce" if on_gloo else "reduce_scatter") if self.flat else "reduce"
+        self.gather_name = ("broadcast" if on_gloo else "all_gather") if self.flat else "broadcast"
         self._impl = _C.BucketComm(
             group,
             [b.numel for b in layout.buckets],
@@ -27,6 +31,8 @@ class BucketComm:
             self.flat,
             grad_shard,
             layout.shard_offsets(rank),
+            self.reduce_name if self.flat else "reduce_scatter",
+            self.gather_name if self.flat else "all_gather",
         )
         self.group = group
         self.element_size = grad_shard.element_size()
@@ -45,19 +51,22 @@ class BucketComm:
         return self._impl.has_buffer(bucket)
 
     def reduce(self, bucket: int) -> None:
-        self.stats["reduce_scatter" if self.flat else "reduce"] += self.layout.buckets[bucket].numel * self.element_size
+        self.stats[self.reduce_name] += self.layout.buckets[bucket].numel * self.element_size
         self._impl.reduce(bucket)
 
     def wait_reduces(self) -> None:
         self._impl.wait_reduces()
 
-    def gather(self, param_buffers: list[torch.Tensor]) -> None:
-        self.stats["all_gather" if self.flat else "broadcast"] += sum(t.numel() * t.element_size() for t in param_buffers)
-        self._impl.gather(param_buffers)
+    def gather_start(self, bucket: int, param_buffer: torch.Tensor) -> None:
+        self.stats[self.gather_name] += param_buffer.numel() * param_buffer.element_size()
+        self._impl.gather_start(bucket, param_buffer)
+
+    def gather_wait(self, bucket: int) -> None:
+        self._impl.gather_wait(bucket)
 
     def all_reduce_max(self, t: torch.Tensor) -> None:
         """A small agreement (which parameters got a gradient), counted too."""
-        self.stats["all_reduce"] += t.numel() * t.element_size()
+        self.stats["all_reduce_flags"] += t.numel() * t.element_size()
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
 
     @property
@@ -67,3 +76,7 @@ class BucketComm:
     @property
     def peak_buffer_bytes(self) -> int:
         return self._impl.peak_buffer_bytes
+
+    @property
+    def pooled_bytes(self) -> int:
+        return self._impl.pooled_bytes

@@ -99,12 +99,12 @@ def _round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
 
 
-def _group_into_buckets(order: list[int], numels: list[int], cap: int) -> list[list[int]]:
-    """Consecutive parameters (in `order`) packed until the next would exceed `cap` elements; a
-    parameter larger than cap gets a bucket of its own."""
+def _group_into_buckets(order: list[int], numels: list[int], cap: int, first_cap: int) -> list[list[int]]:
+    """Consecutive parameters (in `order`) packed until the next would exceed the cap (`first_cap`
+    for the first bucket, `cap` after); a parameter larger than the cap gets a bucket of its own."""
     buckets, current, size = [], [], 0
     for i in order:
-        if current and size + numels[i] > cap:
+        if current and size + numels[i] > (first_cap if not buckets else cap):
             buckets.append(current)
             current, size = [], 0
         current.append(i)
@@ -115,8 +115,10 @@ def _group_into_buckets(order: list[int], numels: list[int], cap: int) -> list[l
 
 
 def build_layout(numels: list[int], order: list[int], world: int, bucket_numel: int,
-                 owners: list[int] | None = None) -> Layout:
-    """Lay parameters (given by numel, in `order`) out in buckets of at most `bucket_numel` elements.
+                 owners: list[int] | None = None, first_bucket_numel: int | None = None) -> Layout:
+    """Lay parameters (given by numel, in `order`) out in buckets of at most `bucket_numel` elements
+    (the first at most `first_bucket_numel`, when given: a small first bucket starts communication
+    early in backward, as DDP's 1 MiB first bucket does).
 
     owners None: "flat", each bucket cut into world equal padded slices. Otherwise owners[i] is
     parameter i's rank and each bucket is grouped into one contiguous segment per owner.
@@ -127,7 +129,8 @@ def build_layout(numels: list[int], order: list[int], world: int, bucket_numel: 
         raise ValueError(f"bucket_numel must be positive; got {bucket_numel}")
     slots: dict[int, Slot] = {}
     buckets = []
-    for index, members in enumerate(_group_into_buckets(order, numels, bucket_numel)):
+    first = min(bucket_numel, first_bucket_numel or bucket_numel)
+    for index, members in enumerate(_group_into_buckets(order, numels, bucket_numel, first)):
         if owners is not None:
             members = sorted(members, key=lambda i: owners[i])  # stable: keeps order within an owner
         offset = 0

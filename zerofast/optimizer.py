@@ -22,7 +22,18 @@ A step, in phases (see also the named notes in layout.py and csrc/buckets.cpp):
     count.
   Phase 4, step(): each bucket's updated parameters are gathered (all_gather for "flat", broadcast
     from each owner otherwise) straight into the flat parameter buffers the model's parameters are
-    views of.
+    views of, buckets in forward order. By default step() returns when every gather is done; with
+    overlap_param_gather=True it returns at once and each bucket's gather is awaited by the first
+    module whose forward needs it ([Note: overlapped parameter gather]).
+
+[Note: overlapped parameter gather]
+As Megatron-LM's overlap_param_gather: step() starts the gathers (the last bucket first, since it
+holds the first layers) and returns; a forward pre-hook on every module that holds managed
+parameters directly waits for their buckets, so the gather of later layers runs while earlier
+layers compute. The contract: a parameter is read only inside the forward of a module that holds it
+(module.parameters(recurse=False)). A parameter read elsewhere (in a loss function, say) may be read
+while its gather is still in flight; that is caught when its gradient arrives, as an error naming
+it, never as a silent wrong step. opt.gathered_params() (and the next step()) wait for everything.
 
 [Note: unused parameters]
 A parameter that gets a gradient on no rank in a step is left untouched, as torch.optim.AdamW leaves
@@ -53,6 +64,9 @@ from .partition import PARTITIONS, imbalance, owners_for
 __all__ = ["ZeroAdam"]
 
 _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+# The first bucket (in backward order) holds at most this, so its reduce starts early in backward;
+# DDP uses the same 1 MiB (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES).
+_FIRST_BUCKET_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -73,7 +87,7 @@ class ZeroAdam(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, adamw: bool = True,
                  param_groups: Optional[list[dict]] = None, partition: str = "flat",
                  bucket_mb: float = 25.0, overlap: bool = True,
-                 process_group: Optional[dist.ProcessGroup] = None):
+                 process_group: Optional[dist.ProcessGroup] = None, overlap_param_gather: bool = False):
         _check_args(model, stage, lr, betas, eps, weight_decay, partition, bucket_mb)
         if not dist.is_initialized():
             raise RuntimeError("ZeroAdam needs torch.distributed initialized (dist.init_process_group); "
@@ -83,6 +97,7 @@ class ZeroAdam(torch.optim.Optimizer):
         self.adamw = bool(adamw)
         self.partition = partition
         self.overlap = bool(overlap)
+        self.overlap_param_gather = bool(overlap_param_gather)
         self.group = process_group if process_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
@@ -105,6 +120,9 @@ class ZeroAdam(torch.optim.Optimizer):
         self._build_buffers(bucket_mb)
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i))
                        for i, p in enumerate(self._params)]
+        self._pending_gather = [False] * len(self.layout.buckets)
+        if self.overlap_param_gather:
+            self._hooks += self._register_gather_waits()
         self._begin_step()
 
     # --- construction ---------------------------------------------------------------------------
@@ -122,8 +140,10 @@ class ZeroAdam(torch.optim.Optimizer):
         numels = [p.numel() for p in self._params]
         bucket_numel = max(1, int(bucket_mb * 2**20) // first.element_size())
         order = list(reversed(range(len(numels))))  # backward order: see [Note: bucket order]
+        first_bucket_numel = min(bucket_numel, _FIRST_BUCKET_BYTES // first.element_size())
         self.layout: Layout = build_layout(numels, order, self.world_size, bucket_numel,
-                                           owners_for(self.partition, numels, self.world_size))
+                                           owners_for(self.partition, numels, self.world_size),
+                                           first_bucket_numel)
         # The model's parameters become views into one flat buffer per bucket, so the gather
         # writes straight into the model; the owned range of each buffer is the fp32 master copy.
         self._param_buffers = [torch.zeros(b.numel, dtype=dtype, device=device) for b in self.layout.buckets]
@@ -155,11 +175,17 @@ class ZeroAdam(torch.optim.Optimizer):
         return hook
 
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        slot = self.layout.slots[index]
+        if self._pending_gather[slot.bucket]:
+            raise RuntimeError(
+                f"ZeroAdam(overlap_param_gather=True): {self._names[index]} was used while its gather was "
+                f"still in flight (read outside the forward of a module that holds it); this step's "
+                f"result would be wrong. Read it inside its module's forward, or pass "
+                f"overlap_param_gather=False. See [Note: overlapped parameter gather]")
         if self._got_grad[index]:
             raise RuntimeError(
                 f"ZeroAdam: {self._names[index]} got a second gradient before step(); call opt.step() "
                 f"after each backward (gradient accumulation across backwards is not supported yet)")
-        slot = self.layout.slots[index]
         self.comm.add_grad(slot.bucket, slot.offset, param.grad)
         self._got_grad[index] = True
         if self.stage >= 2:
@@ -181,10 +207,13 @@ class ZeroAdam(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("ZeroAdam.step does not take a closure; got one")
+        self._wait_gathers()                    # last step's, if some module never ran
         used = self._flush_and_agree()          # phase 2
         self.comm.wait_reduces()
         self._update(used)                      # phase 3
-        self.comm.gather(self._param_buffers)   # phase 4
+        self._start_gathers()                   # phase 4
+        if not self.overlap_param_gather:
+            self._wait_gathers()
         self._last_comm = dict(self.comm.stats)
         self._begin_step()
         return None
@@ -235,6 +264,29 @@ class ZeroAdam(torch.optim.Optimizer):
                 runs.append(_Run(pc.bucket, pc.bucket_offset, pc.state_offset, pc.numel, key[1], (pc.param,)))
         return runs
 
+    def _start_gathers(self) -> None:
+        for b in reversed(range(len(self.layout.buckets))):  # forward order: first layers first
+            self.comm.gather_start(b, self._param_buffers[b])
+            self._pending_gather[b] = True
+
+    def _wait_gathers(self, buckets: Iterable[int] | None = None) -> None:
+        for b in (range(len(self._pending_gather)) if buckets is None else buckets):
+            if self._pending_gather[b]:
+                self.comm.gather_wait(b)
+                self._pending_gather[b] = False
+
+    def _register_gather_waits(self) -> list:
+        """A forward pre-hook per module holding managed parameters: see [Note: overlapped parameter gather]."""
+        index_of = {id(p): i for i, p in enumerate(self._params)}
+        handles = []
+        for module in self.model.modules():
+            buckets = sorted({self.layout.slots[index_of[id(p)]].bucket
+                              for p in module.parameters(recurse=False) if id(p) in index_of})
+            if buckets:
+                handles.append(module.register_forward_pre_hook(
+                    lambda mod, args, buckets=tuple(buckets): self._wait_gathers(buckets)))
+        return handles
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self._params:
             if set_to_none:
@@ -247,7 +299,8 @@ class ZeroAdam(torch.optim.Optimizer):
     @contextlib.contextmanager
     def gathered_params(self):
         """Full, current parameters on every rank inside the block. Stages 1 and 2 always hold
-        them, so this costs nothing there."""
+        them, so this costs nothing there (beyond finishing gathers still in flight)."""
+        self._wait_gathers()
         yield self.model
 
     def partition_report(self) -> dict:
@@ -268,6 +321,7 @@ class ZeroAdam(torch.optim.Optimizer):
             "master_copy": 0,  # fp32 parameters: the owned slice of the parameter buffer is the master
             "bucket_buffers": self.comm.buffer_bytes,
             "bucket_buffers_peak": self.comm.peak_buffer_bytes,
+            "bucket_pool": self.comm.pooled_bytes,  # released buffers kept for reuse (<= the peak)
         }
 
     def step_counts(self) -> dict[str, int]:

@@ -1,0 +1,108 @@
+"""One training step on gloo, 2 ranks x 1 thread, a GPT of 6.4M parameters in 92 tensors, batch
+8 x 64 per rank: ZeroAdam (stages 1 and 2, each partition) against the seed's reference stages,
+torch DDP + AdamW, torch's ZeroRedundancyOptimizer + DDP, DeepSpeed ZeRO 1 and 2 (when installed;
+DS_ACCELERATOR=cpu), and the same model with no communication at all. "overlap_gather" cases pass
+overlap_param_gather=True (the gather after step() overlapped with the next forward).
+
+The summary prints each case's median step time as a ratio to the no-communication step.
+Every torch optimizer here is AdamW(fused=True), torch's fastest CPU AdamW.
+"""
+import functools
+import importlib.util
+
+import pytest
+
+from rankpool import RankPool
+
+WORLD = 2
+BATCH, SEQ = 8, 64
+ROUNDS, WARMUP = 8, 2
+GROUP = "step: 2 gloo ranks x 1 thread, GPT 6.4M params, batch 8x64"
+HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+
+
+def _batch(model, rank, step):
+    from zerofast.models import random_batch
+    return random_batch(model.cfg, BATCH, SEQ, seed=1000 * step + rank)
+
+
+def _loop(model, opt, rank, backward_and_step):
+    state = {"step": 0}
+    def step():
+        x, y = _batch(model, rank, state["step"] % 4)
+        state["step"] += 1
+        backward_and_step(x, y)
+    return step
+
+
+def build(case, rank, world):
+    """Runs in each rank: set up `case`, return a function doing one training step."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zerofast import ZeroAdam
+    from zerofast.models import make_gpt
+    from zerofast.reference import ReferenceZero
+
+    model = make_gpt("small")
+    kind, _, rest = case.partition(" ")
+
+    def plain(opt, module):
+        def run(x, y):
+            _, loss = module(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return run
+
+    if kind == "nocomm":
+        opt = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
+        return _loop(model, opt, rank, plain(opt, model))
+    if kind == "ddp":
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(ddp.parameters(), fused=True, **HYPER)
+        return _loop(model, opt, rank, plain(opt, ddp))
+    if kind == "zero_redundancy":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        ddp = DDP(model)
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, fused=True, **HYPER)
+        return _loop(model, opt, rank, plain(opt, ddp))
+    if kind == "reference":
+        opt = ReferenceZero(model, stage=int(rest), **HYPER)
+        return _loop(model, opt, rank, plain(opt, model))
+    if kind == "zerofast":
+        stage, partition, *extra = rest.split()
+        opt = ZeroAdam(model, stage=int(stage), partition=partition, overlap_param_gather="overlap_gather" in extra,
+                       **HYPER)
+        return _loop(model, opt, rank, plain(opt, model))
+    if kind == "deepspeed":
+        import os
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+        cfg = {"train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {"stage": int(rest)},
+               "optimizer": {"type": "AdamW", "params": {"lr": HYPER["lr"], "weight_decay": HYPER["weight_decay"]}}}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        def run(x, y):
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+        return _loop(model, None, rank, run)
+    raise ValueError(case)
+
+
+CASES = (["nocomm", "ddp", "zero_redundancy", "reference 1", "reference 2"]
+         + [f"zerofast {s} {p}" for s in (1, 2) for p in ("flat", "round_robin", "greedy")]
+         + [f"zerofast {s} {p} overlap_gather" for s in (1, 2) for p in ("flat", "greedy")]
+         + ["deepspeed 1", "deepspeed 2"])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_step(benchmark, record, case):
+    if case.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (optional: pip install deepspeed)")
+    pool = RankPool(functools.partial(build, case), world=WORLD)
+    try:
+        benchmark.pedantic(pool.step, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
+    finally:
+        pool.close()
+    record(benchmark, GROUP, case)

@@ -1,0 +1,72 @@
+"""Persistent gloo ranks that a benchmark drives one step at a time.
+
+pytest-benchmark times a function in this (parent) process; each call sends "step" to every rank
+and waits until all have finished one training step, so a round is exactly one distributed step
+(plus a queue round trip, well under a millisecond). Only small messages cross the queues.
+"""
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+from harness import free_port
+
+
+def _worker(rank, world, port, build, commands, results):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        step = build(rank, world)
+        results.put(("ready", rank, None))
+        while True:
+            cmd = commands.get()
+            if cmd == "stop":
+                break
+            step()
+            results.put(("done", rank, None))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        results.put(("error", rank, traceback.format_exc()))
+
+
+class RankPool:
+    """`build(rank, world)` runs once in each rank and returns a no-argument `step` function."""
+
+    def __init__(self, build, world: int = 2, timeout: float = 300.0):
+        ctx = mp.get_context("spawn")
+        self.world, self.timeout = world, timeout
+        self.results = ctx.Queue()
+        self.commands = [ctx.Queue() for _ in range(world)]
+        port = free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, build, self.commands[r], self.results),
+                                  daemon=True) for r in range(world)]
+        for p in self.procs:
+            p.start()
+        self._collect("ready")
+
+    def _collect(self, expected: str) -> None:
+        for _ in range(self.world):
+            kind, rank, info = self.results.get(timeout=self.timeout)
+            if kind == "error":
+                self.close()
+                raise RuntimeError(f"rank {rank} failed:\n{info}")
+            assert kind == expected, (kind, expected)
+
+    def step(self) -> None:
+        for q in self.commands:
+            q.put("step")
+        self._collect("done")
+
+    def close(self) -> None:
+        for q in self.commands:
+            q.put("stop")
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
