@@ -21,6 +21,14 @@
 // rank's slice 8 ms. So on gloo the flat layout reduces with all_reduce and gathers with
 // broadcasts (zerofast/comm.py chooses); the numbers are the same, only the wire protocol differs.
 //
+// [Note: two process groups]
+// Collectives pair up across ranks by their order within a process group. Reduces are issued in
+// bucket order, but when a bucket fills depends on the rank (a parameter with a gradient on only
+// some ranks fills it there during backward, elsewhere only at step()), while stage 3's gathers are
+// issued as modules run. On one group, rank A could issue [gather u, reduce b] and rank B
+// [reduce b, gather u]: a hang, or worse, mixed data. So stage 3 gathers on a second group with
+// the same ranks; each group's own order is then the same everywhere.
+//
 // [Note: bucket pool]
 // A bucket's buffer is released after its reduce has been waited for, and kept in a pool for the
 // next bucket of that size: allocating and first-touching 25 MB costs ~4 ms per step on CPU (page
@@ -45,11 +53,13 @@
 
 namespace zerofast {
 
-BucketComm::BucketComm(c10::intrusive_ptr<c10d::ProcessGroup> group, std::vector<int64_t> bucket_numels,
+BucketComm::BucketComm(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                       c10::intrusive_ptr<c10d::ProcessGroup> gather_group, std::vector<int64_t> bucket_numels,
                        std::vector<int64_t> used_numels, std::vector<std::vector<int64_t>> bounds, bool flat,
                        at::Tensor grad_shard, std::vector<int64_t> shard_offsets, std::string flat_reduce,
                        std::string flat_gather)
     : group_(std::move(group)),
+      gather_group_(std::move(gather_group)),
       rank_(group_->getRank()),
       world_(group_->getSize()),
       bucket_numels_(std::move(bucket_numels)),
@@ -67,6 +77,8 @@ BucketComm::BucketComm(c10::intrusive_ptr<c10d::ProcessGroup> group, std::vector
               "BucketComm: used_numels (", used_numels_.size(), "), bounds (", bounds_.size(),
               ") and shard_offsets (", shard_offsets_.size(), ") need one entry per bucket (",
               bucket_numels_.size(), ")");
+  TORCH_CHECK(gather_group_->getSize() == world_ && gather_group_->getRank() == rank_,
+              "BucketComm: gather_group must hold the same ranks as group");
   TORCH_CHECK(flat_reduce == "reduce_scatter" || flat_reduce == "all_reduce",
               "BucketComm: flat_reduce must be reduce_scatter or all_reduce; got '", flat_reduce, "'");
   TORCH_CHECK(flat_gather == "all_gather" || flat_gather == "broadcast",
@@ -231,7 +243,7 @@ void BucketComm::gather_start(int64_t bucket, const at::Tensor& param_buffer) {
   const auto& bd = bounds_[bucket];
   if (flat_ && !gather_by_broadcast_) {
     at::Tensor mine = out.narrow(0, bd[rank_], bd[rank_ + 1] - bd[rank_]);
-    gathers_[bucket].push_back(group_->_allgather_base(out, mine, c10d::AllgatherOptions()));
+    gathers_[bucket].push_back(gather_group_->_allgather_base(out, mine, c10d::AllgatherOptions()));
     return;
   }
   for (int64_t r = 0; r < world_; ++r) {
@@ -239,7 +251,7 @@ void BucketComm::gather_start(int64_t bucket, const at::Tensor& param_buffer) {
     std::vector<at::Tensor> segment{out.narrow(0, bd[r], bd[r + 1] - bd[r])};
     c10d::BroadcastOptions opts;
     opts.rootRank = r;
-    gathers_[bucket].push_back(group_->broadcast(segment, opts));
+    gathers_[bucket].push_back(gather_group_->broadcast(segment, opts));
   }
 }
 

@@ -29,7 +29,10 @@ class BucketComm {
   //   owned range starts in it. Its dtype is the reduce dtype; so is every bucket buffer.
   // flat_reduce / flat_gather: the collectives a flat layout uses, "reduce_scatter" or
   //   "all_reduce" in, "all_gather" or "broadcast" out: see [Note: collectives per backend].
-  BucketComm(c10::intrusive_ptr<c10d::ProcessGroup> group, std::vector<int64_t> bucket_numels,
+  // group reduces; gather_group gathers (the same group for stages 1 and 2; stage 3 passes a second
+  //   one: see [Note: two process groups]).
+  BucketComm(c10::intrusive_ptr<c10d::ProcessGroup> group, c10::intrusive_ptr<c10d::ProcessGroup> gather_group,
+             std::vector<int64_t> bucket_numels,
              std::vector<int64_t> used_numels, std::vector<std::vector<int64_t>> bounds, bool flat,
              at::Tensor grad_shard, std::vector<int64_t> shard_offsets, std::string flat_reduce,
              std::string flat_gather);
@@ -65,6 +68,7 @@ class BucketComm {
   void end_comm();     // on CUDA: order the current stream after the comm stream
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  c10::intrusive_ptr<c10d::ProcessGroup> gather_group_;
   int64_t rank_;
   int64_t world_;
   std::vector<int64_t> bucket_numels_;

@@ -58,10 +58,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   using zerofast::BucketComm;
   py::class_<BucketComm>(m, "BucketComm", "Flat gradient buckets and their collectives (see csrc/buckets.h)")
-      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, std::vector<int64_t>, std::vector<int64_t>,
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, c10::intrusive_ptr<c10d::ProcessGroup>,
+                    std::vector<int64_t>, std::vector<int64_t>,
                     std::vector<std::vector<int64_t>>, bool, at::Tensor, std::vector<int64_t>, std::string,
                     std::string>(),
-           py::arg("group"), py::arg("bucket_numels"), py::arg("used_numels"), py::arg("bounds"), py::arg("flat"),
+           py::arg("group"), py::arg("gather_group"), py::arg("bucket_numels"), py::arg("used_numels"), py::arg("bounds"), py::arg("flat"),
            py::arg("grad_shard"), py::arg("shard_offsets"), py::arg("flat_reduce"), py::arg("flat_gather"))
       .def("add_grad", &BucketComm::add_grad, py::arg("bucket"), py::arg("offset"), py::arg("grad"))
       .def("zero_slot", &BucketComm::zero_slot, py::arg("bucket"), py::arg("offset"), py::arg("numel"))

@@ -56,13 +56,15 @@ class Quirky(torch.nn.Module):
         self.frozen = torch.nn.Parameter(torch.randn(5, generator=g), requires_grad=False)
         self.sometimes = torch.nn.Linear(16, 16)
         self.rank0_only = torch.nn.Parameter(torch.randn(7, generator=g))
+        self.register_buffer("probe", torch.randn(4, 16, generator=g))
         self.cfg = self.gpt.cfg
 
-    def loss(self, x, y, step: int, rank: int) -> torch.Tensor:
+    def forward(self, x, y, step: int, rank: int) -> torch.Tensor:
+        """The loss (the root's forward uses `rank0_only` and `frozen` itself)."""
         _, loss = self.gpt(x, y)
         loss = loss + 1e-2 * self.frozen.sum()
         if step % 2 == 0:
-            loss = loss + 0.1 * self.sometimes(self.gpt.wte.weight[:4]).pow(2).mean()
+            loss = loss + 0.1 * self.sometimes(self.probe).pow(2).mean()
         if rank == 0:
             loss = loss + 0.1 * self.rank0_only.pow(2).sum()
         return loss
@@ -86,10 +88,41 @@ def single_process_quirky(world: int, steps: int, groups: bool, scheduler: bool)
     opt = torch.optim.AdamW(params, foreach=False, **HYPER)
     sched = make_scheduler(opt) if scheduler else None
     for step in range(steps):
-        total = sum(model.loss(*rank_batch(model, step, r), step, r) for r in range(world)) / world
+        total = sum(model(*rank_batch(model, step, r), step, r) for r in range(world)) / world
         total.backward()
         opt.step()
         opt.zero_grad()
         if sched:
             sched.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+class TwiceMLP(torch.nn.Module):
+    """No tied weights (so stage 3 moves exactly 3Φ), one block called twice per forward, and an
+    odd-sized head: embedding -> block -> block (again) -> head."""
+
+    def __init__(self, vocab=37, width=24):
+        super().__init__()
+        torch.manual_seed(2)
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.block = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.LayerNorm(width))
+        self.head = torch.nn.Linear(width, vocab)
+        self.cfg = type("Cfg", (), {"vocab_size": vocab, "block_size": 8})()
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        h = self.block(h)
+        h = self.block(h)  # the same module twice
+        return None, torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+def single_process(model_fn, world: int, steps: int) -> dict[str, torch.Tensor]:
+    """torch.optim.AdamW on one process over every rank's batch, for a model returning (_, loss)."""
+    model = model_fn()
+    opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+    for step in range(steps):
+        total = sum(model(*rank_batch(model, step, r))[1] for r in range(world)) / world
+        total.backward()
+        opt.step()
+        opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}

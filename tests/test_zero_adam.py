@@ -74,7 +74,7 @@ def _train_quirky(rank, world, stage, partition, groups, scheduler, bucket_mb, s
     sched = make_scheduler(opt) if scheduler else None
     frozen_before = model.frozen.detach().clone()
     for step in range(steps):
-        model.loss(*rank_batch(model, step, rank), step, rank).backward()
+        model(*rank_batch(model, step, rank), step, rank).backward()
         opt.step()
         opt.zero_grad()
         if sched:
@@ -102,7 +102,7 @@ def _unused_everywhere(rank, world):
     model = Quirky()
     opt = ZeroAdam(model, stage=2, **HYPER)
     before = model.sometimes.weight.detach().clone()
-    model.loss(*rank_batch(model, 1, rank), 1, rank).backward()  # step 1: odd, `sometimes` unused
+    model(*rank_batch(model, 1, rank), 1, rank).backward()  # step 1: odd, `sometimes` unused
     opt.step()
     opt.zero_grad()
     counts = opt.step_counts()

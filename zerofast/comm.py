@@ -16,7 +16,8 @@ from .layout import Layout
 
 
 class BucketComm:
-    def __init__(self, group: dist.ProcessGroup, layout: Layout, rank: int, grad_shard: torch.Tensor):
+    def __init__(self, group: dist.ProcessGroup, layout: Layout, rank: int, grad_shard: torch.Tensor,
+                 gather_group: dist.ProcessGroup | None = None):
         self.layout = layout
         self.flat = layout.flat
         # See [Note: collectives per backend] in csrc/buckets.cpp.
@@ -25,6 +26,7 @@ class BucketComm:
         self.gather_name = ("broadcast" if on_gloo else "all_gather") if self.flat else "broadcast"
         self._impl = _C.BucketComm(
             group,
+            group if gather_group is None else gather_group,
             [b.numel for b in layout.buckets],
             [layout.used_numel(b.index) for b in layout.buckets],
             [list(b.bounds) for b in layout.buckets],

@@ -127,10 +127,18 @@ def build_layout(numels: list[int], order: list[int], world: int, bucket_numel: 
         raise ValueError("order must be a permutation of the parameter indices")
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel must be positive; got {bucket_numel}")
+    first = min(bucket_numel, first_bucket_numel or bucket_numel)
+    return layout_from_groups(numels, _group_into_buckets(order, numels, bucket_numel, first), world, owners)
+
+
+def layout_from_groups(numels: list[int], groups: list[list[int]], world: int,
+                       owners: list[int] | None = None) -> Layout:
+    """One bucket per group of parameter indices, in the given order (stage 3: one per unit)."""
+    if sorted(i for g in groups for i in g) != list(range(len(numels))):
+        raise ValueError("groups must hold every parameter index exactly once")
     slots: dict[int, Slot] = {}
     buckets = []
-    first = min(bucket_numel, first_bucket_numel or bucket_numel)
-    for index, members in enumerate(_group_into_buckets(order, numels, bucket_numel, first)):
+    for index, members in enumerate(groups):
         if owners is not None:
             members = sorted(members, key=lambda i: owners[i])  # stable: keeps order within an owner
         offset = 0

@@ -1,4 +1,4 @@
-"""ZeroAdam: Adam/AdamW with ZeRO stage 1 or 2 sharding, under the plain training loop.
+"""ZeroAdam: Adam/AdamW with ZeRO stage 1, 2 or 3 sharding, under the plain training loop.
 
     opt = ZeroAdam(model, stage=2, lr=1e-3, partition="flat")
     loss.backward(); opt.step(); opt.zero_grad()
@@ -35,6 +35,11 @@ layers compute. The contract: a parameter is read only inside the forward of a m
 while its gather is still in flight; that is caught when its gradient arrives, as an error naming
 it, never as a silent wrong step. opt.gathered_params() (and the next step()) wait for everything.
 
+Stage 3 changes phases 3 and 4: the parameters themselves are sharded. Each unit (by default each
+block: zerofast/stage3.py) is one bucket; its flat buffer exists only while gathered, module by
+module with prefetch ([Note: stage 3 lifecycle]); the fp32 master is this rank's parameter shard,
+which the fused kernel updates, and there is no gather after step(): the next forward gathers.
+
 [Note: unused parameters]
 A parameter that gets a gradient on no rank in a step is left untouched, as torch.optim.AdamW leaves
 a parameter whose grad is None: no update, no state change, its step count unchanged. Where some
@@ -58,8 +63,9 @@ import torch.nn as nn
 
 from . import _ops
 from .comm import BucketComm
-from .layout import Layout, Piece, build_layout
+from .layout import Layout, Piece, build_layout, layout_from_groups
 from .partition import PARTITIONS, imbalance, owners_for
+from .stage3 import UnitTracker, _default_unit_modules as _hook_candidates, find_units
 
 __all__ = ["ZeroAdam"]
 
@@ -87,7 +93,8 @@ class ZeroAdam(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, adamw: bool = True,
                  param_groups: Optional[list[dict]] = None, partition: str = "flat",
                  bucket_mb: float = 25.0, overlap: bool = True,
-                 process_group: Optional[dist.ProcessGroup] = None, overlap_param_gather: bool = False):
+                 process_group: Optional[dist.ProcessGroup] = None, overlap_param_gather: bool = False,
+                 units: Optional[list[nn.Module]] = None):
         _check_args(model, stage, lr, betas, eps, weight_decay, partition, bucket_mb)
         if not dist.is_initialized():
             raise RuntimeError("ZeroAdam needs torch.distributed initialized (dist.init_process_group); "
@@ -117,17 +124,18 @@ class ZeroAdam(torch.optim.Optimizer):
         for g, group in enumerate(self.param_groups):
             for p in group["params"]:
                 self._group_of[index_of[id(p)]] = g
-        self._build_buffers(bucket_mb)
+        self._build_buffers(bucket_mb, units)
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i))
                        for i, p in enumerate(self._params)]
         self._pending_gather = [False] * len(self.layout.buckets)
-        if self.overlap_param_gather:
+        if self.overlap_param_gather and stage < 3:
             self._hooks += self._register_gather_waits()
+        self.units: Optional[UnitTracker] = self._shard_params() if stage == 3 else None
         self._begin_step()
 
     # --- construction ---------------------------------------------------------------------------
 
-    def _build_buffers(self, bucket_mb: float) -> None:
+    def _build_buffers(self, bucket_mb: float, unit_modules) -> None:
         first = self._params[0]
         dtype, device = first.dtype, first.device
         for n, p in zip(self._names, self._params):
@@ -139,11 +147,14 @@ class ZeroAdam(torch.optim.Optimizer):
                              f"{dtype} parameters (mixed precision is not supported yet)")
         numels = [p.numel() for p in self._params]
         bucket_numel = max(1, int(bucket_mb * 2**20) // first.element_size())
-        order = list(reversed(range(len(numels))))  # backward order: see [Note: bucket order]
-        first_bucket_numel = min(bucket_numel, _FIRST_BUCKET_BYTES // first.element_size())
-        self.layout: Layout = build_layout(numels, order, self.world_size, bucket_numel,
-                                           owners_for(self.partition, numels, self.world_size),
-                                           first_bucket_numel)
+        owners = owners_for(self.partition, numels, self.world_size)
+        if self.stage == 3:  # one bucket per unit, in backward order: see [Note: bucket order]
+            self._unit_groups, self._unit_modules = find_units(self.model, self._params, unit_modules)
+            self.layout: Layout = layout_from_groups(numels, self._unit_groups[::-1], self.world_size, owners)
+        else:
+            order = list(reversed(range(len(numels))))  # backward order: see [Note: bucket order]
+            first_bucket_numel = min(bucket_numel, _FIRST_BUCKET_BYTES // first.element_size())
+            self.layout = build_layout(numels, order, self.world_size, bucket_numel, owners, first_bucket_numel)
         # The model's parameters become views into one flat buffer per bucket, so the gather
         # writes straight into the model; the owned range of each buffer is the fp32 master copy.
         self._param_buffers = [torch.zeros(b.numel, dtype=dtype, device=device) for b in self.layout.buckets]
@@ -155,11 +166,19 @@ class ZeroAdam(torch.optim.Optimizer):
                 p.data = view
         shard = self.layout.shard_numel(self.rank)
         self._grad_shard = torch.zeros(shard, dtype=dtype, device=device)
+        # Stage 3's fp32 master: this rank's parameter shard (stages 1 and 2 update the owned range
+        # of the parameter buffers in place instead).
+        self._param_shard = torch.zeros(shard if self.stage == 3 else 0, dtype=dtype, device=device)
         self._exp_avg = torch.zeros(shard, dtype=torch.float32, device=device)
         self._exp_avg_sq = torch.zeros(shard, dtype=torch.float32, device=device)
         self._pieces: list[Piece] = self.layout.pieces(self.rank)
         self._steps = [0] * len(self._params)  # per parameter, as torch.optim keeps it
-        self.comm = BucketComm(self.group, self.layout, self.rank, self._grad_shard)
+        # Stage 3 gathers on a second group: see [Note: two process groups] in csrc/buckets.cpp.
+        gather_group = None
+        if self.stage == 3:
+            ranks = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
+            gather_group = dist.new_group(ranks, use_local_synchronization=True)
+        self.comm = BucketComm(self.group, self.layout, self.rank, self._grad_shard, gather_group)
 
     # --- phase 1: backward hooks ----------------------------------------------------------------
 
@@ -211,9 +230,10 @@ class ZeroAdam(torch.optim.Optimizer):
         used = self._flush_and_agree()          # phase 2
         self.comm.wait_reduces()
         self._update(used)                      # phase 3
-        self._start_gathers()                   # phase 4
-        if not self.overlap_param_gather:
-            self._wait_gathers()
+        if self.stage < 3:                      # phase 4 (stage 3: the next forward gathers)
+            self._start_gathers()
+            if not self.overlap_param_gather:
+                self._wait_gathers()
         self._last_comm = dict(self.comm.stats)
         self._begin_step()
         return None
@@ -236,8 +256,10 @@ class ZeroAdam(torch.optim.Optimizer):
             group = self.param_groups[run.group]
             beta1, beta2 = group["betas"]
             state = slice(run.state_lo, run.state_lo + run.numel)
+            master = (self._param_shard[state] if self.stage == 3
+                      else self._param_buffers[run.bucket].narrow(0, run.bucket_lo, run.numel))
             _ops.fused_adam_(
-                self._param_buffers[run.bucket].narrow(0, run.bucket_lo, run.numel),
+                master,
                 self._grad_shard[state], self._exp_avg[state], self._exp_avg_sq[state],
                 lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"], step=self._steps[run.params[0]] + 1,
@@ -263,6 +285,58 @@ class ZeroAdam(torch.optim.Optimizer):
             else:
                 runs.append(_Run(pc.bucket, pc.bucket_offset, pc.state_offset, pc.numel, key[1], (pc.param,)))
         return runs
+
+    # --- stage 3 ----------------------------------------------------------------------------------
+
+    def _shard_params(self) -> UnitTracker:
+        """Copy this rank's shards out, release every unit, and install the hooks."""
+        offsets = self.layout.shard_offsets(self.rank)
+        for b in self.layout.buckets:
+            lo, hi = b.bounds[self.rank], b.bounds[self.rank + 1]
+            self._param_shard[offsets[b.index]:offsets[b.index] + hi - lo].copy_(self._param_buffers[b.index][lo:hi])
+        num_units = len(self._unit_groups)
+        bucket_of_unit = [num_units - 1 - u for u in range(num_units)]
+        unit_of_param = {}
+        for u, group in enumerate(self._unit_groups):
+            for i in group:
+                unit_of_param[id(self._params[i])] = u
+        needs = {}
+        candidates = self._unit_modules + [m for m in _hook_candidates(self.model) if m not in self._unit_modules]
+        for module in candidates:
+            if module is self.model:
+                continue
+            units = sorted({unit_of_param[id(p)] for p in module.parameters() if id(p) in unit_of_param})
+            if units:
+                needs[module] = tuple(units)
+        root_unit = num_units - 1 if self._unit_modules and self._unit_modules[-1] is self.model else None
+        needs[self.model] = () if root_unit is None else (root_unit,)
+        self._shard_offsets = offsets
+
+        def gather_start(u):
+            b = bucket_of_unit[u]
+            buf = self._param_buffers[b]
+            buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+            lo, hi = self.layout.owned_range(b, self.rank)
+            buf[lo:hi].copy_(self._param_shard[offsets[b]:offsets[b] + hi - lo])
+            self.comm.gather_start(b, buf)
+
+        def gather_wait(u):
+            self.comm.gather_wait(bucket_of_unit[u])
+
+        def release(u):
+            self._param_buffers[bucket_of_unit[u]].untyped_storage().resize_(0)
+
+        for u in range(num_units):
+            release(u)
+        return UnitTracker(self.model, needs, root_unit, num_units, gather_start, gather_wait, release)
+
+    def materialized_param_bytes(self) -> int:
+        """Bytes of parameter storage that exist now: gathered unit buffers (stage 3: only those
+        gathered at this moment; stages 1 and 2: always all) plus stage 3's own shard."""
+        return (sum(b.untyped_storage().nbytes() for b in self._param_buffers)
+                + self._param_shard.numel() * self._param_shard.element_size())
+
+    # --- stages 1 and 2: the gather after step --------------------------------------------------
 
     def _start_gathers(self) -> None:
         for b in reversed(range(len(self.layout.buckets))):  # forward order: first layers first
@@ -299,9 +373,17 @@ class ZeroAdam(torch.optim.Optimizer):
     @contextlib.contextmanager
     def gathered_params(self):
         """Full, current parameters on every rank inside the block. Stages 1 and 2 always hold
-        them, so this costs nothing there (beyond finishing gathers still in flight)."""
+        them, so this costs nothing there (beyond finishing gathers still in flight); stage 3
+        gathers every unit and re-shards on exit (changes made inside the block are not kept)."""
         self._wait_gathers()
-        yield self.model
+        if self.units is None:
+            yield self.model
+            return
+        self.units.gather_all()
+        try:
+            yield self.model
+        finally:
+            self.units.release_all()
 
     def partition_report(self) -> dict:
         """Elements each rank owns (real parameters, not padding) and the imbalance max/mean."""
@@ -312,7 +394,7 @@ class ZeroAdam(torch.optim.Optimizer):
         """Bytes this rank holds now, by kind, counted from the tensors."""
         def nbytes(t): return t.numel() * t.element_size()
         return {
-            "params": sum(nbytes(b) for b in self._param_buffers),
+            "params": self.materialized_param_bytes(),
             "param_padding": sum(b.numel - self.layout.used_numel(b.index) for b in self.layout.buckets)
             * self._param_buffers[0].element_size(),
             "grads": sum(nbytes(p.grad) for p in self._params if p.grad is not None),
@@ -326,7 +408,12 @@ class ZeroAdam(torch.optim.Optimizer):
 
     def step_counts(self) -> dict[str, int]:
         """Adam steps taken by each trainable parameter (a parameter with no gradient on any rank
-        in a step does not advance: see [Note: unused parameters])."""
+        in a step does not advance: see Stage 3 changes phases 3 and 4: the parameters themselves are sharded. Each unit (by default each
+block: zerofast/stage3.py) is one bucket; its flat buffer exists only while gathered, module by
+module with prefetch ([Note: stage 3 lifecycle]); the fp32 master is this rank's parameter shard,
+which the fused kernel updates, and there is no gather after step(): the next forward gathers.
+
+[Note: unused parameters])."""
         return dict(zip(self._names, self._steps))
 
     def comm_stats(self) -> dict:
@@ -343,6 +430,8 @@ class ZeroAdam(torch.optim.Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self.units is not None:
+            self.units.remove()
 
 
 # --- construction checks ----------------------------------------------------------------------------
@@ -350,8 +439,8 @@ class ZeroAdam(torch.optim.Optimizer):
 def _check_args(model, stage, lr, betas, eps, weight_decay, partition, bucket_mb) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"ZeroAdam: model must be an nn.Module; got {type(model).__name__}")
-    if stage not in (1, 2):
-        raise ValueError(f"ZeroAdam: stage must be 1 or 2 (stage 3 is not implemented yet); got {stage!r}")
+    if stage not in (1, 2, 3):
+        raise ValueError(f"ZeroAdam: stage must be 1, 2 or 3; got {stage!r}")
     if partition not in PARTITIONS:
         raise ValueError(f"ZeroAdam: partition must be one of {', '.join(PARTITIONS)}; got {partition!r}")
     if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
