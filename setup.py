@@ -14,7 +14,7 @@ import torch
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-CSRC = os.path.join(ROOT, "csrc")
+CSRC = "csrc"  # relative: setuptools refuses absolute source paths when it builds a wheel
 
 
 def _real_cuda_home(nvcc):
@@ -67,11 +67,12 @@ def _cuda_wanted():
 
 def _extension():
     with_cuda = _cuda_wanted()
+    os.chdir(ROOT)
     sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")))
     # -ffp-contract=off: the math says where it fuses multiply-adds (see adam_math.h); the compiler
     # must not add more, or results drift from torch.optim.AdamW by an ulp.
     cxx = ["-O3", "-fno-math-errno", "-fopenmp-simd", "-ffp-contract=off"]
-    include_dirs = [CSRC]
+    include_dirs = [os.path.join(ROOT, CSRC)]
     macros = []
     if not with_cuda:
         return cpp_extension.CppExtension(
