@@ -1,7 +1,8 @@
 """One training step on gloo, 2 ranks x 1 thread, a GPT of 6.4M parameters in 92 tensors, batch
 8 x 64 per rank: ZeroAdam (stages 1 and 2, each partition) against the seed's reference stages,
-torch DDP + AdamW, torch's ZeroRedundancyOptimizer + DDP, DeepSpeed ZeRO 1 and 2 (when installed;
-DS_ACCELERATOR=cpu), and the same model with no communication at all. "overlap_gather" cases pass
+torch DDP + AdamW, torch's ZeroRedundancyOptimizer + DDP, DeepSpeed ZeRO 1, 2 and 3 (when installed;
+DS_ACCELERATOR=cpu), the same model with no communication at all, and for stage 3: the reference
+stage 3 and torch FSDP2 (fully_shard on each block, then on the root). "overlap_gather" cases pass
 overlap_param_gather=True (the gather after step() overlapped with the next forward).
 
 The summary prints each case's median step time as a ratio to the no-communication step.
@@ -93,7 +94,9 @@ def build(case, rank, world):
 CASES = (["nocomm", "ddp", "zero_redundancy", "reference 1", "reference 2"]
          + [f"zerofast {s} {p}" for s in (1, 2) for p in ("flat", "round_robin", "greedy")]
          + [f"zerofast {s} {p} overlap_gather" for s in (1, 2) for p in ("flat", "greedy")]
-         + ["deepspeed 1", "deepspeed 2"])
+         + ["deepspeed 1", "deepspeed 2"]
+         + ["reference 3", "fsdp2"] + [f"zerofast 3 {p}" for p in ("flat", "round_robin", "greedy")]
+         + ["deepspeed 3"])
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -1,5 +1,7 @@
 """ZeroAdam stage 3 on real gloo ranks: parameters sharded and gathered unit by unit with prefetch,
 against both oracles; peak gathered memory; communication against the seed's 2Φ / 3Φ."""
+import re
+
 import pytest
 import torch
 
@@ -163,3 +165,32 @@ def test_gathered_params_gives_full_model_and_reshards():
     for a, b, inside, after, full, shard in run_ranks(_gathered_params_and_eval, 2):
         assert a == b
         assert inside >= full * 4 and after == shard * 4
+
+
+def _custom_units(rank, world):
+    model = make_gpt("tiny")
+    opt = ZeroAdam(model, stage=3, units=[model.blocks[0], model.blocks[1]], **HYPER)
+    for step in range(STEPS):
+        _, loss = model(*rank_batch(model, step, rank))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    errors = []
+    for kwargs, pattern in [(dict(stage=2, units=[model.blocks[0]]), "units apply to stage 3 only"),
+                            (dict(stage=3, units=[torch.nn.Linear(2, 2)]), r"units\[0\] must be a submodule")]:
+        try:
+            ZeroAdam(make_gpt("tiny"), **kwargs)
+            errors.append(f"{kwargs}: no error")
+        except ValueError as e:
+            if not re.search(pattern, str(e)):
+                errors.append(str(e))
+    return _full_params(opt, model), len(opt.layout.buckets), errors
+
+
+def test_units_are_configurable():
+    results = run_ranks(_custom_units, 2)
+    expected = single_process_adamw(2, STEPS)
+    for params, buckets, errors in results:
+        assert buckets == 3  # two blocks, and the root's remaining parameters
+        assert max_abs_diff(params, expected) <= TOL
+        assert errors == []

@@ -169,7 +169,7 @@ def test_different_models_fail_clearly_on_every_rank():
 def _bad_arguments(rank, world):
     model = make_gpt("tiny")
     cases = [
-        (dict(stage=4), "stage must be 1 or 2.*got 4"),
+        (dict(stage=4), "stage must be 1, 2 or 3; got 4"),
         (dict(partition="zigzag"), "partition must be one of flat, round_robin, greedy; got 'zigzag'"),
         (dict(bucket_mb=0), "bucket_mb must be a positive number; got 0"),
         (dict(lr=-1.0), "lr must be a number >= 0; got -1.0"),

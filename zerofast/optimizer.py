@@ -87,7 +87,21 @@ class _Run:
 
 
 class ZeroAdam(torch.optim.Optimizer):
-    """Adam/AdamW whose state (stage 1) and gradients (stage 2) are sharded across ranks."""
+    """Adam/AdamW whose state (stage 1), gradients (stage 2) and parameters (stage 3) are sharded
+    across the ranks of `process_group` (default: the whole world).
+
+    model: the nn.Module whose trainable parameters it manages (frozen ones are left alone; a tied
+      parameter is one parameter). Its parameters become views into zerofast's flat buffers.
+    partition: "flat" (default; equal slices of every bucket), "round_robin" (the seed's parameter
+      i to rank i % N) or "greedy" (whole tensors, largest first, to the least-loaded rank).
+    param_groups: torch.optim-style dicts over the model's trainable parameters ("lr", "betas",
+      "eps", "weight_decay"; missing keys take the constructor's values).
+    bucket_mb: stages 1 and 2 bucket size (stage 3 uses one bucket per unit).
+    overlap: reduce each bucket during backward as soon as it is complete (else at step()).
+    overlap_param_gather: stages 1 and 2: gather after step() overlapped with the next forward.
+    units: stage 3: the modules whose parameters are gathered together (default: each child of the
+      root holding parameters, through ModuleList/ModuleDict; the root's own rest forms one more).
+    """
 
     def __init__(self, model: nn.Module, stage: int = 2, lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, adamw: bool = True,
@@ -96,6 +110,7 @@ class ZeroAdam(torch.optim.Optimizer):
                  process_group: Optional[dist.ProcessGroup] = None, overlap_param_gather: bool = False,
                  units: Optional[list[nn.Module]] = None):
         _check_args(model, stage, lr, betas, eps, weight_decay, partition, bucket_mb)
+        _check_units(model, stage, units)
         if not dist.is_initialized():
             raise RuntimeError("ZeroAdam needs torch.distributed initialized (dist.init_process_group); "
                                "world size 1 works too")
@@ -446,6 +461,17 @@ def _check_args(model, stage, lr, betas, eps, weight_decay, partition, bucket_mb
     if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
         raise ValueError(f"ZeroAdam: bucket_mb must be a positive number; got {bucket_mb!r}")
     _check_hyper("", dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+
+def _check_units(model: nn.Module, stage: int, units) -> None:
+    if units is None:
+        return
+    if stage != 3:
+        raise ValueError(f"ZeroAdam: units apply to stage 3 only; got units with stage={stage}")
+    mine = {id(m) for m in model.modules()}
+    for k, u in enumerate(units):
+        if not isinstance(u, nn.Module) or id(u) not in mine:
+            raise ValueError(f"ZeroAdam: units[{k}] must be a submodule of the model; got {type(u).__name__}")
 
 
 def _check_hyper(where: str, g: dict) -> None:
