@@ -26,7 +26,7 @@ $(PY):
 # Third-party packages: installed once; a second `make setup` reuses them.
 $(DEPS): | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)" ninja setuptools wheel pytest pytest-benchmark numpy
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" ninja setuptools wheel pytest pytest-benchmark numpy matplotlib
 	touch $@
 
 # The package itself, editable: rebuilt when a C++/CUDA source or the build files change.
@@ -37,8 +37,10 @@ $(BUILT): $(DEPS) $(SOURCES)
 
 build: $(BUILT)
 
+# The main job: 2 gloo ranks (NCCL with GPUs), ZeroAdam stage 3, then DDP and the reference stage
+# for comparison, and the measured memory per rank drawn into memory.png.
 demo: $(BUILT)
-	$(PY) -m zerofast.train
+	$(PY) -m zerofast.train --compare --plot memory.png
 
 test: $(BUILT)
 	$(PY) -m pytest -q tests

@@ -1,10 +1,13 @@
-"""The main job: train a small GPT on N local ranks and print the loss per step.
+"""The main job: train a small GPT with ZeroAdam on N local ranks and show ZeRO's memory at work.
 
-    python -m zerofast.train [--nproc 2] [--stage 2] [--steps 30] [--model small|tiny]
+    python -m zerofast.train --nproc 2 --stage 3 [--partition flat] [--steps N] [--model tiny|small]
+                             [--backend gloo|nccl] [--compare] [--plot memory.png]
 
 Without torchrun's environment it launches itself on --nproc local ranks through
 torch.distributed.run (the mechanism behind torchrun), so a multi-machine run is
-`torchrun --nnodes ... -m zerofast.train`.
+`torchrun --nnodes ... -m zerofast.train`. Trains on text shipped inside the package (zerofast/data.py),
+shows a progress bar on rank 0, and ends with a table per rank: parameter, gradient and optimizer
+bytes measured next to the seed's estimate, and the communication per step next to 2Φ / 3Φ.
 """
 from __future__ import annotations
 
@@ -18,8 +21,10 @@ import torch
 import torch.distributed as dist
 
 from .data import corpus_tokens, text_batch
+from .memory import estimate_memory
 from .models import CONFIGS, make_gpt
-from .reference import ReferenceZero
+from .optimizer import ZeroAdam
+from .partition import PARTITIONS
 
 log = logging.getLogger("zerofast.train")
 
@@ -27,25 +32,45 @@ log = logging.getLogger("zerofast.train")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m zerofast.train", description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=2, help="local ranks to launch (default 2)")
-    p.add_argument("--stage", type=int, default=2, help="ZeRO stage 1, 2 or 3 (default 2)")
-    p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    p.add_argument("--stage", type=int, default=3, help="ZeRO stage 1, 2 or 3 (default 3)")
+    p.add_argument("--partition", default="flat", help=f"{', '.join(PARTITIONS)} (default flat)")
+    p.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
     p.add_argument("--model", default="small", help=f"model size: {', '.join(CONFIGS)} (default small)")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")
     p.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
     p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl with GPUs, else gloo)")
+    p.add_argument("--mixed-precision", default=None, help="bf16 (not implemented yet: see README)")
+    p.add_argument("--compare", action="store_true",
+                   help="also run the same steps under DDP and the reference stage; print loss differences and step-time ratios")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="draw measured memory per rank (DDP and stages 1-3) as stacked bars into PNG")
     args = p.parse_args(argv)
     if args.nproc < 1:
         p.error(f"--nproc must be at least 1; got {args.nproc}")
     if args.stage not in (1, 2, 3):
         p.error(f"--stage must be 1, 2 or 3; got {args.stage}")
+    if args.partition not in PARTITIONS:
+        p.error(f"--partition must be one of {', '.join(PARTITIONS)}; got {args.partition!r}")
     if args.steps < 0:
         p.error(f"--steps must be 0 or more; got {args.steps}")
     if args.model not in CONFIGS:
         p.error(f"--model must be one of {', '.join(CONFIGS)}; got {args.model!r}")
     if args.batch < 1:
         p.error(f"--batch must be at least 1; got {args.batch}")
+    if not args.lr > 0:
+        p.error(f"--lr must be positive; got {args.lr}")
     if args.backend not in (None, "gloo", "nccl"):
         p.error(f"--backend must be gloo or nccl; got {args.backend!r}")
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        p.error("--backend nccl needs CUDA GPUs; none is visible")
+    if args.mixed_precision is not None:
+        p.error(f"--mixed-precision {args.mixed_precision}: mixed precision is not implemented yet "
+                f"(ZeroAdam trains fp32 parameters)")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--plot needs matplotlib (pip install matplotlib)")
     return args
 
 
@@ -54,38 +79,192 @@ def launch(argv: list[str], nproc: int) -> int:
     from torch.distributed.run import main as torchrun_main
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torchrun_main(["--standalone", f"--nproc-per-node={nproc}", "-m", "zerofast.train", *argv])
+    torchrun_main(["--standalone", f"--nproc-per-node={nproc}", "-m", "zerofast.train", *_without_nproc(argv)])
     return 0
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """The ranks don't need --nproc, and torchrun's own parser would take it for an abbreviation of
+    its --nproc-per-node even after the module name."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+class Progress:
+    """A one-line progress bar on rank 0 (stderr), with loss and tokens/s."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled, self.start = total, enabled, time.perf_counter()
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if not self.enabled:
+            return
+        width = 30
+        done = int(width * (step + 1) / max(1, self.total))
+        bar = "#" * done + "." * (width - done)
+        sys.stderr.write(f"\r[{bar}] {step + 1}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s")
+        if step + 1 == self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _model(args):
+    """The GPT of the chosen size, over byte tokens (vocabulary 256) of the shipped text."""
+    return make_gpt(args.model, vocab_size=256)
+
+
+def _device(backend: str) -> torch.device:
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def _make_optimizer(kind: str, model, args):
+    """kind: "zero" (ZeroAdam at args.stage / a given stage), "ddp", or "reference"."""
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        wrapped = DDP(model)
+        return wrapped, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    if kind == "reference":
+        from .reference import ReferenceZero
+        return model, ReferenceZero(model, stage=args.stage, lr=args.lr, weight_decay=0.1)
+    stage = int(kind.split(":")[1]) if ":" in kind else args.stage
+    return model, ZeroAdam(model, stage=stage, partition=args.partition, lr=args.lr, weight_decay=0.1)
+
+
+def _measure(kind: str, model, opt) -> dict[str, int]:
+    """Bytes this rank holds now, counted from the tensors."""
+    if isinstance(opt, ZeroAdam):
+        r = opt.memory_report()
+        return {"params": r["params"], "grads": r["grads"] + r["grad_shard"], "optimizer": r["optimizer"],
+                "buckets": r["bucket_buffers"] + r["bucket_pool"]}
+    if hasattr(opt, "memory_held"):  # the reference stage counts its own
+        return {**opt.memory_held(), "buckets": 0}
+    state = list(opt.state.values())
+    return {"params": sum(p.nbytes for p in model.parameters()),
+            "grads": sum(p.grad.nbytes for p in model.parameters() if p.grad is not None),
+            "optimizer": sum(s[k].nbytes for s in state for k in ("exp_avg", "exp_avg_sq") if k in s),
+            "buckets": 0}
+
+
+def run(kind: str, args, device, steps: int, progress: bool):
+    """Train a fresh model `steps` steps; return losses, seconds per step, measured bytes, comm."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model(args).to(device)
+    module, opt = _make_optimizer(kind, model, args)
+    tokens = corpus_tokens()
+    seq = model.cfg.block_size
+    losses, times, measured = [], [], {}
+    bar = Progress(steps, progress and rank == 0)
+    for step in range(steps):
+        x, y = text_batch(tokens, args.batch, seq, seed=step * world + rank)
+        t0 = time.perf_counter()
+        _, loss = module(x.to(device), y.to(device))
+        loss.backward()
+        opt.step()
+        if step == steps - 1:
+            measured = _measure(kind, model, opt)  # after step(), before zero_grad()
+        opt.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        losses.append(mean_loss.item() / world)
+        bar.update(step, losses[-1], args.batch * seq * world / times[-1])
+    comm = opt.comm_stats() if isinstance(opt, ZeroAdam) else {}
+    numel = sum(p.numel() for p in model.parameters())
+    if isinstance(opt, ZeroAdam):
+        opt.remove_hooks()
+    return losses, times, measured, comm, numel
+
+
+def _median(xs):
+    xs = sorted(xs[1:] or xs)  # the first step pays for warm-up
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def report(args, measured_all, comm, numel, world) -> None:
+    est = estimate_memory(numel, world, args.stage, "fp32")
+    phi = 4 * numel
+    print(f"\nper rank, bytes after step() (fp32: 4 + 4 + 8 per parameter; estimate = the seed's table)")
+    print(f"{'rank':>4s} {'params':>12s} {'(est)':>12s} {'grads':>12s} {'(est)':>12s} "
+          f"{'optimizer':>12s} {'(est)':>12s} {'buckets':>10s}")
+    for r, m in enumerate(measured_all):
+        print(f"{r:4d} {m['params']:12,d} {est.params:12,d} {m['grads']:12,d} {est.grads:12,d} "
+              f"{m['optimizer']:12,d} {est.optimizer:12,d} {m['buckets']:10,d}")
+    moved = sum(v for k, v in comm.items() if k != "all_reduce_flags")
+    seed = 3 if args.stage == 3 else 2
+    print(f"communication per step: {moved:,d} bytes = {moved / phi:.2f} Φ (seed: {seed}Φ = {seed * phi:,d}; "
+          f"Φ = {phi:,d} bytes of fp32 parameters)  by collective: {comm}")
+
+
+def plot(path: str, rows: dict[str, list[dict]], numel: int) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(rows)
+    world = len(next(iter(rows.values())))
+    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 4), sharey=True)
+    colors = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868"}
+    for ax, name in zip(axes, names):
+        bottom = [0.0] * world
+        for kind in ("params", "grads", "optimizer"):
+            vals = [m[kind] / 2**20 for m in rows[name]]
+            ax.bar(range(world), vals, bottom=bottom, color=colors[kind], label=kind)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_title(name)
+        ax.set_xticks(range(world), [f"rank {r}" for r in range(world)])
+    axes[0].set_ylabel("MiB per rank (measured)")
+    axes[-1].legend(loc="upper right")
+    fig.suptitle(f"Memory per rank, measured, fp32 Adam, Φ = {numel:,} parameters")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def worker(args: argparse.Namespace) -> None:
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    model = make_gpt(args.model).to(device)
-    opt = ReferenceZero(model, stage=args.stage, lr=args.lr, weight_decay=0.1)
-    tokens = corpus_tokens()
-    seq = model.cfg.block_size
+    device = _device(backend)
     if rank == 0:
-        n = sum(p.numel() for p in model.parameters())
-        log.info("training a %s GPT (%.2fM parameters) on %d ranks (%s), reference stage %d",
-                 args.model, n / 1e6, world, backend, args.stage)
-    for step in range(args.steps):
-        t0 = time.perf_counter()
-        x, y = text_batch(tokens, args.batch, seq, seed=step * world + rank)
-        _, loss = model(x.to(device), y.to(device))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
+        n = sum(p.numel() for p in _model(args).parameters())
+        log.info("training a %s GPT (%.2fM parameters) on %d ranks (%s): ZeroAdam stage %d, %s partition",
+                 args.model, n / 1e6, world, backend, args.stage, args.partition)
+    losses, times, measured, comm, numel = run("zero", args, device, args.steps, progress=True)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, measured)
+    if rank == 0 and args.steps > 0:
+        log.info("loss %.4f -> %.4f over %d steps, %.0f ms per step", losses[0], losses[-1], args.steps,
+                 1e3 * _median(times))
+        report(args, everyone, comm, numel, world)
+    if args.compare and args.steps > 0:
+        results = {kind: run(kind, args, device, args.steps, progress=False) for kind in ("ddp", "reference")}
         if rank == 0:
-            dt = time.perf_counter() - t0
-            log.info("step %3d  loss %.4f  %.0f tok/s", step, mean_loss.item() / world,
-                     args.batch * seq * world / dt)
+            for kind, (other, other_times, *_rest) in results.items():
+                diff = max(abs(a - b) for a, b in zip(losses, other))
+                log.info("vs %-9s largest loss difference %.2e; step time ZeroAdam / %s = %.2f",
+                         kind, diff, kind, _median(times) / _median(other_times))
+    if args.plot:
+        rows = {}
+        for kind, label in (("ddp", "DDP"), ("zero:1", "stage 1"), ("zero:2", "stage 2"), ("zero:3", "stage 3")):
+            _, _, m, _, _ = run(kind, args, device, 2, progress=False)
+            per_rank: list = [None] * world
+            dist.all_gather_object(per_rank, m)
+            rows[label] = per_rank
+        if rank == 0:
+            plot(args.plot, rows, numel)
+            log.info("wrote %s", args.plot)
     dist.destroy_process_group()
 
 

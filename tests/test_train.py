@@ -1,0 +1,116 @@
+"""The main job and the memory estimator: measured bytes on real ranks against the seed's formulas,
+a short real training run, and clear exits on bad arguments."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from harness import run_ranks
+from oracles import HYPER, rank_batch
+from zerofast import ZeroAdam
+from zerofast.memory import estimate_memory
+from zerofast.models import make_gpt
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _measured(rank, world, stage):
+    model = make_gpt("tiny")
+    if stage == 0:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(model.parameters(), **HYPER)
+        _, loss = ddp(*rank_batch(model, 0, rank))
+        loss.backward()
+        opt.step()
+        state = list(opt.state.values())
+        return {"params": sum(p.nbytes for p in model.parameters()),
+                "grads": sum(p.grad.nbytes for p in model.parameters()),
+                "optimizer": sum(s[k].nbytes for s in state for k in ("exp_avg", "exp_avg_sq"))}
+    opt = ZeroAdam(model, stage=stage, bucket_mb=0.01, **HYPER)
+    _, loss = model(*rank_batch(model, 0, rank))
+    loss.backward()
+    opt.step()
+    r = opt.memory_report()
+    return {"params": r["params"], "grads": r["grads"] + r["grad_shard"], "optimizer": r["optimizer"]}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_estimate_matches_measured_bytes(world, stage):
+    est = estimate_memory(make_gpt("tiny"), world, stage, "fp32", bucket_mb=0.01)
+    for rank, m in enumerate(run_ranks(_measured, world, args=(stage,))):
+        for kind in ("params", "grads", "optimizer"):
+            want = getattr(est, kind)
+            if stage == 0:
+                assert m[kind] == want, f"DDP {kind}: measured {m[kind]} != estimate {want}"
+            else:  # the table's value, plus at most what the estimate reports as zerofast's extra
+                assert want - 4 * 4 * world <= m[kind] <= want + est.zerofast_extra, \
+                    f"stage {stage} rank {rank}/{world} {kind}: measured {m[kind]}, estimate {want} (+{est.zerofast_extra})"
+
+
+def test_estimate_formulas():
+    phi = 1_000_000
+    ddp = estimate_memory(phi, 4, 0, "mixed")
+    assert (ddp.params, ddp.grads, ddp.optimizer) == (2 * phi, 2 * phi, 12 * phi)  # the seed's 16Φ
+    s1, s2, s3 = (estimate_memory(phi, 4, s, "mixed") for s in (1, 2, 3))
+    assert (s1.params, s1.grads, s1.optimizer) == (2 * phi, 2 * phi, 3 * phi)       # 4Φ + 12Φ/N
+    assert (s2.params, s2.grads, s2.optimizer) == (2 * phi, phi // 2, 3 * phi)      # 2Φ + 14Φ/N
+    assert (s3.params, s3.grads, s3.optimizer) == (phi // 2, phi // 2, 3 * phi)     # 16Φ/N
+    f = estimate_memory(phi, 2, 0, "fp32")
+    assert (f.params, f.grads, f.optimizer) == (4 * phi, 4 * phi, 8 * phi)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(model_or_param_count=-1, world=2, stage=1), "count >= 0; got -1"),
+    (dict(model_or_param_count=10, world=0, stage=1), "world must be an integer >= 1; got 0"),
+    (dict(model_or_param_count=10, world=2, stage=4), "stage must be 0 \\(DDP\\), 1, 2 or 3; got 4"),
+    (dict(model_or_param_count=10, world=2, stage=1, precision="fp8"), "precision must be fp32 or mixed; got 'fp8'"),
+])
+def test_estimate_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        estimate_memory(**kwargs)
+
+
+def _run(*args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_train_command_loss_goes_down():
+    out = _run("zerofast.train", "--nproc", "2", "--model", "tiny", "--steps", "12", "--stage", "3",
+               "--batch", "8", "--lr", "1e-2")
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout + out.stderr
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) over 12 steps", text).groups())
+    assert last < first - 0.1, text
+    assert "per rank, bytes after step()" in text and "communication per step" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stage", "4"], "--stage must be 1, 2 or 3; got 4"),
+    (["--steps", "-3"], "--steps must be 0 or more; got -3"),
+    (["--model", "huge"], "--model must be one of tiny, small; got 'huge'"),
+    (["--nproc", "0"], "--nproc must be at least 1; got 0"),
+    (["--partition", "zigzag"], "--partition must be one of flat, round_robin, greedy; got 'zigzag'"),
+    (["--mixed-precision", "bf16"], "mixed precision is not implemented yet"),
+])
+def test_train_bad_arguments_exit_2(argv, message, capsys):
+    from zerofast.train import parse_args
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_exit_codes():
+    bad = _run("zerofast.train", "--stage", "4", timeout=120)
+    assert bad.returncode == 2 and "--stage must be 1, 2 or 3; got 4" in bad.stderr
+    ok = _run("zerofast.estimate", "--params", "7500000000", "--world", "64", timeout=120)
+    assert ok.returncode == 0 and "stage 3" in ok.stdout
+    bad = _run("zerofast.estimate", "--params", "10", "--world", "0", timeout=120)
+    assert bad.returncode == 2 and "--world must be at least 1; got 0" in bad.stderr
