@@ -68,6 +68,15 @@ def build(case, rank, world):
         ddp = DDP(model)
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, fused=True, **HYPER)
         return _loop(model, opt, rank, plain(opt, ddp))
+    if kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
+        return _loop(model, opt, rank, plain(opt, model))
     if kind == "reference":
         opt = ReferenceZero(model, stage=int(rest), **HYPER)
         return _loop(model, opt, rank, plain(opt, model))

@@ -42,7 +42,10 @@ C10_ALWAYS_INLINE void store(Bf16* out, float x) {
 struct NoCopy {};
 
 template <typename G, typename C>
-void adam_typed(const AdamPointers& ptr, const AdamScalars& s, int64_t begin, int64_t end) {
+void adam_typed(const AdamPointers& ptr, const AdamScalars& scalars, int64_t begin, int64_t end) {
+  // A local copy: stores through the float pointers below cannot alias it, so its fields stay in
+  // registers instead of being reloaded every iteration.
+  const AdamScalars s = scalars;
   float* __restrict param = ptr.param;
   const G* __restrict grad = static_cast<const G*>(ptr.grad);
   float* __restrict exp_avg = ptr.exp_avg;
