@@ -105,8 +105,9 @@ void fused_adam_cpu(const at::Tensor& param, const at::Tensor& grad, const at::T
                     const std::optional<at::Tensor>& found_inf,
                     const std::optional<at::Tensor>& param_copy) {
   check_fused_adam_args(param, grad, exp_avg, exp_avg_sq, step, grad_scale_tensor, found_inf, param_copy);
-  const double scale = grad_scale * (grad_scale_tensor ? grad_scale_tensor->item<double>() : 1.0);
-  const AdamScalars s = make_adam_scalars(lr, beta1, beta2, eps, weight_decay, step, adamw, scale);
+  AdamScalars s = make_adam_scalars(lr, beta1, beta2, eps, weight_decay, step, adamw, grad_scale);
+  // In float, as the CUDA kernel multiplies the device value in: the same bits on both devices.
+  if (grad_scale_tensor) s.grad_scale *= grad_scale_tensor->item<float>();
   const IsaKernels k = kernels_for(selected_isa());
   if (found_inf.has_value()) {
     if (any_nonfinite(k, grad, s.grad_scale)) found_inf->fill_(1.0);

@@ -5,9 +5,10 @@
 // launch, an event recorded on the caller's stream (where backward copied the gradients into the
 // bucket) is waited on by the comm stream, so the collective reads finished data; ProcessGroupNCCL
 // orders its own stream after the current one, which is then the comm stream, so backward's
-// compute is never blocked by communication. A bucket buffer used on the comm stream is marked
-// with record_stream, so the caching allocator does not hand its memory out again before the
-// collective is done. When the reduces are waited for, the caller's stream waits on an event
+// compute is never blocked by communication. A bucket buffer used on the comm stream is never
+// returned to the caching allocator: it goes back to the pool ([Note: bucket pool]) only after its
+// collective has been waited for, so no record_stream is needed. When the reduces are waited for,
+// the caller's stream waits on an event
 // recorded on the comm stream, so the optimizer step reads the reduced gradients. Gathers follow
 // the same pattern. On CPU (gloo) the Work handles alone order everything: gloo runs collectives on
 // its own threads and Work::wait() returns when the data is in place.
@@ -179,8 +180,49 @@ at::Tensor BucketComm::owned_grad(int64_t bucket) {
   return grad_shard_.narrow(0, shard_offsets_[bucket], bd[rank_ + 1] - bd[rank_]);
 }
 
+void BucketComm::reap_completed() {
+  // Stage 2 promises "its own gradient slice plus the buckets in flight": a bucket whose reduce is
+  // done is copied out and released now, not at step().
+  std::vector<std::pair<int64_t, c10::intrusive_ptr<c10d::Work>>> still;
+  std::vector<int64_t> done;
+  for (auto& entry : in_flight_) {
+    const bool finished = entry.second->isCompleted();
+    const bool pending_sibling = std::any_of(in_flight_.begin(), in_flight_.end(), [&](const auto& other) {
+      return other.first == entry.first && !other.second->isCompleted();
+    });
+    if (finished && !pending_sibling) {
+      if (std::find(done.begin(), done.end(), entry.first) == done.end()) done.push_back(entry.first);
+    } else {
+      still.push_back(entry);
+    }
+  }
+  if (done.empty()) return;
+  {
+#ifdef ZEROFAST_WITH_CUDA
+    std::optional<c10::cuda::CUDAStreamGuard> guard;
+    if (comm_stream_) guard.emplace(*comm_stream_);
+#endif
+    for (auto& entry : in_flight_) {
+      if (std::find(done.begin(), done.end(), entry.first) != done.end()) entry.second->wait();
+    }
+    for (int64_t bucket : done) finish_reduce(bucket);
+  }
+  in_flight_ = std::move(still);
+}
+
+void BucketComm::finish_reduce(int64_t bucket) {
+  auto& buf = buffers_[bucket];
+  if (!buf.has_value()) return;
+  if (!flat_ || reduce_by_all_reduce_) {  // the own reduced segment, from the bucket into the shard
+    const auto& bd = bounds_[bucket];
+    owned_grad(bucket).copy_(buf->narrow(0, bd[rank_], bd[rank_ + 1] - bd[rank_]));
+  }
+  release(bucket);
+}
+
 void BucketComm::reduce(int64_t bucket) {
   check_bucket(bucket, "reduce");
+  reap_completed();
   TORCH_CHECK(buffers_[bucket].has_value(), "BucketComm.reduce: bucket ", bucket, " has no gradients");
   at::Tensor buf = *buffers_[bucket];
   begin_comm();
@@ -215,15 +257,7 @@ void BucketComm::wait_reduces() {
     if (comm_stream_) guard.emplace(*comm_stream_);
 #endif
     for (auto& [bucket, work] : in_flight_) work->wait();
-    for (auto& [bucket, work] : in_flight_) {
-      auto& buf = buffers_[bucket];
-      if (!buf.has_value()) continue;  // several reduces of one bucket: copied out already
-      if (!flat_ || reduce_by_all_reduce_) {  // the own reduced segment, from the bucket into the shard
-        const auto& bd = bounds_[bucket];
-        owned_grad(bucket).copy_(buf->narrow(0, bd[rank_], bd[rank_ + 1] - bd[rank_]));
-      }
-      release(bucket);
-    }
+    for (auto& [bucket, work] : in_flight_) finish_reduce(bucket);  // once per bucket: it checks
   }
   in_flight_.clear();
   end_comm();

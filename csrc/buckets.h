@@ -62,6 +62,8 @@ class BucketComm {
  private:
   at::Tensor& buffer(int64_t bucket);
   void release(int64_t bucket);
+  void reap_completed();                // finish the reduces that are done (see reduce())
+  void finish_reduce(int64_t bucket);   // copy the own segment out, release the buffer
   void check_bucket(int64_t bucket, const char* what) const;
   at::Tensor owned_grad(int64_t bucket);
   void begin_comm();   // on CUDA: order the comm stream after the work queued so far

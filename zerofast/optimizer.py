@@ -33,7 +33,9 @@ parameters directly waits for their buckets, so the gather of later layers runs 
 layers compute. The contract: a parameter is read only inside the forward of a module that holds it
 (module.parameters(recurse=False)). A parameter read elsewhere (in a loss function, say) may be read
 while its gather is still in flight; that is caught when its gradient arrives, as an error naming
-it, never as a silent wrong step. opt.gathered_params() (and the next step()) wait for everything.
+it, when the parameter's bucket has not been waited for by then. The check is best-effort: if
+another module of the same bucket ran its pre-hook in between, the flag is cleared and the early
+read goes unnoticed. opt.gathered_params() (and the next step()) wait for everything.
 
 Stage 3 changes phases 3 and 4: the parameters themselves are sharded. Each unit (by default each
 block: zerofast/stage3.py) is one bucket; its flat buffer exists only while gathered, module by
@@ -242,6 +244,8 @@ class ZeroAdam(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("ZeroAdam.step does not take a closure; got one")
         self._wait_gathers()                    # last step's, if some module never ran
+        if self.units is not None:              # stage 3: nothing may stay gathered across the update
+            self.units.release_all()
         used = self._flush_and_agree()          # phase 2
         self.comm.wait_reduces()
         self._update(used)                      # phase 3
@@ -423,12 +427,7 @@ class ZeroAdam(torch.optim.Optimizer):
 
     def step_counts(self) -> dict[str, int]:
         """Adam steps taken by each trainable parameter (a parameter with no gradient on any rank
-        in a step does not advance: see Stage 3 changes phases 3 and 4: the parameters themselves are sharded. Each unit (by default each
-block: zerofast/stage3.py) is one bucket; its flat buffer exists only while gathered, module by
-module with prefetch ([Note: stage 3 lifecycle]); the fp32 master is this rank's parameter shard,
-which the fused kernel updates, and there is no gather after step(): the next forward gathers.
-
-[Note: unused parameters])."""
+        in a step does not advance: see [Note: unused parameters])."""
         return dict(zip(self._names, self._steps))
 
     def comm_stats(self) -> dict:

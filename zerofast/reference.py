@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .stage3 import output_tensors
+
 __all__ = ["ReferenceZero", "round_robin_owners"]
 
 
@@ -122,7 +124,7 @@ class ReferenceZero:
 
     def _after_forward(self, module, args, output) -> None:
         self._release_params()
-        needs_grad = [t for t in _tensors(output) if t.requires_grad]
+        needs_grad = [t for t in output_tensors(output) if t.requires_grad]
         if needs_grad:  # gather again as soon as backward reaches the model's outputs
             torch.autograd.graph.register_multi_grad_hook(
                 needs_grad, lambda grads: self._gather_params(), mode="any")
@@ -138,12 +140,3 @@ class ReferenceZero:
             "optimizer": sum(s[k].nbytes for s in state for k in ("exp_avg", "exp_avg_sq") if k in s),
         }
 
-
-def _tensors(output) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (list, tuple)):
-        return [t for item in output for t in _tensors(item)]
-    if isinstance(output, dict):
-        return [t for item in output.values() for t in _tensors(item)]
-    return []

@@ -194,7 +194,7 @@ class UnitTracker:
         self.release(self.needs[module])
         if module is self.model:
             self.release_all()  # prefetches that no module claimed
-        outputs = [t for t in _tensors(output) if t.requires_grad]
+        outputs = [t for t in output_tensors(output) if t.requires_grad]
         if outputs and torch.is_grad_enabled():
             torch.autograd.graph.register_multi_grad_hook(
                 outputs, lambda grads, m=module: self._pre_backward(m), mode="any")
@@ -218,11 +218,12 @@ class UnitTracker:
         self.handles = []
 
 
-def _tensors(output) -> list[torch.Tensor]:
+def output_tensors(output) -> list[torch.Tensor]:
+    """The tensors in a module's output (a tensor, or lists, tuples and dicts of them)."""
     if isinstance(output, torch.Tensor):
         return [output]
     if isinstance(output, (list, tuple)):
-        return [t for item in output for t in _tensors(item)]
+        return [t for item in output for t in output_tensors(item)]
     if isinstance(output, dict):
-        return [t for item in output.values() for t in _tensors(item)]
+        return [t for item in output.values() for t in output_tensors(item)]
     return []
