@@ -183,6 +183,12 @@ def _bad_arguments(rank, world):
         (dict(param_groups=[{"params": list(model.parameters()), "momentum": 0.9}]), "unknown keys \\['momentum'\\]"),
         (dict(param_groups=[{"params": list(model.parameters()), "lr": -2}]), r"param_groups\[0\]: lr must be a number >= 0; got -2"),
     ]
+    cases += [
+        (dict(adamw="yes"), "adamw must be True or False; got 'yes'"),
+        (dict(overlap=1), "overlap must be True or False; got 1"),
+        (dict(overlap_param_gather=None), "overlap_param_gather must be True or False; got None"),
+        (dict(process_group="world"), "process_group must be a torch.distributed ProcessGroup or None; got str"),
+    ]
     import re
     failures = []
     for kwargs, pattern in cases:

@@ -113,6 +113,12 @@ class ZeroAdam(torch.optim.Optimizer):
                  units: Optional[list[nn.Module]] = None):
         _check_args(model, stage, lr, betas, eps, weight_decay, partition, bucket_mb)
         _check_units(model, stage, units)
+        for name, value in (("adamw", adamw), ("overlap", overlap), ("overlap_param_gather", overlap_param_gather)):
+            if not isinstance(value, bool):
+                raise TypeError(f"ZeroAdam: {name} must be True or False; got {value!r}")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"ZeroAdam: process_group must be a torch.distributed ProcessGroup or None; "
+                            f"got {type(process_group).__name__}")
         if not dist.is_initialized():
             raise RuntimeError("ZeroAdam needs torch.distributed initialized (dist.init_process_group); "
                                "world size 1 works too")
