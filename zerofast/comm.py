@@ -49,9 +49,6 @@ class BucketComm:
     def zero_slot(self, bucket: int, offset: int, numel: int) -> None:
         self._impl.zero_slot(bucket, offset, numel)
 
-    def has_buffer(self, bucket: int) -> bool:
-        return self._impl.has_buffer(bucket)
-
     def reduce(self, bucket: int) -> None:
         self.stats[self.reduce_name] += self.layout.buckets[bucket].numel * self.element_size
         self._impl.reduce(bucket)

@@ -335,7 +335,6 @@ class ZeroAdam(torch.optim.Optimizer):
                 needs[module] = tuple(units)
         root_unit = num_units - 1 if self._unit_modules and self._unit_modules[-1] is self.model else None
         needs[self.model] = () if root_unit is None else (root_unit,)
-        self._shard_offsets = offsets
 
         def gather_start(u):
             b = bucket_of_unit[u]
@@ -353,7 +352,7 @@ class ZeroAdam(torch.optim.Optimizer):
 
         for u in range(num_units):
             release(u)
-        return UnitTracker(self.model, needs, root_unit, num_units, gather_start, gather_wait, release)
+        return UnitTracker(self.model, needs, num_units, gather_start, gather_wait, release)
 
     def materialized_param_bytes(self) -> int:
         """Bytes of parameter storage that exist now: gathered unit buffers (stage 3: only those

@@ -91,11 +91,10 @@ class UnitTracker:
     gather_start(u) / gather_wait(u) / release(u) are the engine's (ZeroAdam's) operations on unit u.
     """
 
-    def __init__(self, model: nn.Module, needs: dict[nn.Module, tuple[int, ...]], root_unit: int | None,
-                 num_units: int, gather_start, gather_wait, release):
+    def __init__(self, model: nn.Module, needs: dict[nn.Module, tuple[int, ...]], num_units: int,
+                 gather_start, gather_wait, release):
         self.model = model
         self.needs = needs                      # hooked module -> units it needs while it runs
-        self.root_unit = root_unit              # the root's own unit, if it has one
         self.state = [UnitState.SHARDED] * num_units
         self.refs = [0] * num_units             # modules running (forward or backward) that need it
         self._gather_start, self._gather_wait, self._release = gather_start, gather_wait, release
