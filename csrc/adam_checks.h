@@ -60,4 +60,16 @@ inline void check_fused_adam_args(const at::Tensor& param, const at::Tensor& gra
   }
 }
 
+inline void check_nonfinite_args(const at::Tensor& grad, const at::Tensor& found_inf) {
+  TORCH_CHECK(grad.dim() == 1 && grad.is_contiguous(),
+              "nonfinite_check_: grad must be a flat contiguous 1-D tensor; got shape ", grad.sizes());
+  TORCH_CHECK(is_low_or_float(grad.scalar_type()),
+              "nonfinite_check_: grad must be float32, bfloat16 or float16; got ", grad.scalar_type());
+  TORCH_CHECK(found_inf.scalar_type() == at::kFloat && found_inf.numel() == 1,
+              "nonfinite_check_: found_inf must be a 1-element float32 tensor; got dtype ", found_inf.scalar_type(),
+              " with ", found_inf.numel(), " elements");
+  TORCH_CHECK(found_inf.device() == grad.device(), "nonfinite_check_: found_inf is on ", found_inf.device(),
+              " but grad is on ", grad.device());
+}
+
 }  // namespace zerofast

@@ -125,11 +125,17 @@ void fused_adam_cpu(const at::Tensor& param, const at::Tensor& grad, const at::T
                    [&](int64_t begin, int64_t end) { k.adam_range(ptr, s, begin, end); });
 }
 
+void nonfinite_check_cpu(const at::Tensor& grad, const at::Tensor& found_inf) {
+  check_nonfinite_args(grad, found_inf);
+  if (any_nonfinite(kernels_for(selected_isa()), grad, 1.0f)) found_inf.fill_(1.0);
+}
+
 }  // namespace
 }  // namespace cpu
 
 TORCH_LIBRARY_IMPL(zerofast, CPU, m) {
   m.impl("fused_adam_", &cpu::fused_adam_cpu);
+  m.impl("nonfinite_check_", &cpu::nonfinite_check_cpu);
 }
 
 }  // namespace zerofast

@@ -167,11 +167,33 @@ void fused_adam_cuda(const at::Tensor& param, const at::Tensor& grad, const at::
   }
 }
 
+template <typename G>
+void launch_check(const at::Tensor& grad, float* found_inf) {
+  const int64_t n = grad.numel();
+  check_kernel<G><<<blocks_for(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const G*>(grad.data_ptr()), n, 1.0f, nullptr, found_inf);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void nonfinite_check_cuda(const at::Tensor& grad, const at::Tensor& found_inf) {
+  check_nonfinite_args(grad, found_inf);
+  if (grad.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(grad.device());
+  float* found = found_inf.data_ptr<float>();
+  switch (grad.scalar_type()) {
+    case at::kFloat: return launch_check<float>(grad, found);
+    case at::kBFloat16: return launch_check<__nv_bfloat16>(grad, found);
+    case at::kHalf: return launch_check<__half>(grad, found);
+    default: TORCH_CHECK(false, "nonfinite_check_: unsupported grad dtype ", grad.scalar_type());
+  }
+}
+
 }  // namespace
 }  // namespace cuda
 
 TORCH_LIBRARY_IMPL(zerofast, CUDA, m) {
   m.impl("fused_adam_", &cuda::fused_adam_cuda);
+  m.impl("nonfinite_check_", &cuda::nonfinite_check_cuda);
 }
 
 }  // namespace zerofast

@@ -36,6 +36,15 @@
 // faults), which a training step would pay every time. The pool never holds more than the most
 // buffers that were in use at once, which memory_report() states.
 //
+// [Note: accumulation into the shard]
+// Gradient accumulation in stages 2 and 3 reduces every micro-batch (as DeepSpeed does): the first
+// reduce of a bucket in a step overwrites the owned range of grad_shard, later ones add into it.
+// reduce_scatter cannot add, so an accumulating one writes into a scratch slice that
+// finish_reduce adds; all_reduce and reduce already leave the result in the bucket buffer, from
+// which finish_reduce copies or adds. The next micro-batch's backward may want a bucket whose
+// reduce is still in flight: add_grad and zero_slot finish that reduce first, so communication
+// still overlaps the next micro-batch's forward and the early part of its backward.
+//
 // [Note: grads as views]
 // Gradients are copied into the bucket (one memcpy per parameter) rather than living as views into
 // it, as DDP's gradient_as_bucket_view does. With views, AccumulateGrad would write into the
@@ -72,6 +81,8 @@ BucketComm::BucketComm(c10::intrusive_ptr<c10d::ProcessGroup> group,
       grad_shard_(std::move(grad_shard)),
       shard_offsets_(std::move(shard_offsets)),
       buffers_(bucket_numels_.size()),
+      scatter_out_(bucket_numels_.size()),
+      accumulate_(bucket_numels_.size(), false),
       gathers_(bucket_numels_.size()) {
   TORCH_CHECK(bounds_.size() == bucket_numels_.size() && shard_offsets_.size() == bucket_numels_.size() &&
                   used_numels_.size() == bucket_numels_.size(),
@@ -140,8 +151,32 @@ int64_t BucketComm::pooled_bytes() const {
   return total;
 }
 
+void BucketComm::finish_in_flight(int64_t bucket) {
+  const bool busy = std::any_of(in_flight_.begin(), in_flight_.end(),
+                                [&](const auto& entry) { return entry.first == bucket; });
+  if (!busy) return;
+  std::vector<std::pair<int64_t, c10::intrusive_ptr<c10d::Work>>> still;
+  {
+#ifdef ZEROFAST_WITH_CUDA
+    std::optional<c10::cuda::CUDAStreamGuard> guard;
+    if (comm_stream_) guard.emplace(*comm_stream_);
+#endif
+    for (auto& entry : in_flight_) {
+      if (entry.first == bucket) {
+        entry.second->wait();
+      } else {
+        still.push_back(entry);
+      }
+    }
+    finish_reduce(bucket);
+  }
+  in_flight_ = std::move(still);
+  end_comm();
+}
+
 void BucketComm::add_grad(int64_t bucket, int64_t offset, const at::Tensor& grad) {
   check_bucket(bucket, "add_grad");
+  finish_in_flight(bucket);  // see [Note: accumulation into the shard]
   at::Tensor& buf = buffer(bucket);
   TORCH_CHECK(offset >= 0 && offset + grad.numel() <= buf.numel(), "BucketComm.add_grad: ", grad.numel(),
               " elements at offset ", offset, " do not fit in bucket ", bucket, " of ", buf.numel());
@@ -152,6 +187,7 @@ void BucketComm::add_grad(int64_t bucket, int64_t offset, const at::Tensor& grad
 
 void BucketComm::zero_slot(int64_t bucket, int64_t offset, int64_t numel) {
   check_bucket(bucket, "zero_slot");
+  finish_in_flight(bucket);
   buffer(bucket).narrow(0, offset, numel).zero_();
 }
 
@@ -213,16 +249,27 @@ void BucketComm::reap_completed() {
 void BucketComm::finish_reduce(int64_t bucket) {
   auto& buf = buffers_[bucket];
   if (!buf.has_value()) return;
+  const auto& bd = bounds_[bucket];
   if (!flat_ || reduce_by_all_reduce_) {  // the own reduced segment, from the bucket into the shard
-    const auto& bd = bounds_[bucket];
-    owned_grad(bucket).copy_(buf->narrow(0, bd[rank_], bd[rank_ + 1] - bd[rank_]));
+    at::Tensor own = buf->narrow(0, bd[rank_], bd[rank_ + 1] - bd[rank_]);
+    if (accumulate_[bucket]) {
+      owned_grad(bucket).add_(own);
+    } else {
+      owned_grad(bucket).copy_(own);
+    }
+  } else if (scatter_out_[bucket].has_value()) {  // an accumulating reduce_scatter
+    owned_grad(bucket).add_(*scatter_out_[bucket]);
+    scatter_out_[bucket].reset();
   }
   release(bucket);
 }
 
-void BucketComm::reduce(int64_t bucket) {
+void BucketComm::reduce(int64_t bucket, bool accumulate) {
   check_bucket(bucket, "reduce");
   reap_completed();
+  TORCH_CHECK(std::none_of(in_flight_.begin(), in_flight_.end(), [&](const auto& e) { return e.first == bucket; }),
+              "BucketComm.reduce: bucket ", bucket, " is already being reduced");
+  accumulate_[bucket] = accumulate;
   TORCH_CHECK(buffers_[bucket].has_value(), "BucketComm.reduce: bucket ", bucket, " has no gradients");
   at::Tensor buf = *buffers_[bucket];
   begin_comm();
@@ -238,6 +285,10 @@ void BucketComm::reduce(int64_t bucket) {
   }
   if (flat_) {
     at::Tensor out = owned_grad(bucket);
+    if (accumulate) {  // see [Note: accumulation into the shard]
+      scatter_out_[bucket] = at::empty_like(out);
+      out = *scatter_out_[bucket];
+    }
     in_flight_.emplace_back(bucket, group_->_reduce_scatter_base(out, buf, c10d::ReduceScatterOptions()));
     return;
   }

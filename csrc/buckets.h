@@ -42,15 +42,16 @@ class BucketComm {
   // Zero a slot whose parameter got no gradient on this rank (it then counts as zero).
   void zero_slot(int64_t bucket, int64_t offset, int64_t numel);
   // Start reducing a bucket (asynchronously); the buffer is released once it has been waited for.
-  void reduce(int64_t bucket);
+  // accumulate: add the reduced owned range into grad_shard instead of overwriting it (the second
+  // and later micro-batches of an accumulated step: see [Note: accumulation into the shard]).
+  // A bucket whose previous reduce is still in flight is finished before it is written again.
+  void reduce(int64_t bucket, bool accumulate);
   // Wait for every reduce in flight; afterwards grad_shard holds the summed owned gradients.
   void wait_reduces();
   // Start gathering bucket b's updated parameters into param_buffer (its flat parameter buffer,
   // whose owned range each rank has updated); gather_wait(b) returns when it is in place.
   void gather_start(int64_t bucket, const at::Tensor& param_buffer);
   void gather_wait(int64_t bucket);
-  // Is bucket b's gradient buffer allocated now (filled, or waiting to be)?
-  bool has_buffer(int64_t bucket) const { return buffers_[bucket].has_value(); }
   // Bytes of gradient bucket buffers in use now, the most in use at once since construction, and
   // those kept for reuse (never more than that peak).
   int64_t buffer_bytes() const { return buffer_bytes_; }
@@ -63,7 +64,8 @@ class BucketComm {
   at::Tensor& buffer(int64_t bucket);
   void release(int64_t bucket);
   void reap_completed();                // finish the reduces that are done (see reduce())
-  void finish_reduce(int64_t bucket);   // copy the own segment out, release the buffer
+  void finish_reduce(int64_t bucket);   // copy (or add) the own segment out, release the buffer
+  void finish_in_flight(int64_t bucket); // wait for and finish this bucket's reduce, if in flight
   void check_bucket(int64_t bucket, const char* what) const;
   at::Tensor owned_grad(int64_t bucket);
   void begin_comm();   // on CUDA: order the comm stream after the work queued so far
@@ -82,6 +84,8 @@ class BucketComm {
   at::Tensor grad_shard_;
   std::vector<int64_t> shard_offsets_;
   std::vector<std::optional<at::Tensor>> buffers_;              // per bucket, alive while in use
+  std::vector<std::optional<at::Tensor>> scatter_out_;          // per bucket: reduce_scatter output to add
+  std::vector<bool> accumulate_;                                 // per bucket: add into grad_shard
   std::vector<at::Tensor> pool_;                                 // released buffers, for reuse
   std::vector<std::pair<int64_t, c10::intrusive_ptr<c10d::Work>>> in_flight_;  // reduces: (bucket, work)
   std::vector<std::vector<c10::intrusive_ptr<c10d::Work>>> gathers_;            // per bucket, in flight

@@ -21,6 +21,10 @@ TORCH_LIBRARY(zerofast, m) {
       "fused_adam_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, *, "
       "float lr, float beta1, float beta2, float eps, float weight_decay, int step, bool adamw, "
       "float grad_scale, Tensor? grad_scale_tensor, Tensor(d!)? found_inf, Tensor(e!)? param_copy) -> ()");
+  // Sets found_inf (a 1-element float32 tensor) to 1 when any value of grad is inf or nan, with the
+  // same check fused_adam_ runs before its update; leaves it alone otherwise. ZeroAdam runs it on
+  // each rank's gradient shard so the ranks can agree on skipping a step before any rank updates.
+  m.def("nonfinite_check_(Tensor grad, Tensor(a!) found_inf) -> ()");
 }
 
 #ifndef ZEROFAST_WITH_CUDA
@@ -34,9 +38,15 @@ void fused_adam_cuda_missing(const at::Tensor&, const at::Tensor&, const at::Ten
               "fused_adam_: got CUDA tensors, but zerofast was built without its CUDA kernels "
               "(zerofast.has_cuda_kernels() is False); rebuild with ZEROFAST_CUDA=1");
 }
+void nonfinite_check_cuda_missing(const at::Tensor&, const at::Tensor&) {
+  TORCH_CHECK(false,
+              "nonfinite_check_: got CUDA tensors, but zerofast was built without its CUDA kernels "
+              "(zerofast.has_cuda_kernels() is False); rebuild with ZEROFAST_CUDA=1");
+}
 }  // namespace
 TORCH_LIBRARY_IMPL(zerofast, CUDA, m) {
   m.impl("fused_adam_", &fused_adam_cuda_missing);
+  m.impl("nonfinite_check_", &nonfinite_check_cuda_missing);
 }
 #endif
 
@@ -66,12 +76,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("grad_shard"), py::arg("shard_offsets"), py::arg("flat_reduce"), py::arg("flat_gather"))
       .def("add_grad", &BucketComm::add_grad, py::arg("bucket"), py::arg("offset"), py::arg("grad"))
       .def("zero_slot", &BucketComm::zero_slot, py::arg("bucket"), py::arg("offset"), py::arg("numel"))
-      .def("reduce", &BucketComm::reduce, py::arg("bucket"), py::call_guard<py::gil_scoped_release>())
+      .def("reduce", &BucketComm::reduce, py::arg("bucket"), py::arg("accumulate"),
+           py::call_guard<py::gil_scoped_release>())
       .def("wait_reduces", &BucketComm::wait_reduces, py::call_guard<py::gil_scoped_release>())
       .def("gather_start", &BucketComm::gather_start, py::arg("bucket"), py::arg("param_buffer"),
            py::call_guard<py::gil_scoped_release>())
       .def("gather_wait", &BucketComm::gather_wait, py::arg("bucket"), py::call_guard<py::gil_scoped_release>())
-      .def("has_buffer", &BucketComm::has_buffer, py::arg("bucket"))
       .def_property_readonly("buffer_bytes", &BucketComm::buffer_bytes)
       .def_property_readonly("peak_buffer_bytes", &BucketComm::peak_buffer_bytes)
       .def_property_readonly("pooled_bytes", &BucketComm::pooled_bytes)

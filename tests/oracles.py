@@ -126,3 +126,67 @@ def single_process(model_fn, world: int, steps: int) -> dict[str, torch.Tensor]:
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def single_process_mixed(world: int, steps: int, dtype: torch.dtype, *, reduce_dtype=torch.float32,
+                         scaler: dict | None = None, max_norm: float | None = None, hyper=HYPER):
+    """Single-process mixed-precision AdamW as a PyTorch user writes it: the tiny GPT converted with
+    model.to(dtype), an fp32 master copy of its parameters that torch.optim.AdamW updates and that is
+    copied back, rounded, after each step. Each rank's batch gets its own backward (gradients in the
+    model's dtype), summed in reduce_dtype in rank order, as a data-parallel reduce does; the master
+    gradient is that sum over world. For fp16, torch.amp.GradScaler(**scaler) scales the loss,
+    unscales, skips steps with inf or nan and updates its scale; torch.nn.utils.clip_grad_norm_ clips
+    the master gradients when max_norm is given.
+
+    Returns (model parameters as float32, master copy, [(scale used, skipped, norm or None)] per step)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every rank runs: the same matmul blocking, the same rounding
+    try:
+        model = make_gpt("tiny")
+        names = [n for n, _ in model.named_parameters()]
+        master = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+        model.to(dtype)
+        params = list(model.parameters())
+        opt = torch.optim.AdamW(master, foreach=False, **hyper)
+        gs = torch.amp.GradScaler("cpu", **scaler) if scaler is not None else None
+        history = []
+        for step in range(steps):
+            total = None
+            for r in range(world):
+                _, loss = model(*rank_batch(model, step, r))
+                if gs is not None:
+                    loss = gs.scale(loss)
+                grads = [g.to(reduce_dtype) for g in torch.autograd.grad(loss, params)]
+                total = grads if total is None else [t + g for t, g in zip(total, grads)]
+            for m, t in zip(master, total):
+                m.grad = t.float() / world
+            scale = gs.get_scale() if gs is not None else 1.0
+            before = opt.state[master[0]].get("step", 0) if master[0] in opt.state else 0
+            if gs is not None:
+                gs.unscale_(opt)
+            norm = None
+            if max_norm is not None:
+                norm = float(torch.nn.utils.clip_grad_norm_(master, max_norm))
+            if gs is not None:
+                gs.step(opt)
+                gs.update()
+            else:
+                opt.step()
+            after = opt.state[master[0]].get("step", 0) if master[0] in opt.state else 0
+            history.append((scale, float(after) == float(before), norm))
+            with torch.no_grad():
+                for p, m in zip(params, master):
+                    p.copy_(m)
+        return ({n: p.detach().float().clone() for n, p in zip(names, params)},
+                {n: m.detach().clone() for n, m in zip(names, master)}, history)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def full_master(per_rank_pieces: list[list[tuple]], shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """Assemble the fp32 master from each rank's pieces [(name, offset into the flat parameter, values)]."""
+    out = {n: torch.full((int(torch.tensor(s).prod().item()) if s else 1,), float("nan")) for n, s in shapes.items()}
+    for pieces in per_rank_pieces:
+        for name, offset, values in pieces:
+            out[name][offset:offset + values.numel()] = values
+    return {n: t.view(shapes[n]) for n, t in out.items()}

@@ -81,9 +81,10 @@ def _run(*args, timeout=300):
                           timeout=timeout)
 
 
-def test_train_command_loss_goes_down():
+@pytest.mark.parametrize("extra", [[], ["--mixed-precision", "bf16", "--max-grad-norm", "1.0"]])
+def test_train_command_loss_goes_down(extra):
     out = _run("zerofast.train", "--nproc", "2", "--model", "tiny", "--steps", "12", "--stage", "3",
-               "--batch", "8", "--lr", "1e-2")
+               "--batch", "8", "--lr", "1e-2", *extra)
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout + out.stderr
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) over 12 steps", text).groups())
@@ -97,7 +98,8 @@ def test_train_command_loss_goes_down():
     (["--model", "huge"], "--model must be one of tiny, small; got 'huge'"),
     (["--nproc", "0"], "--nproc must be at least 1; got 0"),
     (["--partition", "zigzag"], "--partition must be one of flat, round_robin, greedy; got 'zigzag'"),
-    (["--mixed-precision", "bf16"], "mixed precision is not implemented yet"),
+    (["--mixed-precision", "fp8"], "--mixed-precision must be bf16 or fp16; got 'fp8'"),
+    (["--max-grad-norm", "0"], "--max-grad-norm must be positive; got 0.0"),
 ])
 def test_train_bad_arguments_exit_2(argv, message, capsys):
     from zerofast.train import parse_args

@@ -10,7 +10,7 @@ import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.zerofast.*)
 
-__all__ = ["fused_adam_", "has_cuda_kernels", "cpu_isa"]
+__all__ = ["fused_adam_", "nonfinite_check_", "has_cuda_kernels", "cpu_isa"]
 
 
 def has_cuda_kernels() -> bool:
@@ -71,6 +71,16 @@ def fused_adam_(
         found_inf=found_inf, param_copy=param_copy)
 
 
+def nonfinite_check_(grad: torch.Tensor, found_inf: torch.Tensor) -> None:
+    """Set found_inf (1-element float32) to 1 when any value of the flat tensor grad (float32,
+    bfloat16 or float16) is inf or nan; otherwise leave it as it is. The check fused_adam_'s
+    found_inf runs, alone: ZeroAdam runs it on every rank's shard and agrees on the result before
+    any rank updates (see [Note: loss scaling] in zerofast/optimizer.py)."""
+    if found_inf.device != grad.device:
+        raise RuntimeError(f"nonfinite_check_: found_inf is on {found_inf.device} but grad is on {grad.device}")
+    torch.ops.zerofast.nonfinite_check_(grad, found_inf)
+
+
 def _split_grad_scale(grad_scale) -> tuple[float, Optional[torch.Tensor]]:
     if grad_scale is None:
         return 1.0, None
@@ -93,4 +103,9 @@ def _as_step(step) -> int:
 def _fused_adam_fake(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
                      adamw, grad_scale, grad_scale_tensor, found_inf, param_copy):
     # Mutates its arguments in place and returns nothing: no output to describe.
+    return None
+
+
+@torch.library.register_fake("zerofast::nonfinite_check_")
+def _nonfinite_check_fake(grad, found_inf):
     return None

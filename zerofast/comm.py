@@ -49,9 +49,9 @@ class BucketComm:
     def zero_slot(self, bucket: int, offset: int, numel: int) -> None:
         self._impl.zero_slot(bucket, offset, numel)
 
-    def reduce(self, bucket: int) -> None:
+    def reduce(self, bucket: int, accumulate: bool = False) -> None:
         self.stats[self.reduce_name] += self.layout.buckets[bucket].numel * self.element_size
-        self._impl.reduce(bucket)
+        self._impl.reduce(bucket, accumulate)
 
     def wait_reduces(self) -> None:
         self._impl.wait_reduces()
@@ -67,6 +67,11 @@ class BucketComm:
         """A small agreement (which parameters got a gradient), counted too."""
         self.stats["all_reduce_flags"] += t.numel() * t.element_size()
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+
+    def all_reduce_sum(self, t: torch.Tensor) -> None:
+        """A small agreement (overflow flag and squared gradient norm), counted too."""
+        self.stats["all_reduce_stats"] += t.numel() * t.element_size()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
 
     @property
     def buffer_bytes(self) -> int:

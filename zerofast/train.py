@@ -39,7 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")
     p.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
     p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl with GPUs, else gloo)")
-    p.add_argument("--mixed-precision", default=None, help="bf16 (not implemented yet: see README)")
+    p.add_argument("--mixed-precision", default=None,
+                   help="bf16 or fp16 (fp16 with dynamic loss scaling); default fp32")
+    p.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm to this")
     p.add_argument("--compare", action="store_true",
                    help="also run the same steps under DDP and the reference stage; print loss differences and step-time ratios")
     p.add_argument("--plot", default=None, metavar="PNG",
@@ -63,9 +65,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--backend must be gloo or nccl; got {args.backend!r}")
     if args.backend == "nccl" and not torch.cuda.is_available():
         p.error("--backend nccl needs CUDA GPUs; none is visible")
-    if args.mixed_precision is not None:
-        p.error(f"--mixed-precision {args.mixed_precision}: mixed precision is not implemented yet "
-                f"(ZeroAdam trains fp32 parameters)")
+    if args.mixed_precision not in (None, "bf16", "fp16"):
+        p.error(f"--mixed-precision must be bf16 or fp16; got {args.mixed_precision!r}")
+    if args.max_grad_norm is not None and not args.max_grad_norm > 0:
+        p.error(f"--max-grad-norm must be positive; got {args.max_grad_norm}")
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401
@@ -138,14 +141,16 @@ def _make_optimizer(kind: str, model, args):
         from .reference import ReferenceZero
         return model, ReferenceZero(model, stage=args.stage, lr=args.lr, weight_decay=0.1)
     stage = int(kind.split(":")[1]) if ":" in kind else args.stage
-    return model, ZeroAdam(model, stage=stage, partition=args.partition, lr=args.lr, weight_decay=0.1)
+    return model, ZeroAdam(model, stage=stage, partition=args.partition, lr=args.lr, weight_decay=0.1,
+                           mixed_precision=args.mixed_precision, max_grad_norm=args.max_grad_norm)
 
 
 def _measure(kind: str, model, opt) -> dict[str, int]:
     """Bytes this rank holds now, counted from the tensors."""
     if isinstance(opt, ZeroAdam):
         r = opt.memory_report()
-        return {"params": r["params"], "grads": r["grads"] + r["grad_shard"], "optimizer": r["optimizer"],
+        return {"params": r["params"], "grads": r["grads"] + r["grad_shard"],
+                "optimizer": r["optimizer"] + r["master_copy"],
                 "buckets": r["bucket_buffers"] + r["bucket_pool"]}
     if hasattr(opt, "memory_held"):  # the reference stage counts its own
         return {**opt.memory_held(), "buckets": 0}
@@ -169,7 +174,10 @@ def run(kind: str, args, device, steps: int, progress: bool):
         x, y = text_batch(tokens, args.batch, seq, seed=step * world + rank)
         t0 = time.perf_counter()
         _, loss = module(x.to(device), y.to(device))
-        loss.backward()
+        if isinstance(opt, ZeroAdam):
+            opt.backward(loss)  # scales the loss under fp16
+        else:
+            loss.backward()
         opt.step()
         if step == steps - 1:
             measured = _measure(kind, model, opt)  # after step(), before zero_grad()
@@ -177,7 +185,7 @@ def run(kind: str, args, device, steps: int, progress: bool):
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        mean_loss = loss.detach().clone()
+        mean_loss = loss.detach().float()
         dist.all_reduce(mean_loss)
         losses.append(mean_loss.item() / world)
         bar.update(step, losses[-1], args.batch * seq * world / times[-1])
@@ -194,21 +202,25 @@ def _median(xs):
 
 
 def report(args, measured_all, comm, numel, world) -> None:
-    est = estimate_memory(numel, world, args.stage, "fp32")
-    phi = 4 * numel
-    print(f"\nper rank, bytes after step() (fp32: 4 + 4 + 8 per parameter; estimate = the seed's table)")
+    precision = "mixed" if args.mixed_precision else "fp32"
+    est = estimate_memory(numel, world, args.stage, precision)
+    p_bytes = 2 if args.mixed_precision else 4
+    phi = p_bytes * numel
+    table = "2 + 2 + 12" if args.mixed_precision else "4 + 4 + 8"
+    print(f"\nper rank, bytes after step() ({args.mixed_precision or 'fp32'}: {table} per parameter; "
+          f"estimate = the seed's table)")
     print(f"{'rank':>4s} {'params':>12s} {'(est)':>12s} {'grads':>12s} {'(est)':>12s} "
           f"{'optimizer':>12s} {'(est)':>12s} {'buckets':>10s}")
     for r, m in enumerate(measured_all):
         print(f"{r:4d} {m['params']:12,d} {est.params:12,d} {m['grads']:12,d} {est.grads:12,d} "
               f"{m['optimizer']:12,d} {est.optimizer:12,d} {m['buckets']:10,d}")
-    moved = sum(v for k, v in comm.items() if k != "all_reduce_flags")
+    moved = sum(v for k, v in comm.items() if not k.startswith("all_reduce_"))
     seed = 3 if args.stage == 3 else 2
     print(f"communication per step: {moved:,d} bytes = {moved / phi:.2f} Φ (seed: {seed}Φ = {seed * phi:,d}; "
-          f"Φ = {phi:,d} bytes of fp32 parameters)  by collective: {comm}")
+          f"Φ = {phi:,d} bytes of {args.mixed_precision or 'fp32'} parameters)  by collective: {comm}")
 
 
-def plot(path: str, rows: dict[str, list[dict]], numel: int) -> None:
+def plot(path: str, rows: dict[str, list[dict]], numel: int, precision: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -227,7 +239,7 @@ def plot(path: str, rows: dict[str, list[dict]], numel: int) -> None:
         ax.set_xticks(range(world), [f"rank {r}" for r in range(world)])
     axes[0].set_ylabel("MiB per rank (measured)")
     axes[-1].legend(loc="upper right")
-    fig.suptitle(f"Memory per rank, measured, fp32 Adam, Φ = {numel:,} parameters")
+    fig.suptitle(f"Memory per rank, measured, Adam (ZeroAdam in {precision}; DDP fp32), Φ = {numel:,} parameters")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -263,7 +275,7 @@ def worker(args: argparse.Namespace) -> None:
             dist.all_gather_object(per_rank, m)
             rows[label] = per_rank
         if rank == 0:
-            plot(args.plot, rows, numel)
+            plot(args.plot, rows, numel, args.mixed_precision or "fp32")
             log.info("wrote %s", args.plot)
     dist.destroy_process_group()
 

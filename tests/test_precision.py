@@ -1,0 +1,383 @@
+"""Issue 6 on real gloo ranks: mixed precision (bf16, fp16) against single-process mixed-precision
+AdamW with an fp32 master copy, fp16 dynamic loss scaling against torch.amp.GradScaler, global
+gradient clipping against torch.nn.utils.clip_grad_norm_, gradient accumulation under no_sync()
+against single-process AdamW on the combined batch; every stage, 2 and 3 ranks."""
+import math
+
+import pytest
+import torch
+
+from harness import run_ranks
+from oracles import HYPER, full_master, max_abs_diff, rank_batch, single_process_adamw, single_process_mixed
+from zerofast import ZeroAdam
+from zerofast.models import make_gpt
+
+STEPS = 6
+STAGES = (1, 2, 3)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _shapes():
+    return {n: tuple(p.shape) for n, p in make_gpt("tiny").named_parameters()}
+
+
+def _train_mixed(rank, world, stage, precision, reduce_dtype, scaler, max_norm, clip_call, steps):
+    model = make_gpt("tiny")
+    opt = ZeroAdam(model, stage=stage, bucket_mb=0.01, mixed_precision=precision, reduce_dtype=reduce_dtype,
+                   max_grad_norm=None if clip_call else max_norm, **(scaler or {}), **HYPER)
+    assert all(p.dtype == DTYPES[precision] for p in model.parameters())
+    history = []
+    for step in range(steps):
+        scale = opt.loss_scale
+        _, loss = model(*rank_batch(model, step, rank))
+        opt.backward(loss)
+        norm = float(opt.clip_grad_norm_(max_norm)) if clip_call else None
+        opt.step()
+        opt.zero_grad()
+        history.append((scale, opt.last_step_skipped, norm))
+    with opt.gathered_params():
+        params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    return params, opt.master_shard(), history
+
+
+def _run_matrix(rank, world, configs):
+    return {key: _train_mixed(rank, world, *cfg) for key, cfg in configs.items()}
+
+
+def _check(results, key, world, oracle, param_tol, master_tol, where):
+    params0, master_oracle, history_oracle = oracle
+    master = full_master([out[key][1] for out in results], _shapes())
+    d_master = max_abs_diff(master, master_oracle)
+    assert d_master <= master_tol, f"{where}: fp32 master differs from the oracle's by {d_master:.3g}"
+    for rank, out in enumerate(results):
+        params, _, history = out[key]
+        d = max_abs_diff(params, params0)
+        assert d <= param_tol, f"{where} rank {rank}/{world}: parameters differ by {d:.3g}"
+        # The same decisions and the same scale sequence as GradScaler, and the same norms.
+        assert [h[:2] for h in history] == [h[:2] for h in history_oracle], \
+            f"{where}: (scale, skipped) per step {[h[:2] for h in history]} != oracle's {[h[:2] for h in history_oracle]}"
+        for (_, _, n), (_, skipped, n0) in zip(history, history_oracle):
+            if n0 is not None and not skipped:
+                assert n is None or math.isclose(n, n0, rel_tol=1e-5), f"{where}: norm {n} != torch's {n0}"
+    # Every rank holds the same parameters.
+    for out in results[1:]:
+        assert all(torch.equal(out[key][0][k], results[0][key][0][k]) for k in params0)
+
+
+# Tolerances: the master copy is fp32 and moves by about lr per step; the ranks and the oracle compute
+# the same per-rank gradients, but a difference in the last bit of a float32 sum can round a bf16
+# parameter to its neighbour (one bf16 ulp, 2^-8 relative), which then changes later gradients a
+# little. The tolerances allow that, and are an order of magnitude below what fp32 training (the
+# wrong precision) differs by: checked in test_mixed_precision_is_not_fp32.
+MASTER_TOL = 2e-4
+PARAM_TOL = {"bf16": 1e-2, "fp16": 2e-3}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bf16_matches_single_process_mixed_precision(world):
+    configs = {}
+    for stage in STAGES:
+        configs[("fp32-reduce", stage)] = (stage, "bf16", torch.float32, None, None, False, STEPS)
+        configs[("bf16-reduce", stage)] = (stage, "bf16", None, None, None, False, STEPS)
+    results = run_ranks(_run_matrix, world, args=(configs,), timeout=400)
+    for reduce_dtype, name in ((torch.float32, "fp32-reduce"), (torch.bfloat16, "bf16-reduce")):
+        oracle = single_process_mixed(world, STEPS, torch.bfloat16, reduce_dtype=reduce_dtype)
+        for stage in STAGES:
+            _check(results, (name, stage), world, oracle, PARAM_TOL["bf16"], MASTER_TOL,
+                   f"bf16 {name} stage {stage} world {world}")
+
+
+# init_scale 2^16 overflows fp16 at once (d(scaled loss)/d(loss) = 65536 rounds to inf in fp16);
+# growth_interval 2 grows it back within the run, and the next growth overflows again: a run with
+# several skipped steps, halvings and growths.
+SCALER = dict(init_scale=2.0**16, growth_interval=2)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fp16_loss_scaling_and_clipping_match_gradscaler(world):
+    steps = 8
+    configs = {}
+    for stage in STAGES:
+        configs[("scale", stage)] = (stage, "fp16", torch.float32, SCALER, None, False, steps)
+        configs[("scale+clip", stage)] = (stage, "fp16", torch.float32, SCALER, 0.5, stage == 2, steps)
+    results = run_ranks(_run_matrix, world, args=(configs,), timeout=400)
+    plain = single_process_mixed(world, steps, torch.float16, scaler=SCALER)
+    clipped = single_process_mixed(world, steps, torch.float16, scaler=SCALER, max_norm=0.5)
+    skipped = [h[1] for h in plain[2]]
+    assert skipped[0] and not all(skipped), f"the run should overflow at first and then train: {skipped}"
+    assert any(h[2] is not None and h[2] > 0.5 for h in clipped[2]), "clipping never acted"
+    for stage in STAGES:
+        _check(results, ("scale", stage), world, plain, PARAM_TOL["fp16"], MASTER_TOL, f"fp16 stage {stage}")
+        _check(results, ("scale+clip", stage), world, clipped, PARAM_TOL["fp16"], MASTER_TOL,
+               f"fp16+clip stage {stage}")
+
+
+# --- global gradient clipping in fp32, against clip_grad_norm_ on the single-process model ---------
+
+def single_process_clipped(world, steps, max_norm):
+    model = make_gpt("tiny")
+    opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+    norms = []
+    for step in range(steps):
+        total = sum(model(*rank_batch(model, step, r))[1] for r in range(world)) / world
+        total.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+def _train_clipped(rank, world, max_norm, steps):
+    out = {}
+    for stage in STAGES:
+        for partition in ("flat", "round_robin"):
+            for clip_call in (False, True):
+                model = make_gpt("tiny")
+                opt = ZeroAdam(model, stage=stage, partition=partition, bucket_mb=0.01,
+                               max_grad_norm=None if clip_call else max_norm, **HYPER)
+                norms = []
+                for step in range(steps):
+                    _, loss = model(*rank_batch(model, step, rank))
+                    loss.backward()
+                    if clip_call:
+                        norms.append(float(opt.clip_grad_norm_(max_norm)))
+                    opt.step()
+                    opt.zero_grad()
+                with opt.gathered_params():
+                    out[(stage, partition, clip_call)] = ({n: p.detach().clone() for n, p in model.named_parameters()},
+                                                          norms)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_clipping_matches_clip_grad_norm(world):
+    max_norm = 0.3
+    results = run_ranks(_train_clipped, world, args=(max_norm, STEPS), timeout=400)
+    want, want_norms = single_process_clipped(world, STEPS, max_norm)
+    assert all(n > max_norm for n in want_norms), f"clipping should act in every step: {want_norms}"
+    unclipped = single_process_adamw(world, STEPS)
+    assert max_abs_diff(unclipped, want) > 1e-4, "clipping made no visible difference: the test would prove nothing"
+    for rank, out in enumerate(results):
+        for key, (params, norms) in out.items():
+            d = max_abs_diff(params, want)
+            assert d <= 2e-5, f"{key} rank {rank}/{world}: {d:.3g} from AdamW with clip_grad_norm_"
+            for n, n0 in zip(norms, want_norms):
+                assert math.isclose(n, n0, rel_tol=1e-5), f"{key}: clip_grad_norm_ returned {n}, torch {n0}"
+
+
+# --- gradient accumulation under no_sync(), against AdamW on the combined batch ---------------------
+
+MICRO = 3
+
+
+def _micro_batch(model, step, rank, k):
+    return rank_batch(model, 100 * k + step, rank)
+
+
+def single_process_accumulated(world, steps):
+    """AdamW on one process, each step over every rank's every micro-batch."""
+    model = make_gpt("tiny")
+    opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+    for step in range(steps):
+        losses = [model(*_micro_batch(model, step, r, k))[1] for r in range(world) for k in range(MICRO)]
+        (sum(losses) / len(losses)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _train_accumulated(rank, world, steps):
+    out = {}
+    variants = [(1, False), (2, False), (2, True), (3, False), (3, True)]
+    for stage, local in variants:
+        for partition in ("flat", "greedy"):
+            model = make_gpt("tiny")
+            opt = ZeroAdam(model, stage=stage, partition=partition, bucket_mb=0.01, accumulate_locally=local, **HYPER)
+            reduced = []
+            for step in range(steps):
+                with opt.no_sync():
+                    for k in range(MICRO - 1):
+                        _, loss = model(*_micro_batch(model, step, rank, k))
+                        (loss / MICRO).backward()
+                _, loss = model(*_micro_batch(model, step, rank, MICRO - 1))
+                (loss / MICRO).backward()
+                opt.step()
+                opt.zero_grad()
+                stats = opt.comm_stats()
+                reduced.append(sum(v for k, v in stats.items() if k in ("all_reduce", "reduce", "reduce_scatter")))
+            with opt.gathered_params():
+                out[(stage, local, partition)] = ({n: p.detach().clone() for n, p in model.named_parameters()},
+                                                  reduced, sum(b.numel for b in opt.layout.buckets) * 4)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_no_sync_accumulation_matches_the_combined_batch(world):
+    results = run_ranks(_train_accumulated, world, args=(STEPS,), timeout=400)
+    want = single_process_accumulated(world, STEPS)
+    for rank, out in enumerate(results):
+        for (stage, local, partition), (params, reduced, bucket_bytes) in out.items():
+            where = f"stage {stage} accumulate_locally={local} {partition} rank {rank}/{world}"
+            d = max_abs_diff(params, want)
+            assert d <= 2e-5, f"{where}: {d:.3g} from AdamW on the combined batch"
+            # Stage 1 and accumulate_locally reduce once per step; stages 2 and 3 every micro-batch.
+            times = 1 if (stage == 1 or local) else MICRO
+            assert reduced == [times * bucket_bytes] * STEPS, f"{where}: reduced {reduced}, want {times} x {bucket_bytes}"
+
+
+# --- an inf in one rank's gradient: skipped on every rank, nothing changes -------------------------
+
+def _snapshot(opt, model):
+    with opt.gathered_params():
+        params = [p.detach().clone() for p in model.parameters()]
+    return dict(params=params, master=opt._master.clone(), exp_avg=opt._exp_avg.clone(),
+                exp_avg_sq=opt._exp_avg_sq.clone(), param_shard=opt._param_shard.clone(),
+                buffers=[b.clone() for b in opt._param_buffers if b.untyped_storage().nbytes()],
+                steps=opt.step_counts())
+
+
+def _inf_on_one_rank(rank, world, stage, bad_rank):
+    model = make_gpt("tiny")
+    opt = ZeroAdam(model, stage=stage, bucket_mb=0.01, mixed_precision="fp16", init_scale=1024.0, **HYPER)
+    out = []
+    for step in range(4):
+        _, loss = model(*rank_batch(model, step, rank))
+        handle = None
+        if step == 2 and rank == bad_rank:  # inf and nan in this rank's gradient of one parameter only
+            handle = model.wpe.weight.register_hook(lambda g: g * float("inf"))
+        scale = opt.loss_scale
+        opt.backward(loss)
+        if handle is not None:
+            handle.remove()
+        before = _snapshot(opt, model)
+        opt.step()
+        after = _snapshot(opt, model)
+        opt.zero_grad()
+        same = all(torch.equal(a, b) for k in ("master", "exp_avg", "exp_avg_sq", "param_shard")
+                   for a, b in [(before[k], after[k])])
+        same = same and all(torch.equal(a, b) for a, b in zip(before["params"], after["params"]))
+        same = same and before["steps"] == after["steps"]
+        out.append((opt.last_step_skipped, same, scale, opt.loss_scale))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stage", STAGES)
+def test_inf_in_one_ranks_gradient_skips_the_step_everywhere(world, stage):
+    for rank, steps in enumerate(run_ranks(_inf_on_one_rank, world, args=(stage, world - 1))):
+        for step, (skipped, same, scale, new_scale) in enumerate(steps):
+            if step == 2:
+                assert skipped and same, f"rank {rank}/{world} stage {stage}: the bad step was not skipped bit for bit"
+                assert new_scale == scale * 0.5
+            else:
+                assert not skipped and not same, f"rank {rank}/{world} stage {stage} step {step}: a clean step did not update"
+                assert new_scale == scale
+
+
+# --- memory follows the seed's mixed-precision table ------------------------------------------------
+
+def _memory_mixed(rank, world, stage):
+    model = make_gpt("tiny")
+    numel = sum(p.numel() for p in model.parameters())
+    opt = ZeroAdam(model, stage=stage, bucket_mb=0.01, mixed_precision="bf16", **HYPER)
+    _, loss = model(*rank_batch(model, 0, rank))
+    opt.backward(loss)
+    opt.step()
+    r = opt.memory_report()
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    return dict(report=r, grads=grads, numel=numel, shard=opt.layout.shard_numel(rank),
+                padding=opt.layout.shard_numel(rank) - opt.layout.owned_numel(rank))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stage", STAGES)
+def test_bf16_memory_follows_the_seeds_table(world, stage):
+    """2Φ parameters, 2Φ gradients, 12Φ optimizer state (fp32 master, m, v), each sharded as the
+    stage says; a shard is this rank's owned elements plus padding ([Note: padding])."""
+    for rank, m in enumerate(run_ranks(_memory_mixed, world, args=(stage,))):
+        r, numel, shard = m["report"], m["numel"], m["shard"]
+        where = f"stage {stage} rank {rank}/{world}"
+        assert r["optimizer"] + r["master_copy"] == 12 * shard, where
+        assert r["master_copy"] == 4 * shard, where
+        assert m["grads"] == (2 * numel if stage == 1 else 0), where  # full local gradients in stage 1
+        assert r["grad_shard"] == 2 * shard, where
+        if stage < 3:
+            assert r["params"] - r["param_padding"] == 2 * numel, where
+        else:  # after step(): the bf16 shard only, nothing gathered
+            assert r["params"] == 2 * shard, where
+        assert m["padding"] <= 4 * world * 8, where
+
+
+# --- bad arguments and misuse -----------------------------------------------------------------------
+
+BAD = [
+    (dict(mixed_precision="fp8"), "mixed_precision must be None, 'bf16' or 'fp16'; got 'fp8'"),
+    (dict(mixed_precision="bf16", reduce_dtype=torch.int8), "reduce_dtype must be"),
+    (dict(reduce_dtype=torch.bfloat16), "reduce_dtype=torch.bfloat16 needs mixed_precision"),
+    (dict(max_grad_norm=0.0), "max_grad_norm must be None or a number > 0; got 0.0"),
+    (dict(max_grad_norm=-1), "max_grad_norm must be None or a number > 0; got -1"),
+    (dict(mixed_precision="fp16", init_scale=0), "init_scale must be a number > 0; got 0"),
+    (dict(mixed_precision="fp16", growth_factor=0.5), "growth_factor must be a number > 1; got 0.5"),
+    (dict(mixed_precision="fp16", backoff_factor=1.5), "backoff_factor must be a number in (0, 1); got 1.5"),
+    (dict(mixed_precision="fp16", growth_interval=0), "growth_interval must be an integer >= 1; got 0"),
+    (dict(accumulate_locally="yes"), "accumulate_locally must be True or False; got 'yes'"),
+]
+
+
+def _misuse(rank, world):
+    errors = {}
+    for kwargs, _ in BAD:
+        try:
+            ZeroAdam(make_gpt("tiny"), **kwargs)
+            errors[repr(kwargs)] = None
+        except (ValueError, TypeError) as e:
+            errors[repr(kwargs)] = str(e)
+
+    def catch(fn):
+        try:
+            fn()
+        except (RuntimeError, ValueError) as e:
+            return str(e)
+        return None
+
+    model = make_gpt("tiny")
+    opt = ZeroAdam(model, stage=2, **HYPER)
+    x, y = rank_batch(model, 0, rank)
+
+    def nested():
+        with opt.no_sync():
+            with opt.no_sync():
+                pass
+
+    def step_inside():
+        with opt.no_sync():
+            model(x, y)[1].backward()
+            opt.step()
+
+    errors["nested"] = catch(nested)
+    errors["step_inside"] = catch(step_inside)
+    opt.step()  # the accumulated gradient from step_inside: a normal step
+    errors["clip_zero"] = catch(lambda: opt.clip_grad_norm_(0))
+    fp16_model = make_gpt("tiny")
+    fp16 = ZeroAdam(fp16_model, stage=1, mixed_precision="fp16", **HYPER)
+
+    def unscaled():
+        fp16_model(x, y)[1].backward()
+        fp16.step()
+
+    errors["unscaled"] = catch(unscaled)
+    bf16_model = make_gpt("tiny").to(torch.bfloat16)
+    errors["bf16_without_mixed"] = catch(lambda: ZeroAdam(bf16_model, **HYPER))
+    return errors
+
+
+def test_bad_arguments_and_misuse_get_named_errors():
+    (errors,) = run_ranks(_misuse, 1)
+    for kwargs, message in BAD:
+        got = errors[repr(kwargs)]
+        assert got is not None and message in got, f"ZeroAdam(**{kwargs}): {got!r} lacks {message!r}"
+    assert "cannot be nested" in errors["nested"]
+    assert "step() was called inside `with opt.no_sync():`" in errors["step_inside"]
+    assert "max_norm must be a number > 0; got 0" in errors["clip_zero"]
+    assert "call opt.backward(loss)" in errors["unscaled"]
+    assert "mixed_precision='bf16'" in errors["bf16_without_mixed"]
