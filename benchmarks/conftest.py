@@ -32,7 +32,8 @@ def pytest_terminal_summary(terminalreporter):
         stream = next((b / t for n, t, b, _ in rows if n == "stream a.add_(b)" and b), None)
         base = rows[0][1]
         tr.write_line(f"{'case':44s} {'median ms':>10s} {'GB/s':>8s} {'% stream':>9s} {'vs ' + rows[0][0][:12]:>9s}")
-        for name, t, nbytes, _ in rows:
+        for name, t, nbytes, extra in rows:
             gbs = f"{nbytes / t / 1e9:8.1f}" if nbytes else f"{'':8s}"
             pct = f"{100 * nbytes / t / stream:8.0f}%" if (nbytes and stream) else f"{'':9s}"
-            tr.write_line(f"{name:44s} {t * 1e3:10.2f} {gbs} {pct} {t / base:8.2f}x")
+            mem = f"  {extra['rank_mib']:8.1f} MiB/rank" if "rank_mib" in extra else ""
+            tr.write_line(f"{name:44s} {t * 1e3:10.2f} {gbs} {pct} {t / base:8.2f}x{mem}")

@@ -28,6 +28,9 @@ def _worker(rank, world, port, build, commands, results):
             cmd = commands.get()
             if cmd == "stop":
                 break
+            if cmd == "info":  # what the case reports about itself (step.info(), when it has one)
+                results.put(("info", rank, getattr(step, "info", lambda: None)()))
+                continue
             step()
             results.put(("done", rank, None))
         dist.destroy_process_group()
@@ -57,6 +60,19 @@ class RankPool:
                 self.close()
                 raise RuntimeError(f"rank {rank} failed:\n{info}")
             assert kind == expected, (kind, expected)
+
+    def info(self) -> list:
+        """Each rank's step.info() (None where the case has none), by rank."""
+        for q in self.commands:
+            q.put("info")
+        out = [None] * self.world
+        for _ in range(self.world):
+            kind, rank, info = self.results.get(timeout=self.timeout)
+            if kind == "error":
+                self.close()
+                raise RuntimeError(f"rank {rank} failed:\n{info}")
+            out[rank] = info
+        return out
 
     def step(self) -> None:
         for q in self.commands:

@@ -74,8 +74,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::string>(),
            py::arg("group"), py::arg("gather_group"), py::arg("bucket_numels"), py::arg("used_numels"), py::arg("bounds"), py::arg("flat"),
            py::arg("grad_shard"), py::arg("shard_offsets"), py::arg("flat_reduce"), py::arg("flat_gather"))
-      .def("add_grad", &BucketComm::add_grad, py::arg("bucket"), py::arg("offset"), py::arg("grad"))
-      .def("zero_slot", &BucketComm::zero_slot, py::arg("bucket"), py::arg("offset"), py::arg("numel"))
+      // Every method that may wait for a collective releases the GIL: a gloo worker thread that
+      // drops the last C++ reference to a tensor Python also holds must take the GIL to decref it,
+      // so waiting with the GIL held can deadlock (it did: add_grad waiting for an in-flight reduce).
+      .def("add_grad", &BucketComm::add_grad, py::arg("bucket"), py::arg("offset"), py::arg("grad"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("zero_slot", &BucketComm::zero_slot, py::arg("bucket"), py::arg("offset"), py::arg("numel"),
+           py::call_guard<py::gil_scoped_release>())
       .def("reduce", &BucketComm::reduce, py::arg("bucket"), py::arg("accumulate"),
            py::call_guard<py::gil_scoped_release>())
       .def("wait_reduces", &BucketComm::wait_reduces, py::call_guard<py::gil_scoped_release>())

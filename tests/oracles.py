@@ -161,7 +161,7 @@ def single_process_mixed(world: int, steps: int, dtype: torch.dtype, *, reduce_d
             for m, t in zip(master, total):
                 m.grad = t.float() / world
             scale = gs.get_scale() if gs is not None else 1.0
-            before = opt.state[master[0]].get("step", 0) if master[0] in opt.state else 0
+            before = float(opt.state[master[0]].get("step", 0)) if master[0] in opt.state else 0.0
             if gs is not None:
                 gs.unscale_(opt)
             norm = None
@@ -172,8 +172,8 @@ def single_process_mixed(world: int, steps: int, dtype: torch.dtype, *, reduce_d
                 gs.update()
             else:
                 opt.step()
-            after = opt.state[master[0]].get("step", 0) if master[0] in opt.state else 0
-            history.append((scale, float(after) == float(before), norm))
+            after = float(opt.state[master[0]].get("step", 0)) if master[0] in opt.state else 0.0
+            history.append((scale, after == before, norm))
             with torch.no_grad():
                 for p, m in zip(params, master):
                     p.copy_(m)

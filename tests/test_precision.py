@@ -58,32 +58,40 @@ def _check(results, key, world, oracle, param_tol, master_tol, where):
             f"{where}: (scale, skipped) per step {[h[:2] for h in history]} != oracle's {[h[:2] for h in history_oracle]}"
         for (_, _, n), (_, skipped, n0) in zip(history, history_oracle):
             if n0 is not None and not skipped:
-                assert n is None or math.isclose(n, n0, rel_tol=1e-5), f"{where}: norm {n} != torch's {n0}"
+                assert n is None or math.isclose(n, n0, rel_tol=NORM_TOL[world]), f"{where}: norm {n} != torch's {n0}"
     # Every rank holds the same parameters.
     for out in results[1:]:
         assert all(torch.equal(out[key][0][k], results[0][key][0][k]) for k in params0)
 
 
-# Tolerances: the master copy is fp32 and moves by about lr per step; the ranks and the oracle compute
-# the same per-rank gradients, but a difference in the last bit of a float32 sum can round a bf16
-# parameter to its neighbour (one bf16 ulp, 2^-8 relative), which then changes later gradients a
-# little. The tolerances allow that, and are an order of magnitude below what fp32 training (the
-# wrong precision) differs by: checked in test_mixed_precision_is_not_fp32.
-MASTER_TOL = 2e-4
-PARAM_TOL = {"bf16": 1e-2, "fp16": 2e-3}
+# The ranks and the oracle compute the same per-rank gradients bit for bit (one thread each, the same
+# ops), sum them in the same dtype, and the fused kernel rounds as torch does: measured on 2 ranks,
+# the parameters come out identical and the fp32 master within 1e-8. On 3 ranks gloo adds three
+# float32 gradients in its own order; a last-bit difference can round one low-precision parameter
+# to its neighbour, and the next steps' gradients then differ a little (measured: master within
+# 6.1e-6 after 8 fp16 steps). The parameter tolerances allow one ulp of a parameter near 1 (layer
+# norm weights): bf16 2^-7, fp16 2^-10.
+MASTER_TOL = {2: 1e-6, 3: 2e-5}
+NORM_TOL = {2: 1e-5, 3: 1e-4}  # relative; on 3 ranks the norms follow the parameters' small drift
+PARAM_TOL = {"bf16": 2.0**-7, "fp16": 2.0**-10}
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_bf16_matches_single_process_mixed_precision(world):
-    configs = {}
-    for stage in STAGES:
-        configs[("fp32-reduce", stage)] = (stage, "bf16", torch.float32, None, None, False, STEPS)
-        configs[("bf16-reduce", stage)] = (stage, "bf16", None, None, None, False, STEPS)
+    """Reduced in fp32 (2 and 3 ranks) and in bf16 (2 ranks: a sum of two is the same in any order).
+    A bf16 sum of three rounds differently in each order, and gloo's order is its own (measured:
+    37% of master elements then differ by more than 1e-5 after 6 steps, stage 1 and 2 alike), so no
+    single-process oracle reproduces it; stages 1-3 are checked on 3 ranks with fp32 reduces."""
+    reduces = {"fp32-reduce": torch.float32, "bf16-reduce": torch.bfloat16}
+    if world == 3:
+        del reduces["bf16-reduce"]
+    configs = {(name, stage): (stage, "bf16", dtype, None, None, False, STEPS)
+               for name, dtype in reduces.items() for stage in STAGES}
     results = run_ranks(_run_matrix, world, args=(configs,), timeout=400)
-    for reduce_dtype, name in ((torch.float32, "fp32-reduce"), (torch.bfloat16, "bf16-reduce")):
+    for name, reduce_dtype in reduces.items():
         oracle = single_process_mixed(world, STEPS, torch.bfloat16, reduce_dtype=reduce_dtype)
         for stage in STAGES:
-            _check(results, (name, stage), world, oracle, PARAM_TOL["bf16"], MASTER_TOL,
+            _check(results, (name, stage), world, oracle, PARAM_TOL["bf16"], MASTER_TOL[world],
                    f"bf16 {name} stage {stage} world {world}")
 
 
@@ -107,8 +115,8 @@ def test_fp16_loss_scaling_and_clipping_match_gradscaler(world):
     assert skipped[0] and not all(skipped), f"the run should overflow at first and then train: {skipped}"
     assert any(h[2] is not None and h[2] > 0.5 for h in clipped[2]), "clipping never acted"
     for stage in STAGES:
-        _check(results, ("scale", stage), world, plain, PARAM_TOL["fp16"], MASTER_TOL, f"fp16 stage {stage}")
-        _check(results, ("scale+clip", stage), world, clipped, PARAM_TOL["fp16"], MASTER_TOL,
+        _check(results, ("scale", stage), world, plain, PARAM_TOL["fp16"], MASTER_TOL[world], f"fp16 stage {stage}")
+        _check(results, ("scale+clip", stage), world, clipped, PARAM_TOL["fp16"], MASTER_TOL[world],
                f"fp16+clip stage {stage}")
 
 
