@@ -129,7 +129,8 @@ def single_process(model_fn, world: int, steps: int) -> dict[str, torch.Tensor]:
 
 
 def single_process_mixed(world: int, steps: int, dtype: torch.dtype, *, reduce_dtype=torch.float32,
-                         scaler: dict | None = None, max_norm: float | None = None, hyper=HYPER):
+                         scaler: dict | None = None, max_norm: float | None = None, hyper=HYPER,
+                         device: str = "cpu"):
     """Single-process mixed-precision AdamW as a PyTorch user writes it: the tiny GPT converted with
     model.to(dtype), an fp32 master copy of its parameters that torch.optim.AdamW updates and that is
     copied back, rounded, after each step. Each rank's batch gets its own backward (gradients in the
@@ -142,18 +143,18 @@ def single_process_mixed(world: int, steps: int, dtype: torch.dtype, *, reduce_d
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every rank runs: the same matmul blocking, the same rounding
     try:
-        model = make_gpt("tiny")
+        model = make_gpt("tiny").to(device)
         names = [n for n, _ in model.named_parameters()]
         master = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
         model.to(dtype)
         params = list(model.parameters())
         opt = torch.optim.AdamW(master, foreach=False, **hyper)
-        gs = torch.amp.GradScaler("cpu", **scaler) if scaler is not None else None
+        gs = torch.amp.GradScaler(torch.device(device).type, **scaler) if scaler is not None else None
         history = []
         for step in range(steps):
             total = None
             for r in range(world):
-                _, loss = model(*rank_batch(model, step, r))
+                _, loss = model(*(t.to(device) for t in rank_batch(model, step, r)))
                 if gs is not None:
                     loss = gs.scale(loss)
                 grads = [g.to(reduce_dtype) for g in torch.autograd.grad(loss, params)]
@@ -177,8 +178,8 @@ def single_process_mixed(world: int, steps: int, dtype: torch.dtype, *, reduce_d
             with torch.no_grad():
                 for p, m in zip(params, master):
                     p.copy_(m)
-        return ({n: p.detach().float().clone() for n, p in zip(names, params)},
-                {n: m.detach().clone() for n, m in zip(names, master)}, history)
+        return ({n: p.detach().float().cpu() for n, p in zip(names, params)},
+                {n: m.detach().cpu() for n, m in zip(names, master)}, history)
     finally:
         torch.set_num_threads(threads)
 

@@ -48,3 +48,37 @@ def test_zero_adam_nccl_world1_matches_adamw(stage, partition):
     got = run_ranks(_zero_on_gpu, 1, args=(stage, partition), backend="nccl", timeout=300)[0]
     diff = max_abs_diff(got, _adamw_on_gpu())
     assert diff <= 2e-5, f"stage {stage} {partition}: {diff:.3g}"
+
+
+def _mixed_on_gpu(rank, world, precision, scaler):
+    from zerofast import ZeroAdam
+    from zerofast.models import make_gpt
+    model = make_gpt("tiny").cuda()
+    opt = ZeroAdam(model, stage=3, bucket_mb=0.01, mixed_precision=precision, max_grad_norm=0.5,
+                   **(scaler or {}), **HYPER)
+    history = []
+    for step in range(STEPS):
+        x, y = rank_batch(model, step, rank)
+        scale = opt.loss_scale
+        _, loss = model(x.cuda(), y.cuda())
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        history.append((scale, opt.last_step_skipped))
+    torch.cuda.synchronize()
+    with opt.gathered_params():
+        return {n: p.detach().float().cpu() for n, p in model.named_parameters()}, history
+
+
+@pytest.mark.parametrize("precision, scaler", [("bf16", None), ("fp16", dict(init_scale=2.0**16, growth_interval=3))])
+def test_mixed_precision_nccl_world1_matches_torch(precision, scaler):
+    """Stage 3 in bf16, and in fp16 with loss scaling, clipped, on the GPU (the fused CUDA kernel's
+    param_copy, nonfinite_check_ on CUDA) against single-process mixed precision on the same GPU."""
+    from oracles import single_process_mixed
+    got, history = run_ranks(_mixed_on_gpu, 1, args=(precision, scaler), backend="nccl", timeout=300)[0]
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    want, _, want_history = single_process_mixed(1, STEPS, dtype, reduce_dtype=dtype, scaler=scaler,
+                                                 max_norm=0.5, device="cuda")
+    assert history == [h[:2] for h in want_history]
+    diff = max_abs_diff(got, want)
+    assert diff <= (2.0**-7 if precision == "bf16" else 2.0**-10), f"{precision}: {diff:.3g}"

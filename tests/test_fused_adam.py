@@ -175,6 +175,37 @@ def test_scaled_overflow_counts_as_inf():
     assert found.item() == 1.0 and torch.equal(p, torch.ones(n))
 
 
+# --- nonfinite_check_: the same check alone (ZeroAdam's overflow agreement) -----------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad_value", [None, math.inf, -math.inf, math.nan], ids=["clean", "inf", "-inf", "nan"])
+@pytest.mark.parametrize("where", [0, 1000, 70_000])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_nonfinite_check(device, bad_value, where, grad_dtype):
+    g = torch.randn(70_001, device=device).to(grad_dtype)
+    if bad_value is not None:
+        g[where] = bad_value
+    found = torch.zeros(1, device=device)
+    zerofast.nonfinite_check_(g, found)
+    assert found.item() == (0.0 if bad_value is None else 1.0)
+    if bad_value is None:  # a flag set by an earlier call is kept, never cleared
+        found.fill_(1.0)
+        zerofast.nonfinite_check_(g, found)
+        assert found.item() == 1.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nonfinite_check_opcheck_and_errors(device):
+    torch.library.opcheck(torch.ops.zerofast.nonfinite_check_.default,
+                          (torch.randn(33, device=device).half(), torch.zeros(1, device=device)))
+    with pytest.raises(RuntimeError, match="found_inf must be a 1-element float32 tensor; got dtype Half"):
+        zerofast.nonfinite_check_(torch.randn(4, device=device), torch.zeros(1, device=device).half())
+    with pytest.raises(RuntimeError, match="grad must be float32, bfloat16 or float16; got Long"):
+        zerofast.nonfinite_check_(torch.ones(4, device=device, dtype=torch.long), torch.zeros(1, device=device))
+    with pytest.raises(RuntimeError, match="grad must be a flat contiguous 1-D tensor"):
+        zerofast.nonfinite_check_(torch.ones(2, 2, device=device), torch.zeros(1, device=device))
+
+
 # --- instruction sets ---------------------------------------------------------------------------
 
 def test_portable_path_matches_torch(monkeypatch):

@@ -1,11 +1,11 @@
 """zerofast: ZeRO stages 1-3 for PyTorch.
 
-Public names: ZeroAdam (the sharded optimizer), estimate_memory (the seed's table), fused_adam_ (the compiled fused Adam/AdamW step), has_cuda_kernels, cpu_isa, and the
+Public names: ZeroAdam (the sharded optimizer), estimate_memory (the seed's table), fused_adam_ (the compiled fused Adam/AdamW step), nonfinite_check_ (its overflow check alone), has_cuda_kernels, cpu_isa, and the
 reference stages in zerofast.reference (the correctness oracle).
 """
-from ._ops import cpu_isa, fused_adam_, has_cuda_kernels
+from ._ops import cpu_isa, fused_adam_, has_cuda_kernels, nonfinite_check_
 from .memory import estimate_memory
 from .optimizer import ZeroAdam
 
-__all__ = ["ZeroAdam", "fused_adam_", "estimate_memory", "has_cuda_kernels", "cpu_isa"]
+__all__ = ["ZeroAdam", "fused_adam_", "nonfinite_check_", "estimate_memory", "has_cuda_kernels", "cpu_isa"]
 __version__ = "0.1.0"
