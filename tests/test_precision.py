@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from harness import run_ranks
-from oracles import HYPER, full_master, max_abs_diff, rank_batch, single_process_adamw, single_process_mixed
+from oracles import (HYPER, Quirky, full_master, max_abs_diff, rank_batch, single_process_adamw,
+                     single_process_mixed)
 from zerofast import ZeroAdam
 from zerofast.models import make_gpt
 
@@ -389,3 +390,43 @@ def test_bad_arguments_and_misuse_get_named_errors():
     assert "max_norm must be a number > 0; got 0" in errors["clip_zero"]
     assert "call opt.backward(loss)" in errors["unscaled"]
     assert "mixed_precision='bf16'" in errors["bf16_without_mixed"]
+
+
+def _train_accumulated_quirky(rank, world, steps):
+    """Quirky under no_sync: `sometimes` gets a gradient only in the middle one of three
+    micro-batches (never in the last), `rank0_only` only on rank 0, `frozen` never."""
+    out = {}
+    for stage, local in [(1, False), (2, False), (2, True), (3, False), (3, True)]:
+        model = Quirky()
+        opt = ZeroAdam(model, stage=stage, bucket_mb=0.001, accumulate_locally=local, **HYPER)
+        for step in range(steps):
+            with opt.no_sync():
+                for k in range(MICRO - 1):
+                    (model(*_micro_batch(model, step, rank, k), k + 1, rank) / MICRO).backward()
+            (model(*_micro_batch(model, step, rank, MICRO - 1), MICRO, rank) / MICRO).backward()
+            opt.step()
+            opt.zero_grad()
+        with opt.gathered_params():
+            out[(stage, local)] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def single_process_accumulated_quirky(world, steps):
+    model = Quirky()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=False, **HYPER)
+    for step in range(steps):
+        losses = [model(*_micro_batch(model, step, r, k), k + 1, r) for r in range(world) for k in range(MICRO)]
+        (sum(losses) / len(losses)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_no_sync_with_parameters_missing_from_some_micro_batches(world):
+    results = run_ranks(_train_accumulated_quirky, world, args=(STEPS,), timeout=400)
+    want = single_process_accumulated_quirky(world, STEPS)
+    for rank, out in enumerate(results):
+        for (stage, local), params in out.items():
+            d = max_abs_diff(params, want)
+            assert d <= 2e-5, f"stage {stage} accumulate_locally={local} rank {rank}/{world}: {d:.3g}"
