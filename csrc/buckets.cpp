@@ -244,6 +244,9 @@ void BucketComm::reap_completed() {
     for (int64_t bucket : done) finish_reduce(bucket);
   }
   in_flight_ = std::move(still);
+  // finish_reduce read the buffers on the comm stream and returned them to the pool; the next
+  // add_grad writes a pooled buffer on the caller's stream, which must wait for those reads.
+  end_comm();
 }
 
 void BucketComm::finish_reduce(int64_t bucket) {
@@ -259,6 +262,7 @@ void BucketComm::finish_reduce(int64_t bucket) {
     }
   } else if (scatter_out_[bucket].has_value()) {  // an accumulating reduce_scatter
     owned_grad(bucket).add_(*scatter_out_[bucket]);
+    buffer_bytes_ -= scatter_out_[bucket]->numel() * scatter_out_[bucket]->element_size();
     scatter_out_[bucket].reset();
   }
   release(bucket);
@@ -288,6 +292,8 @@ void BucketComm::reduce(int64_t bucket, bool accumulate) {
     if (accumulate) {  // see [Note: accumulation into the shard]
       scatter_out_[bucket] = at::empty_like(out);
       out = *scatter_out_[bucket];
+      buffer_bytes_ += out.numel() * out.element_size();
+      peak_buffer_bytes_ = std::max(peak_buffer_bytes_, buffer_bytes_);
     }
     in_flight_.emplace_back(bucket, group_->_reduce_scatter_base(out, buf, c10d::ReduceScatterOptions()));
     return;

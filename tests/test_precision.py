@@ -323,6 +323,7 @@ BAD = [
     (dict(mixed_precision="fp8"), "mixed_precision must be None, 'bf16' or 'fp16'; got 'fp8'"),
     (dict(mixed_precision="bf16", reduce_dtype=torch.int8), "reduce_dtype must be"),
     (dict(reduce_dtype=torch.bfloat16), "reduce_dtype=torch.bfloat16 needs mixed_precision"),
+    (dict(mixed_precision="bf16", reduce_dtype=torch.float16), "reduce_dtype=torch.float16 needs mixed_precision='fp16'"),
     (dict(max_grad_norm=0.0), "max_grad_norm must be None or a number > 0; got 0.0"),
     (dict(max_grad_norm=-1), "max_grad_norm must be None or a number > 0; got -1"),
     (dict(mixed_precision="fp16", init_scale=0), "init_scale must be a number > 0; got 0"),
@@ -367,6 +368,10 @@ def _misuse(rank, world):
     errors["step_inside"] = catch(step_inside)
     opt.step()  # the accumulated gradient from step_inside: a normal step
     errors["clip_zero"] = catch(lambda: opt.clip_grad_norm_(0))
+    model(x, y)[1].backward()
+    errors["zero_grad_mid_step"] = catch(opt.zero_grad)
+    opt.step()
+    errors["zero_grad_after_step"] = catch(opt.zero_grad)
     fp16_model = make_gpt("tiny")
     fp16 = ZeroAdam(fp16_model, stage=1, mixed_precision="fp16", **HYPER)
 
@@ -375,6 +380,11 @@ def _misuse(rank, world):
         fp16.step()
 
     errors["unscaled"] = catch(unscaled)
+    empty = ZeroAdam(make_gpt("tiny"), stage=2, mixed_precision="fp16", growth_interval=1, **HYPER)
+    scale = empty.loss_scale
+    for _ in range(3):  # steps without any gradient: no evidence, the scale stays
+        empty.step()
+    errors["empty_steps_keep_scale"] = empty.loss_scale == scale
     bf16_model = make_gpt("tiny").to(torch.bfloat16)
     errors["bf16_without_mixed"] = catch(lambda: ZeroAdam(bf16_model, **HYPER))
     return errors
@@ -389,6 +399,9 @@ def test_bad_arguments_and_misuse_get_named_errors():
     assert "step() was called inside `with opt.no_sync():`" in errors["step_inside"]
     assert "max_norm must be a number > 0; got 0" in errors["clip_zero"]
     assert "call opt.backward(loss)" in errors["unscaled"]
+    assert "zero_grad() was called between backward and step()" in errors["zero_grad_mid_step"]
+    assert errors["zero_grad_after_step"] is None
+    assert errors["empty_steps_keep_scale"] is True
     assert "mixed_precision='bf16'" in errors["bf16_without_mixed"]
 
 

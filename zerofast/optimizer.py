@@ -75,7 +75,8 @@ sqrt(sum) / (N * scale). The coefficient min(1, max_norm / (norm + 1e-6)), torch
 1/scale in the kernel's grad_scale, so clipping costs no pass over the gradients.
 
 [Note: accumulation]
-`with opt.no_sync():` around every micro-batch but the last. Stage 1 (which holds full gradients
+`with opt.no_sync():` around every micro-batch but the last; every rank runs the same number of
+micro-batches (stages 2 and 3 communicate in each, as every rank runs the same number of steps). Stage 1 (which holds full gradients
 anyway) lets .grad accumulate as autograd does and reduces once, in the last backward: Φ of reduce
 per step however many micro-batches. Stages 2 and 3 by default reduce every micro-batch into the
 owned gradient shard, as DeepSpeed does: k micro-batches cost k·Φ of reduce, but gradient memory
@@ -435,13 +436,15 @@ class ZeroAdam(torch.optim.Optimizer):
         prep = self._prepare(need_norm=self.max_grad_norm is not None)  # phase 2
         if self.max_grad_norm is not None:
             self._clip(prep, self.max_grad_norm)
-        if not prep.found_inf:
+        anything = any(prep.used)  # agreed: the same on every rank
+        if anything and not prep.found_inf:
             self._update(prep.used, prep.grad_factor / (self.world_size * self._scaler.scale))  # phase 3
             if self.stage < 3:                  # phase 4 (stage 3: the next forward gathers)
                 self._start_gathers()
                 if not self.overlap_param_gather:
                     self._wait_gathers()
-        self._scaler.update(prep.found_inf)
+        if anything:  # a step without gradients anywhere is no evidence for or against the scale
+            self._scaler.update(prep.found_inf)
         self.last_step_skipped = prep.found_inf
         self._last_comm = dict(self.comm.stats)
         self._begin_step()
@@ -658,6 +661,7 @@ class ZeroAdam(torch.optim.Optimizer):
             yield
         finally:
             self._in_no_sync = False
+            self._callback_queued = False  # a backward that raised may have left it queued, never run
 
     def _cast_inputs(self, module, args, kwargs):
         """Floating-point tensors passed to the model's forward, cast to the parameters' dtype."""
@@ -668,6 +672,16 @@ class ZeroAdam(torch.optim.Optimizer):
         return torch.utils._pytree.tree_map(cast, (args, kwargs))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear .grad (stage 1 keeps full local gradients there). Between a backward and step(),
+        gradients already handed to the buckets cannot be taken back (their reduces are in flight
+        on every rank): that is an error rather than a step that silently keeps them. Gradients
+        accumulated only locally (stage 1, or accumulate_locally, inside no_sync) are dropped."""
+        if any(self._got_grad) or self._accumulate or self._prepared is not None:
+            raise RuntimeError("ZeroAdam.zero_grad() was called between backward and step(): this step's "
+                               "gradients are already being reduced across ranks and would still be "
+                               "applied; call step() first (or zero_grad() only at the start of an iteration)")
+        self._used = [False] * len(self._params)
+        self._local = [False] * len(self._params)
         for p in self._params:
             if set_to_none:
                 p.grad = None
@@ -769,6 +783,9 @@ def _check_precision(mixed_precision, reduce_dtype, max_grad_norm, init_scale, g
     if mixed_precision is None and reduce_dtype not in (None, torch.float32):
         raise ValueError(f"ZeroAdam: reduce_dtype={reduce_dtype} needs mixed_precision; fp32 parameters reduce "
                          f"in float32")
+    if reduce_dtype == torch.float16 and mixed_precision != "fp16":
+        raise ValueError(f"ZeroAdam: reduce_dtype=torch.float16 needs mixed_precision='fp16' (whose loss scaling "
+                         f"catches overflow); got mixed_precision={mixed_precision!r}")
     if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
                                           and not isinstance(max_grad_norm, bool) and max_grad_norm > 0):
         raise ValueError(f"ZeroAdam: max_grad_norm must be None or a number > 0; got {max_grad_norm!r}")
