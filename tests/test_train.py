@@ -17,7 +17,7 @@ from zerofast.models import make_gpt
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _measured(rank, world, stage):
+def _measured(rank, world, stage, precision="fp32"):
     model = make_gpt("tiny")
     if stage == 0:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -30,19 +30,22 @@ def _measured(rank, world, stage):
         return {"params": sum(p.nbytes for p in model.parameters()),
                 "grads": sum(p.grad.nbytes for p in model.parameters()),
                 "optimizer": sum(s[k].nbytes for s in state for k in ("exp_avg", "exp_avg_sq"))}
-    opt = ZeroAdam(model, stage=stage, bucket_mb=0.01, **HYPER)
+    opt = ZeroAdam(model, stage=stage, bucket_mb=0.01, mixed_precision="bf16" if precision == "mixed" else None,
+                   **HYPER)
     _, loss = model(*rank_batch(model, 0, rank))
-    loss.backward()
+    opt.backward(loss)
     opt.step()
     r = opt.memory_report()
-    return {"params": r["params"], "grads": r["grads"] + r["grad_shard"], "optimizer": r["optimizer"]}
+    return {"params": r["params"], "grads": r["grads"] + r["grad_shard"],
+            "optimizer": r["optimizer"] + r["master_copy"]}
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_estimate_matches_measured_bytes(world, stage):
-    est = estimate_memory(make_gpt("tiny"), world, stage, "fp32", bucket_mb=0.01)
-    for rank, m in enumerate(run_ranks(_measured, world, args=(stage,))):
+@pytest.mark.parametrize("stage, precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"),
+                                              (1, "mixed"), (2, "mixed"), (3, "mixed")])
+def test_estimate_matches_measured_bytes(world, stage, precision):
+    est = estimate_memory(make_gpt("tiny"), world, stage, precision, bucket_mb=0.01)
+    for rank, m in enumerate(run_ranks(_measured, world, args=(stage, precision))):
         for kind in ("params", "grads", "optimizer"):
             want = getattr(est, kind)
             if stage == 0:
