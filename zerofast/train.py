@@ -265,8 +265,9 @@ def worker(args: argparse.Namespace) -> None:
         if rank == 0:
             for kind, (other, other_times, *_rest) in results.items():
                 diff = max(abs(a - b) for a, b in zip(losses, other))
-                log.info("vs %-9s largest loss difference %.2e; step time ZeroAdam / %s = %.2f",
-                         kind, diff, kind, _median(times) / _median(other_times))
+                log.info("vs %-9s largest loss difference %.2e; step time ZeroAdam / %s = %.2f%s",
+                         kind, diff, kind, _median(times) / _median(other_times),
+                         f" ({kind} trains in fp32, ZeroAdam in {args.mixed_precision})" if args.mixed_precision else "")
     if args.plot:
         rows = {}
         for kind, label in (("ddp", "DDP"), ("zero:1", "stage 1"), ("zero:2", "stage 2"), ("zero:3", "stage 3")):
