@@ -350,7 +350,6 @@ class ZeroAdam(torch.optim.Optimizer):
         self._local = [False] * n      # holds a locally accumulated .grad not yet in a bucket
         self._accumulate = False       # later reduces add into the shard: [Note: accumulation]
         self._callback_queued = False
-        self._scaled_backward = False
         self._prepared: Optional[_Prepared] = None
         self._begin_micro_batch()
         self.comm.new_step()
@@ -365,8 +364,15 @@ class ZeroAdam(torch.optim.Optimizer):
             self._on_grad(index, param)
         return hook
 
+    _in_scaled_backward = False
+
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         slot = self.layout.slots[index]
+        if self._scaler.enabled and not self._in_scaled_backward:
+            raise RuntimeError(
+                f"ZeroAdam(mixed_precision='fp16'): {self._names[index]} got a gradient from a backward "
+                f"that did not scale the loss; call opt.backward(loss) instead of loss.backward() "
+                f"([Note: loss scaling])")
         if self._pending_gather[slot.bucket]:
             raise RuntimeError(
                 f"ZeroAdam(overlap_param_gather=True): {self._names[index]} was used while its gather was "
@@ -427,9 +433,6 @@ class ZeroAdam(torch.optim.Optimizer):
             raise RuntimeError("ZeroAdam.step() was called inside `with opt.no_sync():`; no_sync() wraps "
                                "the micro-batches whose gradients are only accumulated, and step() follows "
                                "the last backward, outside it")
-        if self._scaler.enabled and any(self._used) and not self._scaled_backward:
-            raise RuntimeError("ZeroAdam(mixed_precision='fp16'): the gradients came from loss.backward(); "
-                               "call opt.backward(loss), which scales the loss first ([Note: loss scaling])")
         self._wait_gathers()                    # last step's, if some module never ran
         if self.units is not None:              # stage 3: nothing may stay gathered across the update
             self.units.release_all()
@@ -642,8 +645,11 @@ class ZeroAdam(torch.optim.Optimizer):
         torch.amp.GradScaler.scale does); the same as loss.backward() otherwise."""
         if self._scaler.enabled:
             loss = loss.float() * self._scaler.scale
-        loss.backward(**kwargs)
-        self._scaled_backward = True
+        self._in_scaled_backward = True
+        try:
+            loss.backward(**kwargs)
+        finally:
+            self._in_scaled_backward = False
 
     @property
     def loss_scale(self) -> float:
