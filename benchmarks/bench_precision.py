@@ -12,18 +12,14 @@ import functools
 
 import pytest
 
+from bench_step import BATCH, HYPER, SEQ, WORLD
 from rankpool import RankPool
 
-WORLD = 2
-BATCH, SEQ = 8, 64
 ROUNDS, WARMUP = 6, 2
 GROUP = "mixed precision: 2 gloo ranks x 1 thread, GPT 6.4M params, batch 8x64"
-HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 
 
 def build(case, rank, world):
-    import torch
-
     from zerofast import ZeroAdam
     from zerofast.models import make_gpt, random_batch
 
@@ -46,7 +42,6 @@ def build(case, rank, world):
         return {k: r[k] for k in keys}
 
     step.info = info
-    del torch
     return step
 
 

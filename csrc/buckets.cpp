@@ -154,24 +154,7 @@ int64_t BucketComm::pooled_bytes() const {
 void BucketComm::finish_in_flight(int64_t bucket) {
   const bool busy = std::any_of(in_flight_.begin(), in_flight_.end(),
                                 [&](const auto& entry) { return entry.first == bucket; });
-  if (!busy) return;
-  std::vector<std::pair<int64_t, c10::intrusive_ptr<c10d::Work>>> still;
-  {
-#ifdef ZEROFAST_WITH_CUDA
-    std::optional<c10::cuda::CUDAStreamGuard> guard;
-    if (comm_stream_) guard.emplace(*comm_stream_);
-#endif
-    for (auto& entry : in_flight_) {
-      if (entry.first == bucket) {
-        entry.second->wait();
-      } else {
-        still.push_back(entry);
-      }
-    }
-    finish_reduce(bucket);
-  }
-  in_flight_ = std::move(still);
-  end_comm();
+  if (busy) finish_buckets({bucket});
 }
 
 void BucketComm::add_grad(int64_t bucket, int64_t offset, const at::Tensor& grad) {
@@ -219,29 +202,32 @@ at::Tensor BucketComm::owned_grad(int64_t bucket) {
 void BucketComm::reap_completed() {
   // Stage 2 promises "its own gradient slice plus the buckets in flight": a bucket whose reduce is
   // done is copied out and released now, not at step().
-  std::vector<std::pair<int64_t, c10::intrusive_ptr<c10d::Work>>> still;
   std::vector<int64_t> done;
   for (auto& entry : in_flight_) {
-    const bool finished = entry.second->isCompleted();
-    const bool pending_sibling = std::any_of(in_flight_.begin(), in_flight_.end(), [&](const auto& other) {
-      return other.first == entry.first && !other.second->isCompleted();
+    const bool all_finished = std::all_of(in_flight_.begin(), in_flight_.end(), [&](const auto& other) {
+      return other.first != entry.first || other.second->isCompleted();
     });
-    if (finished && !pending_sibling) {
-      if (std::find(done.begin(), done.end(), entry.first) == done.end()) done.push_back(entry.first);
-    } else {
-      still.push_back(entry);
-    }
+    if (all_finished && std::find(done.begin(), done.end(), entry.first) == done.end()) done.push_back(entry.first);
   }
-  if (done.empty()) return;
+  if (!done.empty()) finish_buckets(done);
+}
+
+void BucketComm::finish_buckets(const std::vector<int64_t>& buckets) {
+  auto listed = [&](int64_t bucket) { return std::find(buckets.begin(), buckets.end(), bucket) != buckets.end(); };
+  std::vector<std::pair<int64_t, c10::intrusive_ptr<c10d::Work>>> still;
   {
 #ifdef ZEROFAST_WITH_CUDA
     std::optional<c10::cuda::CUDAStreamGuard> guard;
     if (comm_stream_) guard.emplace(*comm_stream_);
 #endif
     for (auto& entry : in_flight_) {
-      if (std::find(done.begin(), done.end(), entry.first) != done.end()) entry.second->wait();
+      if (listed(entry.first)) {
+        entry.second->wait();
+      } else {
+        still.push_back(entry);
+      }
     }
-    for (int64_t bucket : done) finish_reduce(bucket);
+    for (int64_t bucket : buckets) finish_reduce(bucket);
   }
   in_flight_ = std::move(still);
   // finish_reduce read the buffers on the comm stream and returned them to the pool; the next

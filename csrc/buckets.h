@@ -66,6 +66,7 @@ class BucketComm {
   void reap_completed();                // finish the reduces that are done (see reduce())
   void finish_reduce(int64_t bucket);   // copy (or add) the own segment out, release the buffer
   void finish_in_flight(int64_t bucket); // wait for and finish this bucket's reduce, if in flight
+  void finish_buckets(const std::vector<int64_t>& buckets);  // wait for, finish and forget their reduces
   void check_bucket(int64_t bucket, const char* what) const;
   at::Tensor owned_grad(int64_t bucket);
   void begin_comm();   // on CUDA: order the comm stream after the work queued so far

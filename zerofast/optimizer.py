@@ -345,7 +345,6 @@ class ZeroAdam(torch.optim.Optimizer):
 
     def _begin_step(self) -> None:
         n = len(self._params)
-        self._got_grad = [False] * n   # copied into its bucket in this micro-batch
         self._used = [False] * n       # got a gradient on this rank in any micro-batch of this step
         self._local = [False] * n      # holds a locally accumulated .grad not yet in a bucket
         self._accumulate = False       # later reduces add into the shard: [Note: accumulation]
@@ -355,7 +354,7 @@ class ZeroAdam(torch.optim.Optimizer):
         self.comm.new_step()
 
     def _begin_micro_batch(self) -> None:
-        self._got_grad = [False] * len(self._params)
+        self._got_grad = [False] * len(self._params)  # copied into its bucket in this micro-batch
         self._missing = [len(b.params) for b in self.layout.buckets]
         self._next_launch = 0
 
@@ -524,7 +523,7 @@ class ZeroAdam(torch.optim.Optimizer):
             group = self.param_groups[run.group]
             beta1, beta2 = group["betas"]
             state = slice(run.state_lo, run.state_lo + run.numel)
-            master, copy = self._master_and_copy(run, state)
+            master, copy = self._master_and_copy(run.bucket, run.bucket_lo, state)
             _ops.fused_adam_(
                 master,
                 self._grad_shard[state], self._exp_avg[state], self._exp_avg_sq[state],
@@ -535,16 +534,16 @@ class ZeroAdam(torch.optim.Optimizer):
             if u:
                 self._steps[i] += 1
 
-    def _master_and_copy(self, run: "_Run", state: slice):
-        """The fp32 master range a run updates, and the low-precision parameters it writes (None in
-        fp32, where the master is the parameter)."""
+    def _master_and_copy(self, bucket: int, bucket_lo: int, state: slice):
+        """The fp32 master of an owned range (bucket `bucket` from `bucket_lo`; `state` in the shard
+        buffers), and the low-precision parameters its update is written to (None in fp32, where
+        the master is the parameter)."""
+        # Stage 3 keeps its parameters in the shard (the unit buffers are released by now).
+        params = (self._param_shard[state] if self.stage == 3
+                  else self._param_buffers[bucket].narrow(0, bucket_lo, state.stop - state.start))
         if self._master.numel():  # mixed precision
-            copy = (self._param_shard[state] if self.stage == 3
-                    else self._param_buffers[run.bucket].narrow(0, run.bucket_lo, run.numel))
-            return self._master[state], copy
-        if self.stage == 3:
-            return self._param_shard[state], None
-        return self._param_buffers[run.bucket].narrow(0, run.bucket_lo, run.numel), None
+            return self._master[state], params
+        return params, None
 
     def _runs(self, used: list[bool]) -> list[_Run]:
         """This rank's owned pieces of used parameters, merged where contiguous with equal
@@ -737,8 +736,8 @@ class ZeroAdam(torch.optim.Optimizer):
         parameter, fp32 values) pieces; the ranks' pieces together cover every parameter once."""
         out = []
         for pc in self._pieces:
-            run = _Run(pc.bucket, pc.bucket_offset, pc.state_offset, pc.numel, self._group_of[pc.param], (pc.param,))
-            master, _ = self._master_and_copy(run, slice(pc.state_offset, pc.state_offset + pc.numel))
+            master, _ = self._master_and_copy(pc.bucket, pc.bucket_offset,
+                                              slice(pc.state_offset, pc.state_offset + pc.numel))
             out.append((self._names[pc.param], pc.param_offset, master.detach().float().clone()))
         return out
 
