@@ -117,11 +117,12 @@ class TwiceMLP(torch.nn.Module):
 
 
 def single_process(model_fn, world: int, steps: int) -> dict[str, torch.Tensor]:
-    """torch.optim.AdamW on one process over every rank's batch, for a model returning (_, loss)."""
+    """torch.optim.AdamW on one process over every rank's batch, for a model returning (_, loss)
+    (or a Hugging Face causal LM: see model_loss)."""
     model = model_fn()
     opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
     for step in range(steps):
-        total = sum(model(*rank_batch(model, step, r))[1] for r in range(world)) / world
+        total = sum(model_loss(model, *rank_batch(model, step, r)) for r in range(world)) / world
         total.backward()
         opt.step()
         opt.zero_grad()
@@ -191,3 +192,51 @@ def full_master(per_rank_pieces: list[list[tuple]], shapes: dict[str, tuple]) ->
         for name, offset, values in pieces:
             out[name][offset:offset + values.numel()] = values
     return {n: t.view(shapes[n]) for n, t in out.items()}
+
+
+class Nested(torch.nn.Module):
+    """A model shaped like most real ones, unlike our GPT: the blocks three levels down
+    (`backbone.layers[i]`), the token embedding inside the backbone tied to an output head at the
+    root, and a final norm between them. forward(x, y) -> (logits, loss), as the GPT's."""
+
+    def __init__(self, vocab=48, width=16, layers=3, block_size=12):
+        super().__init__()
+        torch.manual_seed(3)
+        self.cfg = type("Cfg", (), {"vocab_size": vocab, "block_size": block_size})()
+        self.backbone = torch.nn.Module()
+        self.backbone.embed = torch.nn.Embedding(vocab, width)
+        self.backbone.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
+                                torch.nn.Linear(2 * width, width)) for _ in range(layers))
+        self.backbone.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.backbone.embed.weight  # tied: used first and last
+
+    def forward(self, x, y):
+        h = self.backbone.embed(x)
+        for layer in self.backbone.layers:
+            h = h + layer(h)
+        logits = self.head(self.backbone.norm(h))
+        return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def hf_gpt2(layers: int = 3):
+    """A randomly initialised Hugging Face GPT-2 from a config (no download), dropout off so that
+    runs are deterministic; forward(x, y) as our GPT's through `hf_loss`. None without transformers."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        return None
+    torch.manual_seed(4)
+    cfg = GPT2Config(n_layer=layers, n_embd=16, n_head=2, vocab_size=48, n_positions=12, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg)
+    model.cfg = type("Cfg", (), {"vocab_size": 48, "block_size": 12})()
+    return model
+
+
+def model_loss(model, x, y) -> torch.Tensor:
+    """The loss of our GPT-shaped models (forward(x, y) -> (_, loss)) and of a Hugging Face causal LM."""
+    if hasattr(model, "config") and hasattr(model.config, "model_type"):
+        return model(input_ids=x, labels=x).loss
+    return model(x, y)[1]

@@ -112,7 +112,7 @@ from . import _ops
 from .comm import BucketComm
 from .layout import Layout, Piece, build_layout, layout_from_groups
 from .partition import PARTITIONS, imbalance, owners_for
-from .stage3 import UnitTracker, _default_unit_modules as _hook_candidates, find_units
+from .stage3 import UnitBuffers, UnitPlan, UnitTracker, find_units, hook_needs
 
 __all__ = ["ZeroAdam"]
 
@@ -188,8 +188,11 @@ class ZeroAdam(torch.optim.Optimizer):
     bucket_mb: stages 1 and 2 bucket size (stage 3 uses one bucket per unit).
     overlap: reduce each bucket during backward as soon as it is complete (else at step()).
     overlap_param_gather: stages 1 and 2: gather after step() overlapped with the next forward.
-    units: stage 3: the modules whose parameters are gathered together (default: each child of the
-      root holding parameters, through ModuleList/ModuleDict; the root's own rest forms one more).
+    units: stage 3: which modules' parameters are gathered together: None (the model's blocks:
+      its `_no_split_modules` classes, else the children of every nn.ModuleList, else the root's
+      children), a list of submodules, a module class or set of classes, or a callable
+      module -> bool; the parameters no unit holds form one more unit, the root's.
+      opt.units_report() shows the choice ([Note: choosing units] in zerofast/stage3.py).
     mixed_precision: None (fp32 parameters), "bf16" or "fp16": the model is converted as
       model.to(dtype) would (parameters, frozen ones too, and floating buffers), floating-point
       inputs of its forward are cast to that dtype, and the optimizer keeps the fp32 master shard
@@ -209,7 +212,7 @@ class ZeroAdam(torch.optim.Optimizer):
                  param_groups: Optional[list[dict]] = None, partition: str = "flat",
                  bucket_mb: float = 25.0, overlap: bool = True,
                  process_group: Optional[dist.ProcessGroup] = None, overlap_param_gather: bool = False,
-                 units: Optional[list[nn.Module]] = None, mixed_precision: Optional[str] = None,
+                 units=None, mixed_precision: Optional[str] = None,
                  reduce_dtype: Optional[torch.dtype] = None, max_grad_norm: Optional[float] = None,
                  init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, accumulate_locally: bool = False):
@@ -292,9 +295,10 @@ class ZeroAdam(torch.optim.Optimizer):
         bucket_numel = max(1, int(bucket_mb * 2**20) // reduce_size)
         owners = owners_for(self.partition, numels, self.world_size)
         if self.stage == 3:  # one bucket per unit, in backward order: see [Note: bucket order]
-            self._unit_groups, self._unit_modules = find_units(self.model, self._params, unit_modules)
-            self.layout: Layout = layout_from_groups(numels, self._unit_groups[::-1], self.world_size, owners)
+            self.unit_plan: Optional[UnitPlan] = find_units(self.model, self._params, unit_modules)
+            self.layout: Layout = layout_from_groups(numels, self.unit_plan.groups[::-1], self.world_size, owners)
         else:
+            self.unit_plan = None
             order = list(reversed(range(len(numels))))  # backward order: see [Note: bucket order]
             first_bucket_numel = min(bucket_numel, _FIRST_BUCKET_BYTES // reduce_size)
             self.layout = build_layout(numels, order, self.world_size, bucket_numel, owners, first_bucket_numel)
@@ -567,44 +571,24 @@ class ZeroAdam(torch.optim.Optimizer):
 
     def _shard_params(self) -> UnitTracker:
         """Copy this rank's shards out, release every unit, and install the hooks."""
-        offsets = self.layout.shard_offsets(self.rank)
-        for b in self.layout.buckets:
-            lo, hi = b.bounds[self.rank], b.bounds[self.rank + 1]
-            self._param_shard[offsets[b.index]:offsets[b.index] + hi - lo].copy_(self._param_buffers[b.index][lo:hi])
-        num_units = len(self._unit_groups)
-        bucket_of_unit = [num_units - 1 - u for u in range(num_units)]
-        unit_of_param = {}
-        for u, group in enumerate(self._unit_groups):
-            for i in group:
-                unit_of_param[id(self._params[i])] = u
-        needs = {}
-        candidates = self._unit_modules + [m for m in _hook_candidates(self.model) if m not in self._unit_modules]
-        for module in candidates:
-            if module is self.model:
-                continue
-            units = sorted({unit_of_param[id(p)] for p in module.parameters() if id(p) in unit_of_param})
-            if units:
-                needs[module] = tuple(units)
-        root_unit = num_units - 1 if self._unit_modules and self._unit_modules[-1] is self.model else None
-        needs[self.model] = () if root_unit is None else (root_unit,)
+        buffers = UnitBuffers(self._param_buffers, self._param_shard, self.layout, self.rank, self.comm)
+        buffers.shard_out()
+        return UnitTracker(self.model, hook_needs(self.model, self._params, self.unit_plan), buffers)
 
-        def gather_start(u):
-            b = bucket_of_unit[u]
-            buf = self._param_buffers[b]
-            buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-            lo, hi = self.layout.owned_range(b, self.rank)
-            buf[lo:hi].copy_(self._param_shard[offsets[b]:offsets[b] + hi - lo])
-            self.comm.gather_start(b, buf)
-
-        def gather_wait(u):
-            self.comm.gather_wait(bucket_of_unit[u])
-
-        def release(u):
-            self._param_buffers[bucket_of_unit[u]].untyped_storage().resize_(0)
-
-        for u in range(num_units):
-            release(u)
-        return UnitTracker(self.model, needs, num_units, gather_start, gather_wait, release)
+    def units_report(self) -> list[dict]:
+        """Stage 3: what each unit gathers together, in unit order (unit 0 is the root's remaining
+        parameters, when there are any): its module's name ("" for the root), how many parameter
+        tensors and elements it holds, and their bytes in the parameters' dtype. See
+        [Note: choosing units] in zerofast/stage3.py. Empty for stages 1 and 2, which gather by bucket."""
+        if self.stage != 3:
+            return []
+        size = self._param_buffers[0].element_size()
+        report = []
+        for u, (group, name) in enumerate(zip(self.unit_plan.groups, self.unit_plan.names)):
+            numel = sum(self._params[i].numel() for i in group)
+            report.append({"unit": u, "module": name, "class": type(self.unit_plan.modules[u]).__name__,
+                           "tensors": len(group), "numel": numel, "bytes": numel * size})
+        return report
 
     def materialized_param_bytes(self) -> int:
         """Bytes of parameter storage that exist now: gathered unit buffers (stage 3: only those
@@ -805,14 +789,9 @@ def _check_precision(mixed_precision, reduce_dtype, max_grad_norm, init_scale, g
 
 
 def _check_units(model: nn.Module, stage: int, units) -> None:
-    if units is None:
-        return
-    if stage != 3:
+    """The stage; the value itself is checked where it is read (zerofast.stage3.unit_modules)."""
+    if units is not None and stage != 3:
         raise ValueError(f"ZeroAdam: units apply to stage 3 only; got units with stage={stage}")
-    mine = {id(m) for m in model.modules()}
-    for k, u in enumerate(units):
-        if not isinstance(u, nn.Module) or id(u) not in mine:
-            raise ValueError(f"ZeroAdam: units[{k}] must be a submodule of the model; got {type(u).__name__}")
 
 
 def _check_hyper(where: str, g: dict) -> None:

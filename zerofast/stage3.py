@@ -1,9 +1,29 @@
-"""Stage 3: units, their hooks, and the gather/release lifecycle of their parameters.
+"""Stage 3: which parameters form a unit, the hooks that gather a unit while it is used, and the
+unit buffers whose storage exists only while gathered.
 
-A unit is a group of parameters gathered and released together. By default each child module of
-the root that holds parameters (recursing through ModuleList / ModuleDict, so each transformer block
-is one) is a unit, and the root's own remaining parameters form one more. A parameter shared by two
-units (a tied embedding) belongs to the first; a module that holds it needs that unit as well.
+[Note: choosing units]
+A unit is a group of parameters gathered and released together, one bucket (one collective) each
+way. `units=` on ZeroAdam takes
+  - None (default): the model's repeated blocks, found as (1) the modules whose class is named in
+    the model's `_no_split_modules` (the Hugging Face convention Accelerate's FSDP auto-wrap reads),
+    else (2) the children of every nn.ModuleList anywhere in the model (not looking inside a child
+    already taken), else (3) the root's children (through ModuleDict containers);
+  - a list of submodules, as given (a parameter in two of them belongs to the first);
+  - a module class or a set of classes (FSDP's transformer auto-wrap policy), or a callable
+    module -> bool: every matching module, outermost only (a match inside a match joins it).
+Every managed parameter that no unit module holds joins one more unit, the root's: embeddings, the
+final norm, an output head. It is unit 0, the last in backward order, because a tied embedding's
+gradient is complete only at the very end of backward ([Note: bucket order]).
+`opt.units_report()` lists what each unit holds.
+
+[Note: who gathers what]
+A unit module gathers its unit while it runs. Any other module gathers only the units of the
+parameters it holds itself (recurse=False), never units nested below it, which gather themselves
+when they run (FSDP2's fully_shard works per module the same way). So `model.transformer`, holding
+twelve blocks, gathers nothing of theirs, and a tied output head gathers the embedding's unit where
+the head runs, wherever that unit is. The root holds the root unit for its whole forward and for
+all of backward. A module whose units are already held by a module running around it (a Linear
+inside a block) does nothing: no gather, no autograd hooks, so the cost is per unit, not per module.
 
 [Note: stage 3 lifecycle]
 Each unit's flat parameter buffer exists only while gathered: releasing resizes its storage to 0
@@ -11,65 +31,237 @@ bytes, gathering resizes it back and fills it (each rank copies in its own shard
 collective brings the rest). The model's parameters are views into these buffers, and so are the
 tensors autograd saved in forward: they share the storage, so the re-gather before backward makes
 them valid again without touching the graph.
-  forward pre-hook of a module that needs units: acquire them (gather, or wait for the prefetch),
-    then prefetch the units of the next module in the recorded forward order;
-  forward post-hook: release them (when no enclosing module still needs them), and hook the
-    module's outputs, so that backward reaching them acquires the units again (pre-backward) and
-    prefetches the units of the module before it;
-  backward through the module's inputs (an identity autograd function wrapped around them in the
-    pre-hook): release them again (post-backward);
+  forward pre-hook of a module that must gather: acquire its units (gather, or wait for the
+    prefetch), then prefetch the units of the next call in the previous step's forward order;
+  forward post-hook: release them (a unit is freed when no running module holds it any more), and
+    hook the module's outputs, so that backward reaching them acquires the units again
+    (pre-backward) and prefetches the units of the call before it in this step's forward;
+  backward through the module's inputs (an identity autograd function wrapped around its tensor
+    arguments, positional and keyword): release them again (post-backward);
   end of backward (a callback queued on the autograd engine): release whatever is still gathered
     (the first module's inputs, token ids, need no gradient, so its post-backward never runs).
-A unit's state is an enum, and the code switches on it. The order is recorded in the first step;
-if a later step runs modules in another order, a wrong prefetch costs a gather, never correctness,
-since every module acquires what it needs itself.
+So at most two block units are gathered at once, the current one and the prefetched one, plus the
+root unit. A unit's state is an enum, and the code switches on it. The forward order is that of
+the previous step; if a step runs modules in another order, prefetching stops for the rest of that
+forward: a missed prefetch costs latency, never correctness, since every module acquires what it
+needs itself.
+
+[Note: stage 3 under torch.compile]
+Users compile the whole model (torch.compile(model)) or each block (block.compile()). Dynamo
+inlines module hooks into the graph it captures; ours resize storages and issue collectives through
+the compiled module, which must happen at run time, in order, on every call, never be traced into a
+graph. So each hook is torch.compiler.disable'd: Dynamo breaks the graph around it and runs it
+eagerly, the compiled code between two hooks reads parameters whose storage the hook has just
+gathered, and autograd's saved tensors share that storage as in eager mode. The cost is one graph
+break per gathering module call (two per block under whole-model compile; see README).
 """
 from __future__ import annotations
 
 import enum
-from typing import Callable
+from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
+from .layout import Layout
+
 
 class UnitState(enum.Enum):
-    SHARDED = "sharded"      # storage released; only this rank's shard exists (in the optimizer)
+    SHARDED = "sharded"      # storage released; only this rank's shard exists
     GATHERING = "gathering"  # storage allocated, a gather collective in flight (a prefetch)
     GATHERED = "gathered"    # full parameters in place
 
 
-def find_units(model: nn.Module, params: list[nn.Parameter],
-               unit_modules: list[nn.Module] | None = None) -> tuple[list[list[int]], list[nn.Module]]:
-    """Group the managed parameters (indices into `params`) into units, in module order.
+# --- which parameters form a unit: see [Note: choosing units] ---------------------------------------
 
-    Returns (units, modules): units[k] lists the parameter indices of unit k; modules[k] is the module
-    defining it, or the root for the last unit (the root's remaining parameters), if any.
-    """
-    index_of = {id(p): i for i, p in enumerate(params)}
-    if unit_modules is None:
-        unit_modules = list(_default_unit_modules(model))
-    units, modules, claimed = [], [], set()
-    for module in unit_modules:
-        mine = [index_of[id(p)] for p in module.parameters() if id(p) in index_of and id(p) not in claimed]
-        if mine:
-            claimed.update(id(params[i]) for i in mine)
-            units.append(mine)
-            modules.append(module)
-    rest = [i for i, p in enumerate(params) if id(p) not in claimed]
-    if rest:
-        units.append(rest)
-        modules.append(model)
-    return units, modules
+@dataclass(frozen=True)
+class UnitPlan:
+    """The units of a model, in order: unit 0 is the root's (if any parameter is left for it)."""
+    groups: list[list[int]]     # groups[u]: indices (into the managed parameters) of unit u's parameters
+    modules: list[nn.Module]    # modules[u]: the module defining unit u (the root for the root's unit)
+    names: list[str]            # names[u]: that module's qualified name ("" for the root)
+    has_root_unit: bool         # unit 0 is the root's remaining parameters
 
 
-def _default_unit_modules(module: nn.Module):
+def unit_modules(model: nn.Module, units) -> list[nn.Module]:
+    """The modules that define units, from ZeroAdam's `units=` argument (see [Note: choosing units]);
+    a clear error for anything else."""
+    if units is None:
+        return default_unit_modules(model)
+    if isinstance(units, nn.Module):
+        raise TypeError(f"ZeroAdam: units must be a list of submodules, a module class, a set of classes or a "
+                        f"callable module -> bool; got the module {type(units).__name__} itself "
+                        f"(wrap it in a list: units=[module])")
+    if isinstance(units, type):
+        return _outermost(model, _class_policy(model, [units]))
+    if callable(units):
+        return _outermost(model, units)
+    if isinstance(units, (str, bytes)) or not isinstance(units, Iterable):
+        raise TypeError(f"ZeroAdam: units must be a list of submodules, a module class, a set of classes or a "
+                        f"callable module -> bool; got {units!r}")
+    items = list(units)
+    if items and all(isinstance(u, type) for u in items):
+        return _outermost(model, _class_policy(model, items))
+    mine = {id(m) for m in model.modules()}
+    for k, u in enumerate(items):
+        if not isinstance(u, nn.Module) or id(u) not in mine:
+            raise ValueError(f"ZeroAdam: units[{k}] must be a submodule of the model (or every item a module "
+                             f"class); got {type(u).__name__}")
+    return items
+
+
+def _class_policy(model: nn.Module, classes: list) -> Callable[[nn.Module], bool]:
+    for c in classes:
+        if not issubclass(c, nn.Module):
+            raise ValueError(f"ZeroAdam: units names the class {c.__name__}, which is not an nn.Module class")
+    present = {type(m) for m in model.modules()}
+    if not any(issubclass(t, tuple(classes)) for t in present):
+        raise ValueError(f"ZeroAdam: units names the classes {sorted(c.__name__ for c in classes)}, but the model "
+                         f"holds no module of them")
+    return lambda m: isinstance(m, tuple(classes))
+
+
+def default_unit_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: see [Note: choosing units]."""
+    names = getattr(model, "_no_split_modules", None)
+    if names:
+        wanted = set(names)
+        found = _outermost(model, lambda m: type(m).__name__ in wanted)
+        if found:
+            return found
+    in_lists = _children_of_module_lists(model)
+    if in_lists:
+        return in_lists
+    return list(_root_children(model))
+
+
+def _outermost(model: nn.Module, policy: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    """Modules below the root matching `policy`, in module order, not looking inside a match."""
+    found = []
+
+    def walk(module: nn.Module) -> None:
+        for child in module.children():
+            if policy(child):
+                found.append(child)
+            else:
+                walk(child)
+    walk(model)
+    return _with_params(found)
+
+
+def _children_of_module_lists(model: nn.Module) -> list[nn.Module]:
+    found = []
+
+    def walk(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, nn.ModuleList):
+                found.extend(child.children())
+            else:
+                walk(child)
+    walk(model)
+    return _with_params(found)
+
+
+def _root_children(module: nn.Module):
     for child in module.children():
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            yield from _default_unit_modules(child)
+            yield from _root_children(child)
         elif any(True for _ in child.parameters()):
             yield child
 
+
+def _with_params(modules: list[nn.Module]) -> list[nn.Module]:
+    seen, out = set(), []
+    for m in modules:
+        if id(m) not in seen and any(True for _ in m.parameters()):
+            seen.add(id(m))
+            out.append(m)
+    return out
+
+
+def find_units(model: nn.Module, params: list[nn.Parameter], units=None) -> UnitPlan:
+    """Group the managed parameters (indices into `params`) into units: the root's rest first, then
+    one per unit module in the order given (module order for the policies)."""
+    index_of = {id(p): i for i, p in enumerate(params)}
+    name_of = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    groups, modules, names, claimed = [], [], [], set()
+    for module in unit_modules(model, units):
+        mine = [index_of[id(p)] for p in module.parameters() if id(p) in index_of and id(p) not in claimed]
+        if mine:
+            claimed.update(id(params[i]) for i in mine)
+            groups.append(mine)
+            modules.append(module)
+            names.append(name_of[id(module)])
+    rest = [i for i, p in enumerate(params) if id(p) not in claimed]
+    if rest:
+        return UnitPlan([rest] + groups, [model] + modules, [""] + names, has_root_unit=True)
+    return UnitPlan(groups, modules, names, has_root_unit=False)
+
+
+def hook_needs(model: nn.Module, params: list[nn.Parameter], plan: UnitPlan) -> dict[nn.Module, tuple[int, ...]]:
+    """The units each module must hold while it runs: see [Note: who gathers what]."""
+    unit_of_param = {id(params[i]): u for u, group in enumerate(plan.groups) for i in group}
+    unit_of_module = {id(m): u for u, m in enumerate(plan.modules) if m is not model}
+    needs = {}
+    for module in model.modules():
+        units = {unit_of_param[id(p)] for p in module.parameters(recurse=False) if id(p) in unit_of_param}
+        if module is model and plan.has_root_unit:
+            units.add(0)
+        if id(module) in unit_of_module:
+            units.add(unit_of_module[id(module)])
+        if units or module is model:
+            needs[module] = tuple(sorted(units))
+    return needs
+
+
+# --- the unit buffers --------------------------------------------------------------------------------
+
+class UnitBuffers:
+    """Stage 3's parameter memory: one flat buffer per unit (bucket), whose storage exists only while
+    the unit is gathered, and this rank's shard of every unit, which the optimizer updates. Unit u
+    is bucket num_units - 1 - u: buckets follow backward order ([Note: bucket order])."""
+
+    def __init__(self, buffers: list[torch.Tensor], shard: torch.Tensor, layout: Layout, rank: int, comm):
+        self.buffers = buffers           # per bucket, 1D; the model's parameters are views of them
+        self.shard = shard               # 1D, layout.shard_numel(rank): this rank's owned ranges
+        self.layout, self.rank, self.comm = layout, rank, comm
+        self.offsets = layout.shard_offsets(rank)  # where each bucket's owned range sits in the shard
+        self.num_units = len(buffers)
+
+    def bucket(self, unit: int) -> int:
+        return self.num_units - 1 - unit
+
+    def shard_out(self) -> None:
+        """Copy this rank's owned ranges into the shard, then free every unit buffer."""
+        for b in range(self.num_units):
+            lo, hi = self.layout.owned_range(b, self.rank)
+            self.shard[self.offsets[b]:self.offsets[b] + hi - lo].copy_(self.buffers[b][lo:hi])
+        for u in range(self.num_units):
+            self.release(u)
+
+    def gather_start(self, unit: int) -> None:
+        b = self.bucket(unit)
+        buf = self.buffers[b]
+        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+        lo, hi = self.layout.owned_range(b, self.rank)
+        buf[lo:hi].copy_(self.shard[self.offsets[b]:self.offsets[b] + hi - lo])
+        self.comm.gather_start(b, buf)
+
+    def gather_wait(self, unit: int) -> None:
+        self.comm.gather_wait(self.bucket(unit))
+
+    def release(self, unit: int) -> None:
+        self.buffers[self.bucket(unit)].untyped_storage().resize_(0)
+
+    def materialized_bytes(self) -> int:
+        """Parameter storage that exists now: the gathered unit buffers plus the shard."""
+        return (sum(b.untyped_storage().nbytes() for b in self.buffers)
+                + self.shard.numel() * self.shard.element_size())
+
+
+# --- the hooks ---------------------------------------------------------------------------------------
 
 class _PostBackward(torch.autograd.Function):
     """Identity in forward; in backward, tells the unit tracker that the module's backward is done."""
@@ -85,28 +277,31 @@ class _PostBackward(torch.autograd.Function):
         return (None,) + grads
 
 
+@dataclass
+class _Call:
+    """One forward call of a module that gathered (see [Note: stage 3 lifecycle])."""
+    module: nn.Module
+    units: tuple[int, ...]
+
+
 class UnitTracker:
-    """Drives the lifecycle of every unit: see [Note: stage 3 lifecycle].
+    """Drives the lifecycle of every unit over its UnitBuffers: see [Note: stage 3 lifecycle]."""
 
-    gather_start(u) / gather_wait(u) / release(u) are the engine's (ZeroAdam's) operations on unit u.
-    """
-
-    def __init__(self, model: nn.Module, needs: dict[nn.Module, tuple[int, ...]], num_units: int,
-                 gather_start, gather_wait, release):
+    def __init__(self, model: nn.Module, needs: dict[nn.Module, tuple[int, ...]], buffers: UnitBuffers):
         self.model = model
-        self.needs = needs                      # hooked module -> units it needs while it runs
-        self.state = [UnitState.SHARDED] * num_units
-        self.refs = [0] * num_units             # modules running (forward or backward) that need it
-        self._gather_start, self._gather_wait, self._release = gather_start, gather_wait, release
-        self.order: list[nn.Module] = []        # modules in forward order, recorded in the first step
-        self._recording = True
-        self._position: dict[nn.Module, int] = {}
+        self.needs = needs                      # module -> units it holds while it runs
+        self.buffers = buffers
+        n = buffers.num_units
+        self.state = [UnitState.SHARDED] * n
+        self.refs = [0] * n                     # running modules (forward or backward) holding each unit
+        self._calls: list[_Call] = []           # this step's gathering calls, in forward order
+        self._previous: list[_Call] = []        # the last complete forward's: the prefetch order
+        self._running: list[Optional[int]] = [] # per running forward call: its index in _calls (None: skipped)
         self._callback_queued = False
-        self.peak_gathered = 0                  # most units gathered or gathering at once
         self.handles = []
         for module in needs:
-            self.handles.append(module.register_forward_pre_hook(self._pre_forward))
-            self.handles.append(module.register_forward_hook(self._post_forward))
+            self.handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self._post_forward, always_call=True))
 
     # --- unit operations ------------------------------------------------------------------------
 
@@ -124,24 +319,22 @@ class UnitTracker:
     def prefetch(self, units) -> None:
         for u in units:
             if self.state[u] is UnitState.SHARDED:
-                self._gather_start(u)
+                self.buffers.gather_start(u)
                 self.state[u] = UnitState.GATHERING
-                self._note_peak()
 
     def _ensure_gathered(self, u: int) -> None:
         if self.state[u] is UnitState.SHARDED:
-            self._gather_start(u)
+            self.buffers.gather_start(u)
             self.state[u] = UnitState.GATHERING
-            self._note_peak()
         if self.state[u] is UnitState.GATHERING:
-            self._gather_wait(u)
+            self.buffers.gather_wait(u)
             self.state[u] = UnitState.GATHERED
 
     def _release_unit(self, u: int) -> None:
         if self.state[u] is UnitState.GATHERING:
-            self._gather_wait(u)  # a prefetch nobody used: finish it before freeing its buffer
+            self.buffers.gather_wait(u)  # a prefetch nobody used: finish it before freeing its buffer
         if self.state[u] is not UnitState.SHARDED:
-            self._release(u)
+            self.buffers.release(u)
             self.state[u] = UnitState.SHARDED
 
     def release_all(self) -> None:
@@ -152,60 +345,68 @@ class UnitTracker:
     def gather_all(self) -> None:
         self.acquire(range(len(self.state)))
 
-    def _note_peak(self) -> None:
-        live = sum(s is not UnitState.SHARDED for s in self.state)
-        self.peak_gathered = max(self.peak_gathered, live)
+    def _held(self, units: tuple[int, ...]) -> bool:
+        return all(self.refs[u] > 0 and self.state[u] is UnitState.GATHERED for u in units)
 
     # --- hooks ----------------------------------------------------------------------------------
+    # See [Note: stage 3 under torch.compile]: the hooks always run eagerly.
 
-    def _neighbour(self, module: nn.Module, step: int) -> nn.Module | None:
-        i = self._position.get(module)
-        if i is None or not 0 <= i + step < len(self.order):
-            return None
-        return self.order[i + step]
-
-    def _pre_forward(self, module, args):
+    @torch.compiler.disable
+    def _pre_forward(self, module, args, kwargs):
+        units = self.needs[module]
         if module is self.model:
-            if self.order:
-                self._recording = False
-        elif self._recording:
-            self._position.setdefault(module, len(self.order))
-            if self._position[module] == len(self.order):
-                self.order.append(module)
-        self.acquire(self.needs[module])
-        nxt = self._neighbour(module, +1)
-        if nxt is not None:
-            self.prefetch(self.needs[nxt])
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return self._wrap_inputs(module, args)
+            if self._calls:  # the last forward, complete: the order to prefetch in
+                self._previous = self._calls
+            self._calls, self._running = [], []
+        elif self._held(units):  # a module running around this one holds them: [Note: who gathers what]
+            self._running.append(None)
+            return None
+        k = len(self._calls)
+        self._running.append(k)
+        self._calls.append(_Call(module, units))
+        self.acquire(units)
+        prev = self._previous
+        if k + 1 < len(prev) and prev[k].module is module:
+            self.prefetch(prev[k + 1].units)
+        if torch.is_grad_enabled():
+            return self._wrap_inputs(units, args, kwargs)
         return None
 
-    def _wrap_inputs(self, module, args):
-        positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-        wrapped = _PostBackward.apply(lambda: self.release(self.needs[module]), *(args[i] for i in positions))
+    def _wrap_inputs(self, units, args, kwargs):
+        """The module's tensor arguments that need a gradient, through _PostBackward, so that their
+        gradient (the module's backward done) releases its units."""
+        flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not positions:
+            return None
+        wrapped = _PostBackward.apply(lambda: self.release(units), *(flat[i] for i in positions))
         wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
-        args = list(args)
         for i, t in zip(positions, wrapped):
-            args[i] = t
-        return tuple(args)
+            flat[i] = t
+        return torch.utils._pytree.tree_unflatten(flat, spec)
 
+    @torch.compiler.disable
     def _post_forward(self, module, args, output):
-        self.release(self.needs[module])
+        k = self._running.pop() if self._running else None
+        if k is None:
+            return
+        units = self.needs[module]
+        self.release(units)
         if module is self.model:
             self.release_all()  # prefetches that no module claimed
         outputs = [t for t in output_tensors(output) if t.requires_grad]
         if outputs and torch.is_grad_enabled():
             torch.autograd.graph.register_multi_grad_hook(
-                outputs, lambda grads, m=module: self._pre_backward(m), mode="any")
+                outputs, lambda grads, calls=self._calls, k=k: self._pre_backward(calls, k), mode="any")
 
-    def _pre_backward(self, module) -> None:
+    @torch.compiler.disable
+    def _pre_backward(self, calls: list[_Call], k: int) -> None:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        self.acquire(self.needs[module])
-        prev = self._neighbour(module, -1)
-        if prev is not None:
-            self.prefetch(self.needs[prev])
+        self.acquire(calls[k].units)
+        if k > 0:
+            self.prefetch(calls[k - 1].units)
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
@@ -218,11 +419,12 @@ class UnitTracker:
 
 
 def output_tensors(output) -> list[torch.Tensor]:
-    """The tensors in a module's output (a tensor, or lists, tuples and dicts of them)."""
+    """The tensors in a module's output: a tensor, or lists, tuples and mappings of them (Hugging
+    Face's ModelOutput is an OrderedDict)."""
     if isinstance(output, torch.Tensor):
         return [output]
     if isinstance(output, (list, tuple)):
         return [t for item in output for t in output_tensors(item)]
-    if isinstance(output, dict):
+    if isinstance(output, Mapping):
         return [t for item in output.values() for t in output_tensors(item)]
     return []
