@@ -11,8 +11,12 @@ TORCH_SPEC  ?= torch==2.14.1
 ZEROFAST_CUDA ?= auto
 export ZEROFAST_CUDA
 
+# Third-party packages (transformers: the tests' Hugging Face model, built from a config, no download).
+PIP_DEPS := "$(TORCH_SPEC)" ninja setuptools wheel pytest pytest-benchmark numpy matplotlib transformers
+
 PY      := $(VENV)/bin/python
-DEPS    := $(VENV)/.zerofast-deps
+# The marker names the package list, so a venv made before a package was added gets it.
+DEPS    := $(VENV)/.zerofast-deps-$(shell echo '$(PIP_DEPS)' | cksum | cut -d' ' -f1)
 BUILT   := $(VENV)/.zerofast-built-cuda-$(ZEROFAST_CUDA)
 SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu) setup.py pyproject.toml
 
@@ -26,7 +30,8 @@ $(PY):
 # Third-party packages: installed once; a second `make setup` reuses them.
 $(DEPS): | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)" ninja setuptools wheel pytest pytest-benchmark numpy matplotlib
+	$(PY) -m pip install --quiet $(PIP_DEPS)
+	rm -f $(VENV)/.zerofast-deps*
 	touch $@
 
 # The package itself, editable: rebuilt when a C++/CUDA source or the build files change.

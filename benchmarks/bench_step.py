@@ -5,7 +5,9 @@ DS_ACCELERATOR=cpu), the same model with no communication at all, and for stage 
 stage 3 and torch FSDP2 (fully_shard on each block, then on the root). "overlap_gather" cases pass
 overlap_param_gather=True (the gather after step() overlapped with the next forward).
 
-The summary prints each case's median step time as a ratio to the no-communication step.
+The summary prints each case's median step time as a ratio to the no-communication step, and for
+the stage-3 cases (ZeroAdam, FSDP2) the peak parameter storage on rank 0 sampled at both ends of
+every block's forward and backward: the shard plus whatever is gathered then.
 Every torch optimizer here is AdamW(fused=True), torch's fastest CPU AdamW.
 """
 import functools
@@ -27,13 +29,44 @@ def _batch(model, rank, step):
     return random_batch(model.cfg, BATCH, SEQ, seed=1000 * step + rank)
 
 
-def _loop(model, opt, rank, backward_and_step):
+def _loop(model, rank, backward_and_step, param_bytes=None):
+    """One training step per call; with `param_bytes` (a function: parameter storage alive now),
+    step.info() runs one more step and returns the peak of it sampled inside every block."""
     state = {"step": 0}
     def step():
         x, y = _batch(model, rank, state["step"] % 4)
         state["step"] += 1
         backward_and_step(x, y)
+    if param_bytes is not None:
+        step.info = lambda: _peak_inside_blocks(model, step, param_bytes)
     return step
+
+
+def _peak_inside_blocks(model, step, param_bytes) -> int:
+    """One step with hooks at both ends of every block's forward and backward sampling
+    param_bytes(); the hooks exist only for this step, so the timed steps run without them."""
+    peak = [0]
+    def sample(*_):
+        peak[0] = max(peak[0], param_bytes())
+    handles = [register(sample) for block in model.blocks
+               for register in (block.register_forward_pre_hook, block.register_forward_hook,
+                                block.register_full_backward_pre_hook, block.register_full_backward_hook)]
+    step()
+    for h in handles:
+        h.remove()
+    return peak[0]
+
+
+def _fsdp2_param_bytes(model):
+    """FSDP2's parameter storage alive now: each parameter's shard plus its unsharded (all-gathered)
+    copy while that exists (read from FSDPParam, FSDP2's own record of both)."""
+    fsdp_params = [fp for m in model.modules() if hasattr(m, "_get_fsdp_state")
+                   for group in [m._get_fsdp_state()._fsdp_param_group] if group is not None
+                   for fp in group.fsdp_params]
+    def nbytes():
+        return sum(fp._sharded_param_data.untyped_storage().nbytes()
+                   + sum(t.untyped_storage().nbytes() for t in fp.all_gather_outputs) for fp in fsdp_params)
+    return nbytes
 
 
 def build(case, rank, world):
@@ -58,16 +91,16 @@ def build(case, rank, world):
 
     if kind == "nocomm":
         opt = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
-        return _loop(model, opt, rank, plain(opt, model))
+        return _loop(model, rank, plain(opt, model))
     if kind == "ddp":
         ddp = DDP(model)
         opt = torch.optim.AdamW(ddp.parameters(), fused=True, **HYPER)
-        return _loop(model, opt, rank, plain(opt, ddp))
+        return _loop(model, rank, plain(opt, ddp))
     if kind == "zero_redundancy":
         from torch.distributed.optim import ZeroRedundancyOptimizer
         ddp = DDP(model)
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, fused=True, **HYPER)
-        return _loop(model, opt, rank, plain(opt, ddp))
+        return _loop(model, rank, plain(opt, ddp))
     if kind == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -76,15 +109,15 @@ def build(case, rank, world):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
-        return _loop(model, opt, rank, plain(opt, model))
+        return _loop(model, rank, plain(opt, model), _fsdp2_param_bytes(model))
     if kind == "reference":
         opt = ReferenceZero(model, stage=int(rest), **HYPER)
-        return _loop(model, opt, rank, plain(opt, model))
+        return _loop(model, rank, plain(opt, model))
     if kind == "zerofast":
         stage, partition, *extra = rest.split()
         opt = ZeroAdam(model, stage=int(stage), partition=partition, overlap_param_gather="overlap_gather" in extra,
                        **HYPER)
-        return _loop(model, opt, rank, plain(opt, model))
+        return _loop(model, rank, plain(opt, model), opt.materialized_param_bytes if opt.stage == 3 else None)
     if kind == "deepspeed":
         import os
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -96,7 +129,7 @@ def build(case, rank, world):
             _, loss = engine(x, y)
             engine.backward(loss)
             engine.step()
-        return _loop(model, None, rank, run)
+        return _loop(model, rank, run)
     raise ValueError(case)
 
 
@@ -115,6 +148,9 @@ def test_step(benchmark, record, case):
     pool = RankPool(functools.partial(build, case), world=WORLD)
     try:
         benchmark.pedantic(pool.step, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
+        peak = pool.info()[0]
+        if peak is not None:
+            benchmark.extra_info["param_peak_mib"] = peak / 2**20
     finally:
         pool.close()
     record(benchmark, GROUP, case)
