@@ -79,7 +79,7 @@ def estimate_memory(model_or_param_count, world: int, stage: int, precision: str
     return MemoryEstimate(stage, world, params, grads, optimizer, extra)
 
 
-def _human(n: int) -> str:
+def format_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -92,8 +92,8 @@ def format_table(rows: list[MemoryEstimate]) -> str:
     lines = [head]
     for r in rows:
         name = "DDP" if r.stage == 0 else f"stage {r.stage}"
-        lines.append(f"{name:10s} {_human(r.params):>12s} {_human(r.grads):>12s} {_human(r.optimizer):>12s} "
-                     f"{_human(r.zerofast_extra):>12s} {_human(r.total):>12s}")
+        lines.append(f"{name:10s} {format_bytes(r.params):>12s} {format_bytes(r.grads):>12s} {format_bytes(r.optimizer):>12s} "
+                     f"{format_bytes(r.zerofast_extra):>12s} {format_bytes(r.total):>12s}")
     return "\n".join(lines)
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .data import corpus_tokens, text_batch
-from .memory import estimate_memory
+from .memory import format_bytes, estimate_memory
 from .models import CONFIGS, make_gpt
 from .optimizer import ZeroAdam
 from .partition import PARTITIONS
@@ -170,6 +170,12 @@ def run(kind: str, args, device, steps: int, progress: bool):
     seq = model.cfg.block_size
     losses, times, measured = [], [], {}
     bar = Progress(steps, progress and rank == 0)
+    if progress and rank == 0 and isinstance(opt, ZeroAdam) and opt.stage == 3:
+        units = opt.units_report()
+        largest = max(units, key=lambda u: u["bytes"])
+        sys.stderr.write(f"stage 3: {len(units)} units ({', '.join(u['module'] or '(root)' for u in units[:3])}"
+                         f"{', ...' if len(units) > 3 else ''}); the largest, {largest['module'] or '(root)'}, "
+                         f"holds {format_bytes(largest['bytes'])}\n")
     for step in range(steps):
         x, y = text_batch(tokens, args.batch, seq, seed=step * world + rank)
         t0 = time.perf_counter()
