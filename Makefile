@@ -17,7 +17,15 @@ PIP_DEPS := "$(TORCH_SPEC)" ninja setuptools wheel pytest pytest-benchmark numpy
 PY      := $(VENV)/bin/python
 # The marker names the package list, so a venv made before a package was added gets it.
 DEPS    := $(VENV)/.zerofast-deps-$(shell echo '$(PIP_DEPS)' | cksum | cut -d' ' -f1)
+# The build marker names what was built (cuda-1: with the CUDA kernels, cuda-0: without), so that
+# ZEROFAST_CUDA=auto accepts whichever build exists (`make demo` after CI's ZEROFAST_CUDA=1 `make
+# test` does not rebuild), while an explicit 0 or 1 rebuilds when the build differs.
+BUILT_NOW := $(firstword $(wildcard $(VENV)/.zerofast-built-cuda-*))
+ifeq ($(ZEROFAST_CUDA),auto)
+BUILT   := $(if $(BUILT_NOW),$(BUILT_NOW),$(VENV)/.zerofast-built-cuda-auto)
+else
 BUILT   := $(VENV)/.zerofast-built-cuda-$(ZEROFAST_CUDA)
+endif
 SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu) setup.py pyproject.toml
 
 .PHONY: setup build demo test bench cmake clean
@@ -38,7 +46,7 @@ $(DEPS): | $(PY)
 $(BUILT): $(DEPS) $(SOURCES)
 	rm -f $(VENV)/.zerofast-built-cuda-*
 	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
-	touch $@
+	touch $(VENV)/.zerofast-built-cuda-$$($(PY) -c 'import zerofast; print(int(zerofast.has_cuda_kernels()))')
 
 build: $(BUILT)
 

@@ -63,11 +63,39 @@
 
 namespace zerofast {
 
+namespace {
+
+// Makes the comm stream current for the scope, where there is one ([Note: comm stream]); on CPU
+// (gloo) it does nothing, since the Work handles alone order everything.
+class OnCommStream {
+ public:
+  explicit OnCommStream(const BucketComm::CommStream& stream) {
+#ifdef ZEROFAST_WITH_CUDA
+    if (stream) guard_.emplace(*stream);
+#else
+    (void)stream;
+#endif
+  }
+
+ private:
+#ifdef ZEROFAST_WITH_CUDA
+  std::optional<c10::cuda::CUDAStreamGuard> guard_;
+#endif
+};
+
+bool valid_ops(bool flat, Collective reduce_op, Collective gather_op) {
+  if (!flat) return reduce_op == Collective::kReduce && gather_op == Collective::kBroadcast;
+  return (reduce_op == Collective::kAllReduce || reduce_op == Collective::kReduceScatter) &&
+         (gather_op == Collective::kAllGather || gather_op == Collective::kBroadcast);
+}
+
+}  // namespace
+
 BucketComm::BucketComm(c10::intrusive_ptr<c10d::ProcessGroup> group,
                        c10::intrusive_ptr<c10d::ProcessGroup> gather_group, std::vector<int64_t> bucket_numels,
                        std::vector<int64_t> used_numels, std::vector<std::vector<int64_t>> bounds, bool flat,
-                       at::Tensor grad_shard, std::vector<int64_t> shard_offsets, std::string flat_reduce,
-                       std::string flat_gather)
+                       at::Tensor grad_shard, std::vector<int64_t> shard_offsets, Collective reduce_op,
+                       Collective gather_op)
     : group_(std::move(group)),
       gather_group_(std::move(gather_group)),
       rank_(group_->getRank()),
@@ -76,8 +104,8 @@ BucketComm::BucketComm(c10::intrusive_ptr<c10d::ProcessGroup> group,
       used_numels_(std::move(used_numels)),
       bounds_(std::move(bounds)),
       flat_(flat),
-      reduce_by_all_reduce_(flat_reduce == "all_reduce"),
-      gather_by_broadcast_(flat_gather == "broadcast"),
+      reduce_op_(reduce_op),
+      gather_op_(gather_op),
       grad_shard_(std::move(grad_shard)),
       shard_offsets_(std::move(shard_offsets)),
       buffers_(bucket_numels_.size()),
@@ -91,10 +119,10 @@ BucketComm::BucketComm(c10::intrusive_ptr<c10d::ProcessGroup> group,
               bucket_numels_.size(), ")");
   TORCH_CHECK(gather_group_->getSize() == world_ && gather_group_->getRank() == rank_,
               "BucketComm: gather_group must hold the same ranks as group");
-  TORCH_CHECK(flat_reduce == "reduce_scatter" || flat_reduce == "all_reduce",
-              "BucketComm: flat_reduce must be reduce_scatter or all_reduce; got '", flat_reduce, "'");
-  TORCH_CHECK(flat_gather == "all_gather" || flat_gather == "broadcast",
-              "BucketComm: flat_gather must be all_gather or broadcast; got '", flat_gather, "'");
+  TORCH_CHECK(valid_ops(flat_, reduce_op_, gather_op_), "BucketComm: reduce_op ", static_cast<int>(reduce_op_),
+              " and gather_op ", static_cast<int>(gather_op_), " do not fit a ", flat_ ? "flat" : "owner",
+              " layout (flat: all_reduce or reduce_scatter in, all_gather or broadcast out; owners: reduce "
+              "and broadcast)");
   TORCH_CHECK(grad_shard_.dim() == 1 && grad_shard_.is_contiguous(),
               "BucketComm: grad_shard must be a flat contiguous tensor; got shape ", grad_shard_.sizes());
   for (size_t b = 0; b < bounds_.size(); ++b) {
@@ -216,10 +244,7 @@ void BucketComm::finish_buckets(const std::vector<int64_t>& buckets) {
   auto listed = [&](int64_t bucket) { return std::find(buckets.begin(), buckets.end(), bucket) != buckets.end(); };
   std::vector<std::pair<int64_t, c10::intrusive_ptr<c10d::Work>>> still;
   {
-#ifdef ZEROFAST_WITH_CUDA
-    std::optional<c10::cuda::CUDAStreamGuard> guard;
-    if (comm_stream_) guard.emplace(*comm_stream_);
-#endif
+    OnCommStream on_comm(comm_stream_);
     for (auto& entry : in_flight_) {
       if (listed(entry.first)) {
         entry.second->wait();
@@ -239,7 +264,7 @@ void BucketComm::finish_reduce(int64_t bucket) {
   auto& buf = buffers_[bucket];
   if (!buf.has_value()) return;
   const auto& bd = bounds_[bucket];
-  if (!flat_ || reduce_by_all_reduce_) {  // the own reduced segment, from the bucket into the shard
+  if (reduce_op_ != Collective::kReduceScatter) {  // the own reduced segment, from the bucket into the shard
     at::Tensor own = buf->narrow(0, bd[rank_], bd[rank_ + 1] - bd[rank_]);
     if (accumulate_[bucket]) {
       owned_grad(bucket).add_(own);
@@ -263,17 +288,14 @@ void BucketComm::reduce(int64_t bucket, bool accumulate) {
   TORCH_CHECK(buffers_[bucket].has_value(), "BucketComm.reduce: bucket ", bucket, " has no gradients");
   at::Tensor buf = *buffers_[bucket];
   begin_comm();
-#ifdef ZEROFAST_WITH_CUDA
-  std::optional<c10::cuda::CUDAStreamGuard> guard;
-  if (comm_stream_) guard.emplace(*comm_stream_);
-#endif
+  OnCommStream on_comm(comm_stream_);
   const auto& bd = bounds_[bucket];
-  if (flat_ && reduce_by_all_reduce_) {
+  if (reduce_op_ == Collective::kAllReduce) {
     std::vector<at::Tensor> whole{buf};
     in_flight_.emplace_back(bucket, group_->allreduce(whole, c10d::AllreduceOptions()));
     return;
   }
-  if (flat_) {
+  if (reduce_op_ == Collective::kReduceScatter) {
     at::Tensor out = owned_grad(bucket);
     if (accumulate) {  // see [Note: accumulation into the shard]
       scatter_out_[bucket] = at::empty_like(out);
@@ -294,16 +316,11 @@ void BucketComm::reduce(int64_t bucket, bool accumulate) {
 }
 
 void BucketComm::wait_reduces() {
-  {
-#ifdef ZEROFAST_WITH_CUDA
-    std::optional<c10::cuda::CUDAStreamGuard> guard;
-    if (comm_stream_) guard.emplace(*comm_stream_);
-#endif
-    for (auto& [bucket, work] : in_flight_) work->wait();
-    for (auto& [bucket, work] : in_flight_) finish_reduce(bucket);  // once per bucket: it checks
+  std::vector<int64_t> buckets;
+  for (const auto& entry : in_flight_) {
+    if (std::find(buckets.begin(), buckets.end(), entry.first) == buckets.end()) buckets.push_back(entry.first);
   }
-  in_flight_.clear();
-  end_comm();
+  finish_buckets(buckets);
 }
 
 void BucketComm::gather_start(int64_t bucket, const at::Tensor& param_buffer) {
@@ -312,13 +329,10 @@ void BucketComm::gather_start(int64_t bucket, const at::Tensor& param_buffer) {
   TORCH_CHECK(param_buffer.dim() == 1 && param_buffer.numel() == bucket_numels_[bucket], "BucketComm.gather_start: bucket ",
               bucket, " needs a flat buffer of ", bucket_numels_[bucket], " elements; got shape ", param_buffer.sizes());
   begin_comm();
-#ifdef ZEROFAST_WITH_CUDA
-  std::optional<c10::cuda::CUDAStreamGuard> guard;
-  if (comm_stream_) guard.emplace(*comm_stream_);
-#endif
+  OnCommStream on_comm(comm_stream_);
   at::Tensor out = param_buffer;
   const auto& bd = bounds_[bucket];
-  if (flat_ && !gather_by_broadcast_) {
+  if (gather_op_ == Collective::kAllGather) {
     at::Tensor mine = out.narrow(0, bd[rank_], bd[rank_ + 1] - bd[rank_]);
     gathers_[bucket].push_back(gather_group_->_allgather_base(out, mine, c10d::AllgatherOptions()));
     return;
@@ -335,10 +349,7 @@ void BucketComm::gather_start(int64_t bucket, const at::Tensor& param_buffer) {
 void BucketComm::gather_wait(int64_t bucket) {
   check_bucket(bucket, "gather_wait");
   {
-#ifdef ZEROFAST_WITH_CUDA
-    std::optional<c10::cuda::CUDAStreamGuard> guard;
-    if (comm_stream_) guard.emplace(*comm_stream_);
-#endif
+    OnCommStream on_comm(comm_stream_);
     for (auto& work : gathers_[bucket]) work->wait();
   }
   gathers_[bucket].clear();

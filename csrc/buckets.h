@@ -18,6 +18,11 @@
 
 namespace zerofast {
 
+// The collective a bucket is reduced or gathered with. zerofast/comm.py chooses per backend and
+// layout (its one home: [Note: collectives per backend]); the flat layout takes kAllReduce or
+// kReduceScatter in and kBroadcast or kAllGather out, owner layouts kReduce in and kBroadcast out.
+enum class Collective { kAllReduce, kReduceScatter, kReduce, kAllGather, kBroadcast };
+
 class BucketComm {
  public:
   // bucket_numels[b]: buffer length of bucket b (padding included); used_numels[b]: how many of
@@ -27,15 +32,14 @@ class BucketComm {
   //   broadcast from each owner's segment.
   // grad_shard: this rank's flat reduced-gradient shard; shard_offsets[b] is where bucket b's
   //   owned range starts in it. Its dtype is the reduce dtype; so is every bucket buffer.
-  // flat_reduce / flat_gather: the collectives a flat layout uses, "reduce_scatter" or
-  //   "all_reduce" in, "all_gather" or "broadcast" out: see [Note: collectives per backend].
+  // reduce_op / gather_op: the collectives this layout uses (see Collective above).
   // group reduces; gather_group gathers (the same group for stages 1 and 2; stage 3 passes a second
   //   one: see [Note: two process groups]).
   BucketComm(c10::intrusive_ptr<c10d::ProcessGroup> group, c10::intrusive_ptr<c10d::ProcessGroup> gather_group,
              std::vector<int64_t> bucket_numels,
              std::vector<int64_t> used_numels, std::vector<std::vector<int64_t>> bounds, bool flat,
-             at::Tensor grad_shard, std::vector<int64_t> shard_offsets, std::string flat_reduce,
-             std::string flat_gather);
+             at::Tensor grad_shard, std::vector<int64_t> shard_offsets, Collective reduce_op,
+             Collective gather_op);
 
   // Copy one parameter's gradient into its slot (allocating the bucket's buffer on first use).
   void add_grad(int64_t bucket, int64_t offset, const at::Tensor& grad);
@@ -57,8 +61,13 @@ class BucketComm {
   int64_t buffer_bytes() const { return buffer_bytes_; }
   int64_t peak_buffer_bytes() const { return peak_buffer_bytes_; }
   int64_t pooled_bytes() const;
-  int64_t rank() const { return rank_; }
-  int64_t world_size() const { return world_; }
+
+  // The side stream collectives run on (CUDA builds with CUDA tensors); nothing on CPU builds.
+#ifdef ZEROFAST_WITH_CUDA
+  using CommStream = std::optional<c10::cuda::CUDAStream>;
+#else
+  struct CommStream {};
+#endif
 
  private:
   at::Tensor& buffer(int64_t bucket);
@@ -80,8 +89,8 @@ class BucketComm {
   std::vector<int64_t> used_numels_;
   std::vector<std::vector<int64_t>> bounds_;
   bool flat_;
-  bool reduce_by_all_reduce_;   // flat layout: all_reduce the bucket, keep the own slice
-  bool gather_by_broadcast_;    // flat layout: broadcast each rank's slice from that rank
+  Collective reduce_op_;   // kAllReduce: all_reduce the bucket, keep the own slice
+  Collective gather_op_;   // kBroadcast: broadcast each rank's slice from that rank
   at::Tensor grad_shard_;
   std::vector<int64_t> shard_offsets_;
   std::vector<std::optional<at::Tensor>> buffers_;              // per bucket, alive while in use
@@ -92,9 +101,7 @@ class BucketComm {
   std::vector<std::vector<c10::intrusive_ptr<c10d::Work>>> gathers_;            // per bucket, in flight
   int64_t buffer_bytes_ = 0;
   int64_t peak_buffer_bytes_ = 0;
-#ifdef ZEROFAST_WITH_CUDA
-  std::optional<c10::cuda::CUDAStream> comm_stream_;
-#endif
+  CommStream comm_stream_;
 };
 
 }  // namespace zerofast

@@ -67,13 +67,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The instruction set whose CPU loop fused_adam_ runs now (ZEROFAST_CPU_ISA may force one)");
 
   using zerofast::BucketComm;
+  using zerofast::Collective;
+  py::enum_<Collective>(m, "Collective", "The collective a bucket is reduced or gathered with (csrc/buckets.h)")
+      .value("all_reduce", Collective::kAllReduce)
+      .value("reduce_scatter", Collective::kReduceScatter)
+      .value("reduce", Collective::kReduce)
+      .value("all_gather", Collective::kAllGather)
+      .value("broadcast", Collective::kBroadcast);
   py::class_<BucketComm>(m, "BucketComm", "Flat gradient buckets and their collectives (see csrc/buckets.h)")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, c10::intrusive_ptr<c10d::ProcessGroup>,
                     std::vector<int64_t>, std::vector<int64_t>,
-                    std::vector<std::vector<int64_t>>, bool, at::Tensor, std::vector<int64_t>, std::string,
-                    std::string>(),
+                    std::vector<std::vector<int64_t>>, bool, at::Tensor, std::vector<int64_t>, Collective,
+                    Collective>(),
            py::arg("group"), py::arg("gather_group"), py::arg("bucket_numels"), py::arg("used_numels"), py::arg("bounds"), py::arg("flat"),
-           py::arg("grad_shard"), py::arg("shard_offsets"), py::arg("flat_reduce"), py::arg("flat_gather"))
+           py::arg("grad_shard"), py::arg("shard_offsets"), py::arg("reduce_op"), py::arg("gather_op"))
       // Every method that may wait for a collective releases the GIL: a gloo worker thread that
       // drops the last C++ reference to a tensor Python also holds must take the GIL to decref it,
       // so waiting with the GIL held can deadlock (it did: add_grad waiting for an in-flight reduce).
@@ -89,7 +96,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("gather_wait", &BucketComm::gather_wait, py::arg("bucket"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("buffer_bytes", &BucketComm::buffer_bytes)
       .def_property_readonly("peak_buffer_bytes", &BucketComm::peak_buffer_bytes)
-      .def_property_readonly("pooled_bytes", &BucketComm::pooled_bytes)
-      .def_property_readonly("rank", &BucketComm::rank)
-      .def_property_readonly("world_size", &BucketComm::world_size);
+      .def_property_readonly("pooled_bytes", &BucketComm::pooled_bytes);
 }

@@ -15,15 +15,25 @@ from . import _C
 from .layout import Layout
 
 
+def collectives_for(backend: str, flat: bool) -> tuple[_C.Collective, _C.Collective]:
+    """The (reduce, gather) collectives of a layout on a backend: the one place that chooses them.
+    Owner layouts reduce to and broadcast from each owner. The flat layout uses NCCL's ring-optimal
+    reduce_scatter and all_gather, and on gloo all_reduce and broadcasts, which gloo runs faster
+    with the same result ([Note: collectives per backend] in csrc/buckets.cpp)."""
+    if not flat:
+        return _C.Collective.reduce, _C.Collective.broadcast
+    if backend == "gloo":
+        return _C.Collective.all_reduce, _C.Collective.broadcast
+    return _C.Collective.reduce_scatter, _C.Collective.all_gather
+
+
 class BucketComm:
     def __init__(self, group: dist.ProcessGroup, layout: Layout, rank: int, grad_shard: torch.Tensor,
                  gather_group: dist.ProcessGroup | None = None):
         self.layout = layout
         self.flat = layout.flat
-        # See [Note: collectives per backend] in csrc/buckets.cpp.
-        on_gloo = dist.get_backend(group) == "gloo"
-        self.reduce_name = ("all_reduce" if on_gloo else "reduce_scatter") if self.flat else "reduce"
-        self.gather_name = ("broadcast" if on_gloo else "all_gather") if self.flat else "broadcast"
+        reduce_op, gather_op = collectives_for(dist.get_backend(group), self.flat)
+        self.reduce_name, self.gather_name = reduce_op.name, gather_op.name  # the keys of `stats`
         self._impl = _C.BucketComm(
             group,
             group if gather_group is None else gather_group,
@@ -33,8 +43,8 @@ class BucketComm:
             self.flat,
             grad_shard,
             layout.shard_offsets(rank),
-            self.reduce_name if self.flat else "reduce_scatter",
-            self.gather_name if self.flat else "all_gather",
+            reduce_op,
+            gather_op,
         )
         self.group = group
         self.element_size = grad_shard.element_size()

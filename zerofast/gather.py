@@ -1,0 +1,64 @@
+"""Phase 4 of stages 1 and 2: after the update, each bucket's parameters are gathered (all_gather
+for "flat", broadcast from each owner otherwise) straight into the flat parameter buffers the
+model's parameters are views of, buckets in forward order.
+
+[Note: overlapped parameter gather]
+As Megatron-LM's overlap_param_gather: step() starts the gathers (the last bucket first, since it
+holds the first layers) and returns; a forward pre-hook on every module that holds managed
+parameters directly waits for their buckets, so the gather of later layers runs while earlier
+layers compute. The contract: a parameter is read only inside the forward of a module that holds it
+(module.parameters(recurse=False)). A parameter read elsewhere (in a loss function, say) may be read
+while its gather is still in flight; that is caught when its gradient arrives, as an error naming
+it, when the parameter's bucket has not been waited for by then (zerofast/grads.py). The check is
+best-effort: if another module of the same bucket ran its pre-hook in between, the flag is cleared
+and the early read goes unnoticed. opt.gathered_params() (and the next step()) wait for everything.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.nn as nn
+
+from .comm import BucketComm
+from .layout import Layout
+
+
+class ParamGather:
+    def __init__(self, comm: BucketComm, layout: Layout, param_buffers: list[torch.Tensor]):
+        self.comm, self.layout, self.param_buffers = comm, layout, param_buffers
+        self.pending = [False] * len(layout.buckets)  # per bucket: a gather started, not yet waited for
+
+    def start(self) -> None:
+        for b in reversed(range(len(self.pending))):  # forward order: first layers first
+            self.comm.gather_start(b, self.param_buffers[b])
+            self.pending[b] = True
+
+    def wait(self, buckets: Optional[Iterable[int]] = None) -> None:
+        for b in (range(len(self.pending)) if buckets is None else buckets):
+            if self.pending[b]:
+                self.comm.gather_wait(b)
+                self.pending[b] = False
+
+    def register_waits(self, model: nn.Module, params: list[nn.Parameter]) -> list:
+        """A forward pre-hook per module holding managed parameters directly, waiting for their
+        buckets: see [Note: overlapped parameter gather]."""
+        index_of = {id(p): i for i, p in enumerate(params)}
+        handles = []
+        for module in model.modules():
+            buckets = sorted({self.layout.slots[index_of[id(p)]].bucket
+                              for p in module.parameters(recurse=False) if id(p) in index_of})
+            if buckets:
+                handles.append(module.register_forward_pre_hook(_WaitFor(self, tuple(buckets))))
+        return handles
+
+
+class _WaitFor:
+    """The pre-hook of one module: wait for its buckets' gathers."""
+
+    def __init__(self, gather: ParamGather, buckets: tuple[int, ...]):
+        self.gather, self.buckets = gather, buckets
+
+    @torch.compiler.disable  # a wait on a collective runs eagerly under torch.compile
+    def __call__(self, module, args) -> None:
+        self.gather.wait(self.buckets)

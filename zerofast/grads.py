@@ -1,0 +1,267 @@
+"""Phases 1 and 2 of a step: gradients into buckets, bucket reduces, and the ranks' agreement.
+
+Phase 1, during backward: a post-accumulate-grad hook per parameter copies its gradient into its
+slot of a bucket (stages 2 and 3 then drop param.grad); when every parameter of a bucket is in,
+the bucket's reduce starts at once, asynchronously, buckets strictly in index order (which is
+backward order: [Note: bucket order] in zerofast/layout.py). "flat" reduces each bucket into this
+rank's gradient shard; "round_robin" and "greedy" reduce each owner's segment to that owner.
+Phase 2, at step() (or an earlier clip_grad_norm_()): buckets a rank never filled are launched with
+zeros in the missing slots; the ranks agree which parameters got a gradient anywhere; all reduces
+are waited for; with fp16 or clipping, one small all_reduce agrees on overflow and the global norm.
+
+Where a step is lives in one StepPhase; GradReducer switches on it.
+
+[Note: unused parameters]
+A parameter that gets a gradient on no rank in a step is left untouched, as torch.optim.AdamW leaves
+a parameter whose grad is None: no update, no state change, its step count unchanged. Where some
+ranks have a gradient and others none, the missing ones count as zero (their slot is zeroed before
+the reduce). Which case holds is agreed by one small all_reduce(MAX) per step.
+
+[Note: global gradient clipping]
+The global norm is that of the averaged, unscaled gradient: each rank computes the squared norm of
+its reduced gradient shard (every element of the model sits in exactly one rank's shard; a tied
+parameter is one parameter; padding is zero), one all_reduce sums them, and the norm is
+sqrt(sum) / (N * scale). The coefficient min(1, max_norm / (norm + 1e-6)), torch's, joins 1/N and
+1/scale in the kernel's grad_scale, so clipping costs no pass over the gradients.
+
+[Note: accumulation]
+`with opt.no_sync():` around every micro-batch but the last; every rank runs the same number of
+micro-batches (stages 2 and 3 communicate in each, as every rank runs the same number of steps).
+Stage 1 (which holds full gradients anyway) lets .grad accumulate as autograd does and reduces
+once, in the last backward: Φ of reduce per step however many micro-batches. Stages 2 and 3 by
+default reduce every micro-batch into the owned gradient shard, as DeepSpeed does: k micro-batches
+cost k·Φ of reduce, but gradient memory stays at the shard ([Note: accumulation into the shard] in
+csrc/buckets.cpp). With accumulate_locally=True they keep full local gradients during no_sync (2Φ
+bytes more on each rank in mixed precision, 4Φ in fp32) and reduce once, as stage 1. Reduces in
+reduce_dtype add in reduce_dtype too: accumulating many bf16 micro-batches into a bf16 shard
+rounds each time; reduce_dtype=torch.float32 avoids that.
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import _ops
+from .comm import BucketComm
+from .gather import ParamGather
+from .layout import Layout
+from .precision import LossScaler
+
+
+class StepPhase(enum.Enum):
+    IDLE = "idle"
+    """No gradient has reached a bucket since the last step(); zero_grad() may clear .grad (gradients
+    accumulated only locally, stage 1 inside no_sync, are dropped with it)."""
+    BACKWARD = "backward"
+    """This micro-batch's gradients are going into buckets; each bucket's reduce starts when it is
+    complete. Reduces already launched cannot be taken back: zero_grad() is an error."""
+    ACCUMULATED = "accumulated"
+    """Stages 2 and 3 inside no_sync(): a micro-batch's backward ended with every bucket launched; the
+    next micro-batch's reduces add into the shard ([Note: accumulation])."""
+    PREPARED = "prepared"
+    """Phase 2 ran before step() (clip_grad_norm_): every reduce waited for, the ranks agreed; no
+    gradient may arrive until step()."""
+
+
+@dataclass
+class Prepared:
+    """What phase 2 agreed on, for the rest of the step."""
+    used: list[bool]            # which parameters got a gradient on some rank
+    found_inf: bool             # some rank's gradient shard holds an inf or nan (fp16 only)
+    norm: Optional[torch.Tensor]  # global norm of the averaged, unscaled gradient (when clipping)
+    grad_factor: float          # the clip coefficients so far (1.0: none)
+
+
+class GradReducer:
+    """Phases 1 and 2 over one BucketComm: the hooks, the launches, the flush and the agreement."""
+
+    def __init__(self, params: list[torch.nn.Parameter], names: list[str], layout: Layout, comm: BucketComm,
+                 grad_shard: torch.Tensor, stage: int, *, overlap: bool, accumulate_locally: bool,
+                 scaler: LossScaler, gather: ParamGather):
+        self.params, self.names, self.layout, self.comm = params, names, layout, comm
+        self.grad_shard = grad_shard          # 1D: where the reduces leave this rank's owned gradients
+        self.stage, self.overlap = stage, overlap
+        self.accumulates_locally = stage == 1 or accumulate_locally  # under no_sync: .grad accumulates
+        self.scaler, self.gather = scaler, gather
+        self.in_no_sync = False
+        self.handles = [p.register_post_accumulate_grad_hook(_GradHook(self, i)) for i, p in enumerate(params)]
+        self.begin_step()
+
+    # --- the step's bookkeeping -----------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        n = len(self.params)
+        self.phase = StepPhase.IDLE
+        self.used = [False] * n        # got a gradient on this rank in any micro-batch of this step
+        self.local = [False] * n       # holds a locally accumulated .grad not yet in a bucket
+        self.reduced_micro_batches = 0  # no_sync micro-batches already reduced into the shard
+        self.prepared: Optional[Prepared] = None  # phase 2's result, in PREPARED
+        self._callback_queued = False
+        self._begin_micro_batch()
+        self.comm.new_step()
+
+    def _begin_micro_batch(self) -> None:
+        self.got_grad = [False] * len(self.params)  # copied into its bucket in this micro-batch
+        self.missing = [len(b.params) for b in self.layout.buckets]
+        self.next_launch = 0
+
+    # --- phase 1 --------------------------------------------------------------------------------
+
+    def on_grad(self, index: int, param: torch.Tensor) -> None:
+        self._check_grad_allowed(index)
+        self.used[index] = True
+        if self.in_no_sync and self.accumulates_locally:
+            self.local[index] = True  # .grad accumulates; the last micro-batch copies it
+            return
+        if self.got_grad[index]:
+            raise RuntimeError(
+                f"ZeroAdam: {self.names[index]} got a second gradient before step(); call opt.step() "
+                f"after each backward, or run the earlier backwards of an accumulated step inside "
+                f"`with opt.no_sync():`")
+        if self.in_no_sync and not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_micro_batch)
+        slot = self.layout.slots[index]
+        self.comm.add_grad(slot.bucket, slot.offset, param.grad)
+        self.phase = StepPhase.BACKWARD
+        self.got_grad[index] = True
+        self.local[index] = False
+        if self.stage >= 2:
+            param.grad = None  # the bucket holds it now; see [Note: grads as views]
+        self.missing[slot.bucket] -= 1
+        if self.overlap:
+            self.launch_ready()
+
+    def _check_grad_allowed(self, index: int) -> None:
+        name = self.names[index]
+        if self.scaler.enabled and not self.scaler.in_scaled_backward:
+            raise RuntimeError(
+                f"ZeroAdam(mixed_precision='fp16'): {name} got a gradient from a backward that did not "
+                f"scale the loss; call opt.backward(loss) instead of loss.backward() ([Note: loss scaling])")
+        if self.gather.pending[self.layout.slots[index].bucket]:
+            raise RuntimeError(
+                f"ZeroAdam(overlap_param_gather=True): {name} was used while its gather was still in flight "
+                f"(read outside the forward of a module that holds it); this step's result would be wrong. "
+                f"Read it inside its module's forward, or pass overlap_param_gather=False. See "
+                f"[Note: overlapped parameter gather]")
+        if self.phase is StepPhase.PREPARED:
+            raise RuntimeError(f"ZeroAdam: {name} got a gradient after clip_grad_norm_() and before step(); "
+                               f"clip after the last backward of the step")
+
+    def launch_ready(self) -> None:
+        """Start every complete bucket whose predecessors have all started: see [Note: bucket order]."""
+        buckets = self.layout.buckets
+        while self.next_launch < len(buckets) and self.missing[self.next_launch] == 0:
+            self.comm.reduce(self.next_launch, self.reduced_micro_batches > 0)
+            self.next_launch += 1
+
+    def _end_micro_batch(self) -> None:
+        """End of a backward inside no_sync() (stages 2 and 3, reducing every micro-batch): launch
+        every bucket, then let the next micro-batch's reduces add into the shard."""
+        self._callback_queued = False
+        self.flush()
+        self.reduced_micro_batches += 1
+        self.phase = StepPhase.ACCUMULATED
+        self._begin_micro_batch()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        if self.in_no_sync:
+            raise RuntimeError("ZeroAdam.no_sync() is already active: no_sync() blocks cannot be nested")
+        self.in_no_sync = True
+        try:
+            yield
+        finally:
+            self.in_no_sync = False
+            self._callback_queued = False  # a backward that raised may have left it queued, never run
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        if self.phase is not StepPhase.IDLE:
+            raise RuntimeError("ZeroAdam.zero_grad() was called between backward and step(): this step's "
+                               "gradients are already being reduced across ranks and would still be "
+                               "applied; call step() first (or zero_grad() only at the start of an iteration)")
+        self.used = [False] * len(self.params)
+        self.local = [False] * len(self.params)
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    # --- phase 2 --------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Launch what backward did not: a locally accumulated gradient where one is waiting, zeros
+        for a parameter without gradient here ([Note: unused parameters])."""
+        for b in range(self.next_launch, len(self.layout.buckets)):
+            for i in self.layout.buckets[b].params:
+                if self.got_grad[i]:
+                    continue
+                s = self.layout.slots[i]
+                p = self.params[i]
+                if self.local[i] and p.grad is not None:
+                    self.comm.add_grad(s.bucket, s.offset, p.grad)
+                    if self.stage >= 2:
+                        p.grad = None
+                else:
+                    self.comm.zero_slot(s.bucket, s.offset, s.numel)
+                self.got_grad[i] = True
+            self.missing[b] = 0
+        self.launch_ready()
+
+    def prepare(self, need_norm: bool, world_size: int) -> Prepared:
+        """Phase 2, once per step (step() or an earlier clip_grad_norm_()): every bucket reduced, the
+        ranks agreed on which parameters got a gradient, and, where loss scaling or clipping needs
+        them, on whether any gradient overflowed and on the global gradient norm."""
+        if self.prepared is not None:  # clip_grad_norm_() ran it; it computed the norm
+            return self.prepared
+        self.flush()
+        with torch.profiler.record_function("zerofast::reduce"):
+            got = torch.tensor(self.used, dtype=torch.uint8, device=self.grad_shard.device)
+            self.comm.all_reduce_max(got)
+            used = [bool(x) for x in got.tolist()]
+            self.comm.wait_reduces()
+        found_inf, sumsq = False, None
+        if self.scaler.enabled or need_norm:
+            stats = torch.zeros(2, dtype=torch.float32, device=self.grad_shard.device)
+            if self.scaler.enabled:  # see [Note: loss scaling]
+                _ops.nonfinite_check_(self.grad_shard, stats[0:1])
+            if need_norm:  # padding is zero, and each element sits in exactly one rank's shard
+                stats[1] = torch.linalg.vector_norm(self.grad_shard, dtype=torch.float32).square()
+            self.comm.all_reduce_sum(stats)
+            found_inf, sumsq = bool(stats[0].item() > 0), stats[1]
+        norm = None
+        if sumsq is not None:  # the norm of the averaged, unscaled gradient
+            norm = sumsq.sqrt() / (world_size * self.scaler.scale)
+        self.prepared = Prepared(used, found_inf, norm, 1.0)
+        self.phase = StepPhase.PREPARED
+        return self.prepared
+
+    @staticmethod
+    def clip(prep: Prepared, max_norm: float) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_'s coefficient, folded into grad_factor: applying it twice
+        (clip_grad_norm_ and max_grad_norm) acts as clipping twice would. See
+        [Note: global gradient clipping]."""
+        norm = prep.norm * prep.grad_factor
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        prep.grad_factor *= float(coef)
+        return norm
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+class _GradHook:
+    """The post-accumulate-grad hook of parameter `index`."""
+
+    def __init__(self, reducer: GradReducer, index: int):
+        self.reducer, self.index = reducer, index
+
+    def __call__(self, param: torch.Tensor) -> None:
+        self.reducer.on_grad(self.index, param)

@@ -1,0 +1,101 @@
+"""Mixed precision: the model's conversion, the cast of its inputs, and fp16's dynamic loss scale.
+
+[Note: mixed precision]
+mixed_precision="bf16" or "fp16" converts the model as model.to(dtype) would (trainable and frozen
+parameters, floating buffers) and casts floating-point inputs of its forward, so forward and backward
+run in that dtype. The optimizer keeps what the seed's 16Φ table keeps, each part sharded as the
+stage says: 2Φ parameters (the flat buffers the model's parameters are views of; stage 3: a
+low-precision shard plus the units gathered now), 2Φ gradients (buckets and the reduced shard, in
+reduce_dtype, default the parameter dtype) and 12Φ of optimizer state (an fp32 master shard,
+initialised from the user's exact fp32 values, and m and v: zerofast/state.py). The fused kernel
+reads the low-precision gradient shard, updates the fp32 master, m and v, and writes the rounded
+parameter through its param_copy in the same pass; the gather then moves 2-byte parameters.
+
+[Note: loss scaling]
+fp16: opt.backward(loss) multiplies the loss by the scale, as torch.amp.GradScaler.scale does. At
+step(), after the reduces, every rank runs the fused kernel's non-finite check
+(zerofast::nonfinite_check_) over its gradient shard, and one small all_reduce (with the squared
+norm, when clipping) tells every rank whether any shard overflowed, before any rank updates: then
+every rank skips the update together (parameters, master, m, v and step counts untouched) and the
+scale is multiplied by backoff_factor; after growth_interval clean steps in a row it is multiplied
+by growth_factor. Rule and float32 rounding are GradScaler's. Unscaling costs nothing: 1/scale is
+part of the kernel's grad_scale. A reduce in fp16 can itself overflow (two finite gradients whose
+sum is not); that is caught the same way, one reason to pass reduce_dtype=torch.float32.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class LossScaler:
+    """fp16's dynamic loss scale, with torch.amp.GradScaler's rule and rounding: halve (backoff) on
+    a step with an inf or nan, grow after growth_interval clean steps in a row; the scale is kept
+    in float32, as GradScaler's tensor is. See [Note: loss scaling]."""
+
+    def __init__(self, init_scale, growth_factor, backoff_factor, growth_interval, enabled: bool):
+        self.enabled = enabled
+        self.scale = to_f32(init_scale) if enabled else 1.0
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.growth_tracker = 0
+        self.in_scaled_backward = False  # inside backward(): gradients arriving now were scaled
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """loss.backward(), the loss multiplied by the scale when enabled."""
+        if self.enabled:
+            loss = loss.float() * self.scale
+        self.in_scaled_backward = True
+        try:
+            loss.backward(**kwargs)
+        finally:
+            self.in_scaled_backward = False
+
+    def update(self, found_inf: bool) -> None:
+        if not self.enabled:
+            return
+        if found_inf:
+            self.scale = to_f32(self.scale * self.backoff_factor)
+            self.growth_tracker = 0
+            return
+        self.growth_tracker += 1
+        if self.growth_tracker == self.growth_interval:
+            grown = to_f32(self.scale * self.growth_factor)
+            if math.isfinite(grown):
+                self.scale = grown
+            self.growth_tracker = 0
+
+
+def to_f32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def cast_unmanaged(model: nn.Module, dtype: torch.dtype) -> None:
+    """The rest of the model follows the managed parameters into `dtype`, as model.to(dtype) would:
+    frozen floating parameters and floating buffers (see [Note: mixed precision])."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(dtype)
+        for mod in model.modules():
+            for name, buf in mod.named_buffers(recurse=False):
+                if buf.is_floating_point():
+                    setattr(mod, name, buf.to(dtype))
+
+
+class InputCast:
+    """A forward pre-hook (with kwargs) on the model: floating-point tensors passed to its forward,
+    cast to the parameters' dtype."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def __call__(self, module, args, kwargs):
+        def cast(x):
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.dtype:
+                return x.to(self.dtype)
+            return x
+        return torch.utils._pytree.tree_map(cast, (args, kwargs))

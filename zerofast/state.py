@@ -1,0 +1,145 @@
+"""ShardState: this rank's part of the training state, and where each piece of it sits.
+
+It owns the flat parameter buffers (one per bucket; the model's parameters are views of them), the
+reduced gradient shard, the fp32 master (in mixed precision a shard of its own; in fp32 the owned
+ranges of the parameter buffers, or stage 3's parameter shard, are the master), exp_avg,
+exp_avg_sq and the per-parameter step counts, and the layout's pieces that address them: piece k
+is (parameter, offset into the flattened parameter, numel) at `state_offset` in the shard buffers
+and `bucket_offset` in its bucket. Phase 3 of a step (the fused Adam update) runs here, over it.
+Checkpoints and reports read it through the accessors below, never through its tensors' names.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import _ops
+from .layout import Layout, Piece
+
+
+@dataclass(frozen=True)
+class Run:
+    """A contiguous range of this rank's shard that one fused_adam_ call updates."""
+    bucket: int        # which parameter buffer
+    bucket_lo: int     # first element inside that buffer
+    state_lo: int      # first element inside the shard buffers (grads, exp_avg, exp_avg_sq)
+    numel: int
+    group: int         # parameter group index
+    params: tuple[int, ...]  # the parameters it touches (their step counts advance together)
+
+
+class ShardState:
+    def __init__(self, layout: Layout, rank: int, names: list[str], params: list[torch.nn.Parameter],
+                 dtype: torch.dtype, reduce_dtype: torch.dtype, sharded_params: bool):
+        """Build the buffers and make every parameter in `params` a view of its slot; the fp32
+        master starts from the parameters' values as given (the user's exact fp32 values).
+        sharded_params: stage 3, whose parameters live in a shard of their own between uses."""
+        self.layout, self.rank, self.names = layout, rank, names
+        device = params[0].device
+        mixed = dtype != torch.float32
+        shard = layout.shard_numel(rank)
+        self.param_buffers = [torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buckets]
+        self.grad_shard = torch.zeros(shard, dtype=reduce_dtype, device=device)  # 1D, this rank's reduced grads
+        # Stage 3's parameter shard, in the parameters' dtype, which the next forward gathers
+        # (stages 1 and 2 update the owned range of the parameter buffers in place instead).
+        self.param_shard = torch.zeros(shard if sharded_params else 0, dtype=dtype, device=device)
+        self.exp_avg = torch.zeros(shard, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros(shard, dtype=torch.float32, device=device)
+        self.master = torch.zeros(shard if mixed else 0, dtype=torch.float32, device=device)  # mixed only
+        self.pieces: list[Piece] = layout.pieces(rank)
+        self.steps = [0] * len(params)  # per parameter, as torch.optim keeps it
+        originals = [p.detach() for p in params]
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                s = layout.slots[i]
+                view = self.param_buffers[s.bucket].narrow(0, s.offset, s.numel).view_as(p)
+                view.copy_(p)
+                p.data = view
+            for pc in (self.pieces if mixed else []):
+                src = originals[pc.param].reshape(-1)[pc.param_offset:pc.param_offset + pc.numel]
+                self.master[pc.state_offset:pc.state_offset + pc.numel].copy_(src)
+
+    # --- phase 3 --------------------------------------------------------------------------------
+
+    def apply_adam(self, used: list[bool], param_groups: list[dict], group_of: list[int], adamw: bool,
+                   grad_scale: float) -> None:
+        """The fused AdamW step over every owned range of a used parameter, the gradient shard
+        multiplied by grad_scale (1/N, unscaling and clipping together)."""
+        for run in self.runs(used, group_of):
+            group = param_groups[run.group]
+            beta1, beta2 = group["betas"]
+            state = slice(run.state_lo, run.state_lo + run.numel)
+            master, copy = self.master_and_copy(run.bucket, run.bucket_lo, state)
+            _ops.fused_adam_(
+                master,
+                self.grad_shard[state], self.exp_avg[state], self.exp_avg_sq[state],
+                lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"], step=self.steps[run.params[0]] + 1,
+                adamw=adamw, grad_scale=grad_scale, param_copy=copy)
+        for i, u in enumerate(used):
+            if u:
+                self.steps[i] += 1
+
+    def runs(self, used: list[bool], group_of: list[int]) -> list[Run]:
+        """This rank's owned pieces of used parameters, merged where contiguous with equal
+        (bucket, group, step count), so one kernel call covers many small tensors."""
+        runs: list[Run] = []
+        for pc in self.pieces:
+            if not used[pc.param]:
+                continue
+            key = (pc.bucket, group_of[pc.param], self.steps[pc.param])
+            last = runs[-1] if runs else None
+            if (last is not None and (last.bucket, last.group, self.steps[last.params[0]]) == key
+                    and last.bucket_lo + last.numel == pc.bucket_offset
+                    and last.state_lo + last.numel == pc.state_offset):
+                runs[-1] = Run(last.bucket, last.bucket_lo, last.state_lo, last.numel + pc.numel,
+                               last.group, last.params + (pc.param,))
+            else:
+                runs.append(Run(pc.bucket, pc.bucket_offset, pc.state_offset, pc.numel, key[1], (pc.param,)))
+        return runs
+
+    def master_and_copy(self, bucket: int, bucket_lo: int, state: slice):
+        """The fp32 master of an owned range (bucket `bucket` from `bucket_lo`; `state` in the shard
+        buffers), and the low-precision parameters its update is written to (None in fp32, where
+        the master is the parameter)."""
+        # Stage 3 keeps its parameters in the shard (the unit buffers are released by now).
+        params = (self.param_shard[state] if self.param_shard.numel()
+                  else self.param_buffers[bucket].narrow(0, bucket_lo, state.stop - state.start))
+        if self.master.numel():  # mixed precision
+            return self.master[state], params
+        return params, None
+
+    # --- accessors ------------------------------------------------------------------------------
+
+    def master_pieces(self) -> list[tuple[str, int, torch.Tensor]]:
+        """This rank's part of the fp32 master copy, as (parameter name, offset into the flattened
+        parameter, fp32 values) pieces; the ranks' pieces together cover every parameter once."""
+        out = []
+        for pc in self.pieces:
+            master, _ = self.master_and_copy(pc.bucket, pc.bucket_offset,
+                                             slice(pc.state_offset, pc.state_offset + pc.numel))
+            out.append((self.names[pc.param], pc.param_offset, master.detach().float().clone()))
+        return out
+
+    def step_counts(self) -> dict[str, int]:
+        return dict(zip(self.names, self.steps))
+
+    def materialized_param_bytes(self) -> int:
+        """Bytes of parameter storage that exist now: the parameter buffers' storage (stage 3: only
+        the units gathered at this moment; stages 1 and 2: always all) plus stage 3's own shard."""
+        return (sum(b.untyped_storage().nbytes() for b in self.param_buffers)
+                + self.param_shard.numel() * self.param_shard.element_size())
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held now, by kind: parameters (materialized), their padding, the gradient shard,
+        Adam's moments, the separate fp32 master (0 in fp32: the parameters are their own)."""
+        def size(t): return t.numel() * t.element_size()
+        return {
+            "params": self.materialized_param_bytes(),
+            "param_padding": sum(b.numel - self.layout.used_numel(b.index) for b in self.layout.buckets)
+            * self.param_buffers[0].element_size(),
+            "grad_shard": size(self.grad_shard),
+            "optimizer": size(self.exp_avg) + size(self.exp_avg_sq),
+            "master_copy": size(self.master),
+        }
