@@ -2,16 +2,24 @@
 
     results = run_ranks(fn, world_size=3, args=(...), timeout=120)
 
-- Every rank: a spawned process, `torch.set_num_threads(1)`, a gloo process group on a free
-  loopback port, then `fn(rank, world_size, *args)`.
+- Every rank: a process with `torch.set_num_threads(1)` and a gloo process group on a free loopback
+  port, running `fn(rank, world_size, *args)`.
+- The processes are kept for the next call of the same world size (a pool per world size, as
+  benchmarks/rankpool.py keeps its ranks): spawning a rank, importing torch and forming the
+  group costs seconds, paid once per world size instead of once per test. Before each call every
+  rank re-seeds torch's default generator with the seed a fresh process starts from, so a function
+  sees what it would in a new process; the process group and imported modules carry over.
 - Results travel through files (torch.save), never through a pipe: a large result sent through a
   multiprocessing queue can deadlock when the pipe fills before the parent reads.
 - A rank that raises: its traceback is raised in the test (RankFailed), every rank's shown.
-- A rank still running after `timeout` seconds: all ranks are killed and the test fails naming the
-  ranks that did not finish, instead of hanging the suite.
+- A rank still running after `timeout` seconds, or one that died: all ranks of that pool are killed
+  (the next call starts a new pool) and the test fails naming the ranks that did not finish,
+  instead of hanging the suite.
+- backend="nccl" (rank r on GPU r) spawns fresh processes every call, as each test needs its GPUs.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import tempfile
@@ -20,6 +28,8 @@ import traceback
 
 import torch
 import torch.multiprocessing as mp
+
+_FRESH_SEED = torch.initial_seed()  # the default generator's seed in a new process
 
 
 class RankFailed(AssertionError):
@@ -32,7 +42,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, world_size, port, outdir, fn, args, timeout, backend):
+def _run_one(rank, world_size, path, fn, args) -> None:
+    try:
+        torch.manual_seed(_FRESH_SEED)
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, path + ".tmp")
+    except BaseException:  # noqa: BLE001 (every failure must reach the parent)
+        torch.save({"ok": False, "error": traceback.format_exc()}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def _init(rank, world_size, port, timeout, backend):
     import datetime
 
     import torch.distributed as dist
@@ -40,54 +60,101 @@ def _rank_main(rank, world_size, port, outdir, fn, args, timeout, backend):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    path = os.path.join(outdir, f"rank{rank}")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+
+
+def _pool_main(rank, world_size, port, commands):
+    """A pooled rank: form the group once, then run each (fn, args, path) it is sent."""
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
-        result = fn(rank, world_size, *args)
-        torch.save({"ok": True, "result": result}, path + ".tmp")
-    except BaseException:  # noqa: BLE001 (every failure must reach the parent)
-        torch.save({"ok": False, "error": traceback.format_exc()}, path + ".tmp")
-    os.replace(path + ".tmp", path)
+        _init(rank, world_size, port, 600, "gloo")
+    except BaseException:  # noqa: BLE001 (the parent sees the rank die and reports it)
+        traceback.print_exc()
+        return
+    while True:
+        job = commands.get()
+        if job is None:
+            return
+        _run_one(rank, world_size, *job)
+
+
+def _fresh_main(rank, world_size, port, path, fn, args, timeout, backend):
+    import torch.distributed as dist
+    try:
+        _init(rank, world_size, port, timeout, backend)
+    except BaseException:  # noqa: BLE001
+        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+        return
+    _run_one(rank, world_size, path, fn, args)
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
 
 
-def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0, backend: str = "gloo") -> list:
-    """Run fn(rank, world_size, *args) on `world_size` ranks (gloo unless told; nccl puts rank r on
-    GPU r); return their results by rank."""
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="zerofast-ranks-") as outdir:
+class _Pool:
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
         port = free_port()
-        procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, outdir, fn, args, timeout, backend),
-                             daemon=True) for r in range(world_size)]
-        for p in procs:
+        self.commands = [ctx.Queue() for _ in range(world_size)]
+        self.procs = [ctx.Process(target=_pool_main, args=(r, world_size, port, self.commands[r]), daemon=True)
+                      for r in range(world_size)]
+        for p in self.procs:
             p.start()
-        deadline = time.monotonic() + timeout
-        paths = [os.path.join(outdir, f"rank{r}") for r in range(world_size)]
-        while time.monotonic() < deadline:
-            if all(os.path.exists(p) for p in paths):
-                break
-            # A rank that failed writes its file at once, and one that died writes none: don't wait
-            # for the others to time out.
-            if any(_failed(p) for p in paths) or any(
-                    not proc.is_alive() and not os.path.exists(path) for proc, path in zip(procs, paths)):
-                time.sleep(0.5)
-                break
-            time.sleep(0.05)
-        hung = [r for r, path in enumerate(paths) if not os.path.exists(path) and procs[r].is_alive()]
-        died = [f"--- rank {r} exited with code {procs[r].exitcode} without a result (see its stderr above)"
-                for r, path in enumerate(paths) if not os.path.exists(path) and not procs[r].is_alive()]
-        outcomes = [torch.load(p, weights_only=False) if os.path.exists(p) else None for p in paths]
-        for p in procs:
-            p.join(timeout=5)
+
+    def close(self, kill: bool) -> None:
+        for p, q in zip(self.procs, self.commands):
+            if not kill and p.is_alive():
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=0 if kill else 5)
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+_POOLS: dict[int, _Pool] = {}
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close(kill=False)
+    _POOLS.clear()
+
+
+def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0, backend: str = "gloo") -> list:
+    """Run fn(rank, world_size, *args) on `world_size` ranks (gloo unless told; nccl puts rank r on
+    GPU r); return their results by rank."""
+    with tempfile.TemporaryDirectory(prefix="zerofast-ranks-") as outdir:
+        paths = [os.path.join(outdir, f"rank{r}") for r in range(world_size)]
+        if backend == "gloo":
+            pool = _POOLS.get(world_size)
+            if pool is None or not all(p.is_alive() for p in pool.procs):
+                if pool is not None:
+                    pool.close(kill=True)
+                pool = _POOLS[world_size] = _Pool(world_size)
+            for q, path in zip(pool.commands, paths):
+                q.put((path, fn, args))
+            procs = pool.procs
+        else:
+            ctx = mp.get_context("spawn")
+            port = free_port()
+            procs = [ctx.Process(target=_fresh_main, args=(r, world_size, port, paths[r], fn, args, timeout, backend),
+                                 daemon=True) for r in range(world_size)]
+            for p in procs:
+                p.start()
+        hung, died, outcomes = _collect(procs, paths, timeout)
+        broken = bool(hung or died or any(o is not None and not o["ok"] for o in outcomes))
+        if backend == "gloo" and broken:  # a rank may be stuck in a collective: start afresh next time
+            _POOLS.pop(world_size).close(kill=True)
+        elif backend != "gloo":
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
         errors = [f"--- rank {r} raised:\n{o['error']}" for r, o in enumerate(outcomes)
                   if o is not None and not o["ok"]] + died
         if errors:
@@ -97,6 +164,25 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0, bac
             raise RankFailed(f"ranks {hung} of {world_size} did not finish within {timeout:.0f} s "
                              f"(a hang: a collective some ranks never reached?)")
         return [o["result"] for o in outcomes]
+
+
+def _collect(procs, paths, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(os.path.exists(p) for p in paths):
+            break
+        # A rank that failed writes its file at once, and one that died writes none: don't wait
+        # for the others to time out.
+        if any(_failed(p) for p in paths) or any(
+                not proc.is_alive() and not os.path.exists(path) for proc, path in zip(procs, paths)):
+            time.sleep(0.5)
+            break
+        time.sleep(0.02)
+    hung = [r for r, path in enumerate(paths) if not os.path.exists(path) and procs[r].is_alive()]
+    died = [f"--- rank {r} exited with code {procs[r].exitcode} without a result (see its stderr above)"
+            for r, path in enumerate(paths) if not os.path.exists(path) and not procs[r].is_alive()]
+    outcomes = [torch.load(p, weights_only=False) if os.path.exists(p) else None for p in paths]
+    return hung, died, outcomes
 
 
 def _failed(path: str) -> bool:

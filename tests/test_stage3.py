@@ -117,8 +117,8 @@ def test_module_called_twice_peak_memory_and_3phi(world, partition):
         assert r["peak"] <= r["shard"] + r["two_largest"], (r["peak"], r["shard"], r["two_largest"])
         assert r["peak"] > r["shard"], "the hooks must have seen gathered parameters"
         # The seed's 3Φ: gathered in forward and again in backward, reduced once. The block runs
-        # twice in forward, but stays gathered between its two calls? No: it is released after
-        # each call, so it is gathered once more per extra call in each direction.
+        # twice and is released after each call, so it is gathered once more per extra call in
+        # each direction.
         gathered = sum(v for k, v in r["comm"].items() if k in ("all_gather", "broadcast"))
         reduced = sum(v for k, v in r["comm"].items() if k in ("reduce_scatter", "reduce", "all_reduce"))
         block = sum(p.numel() * 4 for p in TwiceMLP().block.parameters())
@@ -128,7 +128,7 @@ def test_module_called_twice_peak_memory_and_3phi(world, partition):
 
 
 def _comm_gpt(rank, world, stage):
-    model = make_gpt("tiny", tie_weights=False) if False else make_gpt("tiny")
+    model = make_gpt("tiny")
     opt = ZeroAdam(model, stage=stage, bucket_mb=0.01, **HYPER)
     _, loss = model(*rank_batch(model, 0, rank))
     loss.backward()

@@ -9,7 +9,8 @@ from oracles import (HYPER, fp32_tol, Quirky, make_scheduler, max_abs_diff, rank
                      single_process_quirky, two_groups)
 from zerofast import ZeroAdam
 from zerofast.models import make_gpt
-from zerofast.reference import ReferenceZero
+from zerofast.partition import imbalance
+from zerofast.reference import ReferenceZero, round_robin_owners
 
 STEPS = 10
 PARTITIONS = ("flat", "round_robin", "greedy")
@@ -263,7 +264,13 @@ def _reports(rank, world):
 def test_partition_report():
     reports = run_ranks(_reports, 3)[0]
     numel = sum(p.numel() for p in make_gpt("tiny").parameters())
+    # The seed's round-robin rule, from the reference stage: parameter i to rank i % 3.
+    model = make_gpt("tiny")
+    owners = round_robin_owners([n for n, _ in model.named_parameters()], 3)
+    by_rank = [sum(p.numel() for n, p in model.named_parameters() if owners[n] == r) for r in range(3)]
+    assert reports["round_robin"]["owned_numel"] == by_rank
     for p, r in reports.items():
         assert sum(r["owned_numel"]) == numel
-        assert r["imbalance"] == pytest.approx(max(r["owned_numel"]) / (numel / 3))
+        assert r["imbalance"] == imbalance(r["owned_numel"])
+    assert imbalance([1, 2, 3]) == 1.5 and imbalance([4, 4]) == 1.0 and imbalance([0, 0]) == 1.0
     assert reports["flat"]["imbalance"] <= reports["greedy"]["imbalance"] <= reports["round_robin"]["imbalance"]

@@ -156,7 +156,8 @@ class GradReducer:
         """Start every complete bucket whose predecessors have all started: see [Note: bucket order]."""
         buckets = self.layout.buckets
         while self.next_launch < len(buckets) and self.missing[self.next_launch] == 0:
-            self.comm.reduce(self.next_launch, self.reduced_micro_batches > 0)
+            with torch.profiler.record_function("zerofast::reduce"):
+                self.comm.reduce(self.next_launch, self.reduced_micro_batches > 0)
             self.next_launch += 1
 
     def _end_micro_batch(self) -> None:

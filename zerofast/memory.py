@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch.nn as nn
+
+from .layout import ALIGN
 
 BYTES = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}  # parameter, gradient, optimizer state per element
 
@@ -39,9 +41,6 @@ class MemoryEstimate:
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.zerofast_extra
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "total": self.total}
 
 
 def estimate_memory(model_or_param_count, world: int, stage: int, precision: str = "fp32",
@@ -72,7 +71,7 @@ def estimate_memory(model_or_param_count, world: int, stage: int, precision: str
     extra = 0
     if stage >= 1:
         bucket = min(int(bucket_mb * 2**20), g_bytes * numel)
-        padding_elements = 4 * world * max(1, -(-g_bytes * numel // int(bucket_mb * 2**20)))
+        padding_elements = ALIGN * world * max(1, -(-g_bytes * numel // int(bucket_mb * 2**20)))
         extra = bucket + padding_elements * (p_bytes + g_bytes + o_bytes)
         if stage == 1:
             extra += g_bytes * shard
@@ -97,10 +96,31 @@ def format_table(rows: list[MemoryEstimate]) -> str:
     return "\n".join(lines)
 
 
+_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+
+
+def parse_count(text: str) -> int:
+    """A parameter count as people write it: 7000000, 7_000_000, 7e9, 7.5B, 350M, 1.2T, 125K."""
+    s = text.strip().replace("_", "").replace(",", "")
+    scale = 1
+    if s[-1:].upper() in _SUFFIXES:
+        scale, s = _SUFFIXES[s[-1].upper()], s[:-1]
+    try:
+        value = float(s) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (try 7e9, 7.5B or 350M)") from None
+    if not value >= 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r}")
+    if abs(value - round(value)) > 1e-6 * max(1.0, value):
+        raise argparse.ArgumentTypeError(f"not a whole number of parameters: {text!r} = {value}")
+    return int(round(value))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m zerofast.estimate",
                                 description="Per-rank memory of DDP and ZeRO stages 1-3 by the seed's formulas.")
-    p.add_argument("--params", type=int, required=True, help="trainable parameters (Φ)")
+    p.add_argument("--params", type=parse_count, required=True,
+                   help="trainable parameters (Φ): 7000000, 7e9, 7.5B, 350M, 1.2T, 125K")
     p.add_argument("--world", type=int, required=True, help="data-parallel ranks (N)")
     p.add_argument("--stage", type=int, default=None, help="one stage (0 = DDP, 1, 2, 3); default: all")
     p.add_argument("--precision", default="mixed", help="mixed (2+2+12 bytes) or fp32 (4+4+8); default mixed")

@@ -319,15 +319,18 @@ class UnitTracker:
     def prefetch(self, units) -> None:
         for u in units:
             if self.state[u] is UnitState.SHARDED:
-                self.buffers.gather_start(u)
+                with torch.profiler.record_function("zerofast::unit_gather"):
+                    self.buffers.gather_start(u)
                 self.state[u] = UnitState.GATHERING
 
     def _ensure_gathered(self, u: int) -> None:
         if self.state[u] is UnitState.SHARDED:
-            self.buffers.gather_start(u)
+            with torch.profiler.record_function("zerofast::unit_gather"):
+                self.buffers.gather_start(u)
             self.state[u] = UnitState.GATHERING
         if self.state[u] is UnitState.GATHERING:
-            self.buffers.gather_wait(u)
+            with torch.profiler.record_function("zerofast::unit_gather"):
+                self.buffers.gather_wait(u)
             self.state[u] = UnitState.GATHERED
 
     def _release_unit(self, u: int) -> None:

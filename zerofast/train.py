@@ -234,10 +234,10 @@ def plot(path: str, rows: dict[str, list[dict]], numel: int, precision: str) -> 
     names = list(rows)
     world = len(next(iter(rows.values())))
     fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 4), sharey=True)
-    colors = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868"}
+    colors = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "buckets": "#8172b3"}
     for ax, name in zip(axes, names):
         bottom = [0.0] * world
-        for kind in ("params", "grads", "optimizer"):
+        for kind in ("params", "grads", "optimizer", "buckets"):  # buckets: ZeroAdam's buffers and pool
             vals = [m[kind] / 2**20 for m in rows[name]]
             ax.bar(range(world), vals, bottom=bottom, color=colors[kind], label=kind)
             bottom = [b + v for b, v in zip(bottom, vals)]

@@ -1,0 +1,98 @@
+"""torch.optim's contract and the small promises around it (issue 12): step(closure), a clear
+error for add_param_group, profiler ranges, the estimator's command line."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from harness import run_ranks
+from oracles import HYPER, rank_batch
+from zerofast import ZeroAdam
+from zerofast.memory import parse_count
+from zerofast.models import make_gpt
+
+
+def _closure_and_plain(rank, world):
+    out = {}
+    for how in ("closure", "plain"):
+        model = make_gpt("tiny")
+        opt = ZeroAdam(model, stage=2, **HYPER)
+        losses = []
+        for step in range(3):
+            batch = rank_batch(model, step, rank)
+            if how == "closure":
+                def closure():
+                    opt.zero_grad()
+                    _, loss = model(*batch)
+                    loss.backward()
+                    return loss
+                with torch.no_grad():  # step() runs the closure under enable_grad, as torch's optimizers do
+                    losses.append(opt.step(closure).item())
+            else:
+                opt.zero_grad()
+                _, loss = model(*batch)
+                loss.backward()
+                assert opt.step() is None
+                losses.append(loss.item())
+        out[how] = (losses, {n: p.detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
+def test_step_with_closure_returns_its_loss_and_equals_the_plain_loop():
+    for out in run_ranks(_closure_and_plain, 2):
+        (closure_losses, closure_params), (plain_losses, plain_params) = out["closure"], out["plain"]
+        assert closure_losses == plain_losses  # the same computation: bitwise
+        assert all(torch.equal(closure_params[n], plain_params[n]) for n in plain_params)
+
+
+def _add_param_group(rank, world):
+    model = make_gpt("tiny")
+    opt = ZeroAdam(model, stage=1, **HYPER)
+    try:
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    except RuntimeError as e:
+        return str(e), len(opt.param_groups)
+    return None, len(opt.param_groups)
+
+
+def test_add_param_group_after_construction_is_an_error():
+    for message, groups in run_ranks(_add_param_group, 1):
+        assert message is not None and "fixed at construction" in message and "param_groups=" in message
+        assert groups == 1
+
+
+def _profiled(rank, world, stage):
+    model = make_gpt("tiny")
+    opt = ZeroAdam(model, stage=stage, **HYPER)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _, loss = model(*rank_batch(model, 0, rank))
+        loss.backward()
+        opt.step()
+    return sorted({e.name for e in prof.events() if e.name.startswith("zerofast::")})
+
+
+@pytest.mark.parametrize("stage, expected", [
+    (2, ["zerofast::adam", "zerofast::gather", "zerofast::reduce"]),
+    (3, ["zerofast::adam", "zerofast::reduce", "zerofast::unit_gather"]),
+])
+def test_profiler_shows_where_a_step_goes(stage, expected):
+    for names in run_ranks(_profiled, 2, args=(stage,)):
+        assert set(expected) <= set(names), names
+
+
+@pytest.mark.parametrize("text, count", [("7000000", 7_000_000), ("7_000_000", 7_000_000), ("7e9", 7 * 10**9),
+                                         ("7.5e9", 7_500_000_000), ("7.5B", 7_500_000_000), ("350M", 350_000_000),
+                                         ("1.2T", 1_200_000_000_000), ("125k", 125_000), ("0", 0)])
+def test_parameter_counts_as_people_type_them(text, count):
+    assert parse_count(text) == count
+
+
+def test_estimator_command_line():
+    out = subprocess.run([sys.executable, "-m", "zerofast.estimate", "--params", "7.5B", "--world", "8"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "Φ = 7,500,000,000 parameters, N = 8 ranks" in out
+    for bad in ("7.5X", "-3", "1.5e-1", "nan"):
+        r = subprocess.run([sys.executable, "-m", "zerofast.estimate", "--params", bad, "--world", "8"],
+                           capture_output=True, text=True)
+        assert r.returncode == 2 and "--params" in r.stderr, (bad, r.stderr)
