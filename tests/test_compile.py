@@ -2,6 +2,9 @@
 (torch.compile(model)) and each block compiled (block.compile()), the two ways FSDP2 users
 compile. Stages 1 and 2 against compiled DDP + torch AdamW, stage 3 against eager ZeroAdam stage 3
 (its oracle tests are eager); graph breaks counted (torch._dynamo.utils.counters) per case."""
+import os
+
+import pytest
 import torch
 
 from harness import run_ranks
@@ -77,7 +80,30 @@ def _eager(rank):
         return {n: p.detach().clone() for n, p in model.named_parameters()}, {}
 
 
+def _torch_compile_is_sound() -> tuple[bool, str]:
+    """Whether torch.compile itself reproduces eager mode here, with no zerofast involved: one
+    forward of the tiny GPT, one thread as the ranks run. With ATEN_CPU_CAPABILITY=avx2 on an
+    AVX-512 Xeon, torch 2.14's Inductor returns nan for this plain forward (eager 4.18): then there
+    is nothing of ours to test, and the test says so instead of blaming ZeroAdam."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = make_gpt("tiny")
+        batch = rank_batch(model, 0, 0)
+        eager = model(*batch)[1].item()
+        compiled = torch.compile(model)(*batch)[1].item()
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()
+    # fp32_tol's reasoning for one forward: a relative difference of a few ulps of the loss.
+    return abs(compiled - eager) <= 16 * 2.0**-23 * abs(eager), f"compiled {compiled} vs eager {eager}"
+
+
 def test_compiled_stages_match_compiled_ddp_and_eager_stage3():
+    sound, detail = _torch_compile_is_sound()
+    if not sound:
+        capability = os.environ.get("ATEN_CPU_CAPABILITY", "(default)")
+        pytest.skip(f"torch.compile itself differs from eager here ({detail}; ATEN_CPU_CAPABILITY={capability})")
     results = run_ranks(_cases, 2, timeout=900)
     for rank, out in enumerate(results):
         for how in ("whole", "block"):
