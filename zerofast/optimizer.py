@@ -327,10 +327,13 @@ class ZeroAdam(torch.optim.Optimizer):
         return dict(self._last_comm)
 
     def state_dict(self):
-        raise NotImplementedError("ZeroAdam.state_dict: sharded checkpoints are not implemented yet")
+        raise NotImplementedError("ZeroAdam.state_dict: a single in-memory state dict would hold only this rank's "
+                                  "shard; use zerofast.checkpoint.save(path, model, opt) and "
+                                  "zerofast.checkpoint.load(path, model, opt), which every rank calls")
 
     def load_state_dict(self, state_dict):
-        raise NotImplementedError("ZeroAdam.load_state_dict: sharded checkpoints are not implemented yet")
+        raise NotImplementedError("ZeroAdam.load_state_dict: use zerofast.checkpoint.load(path, model, opt) (every "
+                                  "rank calls it; any world size, stage, partition or precision)")
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

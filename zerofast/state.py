@@ -115,11 +115,19 @@ class ShardState:
     def master_pieces(self) -> list[tuple[str, int, torch.Tensor]]:
         """This rank's part of the fp32 master copy, as (parameter name, offset into the flattened
         parameter, fp32 values) pieces; the ranks' pieces together cover every parameter once."""
+        return self.state_pieces("master")
+
+    def state_pieces(self, kind: str) -> list[tuple[str, int, torch.Tensor]]:
+        """This rank's part of "master", "exp_avg" or "exp_avg_sq", as (parameter name, offset into
+        the flattened parameter, fp32 values) pieces, copied."""
+        if kind not in ("master", "exp_avg", "exp_avg_sq"):
+            raise ValueError(f"ShardState.state_pieces: kind must be master, exp_avg or exp_avg_sq; got {kind!r}")
         out = []
         for pc in self.pieces:
-            master, _ = self.master_and_copy(pc.bucket, pc.bucket_offset,
-                                             slice(pc.state_offset, pc.state_offset + pc.numel))
-            out.append((self.names[pc.param], pc.param_offset, master.detach().float().clone()))
+            state = slice(pc.state_offset, pc.state_offset + pc.numel)
+            values = (self.master_and_copy(pc.bucket, pc.bucket_offset, state)[0] if kind == "master"
+                      else getattr(self, kind)[state])
+            out.append((self.names[pc.param], pc.param_offset, values.detach().float().clone()))
         return out
 
     def step_counts(self) -> dict[str, int]:

@@ -1,0 +1,229 @@
+"""Sharded checkpoints (zerofast.checkpoint, issue 13) on real gloo ranks: resume in the same
+configuration bitwise; load into another world size, stage, partition or precision with the full
+parameters and optimizer state bitwise as saved; a plain model loads the model entry with DCP
+alone; incomplete checkpoints are never taken; bad input gets a clear error on every rank."""
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+from oracles import HYPER, fp32_tol, full_master, global_batch, max_abs_diff, rank_batch
+from zerofast import ZeroAdam
+from zerofast import checkpoint as ck
+from zerofast.models import make_gpt
+
+STEPS = 3  # before the save, and again after it
+
+
+@pytest.fixture
+def root():
+    path = tempfile.mkdtemp(prefix="zerofast-ckpt-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _shapes():
+    return {n: tuple(p.shape) for n, p in make_gpt("tiny").named_parameters()}
+
+
+def _train(model, opt, rank, start, steps):
+    for step in range(start, start + steps):
+        _, loss = model(*rank_batch(model, step, rank))
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+
+def _snapshot(model, opt) -> dict:
+    """Everything a resumed run must reproduce: this rank's full parameters, its pieces of the
+    master and of Adam's moments, the step counts and the loss scale."""
+    with opt.gathered_params():
+        params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    return dict(params=params, **{k: opt.shard.state_pieces(k) for k in ("master", "exp_avg", "exp_avg_sq")},
+                steps=opt.step_counts(), scale=opt.loss_scale)
+
+
+def _make(stage, partition, precision, seed=0, **kw):
+    model = make_gpt("tiny", seed=seed)
+    group = dist.new_group(list(range(dist.get_world_size())))  # a fresh process group for each optimizer
+    opt = ZeroAdam(model, stage=stage, partition=partition, mixed_precision=precision, process_group=group,
+                   bucket_mb=kw.pop("bucket_mb", 0.01), init_scale=2.0**8, growth_interval=2, **HYPER, **kw)
+    return model, opt
+
+
+# --- the same configuration: resume bitwise ------------------------------------------------------
+
+CONFIGS = ([(s, p, None) for s in (1, 2, 3) for p in ("flat", "round_robin", "greedy")]
+           + [(s, p, mp) for mp in ("bf16", "fp16") for s in (1, 2, 3) for p in ("flat", "round_robin")])
+
+
+def _resume_matrix(rank, world, root):
+    out = {}
+    for stage, partition, precision in CONFIGS:
+        where = os.path.join(root, f"w{world}-s{stage}-{partition}-{precision}")
+        model, opt = _make(stage, partition, precision)
+        _train(model, opt, rank, 0, STEPS)
+        ck.save(where, model, opt, extra={"step": STEPS, "note": "user object"})
+        _train(model, opt, rank, STEPS, STEPS)
+        uninterrupted = _snapshot(model, opt)
+        model, opt = _make(stage, partition, precision, seed=7)  # other initial values: all must come from the file
+        extra = ck.load(where, model, opt)
+        _train(model, opt, rank, STEPS, STEPS)
+        out[stage, partition, precision] = (uninterrupted, _snapshot(model, opt), extra)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_resume_in_the_same_configuration_is_bitwise(world, root):
+    for rank, out in enumerate(run_ranks(_resume_matrix, world, args=(root,), timeout=600)):
+        for key, (want, got, extra) in out.items():
+            where = f"{key} rank {rank}/{world}"
+            assert extra == {"step": STEPS, "note": "user object"}, where
+            assert all(torch.equal(got["params"][n], want["params"][n]) for n in want["params"]), where
+            for kind in ("master", "exp_avg", "exp_avg_sq"):
+                assert all(a[:2] == b[:2] and torch.equal(a[2], b[2]) for a, b in zip(got[kind], want[kind])), \
+                    f"{where}: {kind}"
+            assert got["steps"] == want["steps"] and got["scale"] == want["scale"], where
+
+
+# --- another configuration: resharded, bitwise as saved -------------------------------------------
+
+def _save_for_reshard(rank, world, path, stage, partition, precision):
+    model, opt = _make(stage, partition, precision)
+    _train(model, opt, rank, 0, STEPS)
+    ck.save(path, model, opt)
+    return _snapshot(model, opt)
+
+
+def _load_resharded(rank, world, path, stage, partition, precision, bucket_mb):
+    model, opt = _make(stage, partition, precision, seed=7, bucket_mb=bucket_mb)
+    ck.load(ck.latest(os.path.dirname(path)), model, opt)
+    return _snapshot(model, opt)
+
+
+def _full(snapshots, kind):
+    return full_master([s[kind] for s in snapshots], _shapes())
+
+
+RESHARD = [  # (saved world, stage, partition, precision) -> (loaded world, stage, partition, precision, bucket_mb)
+    ((2, 2, "flat", None), (3, 3, "round_robin", None, 0.01)),
+    ((2, 2, "flat", None), (1, 1, "greedy", None, 0.01)),
+    ((2, 2, "flat", None), (4, 2, "flat", None, 0.001)),
+    ((3, 3, "greedy", None), (2, 1, "round_robin", None, 0.01)),
+    ((2, 1, "flat", None), (2, 3, "flat", "bf16", 0.01)),
+    ((3, 2, "round_robin", "bf16"), (2, 2, "flat", None, 0.01)),
+]
+
+
+@pytest.mark.parametrize("saved, loaded", RESHARD, ids=[f"{a}->{b[:4]}" for a, b in RESHARD])
+def test_load_into_another_configuration_equals_what_was_saved(saved, loaded, root):
+    path = os.path.join(root, "step-3")
+    before = run_ranks(_save_for_reshard, saved[0], args=(path, *saved[1:]))
+    after = run_ranks(_load_resharded, loaded[0], args=(path, *loaded[1:]))
+    for kind in ("master", "exp_avg", "exp_avg_sq"):  # every element, gathered from every rank's pieces
+        want, got = _full(before, kind), _full(after, kind)
+        assert all(torch.equal(got[n], want[n]) for n in want), f"{kind} differs after {saved} -> {loaded}"
+    for rank, snap in enumerate(after):
+        assert snap["steps"] == before[0]["steps"]
+        if loaded[3] is None:  # fp32: the parameters are the master itself
+            assert all(torch.equal(snap["params"][n], _full(before, "master")[n]) for n in snap["params"])
+        else:  # the parameters are the master's rounding
+            master = _full(before, "master")
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[loaded[3]]
+            assert all(torch.equal(snap["params"][n], master[n].to(dtype).float()) for n in snap["params"])
+
+
+def _continue_after_load(rank, world, path, stage, partition):
+    model, opt = _make(stage, partition, None, seed=7)
+    ck.load(path, model, opt)
+    _train(model, opt, rank, STEPS, STEPS)
+    with opt.gathered_params():
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_training_continues_on_another_world_size_as_single_process_adamw(root):
+    """Saved on 2 ranks after 3 steps, continued on 3 ranks (stage 3) for 3 more: as one process
+    running AdamW on the 2-rank global batch, then on the 3-rank one."""
+    path = os.path.join(root, "step-3")
+    run_ranks(_save_for_reshard, 2, args=(path, 2, "flat", None))
+    results = run_ranks(_continue_after_load, 3, args=(path, 3, "round_robin"))
+    model = make_gpt("tiny")
+    adamw = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+    for step in range(2 * STEPS):
+        x, y = global_batch(model, step, 2 if step < STEPS else 3)
+        model(x, y)[1].backward()
+        adamw.step()
+        adamw.zero_grad()
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for rank, got in enumerate(results):
+        d = max_abs_diff(got, want)
+        assert d <= fp32_tol(2 * STEPS), f"rank {rank}/3: {d:.3g} from single-process AdamW"
+
+
+def test_a_plain_model_loads_the_model_entry_with_dcp_alone(root):
+    import torch.distributed.checkpoint as dcp
+    path = os.path.join(root, "step-3")
+    before = run_ranks(_save_for_reshard, 2, args=(path, 3, "greedy", None))
+    model = make_gpt("tiny", seed=9)
+    sd = {"model": model.state_dict()}
+    dcp.load(sd, checkpoint_id=path, no_dist=True)
+    model.load_state_dict(sd["model"])
+    master = _full(before, "master")
+    assert all(torch.equal(p.detach(), master[n]) for n, p in model.named_parameters())
+    assert torch.equal(model.lm_head.weight, model.wte.weight)  # the tied weight, under both names
+
+
+# --- what is never taken, and bad input -----------------------------------------------------------
+
+def _errors(rank, world, root):
+    model, opt = _make(2, "flat", None)
+    _train(model, opt, rank, 0, 1)
+    first = ck.save(os.path.join(root, "step-1"), model, opt)
+    if rank == 0:  # what a save killed while writing leaves behind
+        os.makedirs(os.path.join(root, "step-2" + ck.INCOMPLETE))
+    dist.barrier()
+    out = {"latest": ck.latest(root) == first, "messages": []}
+    wide = make_gpt("tiny", n_embd=24)
+    attempts = [
+        lambda: ck.save(first, model, opt),
+        lambda: ck.load(os.path.join(root, "step-2"), model, opt),
+        lambda: ck.load(os.path.join(root, "nowhere"), model, opt),
+        lambda: ck.load(first, wide, ZeroAdam(wide, stage=2, **HYPER)),
+    ]
+    for attempt in attempts:
+        try:
+            attempt()
+            out["messages"].append(None)
+        except (FileExistsError, FileNotFoundError, ValueError) as e:
+            out["messages"].append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def test_incomplete_checkpoints_are_never_taken_and_bad_input_is_named(root):
+    for out in run_ranks(_errors, 2, args=(root,)):
+        assert out["latest"]
+        exists, incomplete, missing, mismatch = out["messages"]
+        assert exists and exists.startswith("FileExistsError") and "never overwritten" in exists
+        assert incomplete and incomplete.startswith("FileNotFoundError") and "was never completed" in incomplete
+        assert missing and missing.startswith("FileNotFoundError") and "no checkpoint at" in missing
+        assert mismatch and mismatch.startswith("ValueError") and "wte.weight of shape (64, 16)" in mismatch \
+            and "(64, 24)" in mismatch
+
+
+def test_boxes_cover_a_flat_range_exactly():
+    """Every range of every shape: at most 2 * ndim - 1 boxes, in flat order, covering it once."""
+    for shape in [(7,), (3, 5), (2, 3, 4), (4, 1, 3), (1, 1)]:
+        numel = int(torch.tensor(shape).prod())
+        flat = torch.arange(numel).view(shape)
+        for lo in range(numel):
+            for hi in range(lo + 1, numel + 1):
+                got = ck.boxes(shape, lo, hi)
+                assert len(got) <= 2 * len(shape) - 1
+                values = torch.cat([flat[tuple(slice(o, o + z) for o, z in zip(off, size))].reshape(-1)
+                                    for off, size, _ in got])
+                assert torch.equal(values, torch.arange(lo, hi)), (shape, lo, hi, got)
+                assert [start for _, _, start in got] == sorted(start for _, _, start in got)
