@@ -227,3 +227,95 @@ def test_boxes_cover_a_flat_range_exactly():
                                     for off, size, _ in got])
                 assert torch.equal(values, torch.arange(lo, hi)), (shape, lo, hi, got)
                 assert [start for _, _, start in got] == sorted(start for _, _, start in got)
+
+
+# --- plain torch both ways, export, info, keep ------------------------------------------------------
+
+def _continue(rank, world, path, steps_from):
+    model, opt = _make(2, "flat", None, seed=7)
+    ck.load(path, model, opt)
+    _train(model, opt, rank, steps_from, STEPS)
+    with opt.gathered_params():
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_to_torch_continues_in_adamw_as_zeroadam_continues(root):
+    path = os.path.join(root, "step-3")
+    run_ranks(_save_for_reshard, 2, args=(path, 3, "greedy", None))
+    zero = run_ranks(_continue, 2, args=(path, STEPS))[0]
+    model_sd, optim_sd = ck.to_torch(path)
+    model = make_gpt("tiny", seed=9)
+    model.load_state_dict(model_sd)
+    adamw = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+    adamw.load_state_dict(optim_sd)
+    for step in range(STEPS, 2 * STEPS):
+        model(*global_batch(model, step, 2))[1].backward()
+        adamw.step()
+        adamw.zero_grad()
+    d = max_abs_diff({n: p.detach() for n, p in model.named_parameters()}, zero)
+    assert d <= fp32_tol(STEPS), f"AdamW from to_torch vs ZeroAdam from load: {d:.3g}"
+
+
+def _from_torch(rank, world, model_sd, optim_sd, stage, partition):
+    model, opt = _make(stage, partition, None, seed=7)
+    ck.from_torch(model_sd, optim_sd, model, opt)
+    _train(model, opt, rank, STEPS, STEPS)
+    with opt.gathered_params():
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_from_torch_continues_a_plain_torch_run_in_zeroadam():
+    model = make_gpt("tiny")
+    adamw = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+    for step in range(2 * STEPS):
+        if step == STEPS:
+            model_sd = {k: v.clone() for k, v in model.state_dict().items()}
+            optim_sd = __import__("copy").deepcopy(adamw.state_dict())
+        model(*global_batch(model, step, 3))[1].backward()
+        adamw.step()
+        adamw.zero_grad()
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for stage, partition in ((1, "round_robin"), (3, "flat")):
+        for rank, got in enumerate(run_ranks(_from_torch, 3, args=(model_sd, optim_sd, stage, partition))):
+            d = max_abs_diff(got, want)
+            assert d <= fp32_tol(STEPS), f"stage {stage} {partition} rank {rank}: {d:.3g} from AdamW continuing"
+
+
+def test_export_streams_a_safetensors_file_a_plain_model_loads(root):
+    from safetensors.torch import load_file
+    path = os.path.join(root, "step-3")
+    before = run_ranks(_save_for_reshard, 2, args=(path, 2, "round_robin", None))
+    master = _full(before, "master")
+    out = os.path.join(root, "model.safetensors")
+    ck.export(path, out)
+    model = make_gpt("tiny", seed=9)
+    model.load_state_dict(load_file(out))
+    assert all(torch.equal(p.detach(), master[n]) for n, p in model.named_parameters())
+    ck.export(path, out + ".bf16", dtype="bf16")
+    loaded = load_file(out + ".bf16")
+    assert all(torch.equal(loaded[n], master[n].to(torch.bfloat16)) for n in master)
+    text = ck.info(path)
+    assert "saved by 2 ranks, stage 2, round_robin partition, fp32" in text and f"{len(master)} trainable" in text
+    with pytest.raises(ValueError, match="dtype must be fp32 or bf16; got 'fp8'"):
+        ck.export(path, out, dtype="fp8")
+
+
+def _keep(rank, world, root):
+    model, opt = _make(1, "flat", None)
+    for k in range(4):
+        _train(model, opt, rank, k, 1)
+        ck.save(os.path.join(root, f"step-{k}"), model, opt, keep=2)
+    errors = []
+    for bad in (1, 0, "2", True):
+        try:
+            ck.save(os.path.join(root, "never"), model, opt, keep=bad)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    return sorted(os.listdir(root)), ck.latest(root), errors
+
+
+def test_keep_purges_all_but_the_newest(root):
+    for names, newest, errors in run_ranks(_keep, 2, args=(root,)):
+        assert names == ["step-2", "step-3"] and newest == os.path.join(root, "step-3")
+        assert all(e and "keep must be None or an integer >= 2" in e for e in errors), errors

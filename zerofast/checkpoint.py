@@ -48,7 +48,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-__all__ = ["save", "load", "latest", "boxes"]
+__all__ = ["save", "load", "latest", "to_torch", "from_torch", "export", "info", "boxes"]
 
 MANIFEST = "manifest.json"
 SMALL = "zerofast.pt"
@@ -217,17 +217,22 @@ def _sharded_tensors():
     ([Note: flat slices as chunks]), which only ShardedTensor's per-shard metadata can describe."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*", category=FutureWarning)
+        # export / to_torch read in one process, without a process group, on purpose
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled.*", category=UserWarning)
         yield
 
 
 # --- save / load / latest ------------------------------------------------------------------------
 
-def save(path: str, model: nn.Module, opt, *, extra: Optional[dict] = None) -> str:
+def save(path: str, model: nn.Module, opt, *, extra: Optional[dict] = None, keep: Optional[int] = None) -> str:
     """Write a checkpoint of `model` and its ZeroAdam `opt` to the folder `path` (every rank calls
     it; each writes only what it owns). `extra` (LR scheduler state, data position, RNG: anything
     picklable) comes back from load(). The folder appears only when complete: [Note: atomic
-    checkpoints]. Returns path."""
+    checkpoints]. keep=K (K >= 2): afterwards, delete all but the K newest complete checkpoints
+    beside it (never the newest, which this one now is). Returns path."""
     path = os.fspath(path)
+    if keep is not None and not (isinstance(keep, int) and not isinstance(keep, bool) and keep >= 2):
+        raise ValueError(f"zerofast.checkpoint.save: keep must be None or an integer >= 2; got {keep!r}")
     if os.path.exists(path):
         raise FileExistsError(f"zerofast.checkpoint.save: {path} exists; a checkpoint is never overwritten "
                               f"(choose a new folder per save, e.g. step-000100)")
@@ -243,8 +248,28 @@ def save(path: str, model: nn.Module, opt, *, extra: Optional[dict] = None) -> s
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(_manifest(model, opt), f, indent=1)
         os.replace(tmp, path)
+        if keep is not None:
+            _purge(os.path.dirname(os.path.abspath(path)), keep)
     dist.barrier(group=opt.group)
     return path
+
+
+def _complete(root: str) -> list[tuple[float, str, str]]:
+    """(created, name, folder) of every complete checkpoint directly under root."""
+    found = []
+    for name in os.listdir(root):
+        folder = os.path.join(root, name)
+        manifest = os.path.join(folder, MANIFEST)
+        if name.endswith(INCOMPLETE) or not os.path.isfile(manifest):
+            continue
+        with open(manifest) as f:
+            found.append((json.load(f).get("created", 0), name, folder))
+    return sorted(found)
+
+
+def _purge(root: str, keep: int) -> None:
+    for _, _, folder in _complete(root)[:-keep]:
+        shutil.rmtree(folder)
 
 
 def load(path: str, model: nn.Module, opt) -> dict:
@@ -265,15 +290,8 @@ def latest(root: str) -> Optional[str]:
     then by name), or None."""
     if not os.path.isdir(root):
         return None
-    found = []
-    for name in os.listdir(root):
-        folder = os.path.join(root, name)
-        manifest = os.path.join(folder, MANIFEST)
-        if name.endswith(INCOMPLETE) or not os.path.isfile(manifest):
-            continue
-        with open(manifest) as f:
-            found.append((json.load(f).get("created", 0), name, folder))
-    return max(found)[2] if found else None
+    found = _complete(root)
+    return found[-1][2] if found else None
 
 
 def _manifest(model: nn.Module, opt) -> dict:
@@ -295,12 +313,7 @@ def _check_manifest(path: str, model: nn.Module, opt) -> None:
             raise FileNotFoundError(f"zerofast.checkpoint.load: {path} was never completed (only {path}{INCOMPLETE} "
                                     f"exists: the save was interrupted); use latest() to find the last complete one")
         raise FileNotFoundError(f"zerofast.checkpoint.load: no checkpoint at {path}")
-    manifest_path = os.path.join(path, MANIFEST)
-    if not os.path.isfile(manifest_path):
-        raise FileNotFoundError(f"zerofast.checkpoint.load: {manifest_path} is missing: not a complete zerofast "
-                                f"checkpoint")
-    with open(manifest_path) as f:
-        saved = json.load(f)["params"]
+    saved = _read_manifest(path)["params"]
     mine = [(n, list(p.shape)) for n, p in zip(opt._names, opt._params)]
     theirs = [(e["name"], e["shape"]) for e in saved]
     for k, (a, b) in enumerate(zip(theirs, mine)):
@@ -310,3 +323,204 @@ def _check_manifest(path: str, model: nn.Module, opt) -> None:
     if len(theirs) != len(mine):
         raise ValueError(f"zerofast.checkpoint.load: the checkpoint has {len(theirs)} trainable parameters, the "
                          f"model {len(mine)}")
+
+
+# --- plain torch, both ways (small models, migration) ---------------------------------------------
+
+def _adamw_defaults() -> dict:
+    """The keys torch.optim.AdamW's param groups carry, with its defaults (read from torch itself, so
+    a state dict made here loads into the AdamW of any torch version)."""
+    probe = torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+    return {k: v for k, v in probe.param_groups[0].items() if k != "params"}
+
+
+def to_torch(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The checkpoint at `path` as a plain model state dict (fp32 master values for trainable
+    parameters) and a torch.optim.AdamW state dict, read in this process without a process group.
+    The optimizer's parameter indices follow the saved param_groups, each listing its parameters
+    in model order: AdamW(model.parameters()) for one group."""
+    from torch.distributed.checkpoint import FileSystemReader
+    _read_manifest(path)
+    small = torch.load(os.path.join(path, SMALL), weights_only=False)
+    meta = FileSystemReader(path).read_metadata().state_dict_metadata
+    model_sd = {k[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
+                for k, md in meta.items() if k.startswith("model.") and hasattr(md, "size")}
+    names = [n for g in small["param_groups"] for n in g["params"]]
+    moments = {n: {"exp_avg": torch.empty(model_sd[n].shape), "exp_avg_sq": torch.empty(model_sd[n].shape)}
+               for n in names}
+    with _sharded_tensors():
+        dcp.load({"model": model_sd, "optim": moments}, checkpoint_id=path, no_dist=True)
+    defaults = _adamw_defaults()
+    index = {n: i for i, n in enumerate(names)}
+    groups = [{**defaults, **{k: (tuple(v) if k == "betas" else v) for k, v in g.items() if k != "params"},
+               "params": [index[n] for n in g["params"]]} for g in small["param_groups"]]
+    state = {index[n]: {"step": torch.tensor(float(small["steps"][n])), **moments[n]}
+             for n in names if small["steps"][n] > 0}
+    return model_sd, {"state": state, "param_groups": groups}
+
+
+def from_torch(model_state_dict: dict[str, torch.Tensor], optim_state_dict: Optional[dict], model: nn.Module,
+               opt) -> None:
+    """Continue a plain-torch run in ZeroAdam: `model_state_dict` (model.state_dict() of the same
+    architecture) and, optionally, the state dict of torch.optim.AdamW over model.parameters() (or
+    over the trainable ones), in full on every rank; each rank keeps what it owns."""
+    index_of = {id(p): i for i, p in enumerate(opt._params)}
+    missing = [k for k in model.state_dict(keep_vars=True) if k not in model_state_dict]
+    if missing:
+        raise ValueError(f"zerofast.checkpoint.from_torch: model_state_dict has no {missing[0]} "
+                         f"({len(missing)} keys missing)")
+    full = {}
+    with torch.no_grad():
+        for key, value in model.state_dict(keep_vars=True).items():
+            given = model_state_dict[key]
+            if tuple(given.shape) != tuple(value.shape):
+                raise ValueError(f"zerofast.checkpoint.from_torch: {key} has shape {tuple(given.shape)}, the model "
+                                 f"{tuple(value.shape)}")
+            i = index_of.get(id(value))
+            if i is None:
+                value.copy_(given)
+            else:
+                full.setdefault(i, given)
+    moments = {}
+    if optim_state_dict is not None:
+        moments = _adamw_moments(optim_state_dict, model, opt)
+    shard = opt.shard
+    with torch.no_grad():
+        for pc in shard.pieces:
+            state = slice(pc.state_offset, pc.state_offset + pc.numel)
+            lo, hi = pc.param_offset, pc.param_offset + pc.numel
+            shard.master_and_copy(pc.bucket, pc.bucket_offset, state)[0].copy_(full[pc.param].reshape(-1)[lo:hi])
+            if pc.param in moments:
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    getattr(shard, kind)[state].copy_(moments[pc.param][kind].reshape(-1)[lo:hi])
+    if opt.units is not None:
+        opt.units.release_all()
+    finish_load(opt, {"steps": {opt._names[i]: int(m["step"]) for i, m in moments.items()}
+                      | {n: 0 for i, n in enumerate(opt._names) if i not in moments},
+                      "param_groups": _groups_by_name(optim_state_dict, model, opt),
+                      "loss_scaler": {"enabled": False}})
+
+
+def _adamw_param_order(optim_state_dict: dict, model: nn.Module, opt) -> list[int | None]:
+    """Index k of the AdamW state dict -> ZeroAdam's parameter index (None: not managed)."""
+    count = sum(len(g["params"]) for g in optim_state_dict["param_groups"])
+    everything = list(model.parameters())
+    trainable = [p for p in everything if p.requires_grad]
+    params = everything if count == len(everything) else trainable if count == len(trainable) else None
+    if params is None:
+        raise ValueError(f"zerofast.checkpoint.from_torch: the optimizer state dict holds {count} parameters; the "
+                         f"model has {len(everything)} ({len(trainable)} trainable)")
+    index_of = {id(p): i for i, p in enumerate(opt._params)}
+    return [index_of.get(id(p)) for p in params]
+
+
+def _adamw_moments(optim_state_dict: dict, model: nn.Module, opt) -> dict[int, dict]:
+    order = _adamw_param_order(optim_state_dict, model, opt)
+    return {order[k]: v for k, v in optim_state_dict["state"].items() if order[k] is not None}
+
+
+def _groups_by_name(optim_state_dict: Optional[dict], model: nn.Module, opt) -> list[dict]:
+    if optim_state_dict is None:
+        return [{**{k: v for k, v in g.items() if k != "params"},
+                 "params": [opt._names[i] for i, p in enumerate(opt._params) if any(p is q for q in g["params"])]}
+                for g in opt.param_groups]
+    order = _adamw_param_order(optim_state_dict, model, opt)
+    keys = ("lr", "betas", "eps", "weight_decay")
+    return [{**{k: g[k] for k in keys if k in g}, "params": [opt._names[order[k]] for k in g["params"]
+                                                             if order[k] is not None]}
+            for g in optim_state_dict["param_groups"]]
+
+
+# --- looking inside without a process group -------------------------------------------------------
+
+def _read_manifest(path: str) -> dict:
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"zerofast.checkpoint: no checkpoint at {path}")
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        raise FileNotFoundError(f"zerofast.checkpoint: {manifest_path} is missing: not a complete zerofast checkpoint")
+    with open(manifest_path) as f:
+        return json.load(f)
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def export(path: str, out: str, dtype: str = "fp32") -> None:
+    """The model entry as one safetensors file, streamed: the header first (names, shapes, dtypes,
+    offsets, all known from the checkpoint's metadata), then each tensor assembled from its chunks
+    and written before the next is read, so memory holds about one tensor at a time, never the
+    model. dtype: "fp32" or "bf16" for the floating-point tensors."""
+    from torch.distributed.checkpoint import FileSystemReader
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"zerofast.checkpoint.export: dtype must be fp32 or bf16; got {dtype!r}")
+    _read_manifest(path)
+    want = torch.float32 if dtype == "fp32" else torch.bfloat16
+    meta = FileSystemReader(path).read_metadata().state_dict_metadata
+    entries = [(k[len("model."):], md) for k, md in meta.items() if k.startswith("model.") and hasattr(md, "size")]
+    header, offset = {}, 0
+    for name, md in entries:
+        stored = md.properties.dtype
+        kept = want if stored.is_floating_point else stored
+        nbytes = torch.Size(md.size).numel() * torch.empty(0, dtype=kept).element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[kept], "shape": list(md.size), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    tmp = out + ".incomplete"
+    with open(tmp, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for name, md in entries:
+            t = torch.empty(md.size, dtype=md.properties.dtype)
+            with _sharded_tensors():
+                dcp.load({"model": {name: t}}, checkpoint_id=path, no_dist=True)
+            if t.is_floating_point() and t.dtype != want:
+                t = t.to(want)
+            f.write(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
+            del t
+    os.replace(tmp, out)
+
+
+def info(path: str) -> str:
+    """A few lines about the checkpoint at `path`: how it was saved and what it holds."""
+    m = _read_manifest(path)
+    numel = sum(torch.Size(p["shape"]).numel() for p in m["params"])
+    files = sorted(os.listdir(path))
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in files)
+    return "\n".join([
+        f"{path}: zerofast checkpoint ({m['format']}), zerofast {m['zerofast']}, torch {m['torch']}",
+        f"saved by {m['world_size']} ranks, stage {m['stage']}, {m['partition']} partition, {m['precision']}",
+        f"{len(m['params'])} trainable parameters, {numel:,} elements; {len(files)} files, {size:,} bytes",
+    ])
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+    p = argparse.ArgumentParser(prog="python -m zerofast.checkpoint", description="Inspect or export a zerofast checkpoint.")
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="the model as one safetensors file, streamed tensor by tensor")
+    e.add_argument("path")
+    e.add_argument("out")
+    e.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    i = sub.add_parser("info", help="how the checkpoint was saved and what it holds")
+    i.add_argument("path")
+    args = p.parse_args(argv)
+    try:
+        if args.command == "export":
+            export(args.path, args.out, args.dtype)
+            print(f"wrote {args.out}")
+        else:
+            print(info(args.path))
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main())
