@@ -103,6 +103,10 @@ def test_train_command_loss_goes_down(extra):
     (["--partition", "zigzag"], "--partition must be one of flat, round_robin, greedy; got 'zigzag'"),
     (["--mixed-precision", "fp8"], "--mixed-precision must be bf16 or fp16; got 'fp8'"),
     (["--max-grad-norm", "0"], "--max-grad-norm must be positive; got 0.0"),
+    (["--resume"], "--save-every, --keep and --resume need --save-dir"),
+    (["--save-dir", "d", "--keep", "1"], "--keep must be at least 2; got 1"),
+    (["--save-dir", "d", "--save-every", "-1"], "--save-every must be 0 or more; got -1"),
+    (["--save-dir", "d", "--resume", "--compare"], "use it without --resume"),
 ])
 def test_train_bad_arguments_exit_2(argv, message, capsys):
     from zerofast.train import parse_args
@@ -119,3 +123,27 @@ def test_cli_exit_codes():
     assert ok.returncode == 0 and "stage 3" in ok.stdout
     bad = _run("zerofast.estimate", "--params", "10", "--world", "0", timeout=120)
     assert bad.returncode == 2 and "--world must be at least 1; got 0" in bad.stderr
+
+
+def test_resume_continues_the_interrupted_run_bitwise(tmp_path):
+    """8 steps in one go against 4 steps, a stop, and --resume to 8: the same final checkpoint, bitwise
+    (the data position is the step, and the RNG state travels in the checkpoint); then a resume on
+    3 ranks at stage 2 continues from the 2-rank stage-3 checkpoint."""
+    from zerofast import checkpoint
+    common = ["zerofast.train", "--nproc", "2", "--model", "tiny", "--stage", "3", "--batch", "4", "--lr", "1e-2"]
+    whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
+    for argv in ([*common, "--steps", "8", "--save-dir", whole],
+                 [*common, "--steps", "4", "--save-dir", split, "--save-every", "2", "--keep", "2"],
+                 [*common, "--steps", "8", "--save-dir", split, "--resume", "--keep", "2"]):
+        out = _run(*argv)
+        assert out.returncode == 0, out.stdout + out.stderr
+    assert "resumed from" in out.stdout + out.stderr and "at step 4" in out.stdout + out.stderr
+    assert sorted(os.listdir(split)) == ["step-000004", "step-000008"]  # keep=2 purged step 2
+    (a_model, a_optim), (b_model, b_optim) = (checkpoint.to_torch(os.path.join(d, "step-000008")) for d in (whole, split))
+    assert all(torch.equal(a_model[k], b_model[k]) for k in a_model)
+    for i, state in a_optim["state"].items():
+        assert all(torch.equal(state[k], b_optim["state"][i][k]) for k in state)
+    out = _run("zerofast.train", "--nproc", "3", "--model", "tiny", "--stage", "2", "--batch", "4", "--lr", "1e-2",
+               "--steps", "10", "--save-dir", split, "--resume")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "at step 8" in out.stdout + out.stderr and "over 2 steps" in out.stdout + out.stderr

@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from .checkpoint import latest, load, save
 from .data import corpus_tokens, text_batch
 from .memory import format_bytes, estimate_memory
 from .models import CONFIGS, make_gpt
@@ -46,6 +47,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also run the same steps under DDP and the reference stage; print loss differences and step-time ratios")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="draw measured memory per rank (DDP and stages 1-3) as stacked bars into PNG")
+    p.add_argument("--save-dir", default=None, metavar="DIR",
+                   help="write a sharded checkpoint (zerofast.checkpoint) into DIR/step-NNNNNN every --save-every "
+                        "steps and after the last step")
+    p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (default: only at the end)")
+    p.add_argument("--keep", type=int, default=None, help="keep only the newest K checkpoints (K >= 2)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --save-dir (model, optimizer, step, data "
+                        "position, RNG), at any world size or stage; start afresh if there is none")
     args = p.parse_args(argv)
     if args.nproc < 1:
         p.error(f"--nproc must be at least 1; got {args.nproc}")
@@ -69,6 +78,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--mixed-precision must be bf16 or fp16; got {args.mixed_precision!r}")
     if args.max_grad_norm is not None and not args.max_grad_norm > 0:
         p.error(f"--max-grad-norm must be positive; got {args.max_grad_norm}")
+    if args.resume and args.compare:
+        p.error("--compare trains DDP and the reference stage from step 0 beside this run; use it without --resume")
+    if args.save_every < 0:
+        p.error(f"--save-every must be 0 or more; got {args.save_every}")
+    if (args.save_every or args.resume or args.keep is not None) and args.save_dir is None:
+        p.error("--save-every, --keep and --resume need --save-dir")
+    if args.keep is not None and args.keep < 2:
+        p.error(f"--keep must be at least 2; got {args.keep}")
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401
@@ -162,13 +179,16 @@ def _measure(kind: str, model, opt) -> dict[str, int]:
 
 
 def run(kind: str, args, device, steps: int, progress: bool):
-    """Train a fresh model `steps` steps; return losses, seconds per step, measured bytes, comm."""
+    """Train a fresh model `steps` steps (the main run: from the newest checkpoint with --resume,
+    writing checkpoints with --save-dir); return losses, seconds per step, measured bytes, comm."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _model(args).to(device)
     module, opt = _make_optimizer(kind, model, args)
     tokens = corpus_tokens()
     seq = model.cfg.block_size
     losses, times, measured = [], [], {}
+    checkpoints = kind == "zero" and args.save_dir is not None
+    start = _resume(args, model, opt, rank) if checkpoints and args.resume else 0
     bar = Progress(steps, progress and rank == 0)
     if progress and rank == 0 and isinstance(opt, ZeroAdam) and opt.stage == 3:
         units = opt.units_report()
@@ -176,8 +196,8 @@ def run(kind: str, args, device, steps: int, progress: bool):
         sys.stderr.write(f"stage 3: {len(units)} units ({', '.join(u['module'] or '(root)' for u in units[:3])}"
                          f"{', ...' if len(units) > 3 else ''}); the largest, {largest['module'] or '(root)'}, "
                          f"holds {format_bytes(largest['bytes'])}\n")
-    for step in range(steps):
-        x, y = text_batch(tokens, args.batch, seq, seed=step * world + rank)
+    for step in range(start, steps):
+        x, y = text_batch(tokens, args.batch, seq, seed=step * world + rank)  # the data position is the step
         t0 = time.perf_counter()
         _, loss = module(x.to(device), y.to(device))
         if isinstance(opt, ZeroAdam):
@@ -195,11 +215,28 @@ def run(kind: str, args, device, steps: int, progress: bool):
         dist.all_reduce(mean_loss)
         losses.append(mean_loss.item() / world)
         bar.update(step, losses[-1], args.batch * seq * world / times[-1])
+        if checkpoints and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps):
+            save(os.path.join(args.save_dir, f"step-{step + 1:06d}"), model, opt, keep=args.keep,
+                 extra={"step": step + 1, "rng": torch.get_rng_state(), "losses": losses})
     comm = opt.comm_stats() if isinstance(opt, ZeroAdam) else {}
     numel = sum(p.numel() for p in model.parameters())
     if isinstance(opt, ZeroAdam):
         opt.remove_hooks()
     return losses, times, measured, comm, numel
+
+
+def _resume(args, model, opt, rank: int) -> int:
+    """Load the newest complete checkpoint in --save-dir, if any; the step to continue from."""
+    path = latest(args.save_dir)
+    if path is None:
+        if rank == 0:
+            log.info("no checkpoint in %s: starting from step 0", args.save_dir)
+        return 0
+    extra = load(path, model, opt)
+    torch.set_rng_state(extra["rng"])
+    if rank == 0:
+        log.info("resumed from %s at step %d", path, extra["step"])
+    return extra["step"]
 
 
 def _median(xs):
@@ -262,10 +299,11 @@ def worker(args: argparse.Namespace) -> None:
     losses, times, measured, comm, numel = run("zero", args, device, args.steps, progress=True)
     everyone: list = [None] * world
     dist.all_gather_object(everyone, measured)
-    if rank == 0 and args.steps > 0:
-        log.info("loss %.4f -> %.4f over %d steps, %.0f ms per step", losses[0], losses[-1], args.steps,
+    if rank == 0 and losses:
+        log.info("loss %.4f -> %.4f over %d steps, %.0f ms per step", losses[0], losses[-1], len(losses),
                  1e3 * _median(times))
-        report(args, everyone, comm, numel, world)
+        if all(everyone):
+            report(args, everyone, comm, numel, world)
     if args.compare and args.steps > 0:
         results = {kind: run(kind, args, device, args.steps, progress=False) for kind in ("ddp", "reference")}
         if rank == 0:
