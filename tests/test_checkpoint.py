@@ -319,3 +319,58 @@ def test_keep_purges_all_but_the_newest(root):
     for names, newest, errors in run_ranks(_keep, 2, args=(root,)):
         assert names == ["step-2", "step-3"] and newest == os.path.join(root, "step-3")
         assert all(e and "keep must be None or an integer >= 2" in e for e in errors), errors
+
+
+# --- a save killed half-way; a damaged file -------------------------------------------------------
+
+def _killed_while_saving(rank, world, root):
+    import signal
+
+    from torch.distributed.checkpoint import filesystem
+    model, opt = _make(2, "flat", None)
+    _train(model, opt, rank, 0, 1)
+    ck.save(os.path.join(root, "step-1"), model, opt)
+    _train(model, opt, rank, 1, 1)
+    if rank == 1:  # die in the middle of writing this rank's data
+        real = filesystem._write_item
+
+        def write_then_die(*args, **kwargs):
+            real(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+        filesystem._write_item = write_then_die
+    ck.save(os.path.join(root, "step-2"), model, opt)
+
+
+def _load_latest(rank, world, root):
+    model, opt = _make(2, "flat", None, seed=7)
+    path = ck.latest(root)
+    ck.load(path, model, opt)
+    return path, opt.step_counts()
+
+
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint(root):
+    from harness import RankFailed
+    with pytest.raises(RankFailed, match="rank 1 exited with code -9"):
+        run_ranks(_killed_while_saving, 2, args=(root,), timeout=120)
+    assert not os.path.exists(os.path.join(root, "step-2"))
+    for path, steps in run_ranks(_load_latest, 2, args=(root,)):
+        assert path == os.path.join(root, "step-1") and set(steps.values()) == {1}
+
+
+def _load_damaged(rank, world, path):
+    model, opt = _make(2, "flat", None, seed=7)
+    try:
+        ck.load(path, model, opt)
+    except Exception as e:  # noqa: BLE001 (the test reads the message)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_a_truncated_file_is_an_error_naming_it(root):
+    path = os.path.join(root, "step-3")
+    run_ranks(_save_for_reshard, 2, args=(path, 2, "flat", None))
+    data = os.path.join(path, "__1_0.distcp")
+    with open(data, "r+b") as f:
+        f.truncate(os.path.getsize(data) // 2)
+    for message in run_ranks(_load_damaged, 2, args=(path,)):
+        assert message is not None and "__1_0.distcp" in message, message

@@ -434,11 +434,26 @@ def _groups_by_name(optim_state_dict: Optional[dict], model: nn.Module, opt) -> 
 # --- looking inside without a process group -------------------------------------------------------
 
 def _read_manifest(path: str) -> dict:
+    """The manifest, after checking that every file the checkpoint's metadata points into exists
+    and is long enough: a missing or truncated file is an error naming it, raised by every rank
+    alike (each reads the metadata itself), before any collective."""
+    from torch.distributed.checkpoint import FileSystemReader
     if not os.path.isdir(path):
         raise FileNotFoundError(f"zerofast.checkpoint: no checkpoint at {path}")
     manifest_path = os.path.join(path, MANIFEST)
-    if not os.path.isfile(manifest_path):
-        raise FileNotFoundError(f"zerofast.checkpoint: {manifest_path} is missing: not a complete zerofast checkpoint")
+    for needed in (manifest_path, os.path.join(path, SMALL), os.path.join(path, ".metadata")):
+        if not os.path.isfile(needed):
+            raise FileNotFoundError(f"zerofast.checkpoint: {needed} is missing: not a complete zerofast checkpoint")
+    ends: dict[str, int] = {}
+    for item in FileSystemReader(path).read_metadata().storage_data.values():
+        ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
+    for name, end in sorted(ends.items()):
+        data = os.path.join(path, name)
+        if not os.path.isfile(data):
+            raise FileNotFoundError(f"zerofast.checkpoint: {data} is missing")
+        if os.path.getsize(data) < end:
+            raise ValueError(f"zerofast.checkpoint: {data} is truncated: {os.path.getsize(data):,} bytes, the "
+                             f"metadata needs {end:,}")
     with open(manifest_path) as f:
         return json.load(f)
 
