@@ -374,3 +374,53 @@ def test_a_truncated_file_is_an_error_naming_it(root):
         f.truncate(os.path.getsize(data) // 2)
     for message in run_ranks(_load_damaged, 2, args=(path,)):
         assert message is not None and "__1_0.distcp" in message, message
+
+
+# --- export's memory --------------------------------------------------------------------------------
+
+class _Wide(torch.nn.Module):
+    """64 MiB of fp32 in seven matrices, the largest 16 MiB (25% of the model)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.big = torch.nn.Parameter(torch.randn(4096, 1024))
+        self.rest = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(2048, 1024)) for _ in range(6))
+
+
+def _save_wide(rank, world, path):
+    model = _Wide()
+    opt = ZeroAdam(model, stage=2, partition="flat", **HYPER)
+    ck.save(path, model, opt)
+    return max(len(pieces) for pieces in [opt.layout.pieces(r) for r in range(world)])
+
+
+_EXPORT_RSS = """
+import resource, sys, torch
+from zerofast import checkpoint as ck
+ck.info(sys.argv[1])  # imports and the metadata read: the baseline
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+ck.export(sys.argv[1], sys.argv[2])
+print(base * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def test_export_memory_is_about_one_tensor_not_the_model(root):
+    import subprocess
+    import sys
+    path = os.path.join(root, "wide")
+    run_ranks(_save_wide, 2, args=(path,))
+    out = subprocess.run([sys.executable, "-c", _EXPORT_RSS, path, os.path.join(root, "wide.safetensors")],
+                         capture_output=True, text=True, check=True).stdout
+    base, peak = map(int, out.split())
+    largest = 4096 * 1024 * 4
+    model = largest + 6 * 2048 * 1024 * 4
+    # The tensor being assembled, plus what DCP's reader holds while it copies saved chunks in: the
+    # chunk's bytes and the tensor they unpickle to, for at most the two chunks (halves, on 2 ranks)
+    # alive at once in its read loop: 4 x half = 2 x the tensor; plus 8 MiB for the allocator and
+    # the file buffers. The whole model would be 64 MiB more than the baseline.
+    bound = 3 * largest + 8 * 2**20
+    print(f"export: {(peak - base) / 2**20:.1f} MiB over the baseline; largest tensor {largest / 2**20:.0f} MiB, "
+          f"model {model / 2**20:.0f} MiB")
+    assert peak - base <= bound, f"export grew by {(peak - base) / 2**20:.1f} MiB; bound {bound / 2**20:.1f} MiB"
+    assert bound < model
