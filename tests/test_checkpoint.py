@@ -424,3 +424,31 @@ def test_export_memory_is_about_one_tensor_not_the_model(root):
           f"model {model / 2**20:.0f} MiB")
     assert peak - base <= bound, f"export grew by {(peak - base) / 2**20:.1f} MiB; bound {bound / 2**20:.1f} MiB"
     assert bound < model
+
+
+def _dcp_by_hand(rank, world, path, stage, partition, precision):
+    import torch.distributed.checkpoint as dcp
+    model, opt = _make(stage, partition, precision)
+    _train(model, opt, rank, 0, STEPS)
+    dcp.save(opt.state_dict(), checkpoint_id=path, process_group=opt.group)
+    saved = _snapshot(model, opt)
+    model, opt = _make(stage, partition, precision, seed=7)
+    sd = opt.state_dict()
+    dcp.load(sd, checkpoint_id=path, process_group=opt.group)
+    opt.load_state_dict(sd)
+    errors = []
+    try:
+        opt.load_state_dict({"optim": {}})
+    except ValueError as e:
+        errors.append(str(e))
+    return saved, _snapshot(model, opt), errors
+
+
+@pytest.mark.parametrize("stage, precision", [(2, None), (3, "bf16")])
+def test_state_dict_and_load_state_dict_with_dcp_by_hand(stage, precision, root):
+    for saved, loaded, errors in run_ranks(_dcp_by_hand, 2, args=(os.path.join(root, "x"), stage, "flat", precision)):
+        assert all(torch.equal(loaded["params"][n], saved["params"][n]) for n in saved["params"])
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            assert all(torch.equal(a[2], b[2]) for a, b in zip(loaded[kind], saved[kind])), kind
+        assert loaded["steps"] == saved["steps"]
+        assert errors and "pass the dict from this optimizer's state_dict()" in errors[0]

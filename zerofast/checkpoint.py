@@ -222,6 +222,22 @@ def _sharded_tensors():
         yield
 
 
+def state_dict(opt) -> dict[str, Any]:
+    """ZeroAdam.state_dict(): tensors() (model and optimizer tensors, this rank's pieces, views of
+    the live state) and "zerofast": small_state() as pickled bytes, one opaque item for DCP."""
+    import pickle
+    return {**tensors(opt.model, opt), "zerofast": pickle.dumps(small_state(opt))}
+
+
+def load_state_dict(opt, loaded: dict[str, Any]) -> None:
+    """ZeroAdam.load_state_dict(): after dcp.load filled a state_dict() of this optimizer."""
+    import pickle
+    if not isinstance(loaded, dict) or not isinstance(loaded.get("zerofast"), bytes) or "optim" not in loaded:
+        raise ValueError("ZeroAdam.load_state_dict: pass the dict from this optimizer's state_dict() after "
+                         "torch.distributed.checkpoint.load filled it (or use zerofast.checkpoint.load)")
+    finish_load(opt, pickle.loads(loaded["zerofast"]))
+
+
 # --- save / load / latest ------------------------------------------------------------------------
 
 def save(path: str, model: nn.Module, opt, *, extra: Optional[dict] = None, keep: Optional[int] = None) -> str:

@@ -326,14 +326,21 @@ class ZeroAdam(torch.optim.Optimizer):
         """Payload bytes of each collective in the last step (see zerofast/comm.py)."""
         return dict(self._last_comm)
 
-    def state_dict(self):
-        raise NotImplementedError("ZeroAdam.state_dict: a single in-memory state dict would hold only this rank's "
-                                  "shard; use zerofast.checkpoint.save(path, model, opt) and "
-                                  "zerofast.checkpoint.load(path, model, opt), which every rank calls")
+    def state_dict(self) -> dict:
+        """This rank's part of the training state as a torch.distributed.checkpoint state dict, for
+        dcp.save: unlike a torch optimizer's, it holds the model's parameters too (in stage 3 and in
+        mixed precision the fp32 master, which is the source of truth, lives here), each parameter
+        and Adam moment by name in its own shape, this rank's pieces only (views of the live state).
+        To restore: sd = opt.state_dict(); dcp.load(sd, ...); opt.load_state_dict(sd), in any
+        configuration. zerofast.checkpoint.save/load do this with atomic folders and `extra`."""
+        from . import checkpoint
+        return checkpoint.state_dict(self)
 
-    def load_state_dict(self, state_dict):
-        raise NotImplementedError("ZeroAdam.load_state_dict: use zerofast.checkpoint.load(path, model, opt) (every "
-                                  "rank calls it; any world size, stage, partition or precision)")
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Finish restoring after dcp.load filled a state_dict() of this optimizer (step counts,
+        hyper-parameters, loss scale, low-precision parameters, the gather of stages 1 and 2)."""
+        from . import checkpoint
+        checkpoint.load_state_dict(self, state_dict)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
