@@ -83,6 +83,17 @@ def boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...
     return out
 
 
+def _exact(view: torch.Tensor) -> torch.Tensor:
+    """The same memory as `view`, as a tensor whose storage is exactly its own bytes. DCP clones a
+    CPU tensor whose storage is larger than itself before writing it (torch.save would otherwise
+    write the whole storage); our boxes are views into the flat buffers, so every box would be
+    copied, and the freed copies stay resident: +333 MiB per rank measured saving a 100M-parameter
+    model in stage 2. Aliasing through numpy (float32 here: master and moments) avoids the copy."""
+    if view.device.type != "cpu" or not view.is_contiguous():
+        return view
+    return torch.from_numpy(view.detach().numpy())
+
+
 class _Chunks:
     """For every trainable parameter, every rank's boxes under the optimizer's layout."""
 
@@ -111,7 +122,8 @@ class _Chunks:
             n = 1
             for s in sizes:
                 n *= s
-            local.append(Shard(flat[lo:lo + n].view(sizes), self._meta(offsets, sizes, self.opt.rank, flat.device)))
+            box = _exact(flat[lo:lo + n].view(sizes))
+            local.append(Shard(box, self._meta(offsets, sizes, self.opt.rank, flat.device)))
         dev = local[0].tensor.device if local else self.opt.shard.grad_shard.device
         metas = [self._meta(o, z, r, dev) for r, o, z in self.all[i]]
         props = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False,
