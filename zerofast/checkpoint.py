@@ -34,6 +34,7 @@ dtypes) and renames the folder to `path`. A run killed during a save leaves only
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -493,22 +494,25 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float
 
 def export(path: str, out: str, dtype: str = "fp32") -> None:
     """The model entry as one safetensors file, streamed: the header first (names, shapes, dtypes,
-    offsets, all known from the checkpoint's metadata), then each tensor assembled from its chunks
-    and written before the next is read, so memory holds about one tensor at a time, never the
-    model. dtype: "fp32" or "bf16" for the floating-point tensors."""
+    offsets, all known from the checkpoint's metadata), then every saved chunk copied, a few MiB
+    at a time, from its data file to its place in the output; no tensor is ever held whole, so
+    memory stays a constant however large the model and its tensors are ([Note: streaming export]).
+    dtype: "fp32" or "bf16" for the floating-point tensors."""
     from torch.distributed.checkpoint import FileSystemReader
     if dtype not in ("fp32", "bf16"):
         raise ValueError(f"zerofast.checkpoint.export: dtype must be fp32 or bf16; got {dtype!r}")
     _read_manifest(path)
     want = torch.float32 if dtype == "fp32" else torch.bfloat16
-    meta = FileSystemReader(path).read_metadata().state_dict_metadata
-    entries = [(k[len("model."):], md) for k, md in meta.items() if k.startswith("model.") and hasattr(md, "size")]
-    header, offset = {}, 0
-    for name, md in entries:
-        stored = md.properties.dtype
-        kept = want if stored.is_floating_point else stored
-        nbytes = torch.Size(md.size).numel() * torch.empty(0, dtype=kept).element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[kept], "shape": list(md.size), "data_offsets": [offset, offset + nbytes]}
+    metadata = FileSystemReader(path).read_metadata()
+    where = {(index.fqn, tuple(index.offset)): info for index, info in metadata.storage_data.items()}
+    entries = [(k, md) for k, md in metadata.state_dict_metadata.items() if k.startswith("model.") and hasattr(md, "size")]
+    header, starts, offset = {}, {}, 0
+    for key, md in entries:
+        kept = want if md.properties.dtype.is_floating_point else md.properties.dtype
+        nbytes = torch.Size(md.size).numel() * _itemsize(kept)
+        header[key[len("model."):]] = {"dtype": _SAFETENSORS_DTYPES[kept], "shape": list(md.size),
+                                       "data_offsets": [offset, offset + nbytes]}
+        starts[key] = offset
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
@@ -516,15 +520,100 @@ def export(path: str, out: str, dtype: str = "fp32") -> None:
     with open(tmp, "wb") as f:
         f.write(len(text).to_bytes(8, "little"))
         f.write(text)
-        for name, md in entries:
-            t = torch.empty(md.size, dtype=md.properties.dtype)
-            with _sharded_tensors():
-                dcp.load({"model": {name: t}}, checkpoint_id=path, no_dist=True)
-            if t.is_floating_point() and t.dtype != want:
-                t = t.to(want)
-            f.write(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
-            del t
+        base = f.tell()
+        for key, md in entries:
+            kept = want if md.properties.dtype.is_floating_point else md.properties.dtype
+            for chunk in md.chunks:
+                info = where[(key, tuple(chunk.offsets))]
+                _copy_chunk(path, info, md, chunk, kept, f, base + starts[key])
     os.replace(tmp, out)
+
+
+# [Note: streaming export]
+# DCP stores each saved chunk as one torch.save record (an uncompressed zip) at (offset, length) in
+# a data file, its values in "<archive>/data/0", row-major, little-endian. A chunk is a box of the
+# tensor; its trailing dimensions that span the whole tensor make runs contiguous in both the
+# record and the output, so the copy is a loop over those runs, each read in blocks of at most
+# _BLOCK bytes (converted to bf16 on the way when asked) and written at its offset in the output.
+
+_BLOCK = 4 << 20
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+class _FileSlice(io.RawIOBase):
+    """Bytes [start, start + length) of an open file, as a seekable file of their own (for zipfile)."""
+
+    def __init__(self, f, start: int, length: int):
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self.length - self.pos))
+        self.f.seek(self.start + self.pos)
+        got = self.f.readinto(memoryview(buffer)[:n])
+        self.pos += got
+        return got
+
+
+def _copy_chunk(path: str, info, md, chunk, kept: torch.dtype, out, out_base: int) -> None:
+    import zipfile
+    stored = md.properties.dtype
+    shape, sizes, offsets = list(md.size), list(chunk.sizes), list(chunk.offsets)
+    if getattr(info, "transform_descriptors", None):
+        raise ValueError(f"zerofast.checkpoint.export: {info.relative_path} holds transformed data "
+                         f"({info.transform_descriptors}); export reads plain DCP records only")
+    with open(os.path.join(path, info.relative_path), "rb") as f:
+        record = zipfile.ZipFile(_FileSlice(f, info.offset, info.length))
+        names = record.namelist()
+        data = next(n for n in names if n.endswith("/data/0"))
+        order = next((n for n in names if n.endswith("/byteorder")), None)
+        if order is not None and record.read(order) != b"little":
+            raise ValueError(f"zerofast.checkpoint.export: {info.relative_path} is big-endian")
+        numel = torch.Size(sizes).numel()
+        if record.getinfo(data).file_size != numel * _itemsize(stored):
+            raise ValueError(f"zerofast.checkpoint.export: a chunk in {info.relative_path} holds "
+                             f"{record.getinfo(data).file_size} bytes, its box {numel * _itemsize(stored)}")
+        # The longest run contiguous in both: the trailing dimensions the box spans entirely, and one more.
+        k = len(shape)
+        while k > 0 and (k == len(shape) or sizes[k] == shape[k]):
+            k -= 1
+            if sizes[k] != shape[k]:
+                break
+        run = torch.Size(sizes[k:]).numel() if shape else 1
+        strides = [torch.Size(shape[d + 1:]).numel() for d in range(len(shape))]
+        with record.open(data) as src:
+            for index in _row_major(sizes[:k]):
+                flat = sum((offsets[d] + index[d]) * strides[d] for d in range(k)) + sum(
+                    offsets[d] * strides[d] for d in range(k, len(shape)))
+                out.seek(out_base + flat * _itemsize(kept))
+                left = run * _itemsize(stored)
+                while left:
+                    block = src.read(min(left, _BLOCK - _BLOCK % _itemsize(stored)))
+                    left -= len(block)
+                    if kept != stored:
+                        block = torch.frombuffer(bytearray(block), dtype=stored).to(kept).view(torch.uint8).numpy().tobytes()
+                    out.write(block)
+
+
+def _row_major(sizes: list[int]):
+    """Every index tuple of a box of `sizes`, in row-major order (one empty tuple for no dimensions)."""
+    import itertools
+    return itertools.product(*(range(n) for n in sizes))
 
 
 def info(path: str) -> str:
