@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from harness import run_ranks
-from oracles import HYPER, fp32_tol, full_master, global_batch, max_abs_diff, rank_batch
+from oracles import HYPER, Quirky, fp32_tol, full_master, global_batch, max_abs_diff, rank_batch
 from zerofast import ZeroAdam
 from zerofast import checkpoint as ck
 from zerofast.models import make_gpt
@@ -58,7 +58,7 @@ def _make(stage, partition, precision, seed=0, **kw):
 # --- the same configuration: resume bitwise ------------------------------------------------------
 
 CONFIGS = ([(s, p, None) for s in (1, 2, 3) for p in ("flat", "round_robin", "greedy")]
-           + [(s, p, mp) for mp in ("bf16", "fp16") for s in (1, 2, 3) for p in ("flat", "round_robin")])
+           + [(s, p, mp) for mp in ("bf16", "fp16") for s in (1, 2, 3) for p in ("flat", "round_robin", "greedy")])
 
 
 def _resume_matrix(rank, world, root):
@@ -454,3 +454,38 @@ def test_state_dict_and_load_state_dict_with_dcp_by_hand(stage, precision, root)
             assert all(torch.equal(a[2], b[2]) for a, b in zip(loaded[kind], saved[kind])), kind
         assert loaded["steps"] == saved["steps"]
         assert errors and "pass the dict from this optimizer's state_dict()" in errors[0]
+
+
+def _quirky_save_and_load(rank, world, path):
+    model = Quirky()
+    opt = ZeroAdam(model, stage=3, **HYPER)
+    model(*rank_batch(model, 0, rank), 0, rank).backward()
+    opt.step()
+    opt.zero_grad()
+    ck.save(path, model, opt)
+    other = Quirky()
+    with torch.no_grad():  # what the checkpoint must overwrite: the buffer and the frozen parameter
+        other.probe.fill_(7.0)
+        other.frozen.fill_(7.0)
+    other_opt = ZeroAdam(other, stage=1, partition="greedy", **HYPER)
+    ck.load(path, other, other_opt)
+    return other.probe.clone(), other.frozen.detach().clone()
+
+
+def test_buffers_and_frozen_parameters_travel_too(root):
+    """Quirky: a buffer, a frozen parameter and the tied GPT inside; saved from stage 3, loaded into
+    stage 1 and by a plain model through DCP alone."""
+    import torch.distributed.checkpoint as dcp
+    path = os.path.join(root, "quirky")
+    want = Quirky()
+    for probe, frozen in run_ranks(_quirky_save_and_load, 2, args=(path,)):
+        assert torch.equal(probe, want.probe) and torch.equal(frozen, want.frozen)
+    plain = Quirky()
+    sd = {"model": plain.state_dict()}
+    assert {"probe", "frozen", "gpt.wte.weight", "gpt.lm_head.weight"} <= set(sd["model"])
+    with torch.no_grad():
+        plain.probe.zero_()
+    dcp.load(sd, checkpoint_id=path, no_dist=True)
+    plain.load_state_dict(sd["model"])
+    assert torch.equal(plain.probe, want.probe) and torch.equal(plain.frozen, want.frozen)
+    assert torch.equal(plain.gpt.lm_head.weight, plain.gpt.wte.weight)
