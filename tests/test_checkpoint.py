@@ -489,3 +489,18 @@ def test_buffers_and_frozen_parameters_travel_too(root):
     plain.load_state_dict(sd["model"])
     assert torch.equal(plain.probe, want.probe) and torch.equal(plain.frozen, want.frozen)
     assert torch.equal(plain.gpt.lm_head.weight, plain.gpt.wte.weight)
+
+
+def test_command_line_info_and_export(root, capsys):
+    import subprocess
+    import sys
+    from safetensors.torch import load_file
+    path = os.path.join(root, "step-3")
+    before = run_ranks(_save_for_reshard, 2, args=(path, 1, "flat", None))
+    out = subprocess.run([sys.executable, "-m", "zerofast.checkpoint", "info", root], capture_output=True, text=True)
+    assert out.returncode == 0 and "saved by 2 ranks, stage 1, flat partition, fp32" in out.stdout, out.stderr
+    assert ck.main(["export", root, os.path.join(root, "m.safetensors"), "--dtype", "bf16"]) == 0
+    exported, master = load_file(os.path.join(root, "m.safetensors")), _full(before, "master")
+    assert all(torch.equal(exported[n], master[n].to(torch.bfloat16)) for n in master)
+    assert ck.main(["info", os.path.join(root, "nowhere")]) == 1
+    assert "no checkpoint at" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """zerofast: ZeRO stages 1-3 for PyTorch.
 
 Public names: ZeroAdam (the sharded optimizer), estimate_memory (the seed's table), fused_adam_ (the compiled fused Adam/AdamW step), nonfinite_check_ (its overflow check alone), has_cuda_kernels, cpu_isa, and the
-reference stages in zerofast.reference (the correctness oracle).
+reference stages in zerofast.reference (the correctness oracle); sharded checkpoints in zerofast.checkpoint.
 """
 from ._ops import cpu_isa, fused_adam_, has_cuda_kernels, nonfinite_check_
 from .memory import estimate_memory
