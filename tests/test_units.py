@@ -71,6 +71,20 @@ def test_a_parent_needs_only_the_units_of_its_own_parameters():
     assert needs[model.backbone.layers[1][1]] == (plan.names.index("backbone.layers.1"),)
 
 
+def test_small_units_merge_in_module_order():
+    model = _deep()
+    params = [p for p in model.parameters() if p.requires_grad]
+    block = sum(p.numel() * 4 for p in model.blocks[0].parameters())
+    assert block == 12928
+    plan = find_units(model, params, None, int(2.5 * block))
+    assert plan.names == ["", "blocks.0, blocks.1, blocks.2", "blocks.3, blocks.4, blocks.5", "blocks.6, blocks.7"]
+    assert [len(m) for m in plan.members] == [1, 3, 3, 2]
+    assert find_units(model, params, None, block).names[1:] == [f"blocks.{i}" for i in range(8)]  # each big enough
+    assert find_units(model, params, [model.blocks[0], model.blocks[1]], 10 * block).names == ["", "blocks.0", "blocks.1"]
+    needs = hook_needs(model, params, plan)
+    assert needs[model.blocks[0]] == needs[model.blocks[2]] == (1,)  # every member gathers its unit
+
+
 @pytest.mark.parametrize("units, pattern", [
     ("blocks", "units must be a list of submodules"),
     (3, "units must be a list of submodules"),
@@ -92,29 +106,39 @@ def test_the_model_itself_as_units_is_named():
 
 # --- on real ranks: storage alive inside every block, and exactness --------------------------------
 
+def _deep():
+    return make_gpt("tiny", n_layer=8)
+
+
+# A block of the tiny GPT holds 3,232 fp32 elements (12,928 bytes): merging up to 2.5 of them
+# puts the deep model's 8 blocks into units of 3, 3 and 2 blocks.
+MERGE_MB = 2.5 * 12928 / 2**20
+
+
 def _models():
-    """name -> (factory, units argument, partition, the class whose instances are 'blocks')."""
+    """name -> (factory, units argument, partition, min_unit_mb)."""
     out = {
-        "nested": (Nested, None, "flat"),
-        "nested, embedding its own unit": (Nested, {torch.nn.Sequential, torch.nn.Embedding}, "round_robin"),
-        "module called twice": (TwiceMLP, None, "greedy"),
-        "our GPT": (lambda: make_gpt("tiny"), None, "flat"),
+        "nested": (Nested, None, "flat", 0),
+        "nested, embedding its own unit": (Nested, {torch.nn.Sequential, torch.nn.Embedding}, "round_robin", 0),
+        "module called twice": (TwiceMLP, None, "greedy", 0),
+        "our GPT": (lambda: make_gpt("tiny"), None, "flat", 0),
+        "deep GPT, small blocks merged": (_deep, None, "flat", MERGE_MB),
     }
     if hf_gpt2() is not None:
-        out["Hugging Face GPT-2"] = (hf_gpt2, None, "flat")
+        out["Hugging Face GPT-2"] = (hf_gpt2, None, "flat", 0)
     return out
 
 
 def _peak_inside_blocks(rank, world, name):
-    factory, units, partition = _models()[name]
+    factory, units, partition, min_unit_mb = _models()[name]
     model = factory()
-    opt = ZeroAdam(model, stage=3, partition=partition, units=units, **HYPER)
+    opt = ZeroAdam(model, stage=3, partition=partition, units=units, min_unit_mb=min_unit_mb, **HYPER)
     samples = []
 
     def sample(*_):
         samples.append(opt.materialized_param_bytes())
     report = opt.units_report()
-    blocks = [opt.unit_plan.modules[u["unit"]] for u in report if u["module"]]
+    blocks = [m for u in report if u["module"] for m in opt.unit_plan.members[u["unit"]]]
     for block in blocks:  # inside every block's forward and backward, at both ends
         block.register_forward_pre_hook(sample)
         block.register_forward_hook(sample)
@@ -131,9 +155,10 @@ def _peak_inside_blocks(rank, world, name):
     unit_bytes = [opt.layout.buckets[opt.units.buffers.bucket(u["unit"])].numel * 4 for u in report]
     root = unit_bytes[0] if report[0]["module"] == "" else 0
     block_bytes = sorted((b for u, b in zip(report, unit_bytes) if u["module"]), reverse=True)
+    gathered = sum(v for k, v in opt.comm_stats().items() if k in ("all_gather", "broadcast"))
     return dict(params=params, peak=max(samples), samples=len(samples), shard=shard, root=root,
                 two_blocks=sum(block_bytes[:2]), units=[u["module"] for u in report],
-                after=opt.materialized_param_bytes())
+                after=opt.materialized_param_bytes(), gathered=gathered, padded=sum(unit_bytes))
 
 
 def _all_models(rank, world):
@@ -143,7 +168,7 @@ def _all_models(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_peak_storage_inside_blocks_and_exactness(world):
     results = run_ranks(_all_models, world, timeout=600)
-    for name, (factory, _, _) in _models().items():
+    for name, (factory, *_) in _models().items():
         expected = single_process(factory, world, STEPS)
         for rank, out in enumerate(results):
             r = out[name]
@@ -155,3 +180,8 @@ def test_peak_storage_inside_blocks_and_exactness(world):
             assert r["after"] == r["shard"], f"{where}: {r['after']} bytes held after step()"
             d = max_abs_diff(r["params"], expected)
             assert d <= TOL, f"{where}: parameters differ from single-process AdamW by {d:.3g}"
+        deep = results[0]["deep GPT, small blocks merged"]
+        assert deep["units"] == ["", "blocks.0, blocks.1, blocks.2", "blocks.3, blocks.4, blocks.5", "blocks.6, blocks.7"]
+        # Each merged unit is gathered once per direction, handed from block to block in between:
+        # the last step moved exactly twice the (padded) model.
+        assert deep["gathered"] == 2 * deep["padded"], (deep["gathered"], deep["padded"])

@@ -85,6 +85,12 @@ def check_units(model: nn.Module, stage: int, units) -> None:
         raise ValueError(f"ZeroAdam: units apply to stage 3 only; got units with stage={stage}")
 
 
+def check_min_unit_mb(min_unit_mb) -> None:
+    if min_unit_mb is not None and not (isinstance(min_unit_mb, (int, float)) and not isinstance(min_unit_mb, bool)
+                                        and min_unit_mb >= 0):
+        raise ValueError(f"ZeroAdam: min_unit_mb must be None or a number >= 0; got {min_unit_mb!r}")
+
+
 def check_hyper(where: str, g: dict) -> None:
     lr, betas, eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
     if not (isinstance(lr, (int, float)) and lr >= 0):

@@ -50,6 +50,10 @@ from .state import ShardState
 
 __all__ = ["ZeroAdam"]
 
+# Stage 3's default units smaller than this are merged with their neighbours ([Note: merging small
+# units] in zerofast/stage3.py). Chosen by measurement: see DEFAULT_MIN_UNIT_MB's row in README.
+DEFAULT_MIN_UNIT_MB = 0.0
+
 # The first bucket (in backward order) holds at most this, so its reduce starts early in backward;
 # DDP uses the same 1 MiB (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES).
 _FIRST_BUCKET_BYTES = 1 << 20
@@ -73,6 +77,9 @@ class ZeroAdam(torch.optim.Optimizer):
       children), a list of submodules, a module class or set of classes, or a callable
       module -> bool; the parameters no unit holds form one more unit, the root's.
       opt.units_report() shows the choice ([Note: choosing units] in zerofast/stage3.py).
+    min_unit_mb: stage 3 with the default units: units smaller than this (in the parameters'
+      dtype) are merged with their neighbours, so a deep narrow model gathers in a few collectives
+      (None: DEFAULT_MIN_UNIT_MB; 0: never merge). Units given explicitly are kept as given.
     mixed_precision: None (fp32 parameters), "bf16" or "fp16": the model is converted as
       model.to(dtype) would (parameters, frozen ones too, and floating buffers), floating-point
       inputs of its forward are cast to that dtype, and the optimizer keeps the fp32 master shard
@@ -95,9 +102,11 @@ class ZeroAdam(torch.optim.Optimizer):
                  units=None, mixed_precision: Optional[str] = None,
                  reduce_dtype: Optional[torch.dtype] = None, max_grad_norm: Optional[float] = None,
                  init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, accumulate_locally: bool = False):
+                 growth_interval: int = 2000, accumulate_locally: bool = False,
+                 min_unit_mb: Optional[float] = None):
         _checks.check_args(model, stage, lr, betas, eps, weight_decay, partition, bucket_mb)
         _checks.check_units(model, stage, units)
+        _checks.check_min_unit_mb(min_unit_mb)
         _checks.check_precision(mixed_precision, reduce_dtype, max_grad_norm, init_scale, growth_factor,
                                 backoff_factor, growth_interval)
         _checks.check_flags(adamw=adamw, overlap=overlap, overlap_param_gather=overlap_param_gather,
@@ -131,7 +140,10 @@ class ZeroAdam(torch.optim.Optimizer):
         self._constructed = True  # add_param_group after this is an error
 
         _checks.check_dtypes(self._names, self._params, mixed_precision)
-        self.unit_plan: Optional[UnitPlan] = find_units(model, self._params, units) if stage == 3 else None
+        self.min_unit_mb = DEFAULT_MIN_UNIT_MB if min_unit_mb is None else float(min_unit_mb)
+        self.unit_plan: Optional[UnitPlan] = (find_units(model, self._params, units, int(self.min_unit_mb * 2**20),
+                                                         torch.empty(0, dtype=self.param_dtype).element_size())
+                                              if stage == 3 else None)
         self.layout: Layout = self._build_layout(bucket_mb)
         self.shard = ShardState(self.layout, self.rank, self._names, self._params, self.param_dtype,
                                 self.reduce_dtype, sharded_params=stage == 3)
@@ -294,7 +306,8 @@ class ZeroAdam(torch.optim.Optimizer):
         for u, (group, name) in enumerate(zip(self.unit_plan.groups, self.unit_plan.names)):
             numel = sum(self._params[i].numel() for i in group)
             report.append({"unit": u, "module": name, "class": type(self.unit_plan.modules[u]).__name__,
-                           "tensors": len(group), "numel": numel, "bytes": numel * size})
+                           "modules": len(self.unit_plan.members[u]), "tensors": len(group), "numel": numel,
+                           "bytes": numel * size})
         return report
 
     def memory_report(self) -> dict:

@@ -58,6 +58,7 @@ break per gathering module call (two per block under whole-model compile; see RE
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from collections.abc import Callable, Iterable, Mapping
 from typing import Optional
@@ -80,9 +81,10 @@ class UnitState(enum.Enum):
 class UnitPlan:
     """The units of a model, in order: unit 0 is the root's (if any parameter is left for it)."""
     groups: list[list[int]]     # groups[u]: indices (into the managed parameters) of unit u's parameters
-    modules: list[nn.Module]    # modules[u]: the module defining unit u (the root for the root's unit)
-    names: list[str]            # names[u]: that module's qualified name ("" for the root)
+    modules: list[nn.Module]    # modules[u]: the (first) module defining unit u (the root for the root's unit)
+    names: list[str]            # names[u]: the qualified names of its modules, ", "-joined ("" for the root)
     has_root_unit: bool         # unit 0 is the root's remaining parameters
+    members: list[tuple[nn.Module, ...]] = ()  # members[u]: every module of unit u (several when merged)
 
 
 def unit_modules(model: nn.Module, units) -> list[nn.Module]:
@@ -181,29 +183,65 @@ def _with_params(modules: list[nn.Module]) -> list[nn.Module]:
     return out
 
 
-def find_units(model: nn.Module, params: list[nn.Parameter], units=None) -> UnitPlan:
+def find_units(model: nn.Module, params: list[nn.Parameter], units=None, min_unit_bytes: int = 0,
+               element_size: int = 4) -> UnitPlan:
     """Group the managed parameters (indices into `params`) into units: the root's rest first, then
-    one per unit module in the order given (module order for the policies)."""
+    one per unit module in the order given (module order for the policies). With the default
+    units (units=None), units of fewer than min_unit_bytes are merged with their neighbours in
+    module order ([Note: merging small units])."""
     index_of = {id(p): i for i, p in enumerate(params)}
     name_of = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-    groups, modules, names, claimed = [], [], [], set()
+    singles, claimed = [], set()
     for module in unit_modules(model, units):
         mine = [index_of[id(p)] for p in module.parameters() if id(p) in index_of and id(p) not in claimed]
         if mine:
             claimed.update(id(params[i]) for i in mine)
-            groups.append(mine)
-            modules.append(module)
-            names.append(name_of[id(module)])
+            singles.append(([module], [name_of[id(module)]], mine))
+    if units is None and min_unit_bytes > 0:
+        singles = _merge_small(singles, min_unit_bytes, [p.numel() * element_size for p in params])
+    groups = [idx for _, _, idx in singles]
+    members = [tuple(mods) for mods, _, _ in singles]
+    names = [", ".join(ns) for _, ns, _ in singles]
     rest = [i for i, p in enumerate(params) if id(p) not in claimed]
     if rest:
-        return UnitPlan([rest] + groups, [model] + modules, [""] + names, has_root_unit=True)
-    return UnitPlan(groups, modules, names, has_root_unit=False)
+        return UnitPlan([rest] + groups, [model] + [m[0] for m in members], [""] + names, True,
+                        [(model,)] + members)
+    return UnitPlan(groups, [m[0] for m in members], names, False, members)
+
+
+# [Note: merging small units]
+# A deep narrow model has many small blocks, and a gather of each is a latency-bound collective:
+# units below min_unit_mb are merged with their neighbours in module order (as FSDP's size-based
+# auto-wrap policy groups modules), so a handful of collectives move the model each way. A unit at
+# or above the threshold stays alone; consecutive small ones join until the group reaches it. The
+# modules of a merged unit gather it while they run, and the unit is handed from one to the next
+# (see UnitTracker: carried) instead of being released and gathered again between them.
+
+def _merge_small(singles, min_bytes: int, nbytes: list[int]):
+    merged, current = [], None
+
+    def size(group):
+        return sum(nbytes[i] for i in group[2])
+    for item in singles:
+        if size(item) >= min_bytes:
+            if current is not None:
+                merged.append(current)
+                current = None
+            merged.append(item)
+            continue
+        current = item if current is None else (current[0] + item[0], current[1] + item[1], current[2] + item[2])
+        if size(current) >= min_bytes:
+            merged.append(current)
+            current = None
+    if current is not None:
+        merged.append(current)
+    return merged
 
 
 def hook_needs(model: nn.Module, params: list[nn.Parameter], plan: UnitPlan) -> dict[nn.Module, tuple[int, ...]]:
     """The units each module must hold while it runs: see [Note: who gathers what]."""
     unit_of_param = {id(params[i]): u for u, group in enumerate(plan.groups) for i in group}
-    unit_of_module = {id(m): u for u, m in enumerate(plan.modules) if m is not model}
+    unit_of_module = {id(m): u for u, members in enumerate(plan.members) for m in members if m is not model}
     needs = {}
     for module in model.modules():
         units = {unit_of_param[id(p)] for p in module.parameters(recurse=False) if id(p) in unit_of_param}
@@ -294,6 +332,7 @@ class UnitTracker:
         n = buffers.num_units
         self.state = [UnitState.SHARDED] * n
         self.refs = [0] * n                     # running modules (forward or backward) holding each unit
+        self.carried = [False] * n              # kept gathered for the next call: [Note: merging small units]
         self._calls: list[_Call] = []           # this step's gathering calls, in forward order
         self._previous: list[_Call] = []        # the last complete forward's: the prefetch order
         self._running: list[Optional[int]] = [] # per running forward call: its index in _calls (None: skipped)
@@ -308,6 +347,7 @@ class UnitTracker:
     def acquire(self, units) -> None:
         for u in units:
             self.refs[u] += 1
+            self.carried[u] = False
             self._ensure_gathered(u)
 
     def release(self, units) -> None:
@@ -334,6 +374,8 @@ class UnitTracker:
             self.state[u] = UnitState.GATHERED
 
     def _release_unit(self, u: int) -> None:
+        if self.carried[u] and self.state[u] is UnitState.GATHERED:
+            return  # the next call of a merged unit takes it over
         if self.state[u] is UnitState.GATHERING:
             self.buffers.gather_wait(u)  # a prefetch nobody used: finish it before freeing its buffer
         if self.state[u] is not UnitState.SHARDED:
@@ -342,6 +384,7 @@ class UnitTracker:
 
     def release_all(self) -> None:
         self.refs = [0] * len(self.refs)
+        self.carried = [False] * len(self.refs)
         for u in range(len(self.state)):
             self._release_unit(u)
 
@@ -370,19 +413,20 @@ class UnitTracker:
         self.acquire(units)
         prev = self._previous
         if k + 1 < len(prev) and prev[k].module is module:
-            self.prefetch(prev[k + 1].units)
+            self.prefetch(_next_other(prev, k, +1))
         if torch.is_grad_enabled():
-            return self._wrap_inputs(units, args, kwargs)
+            return self._wrap_inputs(k, args, kwargs)
         return None
 
-    def _wrap_inputs(self, units, args, kwargs):
+    def _wrap_inputs(self, k: int, args, kwargs):
         """The module's tensor arguments that need a gradient, through _PostBackward, so that their
         gradient (the module's backward done) releases its units."""
         flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
         positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.requires_grad]
         if not positions:
             return None
-        wrapped = _PostBackward.apply(lambda: self.release(units), *(flat[i] for i in positions))
+        done = functools.partial(self._post_backward, self._calls, k)
+        wrapped = _PostBackward.apply(done, *(flat[i] for i in positions))
         wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
         for i, t in zip(positions, wrapped):
             flat[i] = t
@@ -394,6 +438,9 @@ class UnitTracker:
         if k is None:
             return
         units = self.needs[module]
+        prev = self._previous
+        if k + 1 < len(prev) and prev[k].module is module:
+            self._carry(units, module, prev[k + 1])
         self.release(units)
         if module is self.model:
             self.release_all()  # prefetches that no module claimed
@@ -408,8 +455,20 @@ class UnitTracker:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         self.acquire(calls[k].units)
+        self.prefetch(_next_other(calls, k, -1))
+
+    def _post_backward(self, calls: list[_Call], k: int) -> None:
         if k > 0:
-            self.prefetch(calls[k - 1].units)
+            self._carry(calls[k].units, calls[k].module, calls[k - 1])
+        self.release(calls[k].units)
+
+    def _carry(self, units: tuple[int, ...], module: nn.Module, following: _Call) -> None:
+        """Keep the units that the following call (another module of a merged unit) needs gathered
+        past this release: [Note: merging small units]. It acquires them at once; a call order
+        that changes leaves them to the next release_all (end of forward or of backward)."""
+        if following.module is not module:
+            for u in set(units) & set(following.units):
+                self.carried[u] = True
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
@@ -419,6 +478,17 @@ class UnitTracker:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+def _next_other(calls: list[_Call], k: int, step: int) -> tuple[int, ...]:
+    """The units of the first call after k (step +1) or before it (-1) that needs others than
+    call k: what to prefetch (the calls in between share call k's units, a merged unit)."""
+    i = k + step
+    while 0 <= i < len(calls):
+        if calls[i].units != calls[k].units:
+            return calls[i].units
+        i += step
+    return ()
 
 
 def output_tensors(output) -> list[torch.Tensor]:
