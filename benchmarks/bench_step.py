@@ -78,7 +78,9 @@ def build(case, rank, world):
     from zerofast.models import make_gpt
     from zerofast.reference import ReferenceZero
 
-    model = make_gpt("small")
+    deep = case.endswith(" @deep")
+    case = case.removesuffix(" @deep")
+    model = make_gpt("small", **(DEEP if deep else {}))
     kind, _, rest = case.partition(" ")
 
     def plain(opt, module):
@@ -115,8 +117,9 @@ def build(case, rank, world):
         return _loop(model, rank, plain(opt, model))
     if kind == "zerofast":
         stage, partition, *extra = rest.split()
+        merge = [float(e.split("=")[1]) for e in extra if e.startswith("min_unit_mb=")]
         opt = ZeroAdam(model, stage=int(stage), partition=partition, overlap_param_gather="overlap_gather" in extra,
-                       **HYPER)
+                       min_unit_mb=merge[0] if merge else None, **HYPER)
         return _loop(model, rank, plain(opt, model), opt.materialized_param_bytes if opt.stage == 3 else None)
     if kind == "deepspeed":
         import os
@@ -141,7 +144,15 @@ CASES = (["nocomm", "ddp", "zero_redundancy", "reference 1", "reference 2"]
          + ["deepspeed 3"])
 
 
-@pytest.mark.parametrize("case", CASES)
+# The narrow, deep GPT of issue 16: d=64, 32 blocks (356 tensors), where per-tensor and per-unit
+# costs show; stage 3 at several min_unit_mb (0: one unit per block, 0.2 MiB each).
+DEEP = dict(n_embd=64, n_layer=32, n_head=2)
+GROUP_DEEP = "step: 2 gloo ranks x 1 thread, narrow deep GPT (d=64, 32 blocks), batch 8x64"
+CASES_DEEP = [f"{c} @deep" for c in ["nocomm", "ddp", "fsdp2", "zerofast 1 flat", "zerofast 2 flat"]
+              + [f"zerofast 3 flat min_unit_mb={mb}" for mb in (0, 0.5, 1, 2, 4)]]
+
+
+@pytest.mark.parametrize("case", CASES + CASES_DEEP)
 def test_step(benchmark, record, case):
     if case.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (optional: pip install deepspeed)")
@@ -153,4 +164,4 @@ def test_step(benchmark, record, case):
             benchmark.extra_info["param_peak_mib"] = peak / 2**20
     finally:
         pool.close()
-    record(benchmark, GROUP, case)
+    record(benchmark, GROUP_DEEP if case.endswith(" @deep") else GROUP, case)

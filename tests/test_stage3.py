@@ -86,7 +86,7 @@ def test_stage3_awkward_model(world, partition):
 
 def _twice(rank, world, partition):
     model = TwiceMLP()
-    opt = ZeroAdam(model, stage=3, partition=partition, **HYPER)
+    opt = ZeroAdam(model, stage=3, partition=partition, min_unit_mb=0, **HYPER)  # a unit per module
     samples = []
 
     def sample(*_):
@@ -117,14 +117,13 @@ def test_module_called_twice_peak_memory_and_3phi(world, partition):
         assert r["peak"] <= r["shard"] + r["two_largest"], (r["peak"], r["shard"], r["two_largest"])
         assert r["peak"] > r["shard"], "the hooks must have seen gathered parameters"
         # The seed's 3Φ: gathered in forward and again in backward, reduced once. The block runs
-        # twice and is released after each call, so it is gathered once more per extra call in
-        # each direction.
+        # twice in a row and stays gathered from its first call to its second (the unit is handed
+        # over, [Note: merging small units]), so each unit is gathered once per direction.
         gathered = sum(v for k, v in r["comm"].items() if k in ("all_gather", "broadcast"))
         reduced = sum(v for k, v in r["comm"].items() if k in ("reduce_scatter", "reduce", "all_reduce"))
-        block = sum(p.numel() * 4 for p in TwiceMLP().block.parameters())
         padding = r["padded"] - r["phi"]
         assert reduced == r["phi"] + padding
-        assert 2 * r["phi"] + 2 * block <= gathered <= 2 * (r["phi"] + padding) + 2 * (block + 4 * 4 * world)
+        assert gathered == 2 * (r["phi"] + padding)
 
 
 def _comm_gpt(rank, world, stage):

@@ -52,7 +52,7 @@ __all__ = ["ZeroAdam"]
 
 # Stage 3's default units smaller than this are merged with their neighbours ([Note: merging small
 # units] in zerofast/stage3.py). Chosen by measurement: see DEFAULT_MIN_UNIT_MB's row in README.
-DEFAULT_MIN_UNIT_MB = 0.0
+DEFAULT_MIN_UNIT_MB = 2.0
 
 # The first bucket (in backward order) holds at most this, so its reduce starts early in backward;
 # DDP uses the same 1 MiB (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES).

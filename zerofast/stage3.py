@@ -215,7 +215,8 @@ def find_units(model: nn.Module, params: list[nn.Parameter], units=None, min_uni
 # auto-wrap policy groups modules), so a handful of collectives move the model each way. A unit at
 # or above the threshold stays alone; consecutive small ones join until the group reaches it. The
 # modules of a merged unit gather it while they run, and the unit is handed from one to the next
-# (see UnitTracker: carried) instead of being released and gathered again between them.
+# (see UnitTracker: carried) instead of being released and gathered again between them; so is a
+# unit whose module runs twice in a row. Consecutive calls of one unit cost one gather.
 
 def _merge_small(singles, min_bytes: int, nbytes: list[int]):
     merged, current = [], None
@@ -463,12 +464,12 @@ class UnitTracker:
         self.release(calls[k].units)
 
     def _carry(self, units: tuple[int, ...], module: nn.Module, following: _Call) -> None:
-        """Keep the units that the following call (another module of a merged unit) needs gathered
-        past this release: [Note: merging small units]. It acquires them at once; a call order
-        that changes leaves them to the next release_all (end of forward or of backward)."""
-        if following.module is not module:
-            for u in set(units) & set(following.units):
-                self.carried[u] = True
+        """Keep the units that the following call needs (another module of a merged unit, or the
+        same module called again) gathered past this release: [Note: merging small units]. It
+        acquires them at once; a call order that changes leaves them to the next release_all
+        (the end of forward or of backward)."""
+        for u in set(units) & set(following.units):
+            self.carried[u] = True
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
