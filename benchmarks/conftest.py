@@ -36,6 +36,8 @@ def pytest_terminal_summary(terminalreporter):
             gbs = f"{nbytes / t / 1e9:8.1f}" if nbytes else f"{'':8s}"
             pct = f"{100 * nbytes / t / stream:8.0f}%" if (nbytes and stream) else f"{'':9s}"
             mem = f"  {extra['rank_mib']:8.1f} MiB/rank" if "rank_mib" in extra else ""
+            if "backward_ms" in extra:
+                mem += f"  backward {extra['backward_ms']:7.2f} ms"
             if "param_peak_mib" in extra:
                 mem += f"  parameters at peak {extra['param_peak_mib']:6.2f} MiB (rank 0, inside blocks)"
             tr.write_line(f"{name:44s} {t * 1e3:10.2f} {gbs} {pct} {t / base:8.2f}x{mem}")
