@@ -202,6 +202,8 @@ def _bad_arguments(rank, world):
         (dict(lr=-1.0), "lr must be a number >= 0; got -1.0"),
         (dict(betas=(0.9, 1.0)), r"betas must be two numbers in \[0, 1\); got \(0.9, 1.0\)"),
         (dict(eps=-1e-8), "eps must be a number >= 0; got -1e-08"),
+        (dict(stage=3, min_unit_mb=-1), "min_unit_mb must be None or a number >= 0; got -1"),
+        (dict(stage=3, min_unit_mb="2"), "min_unit_mb must be None or a number >= 0; got '2'"),
         (dict(weight_decay=-0.1), "weight_decay must be a number >= 0; got -0.1"),
         (dict(param_groups=[{"params": [model.wte.weight]}]), "is in no param group"),
         (dict(param_groups=[{"params": [model.wte.weight]}, {"params": list(model.parameters())}]),
