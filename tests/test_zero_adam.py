@@ -258,7 +258,6 @@ def test_second_backward_before_step_is_an_error():
 
 
 def _reports(rank, world):
-    model = make_gpt("tiny")
     opts = {p: ZeroAdam(make_gpt("tiny"), stage=1, partition=p).partition_report() for p in PARTITIONS}
     return opts
 
