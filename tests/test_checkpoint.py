@@ -504,3 +504,29 @@ def test_command_line_info_and_export(root, capsys):
     assert all(torch.equal(exported[n], master[n].to(torch.bfloat16)) for n in master)
     assert ck.main(["info", os.path.join(root, "nowhere")]) == 1
     assert "no checkpoint at" in capsys.readouterr().err
+
+
+def _from_torch_bad(rank, world):
+    model, opt = _make(2, "flat", None)
+    good = make_gpt("tiny").state_dict()
+    adamw = torch.optim.AdamW(make_gpt("tiny").parameters(), **HYPER).state_dict()
+    attempts = [
+        ({k: v for k, v in good.items() if k != "wte.weight"}, None),
+        ({**good, "wpe.weight": torch.zeros(3, 16)}, None),
+        (good, {"state": {}, "param_groups": [{**adamw["param_groups"][0], "params": [0, 1]}]}),
+    ]
+    messages = []
+    for model_sd, optim_sd in attempts:
+        try:
+            ck.from_torch(model_sd, optim_sd, model, opt)
+            messages.append(None)
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_from_torch_bad_input_is_named():
+    for missing, shape, count in run_ranks(_from_torch_bad, 2):
+        assert missing and "model_state_dict has no" in missing and "wte.weight" in missing
+        assert shape and "wpe.weight has shape (3, 16), the model (16, 16)" in shape
+        assert count and "the optimizer state dict holds 2 parameters" in count

@@ -294,10 +294,6 @@ class UnitBuffers:
     def release(self, unit: int) -> None:
         self.buffers[self.bucket(unit)].untyped_storage().resize_(0)
 
-    def materialized_bytes(self) -> int:
-        """Parameter storage that exists now: the gathered unit buffers plus the shard."""
-        return (sum(b.untyped_storage().nbytes() for b in self.buffers)
-                + self.shard.numel() * self.shard.element_size())
 
 
 # --- the hooks ---------------------------------------------------------------------------------------
