@@ -33,8 +33,20 @@
 // [Note: bucket pool]
 // A bucket's buffer is released after its reduce has been waited for, and kept in a pool for the
 // next bucket of that size: allocating and first-touching 25 MB costs ~4 ms per step on CPU (page
-// faults), which a training step would pay every time. The pool never holds more than the most
-// buffers that were in use at once, which memory_report() states.
+// faults), which a training step would pay every time. What the pool keeps counts against the
+// budget below.
+//
+// [Note: buffers in flight]
+// Without a bound, the buffers alive at once are as many as backward runs ahead of the network:
+// on a fast GPU or a slow link, nearly every bucket of the model (Φ bytes: stage 2 would then hold
+// a full gradient after all). max_buffers bounds the pooled buffers alive at once, in use or kept
+// for reuse, as FSDP2 bounds its collectives in flight: when a bucket needs a buffer and the budget
+// is spent, the oldest reduce in flight is waited for and its buffer reused (or freed, when its
+// size differs). With the default of 2, one buffer is being filled while the previous one is being
+// reduced. The wait cannot hang: the reduce waited for was launched here, and every rank launches
+// reduces in the same order. Only when no reduce is in flight (every live buffer is still being
+// filled: a bucket whose gradients arrive out of backward order, as with a parameter used early and
+// late) a buffer beyond the budget is allocated, and over_budget() counts it: waiting would hang.
 //
 // [Note: accumulation into the shard]
 // Gradient accumulation in stages 2 and 3 reduces every micro-batch (as DeepSpeed does): the first
@@ -46,12 +58,21 @@
 // still overlaps the next micro-batch's forward and the early part of its backward.
 //
 // [Note: grads as views]
-// Gradients are copied into the bucket (one memcpy per parameter) rather than living as views into
-// it, as DDP's gradient_as_bucket_view does. With views, AccumulateGrad would write into the
-// bucket directly, but the bucket would have to outlive the step (stage 1) or the parameter's .grad
-// would dangle (stage 2, which frees buckets as soon as they are reduced), and any user code that
-// replaces .grad (model.zero_grad(set_to_none=True) does) would silently detach it. The copy costs
-// one read and one write of each gradient, overlapped with the rest of backward.
+// Stages 2 and 3 copy each gradient into the bucket (one memcpy per parameter) rather than keeping
+// it as a view into it, as DDP's gradient_as_bucket_view does. With views, AccumulateGrad would
+// write into the bucket directly, but the bucket would have to outlive the step, which is the full
+// gradient that stage 2 exists not to keep, or the parameter's .grad would dangle (stage 2 frees
+// buckets as soon as they are reduced). The copy costs one read and one write of each gradient,
+// overlapped with the rest of backward.
+//
+// [Note: grads as bucket views]
+// Stage 1 keeps the full gradient anyway, so there the buckets are persistent (grad_buckets) and
+// every parameter's .grad is a view of its slot, as DDP's gradient_as_bucket_view: autograd
+// accumulates into the bucket, the reduce runs in place, and Adam reads its owned range where the
+// reduce left it. No second gradient copy exists (before: .grad, a bucket buffer in flight, and a
+// reduced shard); a rank holds the seed's stage-1 row, parameters + gradients + 1/N of Adam.
+// zerofast/grads.py re-points .grad at its view when user code replaced it (zero_grad with
+// set_to_none, or an assignment), copying the values over.
 #include "buckets.h"
 
 #include <algorithm>
@@ -95,7 +116,7 @@ BucketComm::BucketComm(c10::intrusive_ptr<c10d::ProcessGroup> group,
                        c10::intrusive_ptr<c10d::ProcessGroup> gather_group, std::vector<int64_t> bucket_numels,
                        std::vector<int64_t> used_numels, std::vector<std::vector<int64_t>> bounds, bool flat,
                        at::Tensor grad_shard, std::vector<int64_t> shard_offsets, Collective reduce_op,
-                       Collective gather_op)
+                       Collective gather_op, std::vector<at::Tensor> grad_buckets, int64_t max_buffers)
     : group_(std::move(group)),
       gather_group_(std::move(gather_group)),
       rank_(group_->getRank()),
@@ -111,7 +132,20 @@ BucketComm::BucketComm(c10::intrusive_ptr<c10d::ProcessGroup> group,
       buffers_(bucket_numels_.size()),
       scatter_out_(bucket_numels_.size()),
       accumulate_(bucket_numels_.size(), false),
-      gathers_(bucket_numels_.size()) {
+      gathers_(bucket_numels_.size()),
+      grad_buckets_(std::move(grad_buckets)),
+      max_buffers_(max_buffers) {
+  TORCH_CHECK(max_buffers_ >= 0, "BucketComm: max_buffers must be 0 (no bound) or positive; got ", max_buffers_);
+  TORCH_CHECK(grad_buckets_.empty() || grad_buckets_.size() == bucket_numels_.size(), "BucketComm: grad_buckets ",
+              "needs one tensor per bucket (", bucket_numels_.size(), ") or none; got ", grad_buckets_.size());
+  for (size_t b = 0; b < grad_buckets_.size(); ++b) {
+    const auto& t = grad_buckets_[b];
+    TORCH_CHECK(t.dim() == 1 && t.is_contiguous() && t.numel() == bucket_numels_[b] &&
+                    t.scalar_type() == grad_shard_.scalar_type() && t.device() == grad_shard_.device(),
+                "BucketComm: grad_buckets[", b, "] must be a flat contiguous ", grad_shard_.scalar_type(),
+                " tensor of ", bucket_numels_[b], " elements on ", grad_shard_.device(), "; got ", t.scalar_type(),
+                " of shape ", t.sizes(), " on ", t.device());
+  }
   TORCH_CHECK(bounds_.size() == bucket_numels_.size() && shard_offsets_.size() == bucket_numels_.size() &&
                   used_numels_.size() == bucket_numels_.size(),
               "BucketComm: used_numels (", used_numels_.size(), "), bounds (", bounds_.size(),
@@ -131,8 +165,9 @@ BucketComm::BucketComm(c10::intrusive_ptr<c10d::ProcessGroup> group,
                 " bounds for a world of ", world_);
     TORCH_CHECK(bd.front() == 0 && bd.back() == bucket_numels_[b], "BucketComm: bucket ", b,
                 " bounds must run from 0 to its numel ", bucket_numels_[b]);
-    TORCH_CHECK(shard_offsets_[b] + bd[rank_ + 1] - bd[rank_] <= grad_shard_.numel(), "BucketComm: bucket ", b,
-                "'s owned range does not fit in grad_shard (", grad_shard_.numel(), " elements)");
+    TORCH_CHECK(!grad_buckets_.empty() || shard_offsets_[b] + bd[rank_ + 1] - bd[rank_] <= grad_shard_.numel(),
+                "BucketComm: bucket ", b, "'s owned range does not fit in grad_shard (", grad_shard_.numel(),
+                " elements)");
   }
 #ifdef ZEROFAST_WITH_CUDA
   if (grad_shard_.is_cuda()) {
@@ -149,28 +184,61 @@ void BucketComm::check_bucket(int64_t bucket, const char* what) const {
 at::Tensor& BucketComm::buffer(int64_t bucket) {
   auto& slot = buffers_[bucket];
   if (!slot.has_value()) {
-    const int64_t numel = bucket_numels_[bucket];
-    auto pooled = std::find_if(pool_.begin(), pool_.end(), [&](const at::Tensor& t) { return t.numel() == numel; });
-    if (pooled != pool_.end()) {  // see [Note: bucket pool]
-      slot = std::move(*pooled);
-      pool_.erase(pooled);
-    } else {
-      slot = at::empty({numel}, grad_shard_.options());
+    if (!grad_buckets_.empty()) {  // persistent: see [Note: grads as bucket views]
+      slot = grad_buckets_[bucket];
+      return *slot;
     }
+    const int64_t numel = bucket_numels_[bucket];
+    slot = take_buffer(numel);
     // Padding (flat layout) is never written by a gradient: keep it zero. See [Note: padding].
     const int64_t used = used_numels_[bucket];
     if (used < numel) slot->narrow(0, used, numel - used).zero_();
     buffer_bytes_ += numel * slot->element_size();
     peak_buffer_bytes_ = std::max(peak_buffer_bytes_, buffer_bytes_);
+    ++live_;
+    note_alive();
   }
   return *slot;
 }
 
+at::Tensor BucketComm::take_buffer(int64_t numel) {
+  // See [Note: buffers in flight]: wait for the oldest reduces until the budget has room.
+  while (max_buffers_ > 0 && live_ >= max_buffers_ && !in_flight_.empty()) {
+    finish_buckets({in_flight_.front().first});
+  }
+  if (max_buffers_ > 0 && live_ >= max_buffers_) ++over_budget_;  // nothing in flight to wait for
+  auto pooled = std::find_if(pool_.begin(), pool_.end(), [&](const at::Tensor& t) { return t.numel() == numel; });
+  if (pooled != pool_.end()) {  // see [Note: bucket pool]
+    at::Tensor t = std::move(*pooled);
+    pool_.erase(pooled);
+    return t;
+  }
+  // A new buffer: make room by freeing kept ones of other sizes first.
+  while (max_buffers_ > 0 && !pool_.empty() && live_ + static_cast<int64_t>(pool_.size()) >= max_buffers_) {
+    pool_.erase(pool_.begin());
+  }
+  return at::empty({numel}, grad_shard_.options());
+}
+
+void BucketComm::note_alive() {
+  peak_live_ = std::max(peak_live_, live_);
+  peak_alive_ = std::max(peak_alive_, live_ + static_cast<int64_t>(pool_.size()));
+}
+
 void BucketComm::release(int64_t bucket) {
   auto& buf = buffers_[bucket];
+  if (!grad_buckets_.empty()) {  // persistent: it stays, holding the reduced gradients
+    buf.reset();
+    return;
+  }
   buffer_bytes_ -= buf->numel() * buf->element_size();
+  --live_;
   pool_.push_back(std::move(*buf));
   buf.reset();
+  // The pool keeps at most what the budget leaves ([Note: buffers in flight]).
+  while (max_buffers_ > 0 && !pool_.empty() && live_ + static_cast<int64_t>(pool_.size()) > max_buffers_) {
+    pool_.erase(pool_.begin());
+  }
 }
 
 int64_t BucketComm::pooled_bytes() const {
@@ -224,6 +292,7 @@ void BucketComm::end_comm() {
 
 at::Tensor BucketComm::owned_grad(int64_t bucket) {
   const auto& bd = bounds_[bucket];
+  if (!grad_buckets_.empty()) return grad_buckets_[bucket].narrow(0, bd[rank_], bd[rank_ + 1] - bd[rank_]);
   return grad_shard_.narrow(0, shard_offsets_[bucket], bd[rank_ + 1] - bd[rank_]);
 }
 
@@ -264,6 +333,10 @@ void BucketComm::finish_reduce(int64_t bucket) {
   auto& buf = buffers_[bucket];
   if (!buf.has_value()) return;
   const auto& bd = bounds_[bucket];
+  if (!grad_buckets_.empty()) {  // reduced in place: the owned range is read where it is
+    release(bucket);
+    return;
+  }
   if (reduce_op_ != Collective::kReduceScatter) {  // the own reduced segment, from the bucket into the shard
     at::Tensor own = buf->narrow(0, bd[rank_], bd[rank_ + 1] - bd[rank_]);
     if (accumulate_[bucket]) {
@@ -284,7 +357,10 @@ void BucketComm::reduce(int64_t bucket, bool accumulate) {
   reap_completed();
   TORCH_CHECK(std::none_of(in_flight_.begin(), in_flight_.end(), [&](const auto& e) { return e.first == bucket; }),
               "BucketComm.reduce: bucket ", bucket, " is already being reduced");
+  TORCH_CHECK(!(accumulate && !grad_buckets_.empty()), "BucketComm.reduce: persistent buckets (stage 1) are ",
+              "reduced once per step; accumulate must be false");
   accumulate_[bucket] = accumulate;
+  if (!grad_buckets_.empty()) buffer(bucket);  // the gradients are already there, as .grad views
   TORCH_CHECK(buffers_[bucket].has_value(), "BucketComm.reduce: bucket ", bucket, " has no gradients");
   at::Tensor buf = *buffers_[bucket];
   begin_comm();
@@ -296,7 +372,7 @@ void BucketComm::reduce(int64_t bucket, bool accumulate) {
     return;
   }
   if (reduce_op_ == Collective::kReduceScatter) {
-    at::Tensor out = owned_grad(bucket);
+    at::Tensor out = owned_grad(bucket);  // persistent buckets: in place, at rank * slice, as NCCL allows
     if (accumulate) {  // see [Note: accumulation into the shard]
       scatter_out_[bucket] = at::empty_like(out);
       out = *scatter_out_[bucket];

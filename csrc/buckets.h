@@ -35,11 +35,17 @@ class BucketComm {
   // reduce_op / gather_op: the collectives this layout uses (see Collective above).
   // group reduces; gather_group gathers (the same group for stages 1 and 2; stage 3 passes a second
   //   one: see [Note: two process groups]).
+  // grad_buckets: empty, or one flat tensor per bucket that *is* the bucket for good (stage 1: the
+  //   parameters' .grad are views of them; [Note: grads as bucket views]): reduced in place, never
+  //   released, and the owned range of each is read where the reduce left it (grad_shard is then
+  //   empty). Otherwise buffers are taken from a pool while in use.
+  // max_buffers: at most this many pooled bucket buffers alive at once, in use or kept for reuse
+  //   (0: no bound); see [Note: buffers in flight].
   BucketComm(c10::intrusive_ptr<c10d::ProcessGroup> group, c10::intrusive_ptr<c10d::ProcessGroup> gather_group,
              std::vector<int64_t> bucket_numels,
              std::vector<int64_t> used_numels, std::vector<std::vector<int64_t>> bounds, bool flat,
              at::Tensor grad_shard, std::vector<int64_t> shard_offsets, Collective reduce_op,
-             Collective gather_op);
+             Collective gather_op, std::vector<at::Tensor> grad_buckets, int64_t max_buffers);
 
   // Copy one parameter's gradient into its slot (allocating the bucket's buffer on first use).
   void add_grad(int64_t bucket, int64_t offset, const at::Tensor& grad);
@@ -57,10 +63,21 @@ class BucketComm {
   void gather_start(int64_t bucket, const at::Tensor& param_buffer);
   void gather_wait(int64_t bucket);
   // Bytes of gradient bucket buffers in use now, the most in use at once since construction, and
-  // those kept for reuse (never more than that peak).
+  // those kept for reuse (never more than that peak). Persistent grad_buckets are not counted here:
+  // they are the gradients.
   int64_t buffer_bytes() const { return buffer_bytes_; }
   int64_t peak_buffer_bytes() const { return peak_buffer_bytes_; }
   int64_t pooled_bytes() const;
+  // Counts of pooled buffers: in use now (being filled or being reduced), the most in use at once
+  // since the last reset_peak(), the most alive at once (in use + kept) since then, and how often
+  // a buffer was needed beyond max_buffers with no reduce in flight to wait for (buckets filled
+  // out of order: see [Note: buffers in flight]).
+  int64_t live_buffers() const { return live_; }
+  int64_t peak_live_buffers() const { return peak_live_; }
+  int64_t peak_alive_buffers() const { return peak_alive_; }
+  int64_t over_budget() const { return over_budget_; }
+  void reset_peak() { peak_live_ = live_; peak_alive_ = live_ + static_cast<int64_t>(pool_.size()); }
+  int64_t max_buffers() const { return max_buffers_; }
 
   // The side stream collectives run on (CUDA builds with CUDA tensors); nothing on CPU builds.
 #ifdef ZEROFAST_WITH_CUDA
@@ -71,7 +88,9 @@ class BucketComm {
 
  private:
   at::Tensor& buffer(int64_t bucket);
+  at::Tensor take_buffer(int64_t numel);  // from the pool, or new, within max_buffers
   void release(int64_t bucket);
+  void note_alive();
   void reap_completed();                // finish the reduces that are done (see reduce())
   void finish_reduce(int64_t bucket);   // copy (or add) the own segment out, release the buffer
   void finish_in_flight(int64_t bucket); // wait for and finish this bucket's reduce, if in flight
@@ -99,8 +118,14 @@ class BucketComm {
   std::vector<at::Tensor> pool_;                                 // released buffers, for reuse
   std::vector<std::pair<int64_t, c10::intrusive_ptr<c10d::Work>>> in_flight_;  // reduces: (bucket, work)
   std::vector<std::vector<c10::intrusive_ptr<c10d::Work>>> gathers_;            // per bucket, in flight
+  std::vector<at::Tensor> grad_buckets_;                       // persistent buckets (stage 1), or empty
+  int64_t max_buffers_;
   int64_t buffer_bytes_ = 0;
   int64_t peak_buffer_bytes_ = 0;
+  int64_t live_ = 0;
+  int64_t peak_live_ = 0;
+  int64_t peak_alive_ = 0;
+  int64_t over_budget_ = 0;
   CommStream comm_stream_;
 };
 

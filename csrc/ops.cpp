@@ -78,9 +78,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, c10::intrusive_ptr<c10d::ProcessGroup>,
                     std::vector<int64_t>, std::vector<int64_t>,
                     std::vector<std::vector<int64_t>>, bool, at::Tensor, std::vector<int64_t>, Collective,
-                    Collective>(),
+                    Collective, std::vector<at::Tensor>, int64_t>(),
            py::arg("group"), py::arg("gather_group"), py::arg("bucket_numels"), py::arg("used_numels"), py::arg("bounds"), py::arg("flat"),
-           py::arg("grad_shard"), py::arg("shard_offsets"), py::arg("reduce_op"), py::arg("gather_op"))
+           py::arg("grad_shard"), py::arg("shard_offsets"), py::arg("reduce_op"), py::arg("gather_op"),
+           py::arg("grad_buckets"), py::arg("max_buffers"))
       // Every method that may wait for a collective releases the GIL: a gloo worker thread that
       // drops the last C++ reference to a tensor Python also holds must take the GIL to decref it,
       // so waiting with the GIL held can deadlock (it did: add_grad waiting for an in-flight reduce).
@@ -96,5 +97,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("gather_wait", &BucketComm::gather_wait, py::arg("bucket"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("buffer_bytes", &BucketComm::buffer_bytes)
       .def_property_readonly("peak_buffer_bytes", &BucketComm::peak_buffer_bytes)
-      .def_property_readonly("pooled_bytes", &BucketComm::pooled_bytes);
+      .def_property_readonly("pooled_bytes", &BucketComm::pooled_bytes)
+      .def_property_readonly("live_buffers", &BucketComm::live_buffers)
+      .def_property_readonly("peak_live_buffers", &BucketComm::peak_live_buffers)
+      .def_property_readonly("peak_alive_buffers", &BucketComm::peak_alive_buffers)
+      .def_property_readonly("over_budget", &BucketComm::over_budget)
+      .def_property_readonly("max_buffers", &BucketComm::max_buffers)
+      .def("reset_peak", &BucketComm::reset_peak);
 }

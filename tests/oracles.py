@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from zerofast.models import make_gpt, random_batch
 
@@ -290,3 +291,26 @@ def model_loss(model, x, y) -> torch.Tensor:
     if hasattr(model, "config") and hasattr(model.config, "model_type"):
         return model(input_ids=x, labels=x).loss
     return model(x, y)[1]
+
+
+def held_tensor_bytes(root) -> int:
+    """Bytes of every distinct tensor storage the optimizer holds from Python: a walk through its
+    attributes, containers and the objects they hold, stopping at the model (whose parameters are
+    views of the optimizer's own buffers) and at process groups. Independent of memory_report()."""
+    import torch.nn as nn
+    seen, storages, stack = set(), {}, [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (nn.Module, dist.ProcessGroup, type)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+    return sum(n for ptr, n in storages.items() if ptr)

@@ -293,6 +293,7 @@ def _memory_mixed(rank, world, stage):
     r = opt.memory_report()
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
     return dict(report=r, grads=grads, numel=numel, shard=opt.layout.shard_numel(rank),
+                padded=sum(b.numel for b in opt.layout.buckets),
                 padding=opt.layout.shard_numel(rank) - opt.layout.owned_numel(rank))
 
 
@@ -306,8 +307,10 @@ def test_bf16_memory_follows_the_seeds_table(world, stage):
         where = f"stage {stage} rank {rank}/{world}"
         assert r["optimizer"] + r["master_copy"] == 12 * shard, where
         assert r["master_copy"] == 4 * shard, where
-        assert m["grads"] == (2 * numel if stage == 1 else 0), where  # full local gradients in stage 1
-        assert r["grad_shard"] == 2 * shard, where
+        # Stage 1: the full gradients, in its flat gradient buckets (padding included), which .grad
+        # were views of until step(); stages 2 and 3: the reduced shard.
+        assert m["grads"] == 0, where
+        assert (r["grads"], r["grad_shard"]) == ((2 * m["padded"], 0) if stage == 1 else (0, 2 * shard)), where
         if stage < 3:
             assert r["params"] - r["param_padding"] == 2 * numel, where
         else:  # after step(): the bf16 shard only, nothing gathered

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from harness import run_ranks
-from oracles import (HYPER, fp32_tol, Quirky, make_scheduler, max_abs_diff, rank_batch, single_process_adamw,
+from oracles import (HYPER, fp32_tol, held_tensor_bytes, Quirky, make_scheduler, max_abs_diff, rank_batch, single_process_adamw,
                      single_process_quirky, two_groups)
 from zerofast import ZeroAdam
 from zerofast.models import make_gpt
@@ -132,29 +132,6 @@ def _memory(rank, world, stage, partition):
                 padded=sum(b.numel for b in opt.layout.buckets))
 
 
-def held_tensor_bytes(root) -> int:
-    """Bytes of every distinct tensor storage the optimizer holds from Python: a walk through its
-    attributes, containers and the objects they hold, stopping at the model (whose parameters are
-    views of the optimizer's own buffers) and at process groups. Independent of memory_report()."""
-    import torch.nn as nn
-    seen, storages, stack = set(), {}, [root]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, (nn.Module, dist.ProcessGroup, type)):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple, set)):
-            stack.extend(obj)
-        elif hasattr(obj, "__dict__"):
-            stack.extend(vars(obj).values())
-    return sum(n for ptr, n in storages.items() if ptr)
-
-
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("partition", ["flat", "round_robin"])
@@ -162,20 +139,25 @@ def test_memory_follows_the_seeds_table(world, stage, partition):
     for rank, m in enumerate(run_ranks(_memory, world, args=(stage, partition))):
         owned, shard, numel = m["owned"], m["shard"], m["numel"]
         # Seed, fp32 form: what the optimizer holds is the parameters (4 bytes per element, in the
-        # flat buffers, padding included), its reduced gradient shard (4 per owned element) and
-        # Adam's moments (8 per owned element); in fp32 there is no separate master. Gradients: 4
-        # per element in .grad (stage 1) or none (stage 2). The shard adds only padding: see
-        # [Note: padding].
-        assert m["measured"]["held"] == 4 * m["padded"] + 4 * shard + 8 * shard
+        # flat buffers, padding included), the gradients (stage 1: in full, in its flat gradient
+        # buckets; stage 2: the reduced shard, 4 per owned element) and Adam's moments (8 per owned
+        # element); in fp32 there is no separate master. The shard adds only padding: see
+        # [Note: padding]. After step() no .grad is left (stage 1's were views of its buckets).
+        grads = 4 * m["padded"] if stage == 1 else 4 * shard
+        assert m["measured"]["held"] == 4 * m["padded"] + grads + 8 * shard
         assert shard - owned <= (m["buckets"] * 4 * world if partition == "flat" else 0)
-        assert m["measured"]["grads"] == (4 * numel if stage == 1 else 0)
+        assert m["measured"]["grads"] == 0
         r = m["report"]
-        assert r["grads"] == m["measured"]["grads"]
-        assert r["params"] + r["grad_shard"] + r["optimizer"] + r["master_copy"] == m["measured"]["held"]
-        assert (r["grad_shard"], r["optimizer"], r["master_copy"]) == (4 * shard, 8 * shard, 0)
-        # After step() no bucket buffer is alive; the peak is what backward needed at most.
+        assert r["grads"] + r["grad_shard"] == grads
+        assert r["params"] + r["grads"] + r["grad_shard"] + r["optimizer"] + r["master_copy"] == m["measured"]["held"]
+        assert (r["optimizer"], r["master_copy"]) == (8 * shard, 0)
+        # After step() no bucket buffer is alive; the peak is what backward needed at most (stage
+        # 1 needs none: its gradients are the buckets).
         assert m["report"]["bucket_buffers"] == 0
-        assert 0 < m["report"]["bucket_buffers_peak"] <= 4 * (numel + m["buckets"] * 4 * world)
+        if stage == 1:
+            assert m["report"]["bucket_buffers_peak"] == 0
+        else:
+            assert 0 < m["report"]["bucket_buffers_peak"] <= 4 * (numel + m["buckets"] * 4 * world)
 
 
 def _different_models(rank, world):
@@ -198,7 +180,9 @@ def _bad_arguments(rank, world):
     cases = [
         (dict(stage=4), "stage must be 1, 2 or 3; got 4"),
         (dict(partition="zigzag"), "partition must be one of flat, round_robin, greedy; got 'zigzag'"),
-        (dict(bucket_mb=0), "bucket_mb must be a positive number; got 0"),
+        (dict(bucket_mb=0), "bucket_mb must be None or a positive number; got 0"),
+        (dict(bucket_buffers=-1), r"bucket_buffers must be an integer >= 0 \(0: no bound\); got -1"),
+        (dict(bucket_buffers=1.5), r"bucket_buffers must be an integer >= 0 \(0: no bound\); got 1.5"),
         (dict(lr=-1.0), "lr must be a number >= 0; got -1.0"),
         (dict(betas=(0.9, 1.0)), r"betas must be two numbers in \[0, 1\); got \(0.9, 1.0\)"),
         (dict(eps=-1e-8), "eps must be a number >= 0; got -1e-08"),

@@ -35,8 +35,8 @@ def check_args(model, stage, lr, betas, eps, weight_decay, partition, bucket_mb)
         raise ValueError(f"ZeroAdam: stage must be 1, 2 or 3; got {stage!r}")
     if partition not in PARTITIONS:
         raise ValueError(f"ZeroAdam: partition must be one of {', '.join(PARTITIONS)}; got {partition!r}")
-    if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
-        raise ValueError(f"ZeroAdam: bucket_mb must be a positive number; got {bucket_mb!r}")
+    if bucket_mb is not None and not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
+        raise ValueError(f"ZeroAdam: bucket_mb must be None or a positive number; got {bucket_mb!r}")
     check_hyper("", dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
 
@@ -89,6 +89,11 @@ def check_min_unit_mb(min_unit_mb) -> None:
     if min_unit_mb is not None and not (isinstance(min_unit_mb, (int, float)) and not isinstance(min_unit_mb, bool)
                                         and min_unit_mb >= 0):
         raise ValueError(f"ZeroAdam: min_unit_mb must be None or a number >= 0; got {min_unit_mb!r}")
+
+
+def check_bucket_buffers(bucket_buffers) -> None:
+    if not (isinstance(bucket_buffers, int) and not isinstance(bucket_buffers, bool) and bucket_buffers >= 0):
+        raise ValueError(f"ZeroAdam: bucket_buffers must be an integer >= 0 (0: no bound); got {bucket_buffers!r}")
 
 
 def check_hyper(where: str, g: dict) -> None:

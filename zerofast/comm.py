@@ -29,7 +29,11 @@ def collectives_for(backend: str, flat: bool) -> tuple[_C.Collective, _C.Collect
 
 class BucketComm:
     def __init__(self, group: dist.ProcessGroup, layout: Layout, rank: int, grad_shard: torch.Tensor,
-                 gather_group: dist.ProcessGroup | None = None):
+                 gather_group: dist.ProcessGroup | None = None, grad_buckets: list[torch.Tensor] | None = None,
+                 max_buffers: int = 0):
+        """grad_buckets: stage 1's persistent buckets, which .grad are views of (else buffers come
+        from a pool); max_buffers: at most this many pooled buffers alive at once, 0 for no bound
+        ([Note: buffers in flight] in csrc/buckets.cpp)."""
         self.layout = layout
         self.flat = layout.flat
         reduce_op, gather_op = collectives_for(dist.get_backend(group), self.flat)
@@ -45,6 +49,8 @@ class BucketComm:
             layout.shard_offsets(rank),
             reduce_op,
             gather_op,
+            list(grad_buckets or []),
+            max_buffers,
         )
         self.group = group
         self.element_size = grad_shard.element_size()
@@ -94,3 +100,14 @@ class BucketComm:
     @property
     def pooled_bytes(self) -> int:
         return self._impl.pooled_bytes
+
+    def buffer_counts(self) -> dict[str, int]:
+        """Pooled bucket buffers, counted by the C++ side: alive now, the most in use and the most
+        alive (in use + kept) at once since reset_peak(), the budget, and how often it was exceeded
+        because no reduce was in flight to wait for."""
+        i = self._impl
+        return {"live": i.live_buffers, "peak_live": i.peak_live_buffers, "peak_alive": i.peak_alive_buffers,
+                "max": i.max_buffers, "over_budget": i.over_budget}
+
+    def reset_peak(self) -> None:
+        self._impl.reset_peak()

@@ -50,6 +50,7 @@ from .comm import BucketComm
 from .gather import ParamGather
 from .layout import Layout
 from .precision import LossScaler
+from .state import ShardState
 
 
 class StepPhase(enum.Enum):
@@ -80,10 +81,13 @@ class GradReducer:
     """Phases 1 and 2 over one BucketComm: the hooks, the launches, the flush and the agreement."""
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], layout: Layout, comm: BucketComm,
-                 grad_shard: torch.Tensor, stage: int, *, overlap: bool, accumulate_locally: bool,
+                 shard: ShardState, stage: int, *, overlap: bool, accumulate_locally: bool,
                  scaler: LossScaler, gather: ParamGather):
         self.params, self.names, self.layout, self.comm = params, names, layout, comm
-        self.grad_shard = grad_shard          # 1D: where the reduces leave this rank's owned gradients
+        self.shard = shard                    # where the reduces leave this rank's owned gradients
+        # Stage 1: each parameter's slot in the persistent buckets, which .grad is pointed at
+        # ([Note: grads as bucket views] in csrc/buckets.cpp); None where gradients are copied.
+        self.views = shard.grad_views(params)
         self.stage, self.overlap = stage, overlap
         self.accumulates_locally = stage == 1 or accumulate_locally  # under no_sync: .grad accumulates
         self.scaler, self.gather = scaler, gather
@@ -94,7 +98,13 @@ class GradReducer:
     # --- the step's bookkeeping -----------------------------------------------------------------
 
     def begin_step(self) -> None:
+        """A new step. Stage 1 with gradient views: the reduce has consumed .grad (its owned range
+        now holds the sum over ranks, the rest is no gradient of this step), so .grad is dropped, as
+        stages 2 and 3 drop it in backward; the buckets stay for the next backward."""
         n = len(self.params)
+        if self.views is not None:
+            for p in self.params:
+                p.grad = None
         self.phase = StepPhase.IDLE
         self.used = [False] * n        # got a gradient on this rank in any micro-batch of this step
         self.local = [False] * n       # holds a locally accumulated .grad not yet in a bucket
@@ -114,6 +124,8 @@ class GradReducer:
     def on_grad(self, index: int, param: torch.Tensor) -> None:
         self._check_grad_allowed(index)
         self.used[index] = True
+        if self.views is not None:
+            self._point_at_view(index, param)
         if self.in_no_sync and self.accumulates_locally:
             self.local[index] = True  # .grad accumulates; the last micro-batch copies it
             return
@@ -126,7 +138,8 @@ class GradReducer:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_micro_batch)
         slot = self.layout.slots[index]
-        self.comm.add_grad(slot.bucket, slot.offset, param.grad)
+        if self.views is None:  # with views the gradient is in its slot already
+            self.comm.add_grad(slot.bucket, slot.offset, param.grad)
         self.phase = StepPhase.BACKWARD
         self.got_grad[index] = True
         self.local[index] = False
@@ -135,6 +148,15 @@ class GradReducer:
         self.missing[slot.bucket] -= 1
         if self.overlap:
             self.launch_ready()
+
+    def _point_at_view(self, index: int, param: torch.Tensor) -> None:
+        """Make .grad the parameter's bucket slot: autograd accumulated into it in place, unless
+        .grad was None (autograd then hands over a fresh tensor) or user code replaced it; then its
+        values are copied into the slot once, and the slot becomes .grad."""
+        view, grad = self.views[index], param.grad
+        if grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+            param.grad = view
 
     def _check_grad_allowed(self, index: int) -> None:
         name = self.names[index]
@@ -187,6 +209,12 @@ class GradReducer:
                                "applied; call step() first (or zero_grad() only at the start of an iteration)")
         self.used = [False] * len(self.params)
         self.local = [False] * len(self.params)
+        if self.views is not None and not set_to_none:  # zeroed slots: autograd accumulates in place
+            for g in self.shard.grad_buckets:
+                g.zero_()
+            for p, view in zip(self.params, self.views):
+                p.grad = view
+            return
         for p in self.params:
             if set_to_none:
                 p.grad = None
@@ -205,7 +233,10 @@ class GradReducer:
                 s = self.layout.slots[i]
                 p = self.params[i]
                 if self.local[i] and p.grad is not None:
-                    self.comm.add_grad(s.bucket, s.offset, p.grad)
+                    if self.views is not None:
+                        self._point_at_view(i, p)
+                    else:
+                        self.comm.add_grad(s.bucket, s.offset, p.grad)
                     if self.stage >= 2:
                         p.grad = None
                 else:
@@ -222,17 +253,20 @@ class GradReducer:
             return self.prepared
         self.flush()
         with torch.profiler.record_function("zerofast::reduce"):
-            got = torch.tensor(self.used, dtype=torch.uint8, device=self.grad_shard.device)
+            device = self.shard.grad_shard.device
+            got = torch.tensor(self.used, dtype=torch.uint8, device=device)
             self.comm.all_reduce_max(got)
             used = [bool(x) for x in got.tolist()]
             self.comm.wait_reduces()
         found_inf, sumsq = False, None
         if self.scaler.enabled or need_norm:
-            stats = torch.zeros(2, dtype=torch.float32, device=self.grad_shard.device)
+            stats = torch.zeros(2, dtype=torch.float32, device=device)
+            owned = self.shard.owned_grads()
             if self.scaler.enabled:  # see [Note: loss scaling]
-                _ops.nonfinite_check_(self.grad_shard, stats[0:1])
+                for g in owned:
+                    _ops.nonfinite_check_(g, stats[0:1])
             if need_norm:  # padding is zero, and each element sits in exactly one rank's shard
-                stats[1] = torch.linalg.vector_norm(self.grad_shard, dtype=torch.float32).square()
+                stats[1] = sum(torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in owned)
             self.comm.all_reduce_sum(stats)
             found_inf, sumsq = bool(stats[0].item() > 0), stats[1]
         norm = None

@@ -11,10 +11,10 @@ parameter is the master): 4 + 4 + 8. Each stage keeps a part of each on a rank:
 | 2           | all        | 1/N       | 1/N             |
 | 3           | 1/N        | 1/N       | 1/N             |
 
-ZeroAdam adds buffers the table has no row for ("zerofast_extra"): the gradient buckets in flight
-(at most one bucket of bucket_mb per bucket launched and not yet reduced; the estimate counts one),
-padding (each bucket padded to a multiple of world x 4 elements), and in stage 1 the reduced
-gradient shard next to the full local gradients (4Φ/N in fp32).
+ZeroAdam adds buffers the table has no row for ("zerofast_extra"): in stages 2 and 3 the gradient
+bucket buffers alive at once (bucket_buffers of them: [Note: buffers in flight] in
+csrc/buckets.cpp), and padding (each bucket padded to a multiple of world x 4 elements). Stage 1's
+gradients are its buckets, reduced in place ([Note: grads as bucket views]): padding only.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from .layout import ALIGN
+from .optimizer import DEFAULT_BUCKET_MB
 
 BYTES = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}  # parameter, gradient, optimizer state per element
 
@@ -44,9 +45,11 @@ class MemoryEstimate:
 
 
 def estimate_memory(model_or_param_count, world: int, stage: int, precision: str = "fp32",
-                    bucket_mb: float = 25.0) -> MemoryEstimate:
+                    bucket_mb: float | None = None, bucket_buffers: int = 2) -> MemoryEstimate:
     """Per-rank bytes of parameters, gradients and optimizer state for DDP (stage 0) or a ZeRO stage,
-    by the seed's formulas, plus the buffers ZeroAdam adds."""
+    by the seed's formulas, plus the buffers ZeroAdam adds. bucket_mb and bucket_buffers as ZeroAdam
+    takes them (None: ZeroAdam's default for the stage; stage 3's buckets are its units, which
+    bucket_mb stands for here)."""
     if isinstance(model_or_param_count, nn.Module):
         numel = sum(p.numel() for p in model_or_param_count.parameters() if p.requires_grad)
     elif isinstance(model_or_param_count, int) and not isinstance(model_or_param_count, bool) \
@@ -61,8 +64,12 @@ def estimate_memory(model_or_param_count, world: int, stage: int, precision: str
         raise ValueError(f"estimate_memory: stage must be 0 (DDP), 1, 2 or 3; got {stage!r}")
     if precision not in BYTES:
         raise ValueError(f"estimate_memory: precision must be fp32 or mixed; got {precision!r}")
+    if bucket_mb is None:
+        bucket_mb = DEFAULT_BUCKET_MB.get(stage, DEFAULT_BUCKET_MB[2])
     if not bucket_mb > 0:
         raise ValueError(f"estimate_memory: bucket_mb must be positive; got {bucket_mb!r}")
+    if not (isinstance(bucket_buffers, int) and bucket_buffers >= 1):
+        raise ValueError(f"estimate_memory: bucket_buffers must be an integer >= 1; got {bucket_buffers!r}")
     p_bytes, g_bytes, o_bytes = BYTES[precision]
     shard = -(-numel // world)  # ceil: this rank's part
     params = p_bytes * (shard if stage == 3 else numel)
@@ -70,11 +77,9 @@ def estimate_memory(model_or_param_count, world: int, stage: int, precision: str
     optimizer = o_bytes * (shard if stage >= 1 else numel)
     extra = 0
     if stage >= 1:
-        bucket = min(int(bucket_mb * 2**20), g_bytes * numel)
+        buckets = min(bucket_buffers * int(bucket_mb * 2**20), g_bytes * numel) if stage >= 2 else 0
         padding_elements = ALIGN * world * max(1, -(-g_bytes * numel // int(bucket_mb * 2**20)))
-        extra = bucket + padding_elements * (p_bytes + g_bytes + o_bytes)
-        if stage == 1:
-            extra += g_bytes * shard
+        extra = buckets + padding_elements * (p_bytes + g_bytes + o_bytes)
     return MemoryEstimate(stage, world, params, grads, optimizer, extra)
 
 
@@ -124,7 +129,9 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, required=True, help="data-parallel ranks (N)")
     p.add_argument("--stage", type=int, default=None, help="one stage (0 = DDP, 1, 2, 3); default: all")
     p.add_argument("--precision", default="mixed", help="mixed (2+2+12 bytes) or fp32 (4+4+8); default mixed")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="ZeroAdam's bucket size (default 25)")
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help="ZeroAdam's bucket size (default: ZeroAdam's, 25 for stage 1 and 8 for stages 2 and 3)")
+    p.add_argument("--bucket-buffers", type=int, default=2, help="ZeroAdam's bucket_buffers (default 2)")
     args = p.parse_args(argv)
     if args.params < 0:
         p.error(f"--params must be 0 or more; got {args.params}")
@@ -134,10 +141,13 @@ def main(argv=None) -> int:
         p.error(f"--stage must be 0 (DDP), 1, 2 or 3; got {args.stage}")
     if args.precision not in BYTES:
         p.error(f"--precision must be mixed or fp32; got {args.precision!r}")
-    if not args.bucket_mb > 0:
+    if args.bucket_mb is not None and not args.bucket_mb > 0:
         p.error(f"--bucket-mb must be positive; got {args.bucket_mb}")
+    if args.bucket_buffers < 1:
+        p.error(f"--bucket-buffers must be at least 1; got {args.bucket_buffers}")
     stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
-    rows = [estimate_memory(args.params, args.world, s, args.precision, args.bucket_mb) for s in stages]
+    rows = [estimate_memory(args.params, args.world, s, args.precision, args.bucket_mb, args.bucket_buffers)
+            for s in stages]
     print(f"Φ = {args.params:,} parameters, N = {args.world} ranks, {args.precision} Adam; bytes per rank")
     print(format_table(rows))
     return 0

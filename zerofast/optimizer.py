@@ -54,6 +54,17 @@ __all__ = ["ZeroAdam"]
 # units] in zerofast/stage3.py). Chosen by measurement: see DEFAULT_MIN_UNIT_MB's row in README.
 DEFAULT_MIN_UNIT_MB = 2.0
 
+# Bucket sizes of stages 1 and 2 (stage 3's buckets are its units). Stage 1's buckets are its
+# gradients, so their size sets only how the reduce is cut into collectives: DDP's 25 MB. Stage 2's
+# are transient, DEFAULT_BUCKET_BUFFERS of them beside the gradient shard: 8 MB, chosen by
+# measurement (README, "Buffers in flight": the step time of 25 MB buckets at a third of the memory).
+DEFAULT_BUCKET_MB = {1: 25.0, 2: 8.0}
+
+# Gradient bucket buffers alive at once (stages 2 and 3, and stage 1 when gradients are copied):
+# one being filled while the previous one is reduced. Chosen by measurement: see README's
+# "Buffers in flight" ([Note: buffers in flight] in csrc/buckets.cpp).
+DEFAULT_BUCKET_BUFFERS = 2
+
 # The first bucket (in backward order) holds at most this, so its reduce starts early in backward;
 # DDP uses the same 1 MiB (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES).
 _FIRST_BUCKET_BYTES = 1 << 20
@@ -69,7 +80,8 @@ class ZeroAdam(torch.optim.Optimizer):
       i to rank i % N) or "greedy" (whole tensors, largest first, to the least-loaded rank).
     param_groups: torch.optim-style dicts over the model's trainable parameters ("lr", "betas",
       "eps", "weight_decay"; missing keys take the constructor's values).
-    bucket_mb: stages 1 and 2 bucket size (stage 3 uses one bucket per unit).
+    bucket_mb: stages 1 and 2 bucket size in MiB of gradients (None: DEFAULT_BUCKET_MB, 25 for stage 1,
+      8 for stage 2; stage 3 uses one bucket per unit).
     overlap: reduce each bucket during backward as soon as it is complete (else at step()).
     overlap_param_gather: stages 1 and 2: gather after step() overlapped with the next forward.
     units: stage 3: which modules' parameters are gathered together: None (the model's blocks:
@@ -92,21 +104,30 @@ class ZeroAdam(torch.optim.Optimizer):
       and behaving as torch.amp.GradScaler's; use opt.backward(loss) ([Note: loss scaling]).
     accumulate_locally: stages 2 and 3 under no_sync(): keep full local gradients and reduce once
       (like stage 1) instead of reducing every micro-batch into the shard ([Note: accumulation]).
+    bucket_buffers: at most this many gradient bucket buffers alive at once, being filled, being
+      reduced or kept for reuse (0: no bound); backward waits for the oldest reduce when they are
+      all in use ([Note: buffers in flight] in csrc/buckets.cpp). Stage 1 needs none when the
+      gradients are reduced in their own dtype: its .grad are views of persistent buckets that are
+      reduced in place, so a rank holds one copy of the gradients ([Note: grads as bucket views]);
+      after step() its .grad is None, as in stages 2 and 3.
     """
 
     def __init__(self, model: nn.Module, stage: int = 2, lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, adamw: bool = True,
                  param_groups: Optional[list[dict]] = None, partition: str = "flat",
-                 bucket_mb: float = 25.0, overlap: bool = True,
+                 bucket_mb: Optional[float] = None, overlap: bool = True,
                  process_group: Optional[dist.ProcessGroup] = None, overlap_param_gather: bool = False,
                  units=None, mixed_precision: Optional[str] = None,
                  reduce_dtype: Optional[torch.dtype] = None, max_grad_norm: Optional[float] = None,
                  init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, accumulate_locally: bool = False,
-                 min_unit_mb: Optional[float] = None):
+                 min_unit_mb: Optional[float] = None, bucket_buffers: int = DEFAULT_BUCKET_BUFFERS):
         _checks.check_args(model, stage, lr, betas, eps, weight_decay, partition, bucket_mb)
+        if bucket_mb is None:
+            bucket_mb = DEFAULT_BUCKET_MB.get(stage, DEFAULT_BUCKET_MB[2])
         _checks.check_units(model, stage, units)
         _checks.check_min_unit_mb(min_unit_mb)
+        _checks.check_bucket_buffers(bucket_buffers)
         _checks.check_precision(mixed_precision, reduce_dtype, max_grad_norm, init_scale, growth_factor,
                                 backoff_factor, growth_interval)
         _checks.check_flags(adamw=adamw, overlap=overlap, overlap_param_gather=overlap_param_gather,
@@ -146,21 +167,23 @@ class ZeroAdam(torch.optim.Optimizer):
                                               if stage == 3 else None)
         self.layout: Layout = self._build_layout(bucket_mb)
         self.shard = ShardState(self.layout, self.rank, self._names, self._params, self.param_dtype,
-                                self.reduce_dtype, sharded_params=stage == 3)
+                                self.reduce_dtype, sharded_params=stage == 3,
+                                grad_views=stage == 1 and self.reduce_dtype == self.param_dtype)
         self._hooks = []
         if self.param_dtype != torch.float32:  # see [Note: mixed precision]
             cast_unmanaged(model, self.param_dtype)
             self._hooks.append(model.register_forward_pre_hook(InputCast(self.param_dtype), prepend=True,
                                                                with_kwargs=True))
         self.comm = BucketComm(self.group, self.layout, self.rank, self.shard.grad_shard,
-                               self._gather_group() if stage == 3 else None)
+                               self._gather_group() if stage == 3 else None, self.shard.grad_buckets,
+                               bucket_buffers)
         self._scaler = LossScaler(init_scale, growth_factor, backoff_factor, growth_interval,
                                   enabled=mixed_precision == "fp16")
         self._gather = ParamGather(self.comm, self.layout, self.shard.param_buffers)
         if overlap_param_gather and stage < 3:
             self._hooks += self._gather.register_waits(model, self._params)
         self.units: Optional[UnitTracker] = self._shard_params() if stage == 3 else None
-        self._grads = GradReducer(self._params, self._names, self.layout, self.comm, self.shard.grad_shard,
+        self._grads = GradReducer(self._params, self._names, self.layout, self.comm, self.shard,
                                   stage, overlap=overlap, accumulate_locally=accumulate_locally,
                                   scaler=self._scaler, gather=self._gather)
         self.last_step_skipped = False  # fp16: the last step() found an inf or nan and skipped
@@ -311,10 +334,16 @@ class ZeroAdam(torch.optim.Optimizer):
         return report
 
     def memory_report(self) -> dict:
-        """Bytes this rank holds now, by kind, counted from the tensors."""
+        """Bytes this rank holds now, by kind, counted from the tensors: "grads" is the full local
+        gradients (stage 1: its gradient buckets, which .grad are views of; otherwise whatever
+        .grad holds), "grad_shard" the reduced owned gradients of stages 2 and 3 (and of stage 1
+        when it reduces in another dtype), "bucket_buffers" the pooled buffers in use now."""
+        nbytes = self.shard.nbytes()
+        grad_buckets = nbytes.pop("grad_buckets")
+        local = sum(p.grad.numel() * p.grad.element_size() for p in self._params if p.grad is not None)
         return {
-            **self.shard.nbytes(),
-            "grads": sum(p.grad.numel() * p.grad.element_size() for p in self._params if p.grad is not None),
+            **nbytes,
+            "grads": grad_buckets if self.shard.grad_buckets else local,
             "bucket_buffers": self.comm.buffer_bytes,
             "bucket_buffers_peak": self.comm.peak_buffer_bytes,
             "bucket_pool": self.comm.pooled_bytes,  # released buffers kept for reuse (<= the peak)

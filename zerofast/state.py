@@ -31,16 +31,25 @@ class Run:
 
 class ShardState:
     def __init__(self, layout: Layout, rank: int, names: list[str], params: list[torch.nn.Parameter],
-                 dtype: torch.dtype, reduce_dtype: torch.dtype, sharded_params: bool):
+                 dtype: torch.dtype, reduce_dtype: torch.dtype, sharded_params: bool, grad_views: bool = False):
         """Build the buffers and make every parameter in `params` a view of its slot; the fp32
         master starts from the parameters' values as given (the user's exact fp32 values).
-        sharded_params: stage 3, whose parameters live in a shard of their own between uses."""
+        sharded_params: stage 3, whose parameters live in a shard of their own between uses.
+        grad_views: stage 1, where the gradients live in persistent buckets that .grad are views
+        of and the reduce leaves the owned range in place, so there is no separate gradient shard
+        ([Note: grads as bucket views] in csrc/buckets.cpp); needs reduce_dtype == dtype."""
         self.layout, self.rank, self.names = layout, rank, names
         device = params[0].device
         mixed = dtype != torch.float32
         shard = layout.shard_numel(rank)
         self.param_buffers = [torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buckets]
-        self.grad_shard = torch.zeros(shard, dtype=reduce_dtype, device=device)  # 1D, this rank's reduced grads
+        if grad_views and reduce_dtype != dtype:
+            raise ValueError(f"ShardState: grad_views needs reduce_dtype == dtype; got {reduce_dtype} and {dtype}")
+        # Stage 1 with grad_views: the full gradients, one flat bucket each, reduced in place.
+        self.grad_buckets = ([torch.zeros(b.numel, dtype=reduce_dtype, device=device) for b in layout.buckets]
+                             if grad_views else [])
+        # 1D, this rank's reduced gradients (empty with grad_views: they stay in grad_buckets).
+        self.grad_shard = torch.zeros(0 if grad_views else shard, dtype=reduce_dtype, device=device)
         # Stage 3's parameter shard, in the parameters' dtype, which the next forward gathers
         # (stages 1 and 2 update the owned range of the parameter buffers in place instead).
         self.param_shard = torch.zeros(shard if sharded_params else 0, dtype=dtype, device=device)
@@ -73,7 +82,7 @@ class ShardState:
             master, copy = self.master_and_copy(run.bucket, run.bucket_lo, state)
             _ops.fused_adam_(
                 master,
-                self.grad_shard[state], self.exp_avg[state], self.exp_avg_sq[state],
+                self.grad_range(run.bucket, run.bucket_lo, state), self.exp_avg[state], self.exp_avg_sq[state],
                 lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"], step=self.steps[run.params[0]] + 1,
                 adamw=adamw, grad_scale=grad_scale, param_copy=copy)
@@ -98,6 +107,29 @@ class ShardState:
             else:
                 runs.append(Run(pc.bucket, pc.bucket_offset, pc.state_offset, pc.numel, key[1], (pc.param,)))
         return runs
+
+    def grad_range(self, bucket: int, bucket_lo: int, state: slice) -> torch.Tensor:
+        """The reduced gradients of an owned range (bucket `bucket` from `bucket_lo`; `state` in
+        the shard buffers): in the gradient shard, or where stage 1's in-place reduce left them."""
+        if self.grad_buckets:
+            return self.grad_buckets[bucket].narrow(0, bucket_lo, state.stop - state.start)
+        return self.grad_shard[state]
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        """This rank's reduced gradients, padding included (zero), as flat tensors: the gradient
+        shard, or the owned range of each of stage 1's buckets."""
+        if not self.grad_buckets:
+            return [self.grad_shard]
+        return [g.narrow(0, b.bounds[self.rank], b.bounds[self.rank + 1] - b.bounds[self.rank])
+                for g, b in zip(self.grad_buckets, self.layout.buckets)]
+
+    def grad_views(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor] | None:
+        """Each parameter's slot in stage 1's gradient buckets, shaped as the parameter (None
+        without grad_views)."""
+        if not self.grad_buckets:
+            return None
+        return [self.grad_buckets[s.bucket].narrow(0, s.offset, s.numel).view_as(p)
+                for s, p in zip(self.layout.slots, params)]
 
     def master_and_copy(self, bucket: int, bucket_lo: int, state: slice):
         """The fp32 master of an owned range (bucket `bucket` from `bucket_lo`; `state` in the shard
@@ -141,7 +173,8 @@ class ShardState:
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held now, by kind: parameters (materialized), their padding, the gradient shard,
-        Adam's moments, the separate fp32 master (0 in fp32: the parameters are their own)."""
+        Adam's moments, the separate fp32 master (0 in fp32: the parameters are their own), and
+        stage 1's gradient buckets (padding included), which are its full gradients."""
         def size(t): return t.numel() * t.element_size()
         return {
             "params": self.materialized_param_bytes(),
@@ -150,4 +183,5 @@ class ShardState:
             "grad_shard": size(self.grad_shard),
             "optimizer": size(self.exp_avg) + size(self.exp_avg_sq),
             "master_copy": size(self.master),
+            "grad_buckets": sum(size(g) for g in self.grad_buckets),
         }
