@@ -78,9 +78,9 @@ def build(case, rank, world):
     from zerofast.models import make_gpt
     from zerofast.reference import ReferenceZero
 
-    deep = case.endswith(" @deep")
-    case = case.removesuffix(" @deep")
-    model = make_gpt("small", **(DEEP if deep else {}))
+    shape = next((k for k in SHAPES if case.endswith(f" @{k}")), None)
+    case = case.removesuffix(f" @{shape}")
+    model = make_gpt("small", **(SHAPES[shape] if shape else {}))
     kind, _, rest = case.partition(" ")
 
     def plain(opt, module):
@@ -117,9 +117,11 @@ def build(case, rank, world):
         return _loop(model, rank, plain(opt, model))
     if kind == "zerofast":
         stage, partition, *extra = rest.split()
-        merge = [float(e.split("=")[1]) for e in extra if e.startswith("min_unit_mb=")]
+        # "k=v" words are ZeroAdam arguments: min_unit_mb, bucket_mb (numbers), bucket_buffers (an int)
+        options = {k: int(v) if k == "bucket_buffers" else float(v)
+                   for k, v in (e.split("=") for e in extra if "=" in e)}
         opt = ZeroAdam(model, stage=int(stage), partition=partition, overlap_param_gather="overlap_gather" in extra,
-                       min_unit_mb=merge[0] if merge else None, **HYPER)
+                       **options, **HYPER)
         return _loop(model, rank, plain(opt, model), opt.materialized_param_bytes if opt.stage == 3 else None)
     if kind == "deepspeed":
         import os
@@ -151,8 +153,20 @@ GROUP_DEEP = "step: 2 gloo ranks x 1 thread, narrow deep GPT (d=64, 32 blocks), 
 CASES_DEEP = [f"{c} @deep" for c in ["nocomm", "ddp", "fsdp2", "zerofast 1 flat", "zerofast 2 flat"]
               + [f"zerofast 3 flat min_unit_mb={mb}" for mb in (0, 0.5, 1, 2, 4)]]
 
+# The wide GPT of issue 15's memory benchmark (d=512, 25.4M parameters; bench_memory.py measures its
+# memory): step time of the buffer budget and bucket size against the previous defaults (stage 2:
+# 25 MB buckets, no bound).
+WIDE = dict(n_embd=512)
+GROUP_WIDE = "step: 2 gloo ranks x 1 thread, GPT 25.4M params (d=512), batch 8x64"
+CASES_WIDE = [f"{c} @wide" for c in ["nocomm", "ddp", "fsdp2", "zerofast 1 flat", "zerofast 2 flat",
+                                      "zerofast 2 flat bucket_mb=25", "zerofast 2 flat bucket_mb=25 bucket_buffers=0",
+                                      "zerofast 2 flat bucket_buffers=1", "zerofast 3 flat",
+                                      "zerofast 3 flat bucket_buffers=0"]]
+SHAPES = {"deep": DEEP, "wide": WIDE}
+GROUPS = {"deep": GROUP_DEEP, "wide": GROUP_WIDE}
 
-@pytest.mark.parametrize("case", CASES + CASES_DEEP)
+
+@pytest.mark.parametrize("case", CASES + CASES_DEEP + CASES_WIDE)
 def test_step(benchmark, record, case):
     if case.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (optional: pip install deepspeed)")
@@ -164,4 +178,5 @@ def test_step(benchmark, record, case):
             benchmark.extra_info["param_peak_mib"] = peak / 2**20
     finally:
         pool.close()
-    record(benchmark, GROUP_DEEP if case.endswith(" @deep") else GROUP, case)
+    shape = next((k for k in SHAPES if case.endswith(f" @{k}")), None)
+    record(benchmark, GROUPS.get(shape, GROUP), case)
