@@ -3,16 +3,82 @@
 Every collective the engine issues goes through here, so `stats` is the whole step's traffic: the
 payload bytes of each collective (the size of the data it reduces or gathers, the seed's unit: a
 reduce of a Φ-byte gradient counts Φ), by collective, for the last step.
+
+[Note: faults]
+Every wait on a collective is bounded by the process group's timeout (gloo: the `timeout` given to
+init_process_group, 30 minutes by default; stage 3's gather group is created with the same): a rank
+that died ends its peers' waits at once ("connection closed"), one that is alive but stuck (stopped,
+blocked in I/O, looping) ends them after the timeout. Either way the waiting ranks raise
+CollectiveError with one message naming the step, the phase (`where`, kept current by the optimizer
+and the stage-3 hooks) and the collective, the backend's own message after it. With
+check_collectives (ZEROFAST_DEBUG=1) every collective is first described to every rank (what, which
+bucket, how many elements, step, micro-batch) and a rank whose description differs makes all of
+them raise OutOfStepError before the collective is issued, as TORCH_DISTRIBUTED_DEBUG=DETAIL does
+for torch's own collectives; it costs one small blocking all_gather per collective.
 """
 from __future__ import annotations
 
+import os
 from collections import Counter
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from . import _C
 from .layout import Layout
+
+
+class CollectiveError(RuntimeError):
+    """A collective of ZeroAdam failed or timed out: another rank died, is stuck, or is out of step."""
+
+
+class OutOfStepError(RuntimeError):
+    """The ranks are not running the same collectives, steps or micro-batches."""
+
+
+_HASH_MOD = (1 << 61) - 1  # a prime; the running hashes below fit an int64, negated too
+
+
+@dataclass
+class Where:
+    """Where this rank is, for error messages: steps completed, and the phase of the current one;
+    and running hashes of the reduces and gathers issued this step, in order, which the step's
+    agreement compares across ranks ([Note: the step's agreement] in zerofast/grads.py)."""
+    step: int = 0
+    micro_batch: int = 0
+    phase: str = "forward"
+    reduces: int = 0
+    gathers: int = 0
+
+    def describe(self) -> str:
+        if self.phase in ("forward", "backward"):
+            return f"step {self.step + 1}, micro-batch {self.micro_batch + 1}, {self.phase}"
+        m = self.micro_batch
+        return f"step {self.step + 1}, {self.phase}, after {m} micro-batch{'' if m == 1 else 'es'}"
+
+    @staticmethod
+    def mix(h: int, bucket: int) -> int:
+        return (h * 1_000_003 + bucket + 1) % _HASH_MOD
+
+
+def group_timeout(group: dist.ProcessGroup) -> Optional[timedelta]:
+    """The timeout a process group's collectives wait for (None where the backend does not say)."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+    return None
+
+
+def debug_from_env() -> bool:
+    return os.environ.get("ZEROFAST_DEBUG", "0") not in ("", "0")
+
+
+_KINDS = ("reduce", "gather", "agree_used", "agree_stats", "forward")
 
 
 def collectives_for(backend: str, flat: bool) -> tuple[_C.Collective, _C.Collective]:
@@ -30,7 +96,7 @@ def collectives_for(backend: str, flat: bool) -> tuple[_C.Collective, _C.Collect
 class BucketComm:
     def __init__(self, group: dist.ProcessGroup, layout: Layout, rank: int, grad_shard: torch.Tensor,
                  gather_group: dist.ProcessGroup | None = None, grad_buckets: list[torch.Tensor] | None = None,
-                 max_buffers: int = 0):
+                 max_buffers: int = 0, check_collectives: bool = False):
         """grad_buckets: stage 1's persistent buckets, which .grad are views of (else buffers come
         from a pool); max_buffers: at most this many pooled buffers alive at once, 0 for no bound
         ([Note: buffers in flight] in csrc/buckets.cpp)."""
@@ -53,41 +119,116 @@ class BucketComm:
             max_buffers,
         )
         self.group = group
+        self.gather_group = group if gather_group is None else gather_group
+        self.rank, self.world = rank, dist.get_world_size(group)
         self.element_size = grad_shard.element_size()
         self.stats: Counter = Counter()  # payload bytes by collective, this step
+        self.where = Where()             # see [Note: faults]
+        self.timeout = group_timeout(group)
+        self.check = check_collectives
+        self._checked = {id(self.group): 0, id(self.gather_group): 0}  # descriptions per group, in order
 
     def new_step(self) -> None:
         self.stats = Counter()
+        self.where.reduces = self.where.gathers = 0
+
+    # --- errors and checks: [Note: faults] -----------------------------------------------------
+
+    def _failed(self, what: str, error: BaseException) -> CollectiveError:
+        timeout = f"{self.timeout.total_seconds():g} s" if self.timeout is not None else "the backend's"
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return CollectiveError(
+            f"ZeroAdam (rank {self.rank} of {self.world}): {what} failed at {self.where.describe()}: another "
+            f"rank died, is stuck or is out of step (the wait is bounded by the process group's timeout, "
+            f"{timeout}). Backend: {first}")
+
+    def _run(self, what, fn, *args):
+        try:
+            return fn(*args)
+        except RuntimeError as e:
+            if isinstance(e, (CollectiveError, OutOfStepError)):
+                raise
+            raise self._failed(what() if callable(what) else what, e) from e
+
+    def _verify(self, kind: str, bucket: int, numel: int, group: dist.ProcessGroup) -> None:
+        """check_collectives: every rank describes the collective it is about to issue; any
+        difference raises OutOfStepError on every rank, naming each rank's description."""
+        seq = self._checked[id(group)]
+        self._checked[id(group)] = seq + 1
+        mine = torch.tensor([seq, _KINDS.index(kind), bucket, numel, self.where.step, self.where.micro_batch],
+                            dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(self.world)]
+        self._run(lambda: f"the check of {kind} {bucket}", dist.all_gather, everyone, mine, group)
+        rows = [t.tolist() for t in everyone]
+        if any(r != rows[0] for r in rows):
+            def show(r):
+                return (f"#{r[0]} {_KINDS[r[1]]} bucket {r[2]} of {r[3]} elements at step {r[4] + 1} "
+                        f"micro-batch {r[5] + 1}")
+            raise OutOfStepError(
+                f"ZeroAdam (rank {self.rank}): the ranks are out of step at {self.where.describe()}; the "
+                f"collective each rank was about to issue: "
+                + "; ".join(f"rank {r}: {show(row)}" for r, row in enumerate(rows))
+                + ". Every rank must run the same micro-batches, steps and (stage 3) modules in the same order")
+
+    def check_forward(self) -> None:
+        """check_collectives, stage 3: a forward's start is checked on the reduce group too. The
+        gathers run on their own group, so a rank that runs an extra micro-batch would otherwise wait
+        in a gather while the others wait in step()'s agreement on the other group, until the
+        timeout; checked here, every rank raises OutOfStepError at once. Every reduce of the previous
+        micro-batch is issued before its forward starts, on every rank, so the order is the same."""
+        if self.check:
+            self._verify("forward", 0, 0, self.group)
+
+    # --- the collectives ----------------------------------------------------------------------
 
     def add_grad(self, bucket: int, offset: int, grad: torch.Tensor) -> None:
-        self._impl.add_grad(bucket, offset, grad)
+        # May wait for an earlier reduce: [Note: buffers in flight] in csrc/buckets.cpp.
+        self._run(lambda: f"an earlier reduce (waited for before bucket {bucket} takes a gradient)",
+                  self._impl.add_grad, bucket, offset, grad)
 
     def zero_slot(self, bucket: int, offset: int, numel: int) -> None:
-        self._impl.zero_slot(bucket, offset, numel)
+        self._run(lambda: f"an earlier reduce (waited for before bucket {bucket} is written)",
+                  self._impl.zero_slot, bucket, offset, numel)
 
     def reduce(self, bucket: int, accumulate: bool = False) -> None:
-        self.stats[self.reduce_name] += self.layout.buckets[bucket].numel * self.element_size
-        self._impl.reduce(bucket, accumulate)
+        numel = self.layout.buckets[bucket].numel
+        if self.check:
+            self._verify("reduce", bucket, numel, self.group)
+        self.stats[self.reduce_name] += numel * self.element_size
+        self.where.reduces = Where.mix(self.where.reduces, bucket)
+        self._run(lambda: f"the reduce of bucket {bucket} ({self.reduce_name}, {numel * self.element_size:,} bytes)",
+                  self._impl.reduce, bucket, accumulate)
 
     def wait_reduces(self) -> None:
-        self._impl.wait_reduces()
+        self._run(f"the wait for this step's bucket reduces ({self.reduce_name})", self._impl.wait_reduces)
 
     def gather_start(self, bucket: int, param_buffer: torch.Tensor) -> None:
+        if self.check:
+            self._verify("gather", bucket, param_buffer.numel(), self.gather_group)
         self.stats[self.gather_name] += param_buffer.numel() * param_buffer.element_size()
-        self._impl.gather_start(bucket, param_buffer)
+        self.where.gathers = Where.mix(self.where.gathers, bucket)
+        self._run(lambda: f"the gather of bucket {bucket} ({self.gather_name})", self._impl.gather_start,
+                  bucket, param_buffer)
 
     def gather_wait(self, bucket: int) -> None:
-        self._impl.gather_wait(bucket)
+        self._run(lambda: f"the gather of bucket {bucket} ({self.gather_name})", self._impl.gather_wait, bucket)
 
     def all_reduce_max(self, t: torch.Tensor) -> None:
-        """A small agreement (which parameters got a gradient), counted too."""
+        """A small agreement (which parameters got a gradient, the step and micro-batch counts, a
+        failure before the update), counted too."""
+        if self.check:
+            self._verify("agree_used", 0, t.numel(), self.group)
         self.stats["all_reduce_flags"] += t.numel() * t.element_size()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        self._run("the step's agreement (all_reduce of flags and counters)", dist.all_reduce, t,
+                  dist.ReduceOp.MAX, self.group)
 
     def all_reduce_sum(self, t: torch.Tensor) -> None:
         """A small agreement (overflow flag and squared gradient norm), counted too."""
+        if self.check:
+            self._verify("agree_stats", 0, t.numel(), self.group)
         self.stats["all_reduce_stats"] += t.numel() * t.element_size()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        self._run("the step's agreement on overflow and gradient norm (all_reduce)", dist.all_reduce, t,
+                  dist.ReduceOp.SUM, self.group)
 
     @property
     def buffer_bytes(self) -> int:

@@ -11,6 +11,23 @@ are waited for; with fp16 or clipping, one small all_reduce agrees on overflow a
 
 Where a step is lives in one StepPhase; GradReducer switches on it.
 
+[Note: the step's agreement]
+Phase 2's one small all_reduce(MAX) carries, besides which parameters got a gradient, this rank's
+step count, micro-batch count and running hashes of the buckets it reduced and gathered this step,
+in order (each also negated, so the MAX yields both the largest and the smallest), and a failure
+flag. Ranks whose counts differ raise OutOfStepError on every rank, before anything is applied: a
+rank that ran an extra micro-batch or skipped one (stage 1, whose extra micro-batches communicate
+nothing), or (stage 3) ran its modules in another order, so that gathers paired up with the wrong
+buckets of the same size, a silent mix of data that only this check sees. Where the collectives
+themselves no longer pair up (stages 2 and 3: an extra micro-batch issues extra reduces), the
+mismatch may first surface as a CollectiveError or a hang up to the timeout; check_collectives
+(ZEROFAST_DEBUG=1) catches it before the first differing collective is issued. The failure flag makes the update all-or-nothing: the last checks before it (the
+hyper-parameters of every group, as an lr scheduler may have left them) run on every rank before
+the agreement; if any rank's fail, every rank raises and applies nothing, the parameters and
+optimizer state stay those of the previous step everywhere, and the step's gradients are dropped.
+After the agreement, phase 3 is elementwise kernels over memory that already exists, and phase 4
+(stages 1 and 2) only moves the updated owned ranges, which a checkpoint reads from their owners.
+
 [Note: unused parameters]
 A parameter that gets a gradient on no rank in a step is left untouched, as torch.optim.AdamW leaves
 a parameter whose grad is None: no update, no state change, its step count unchanged. Where some
@@ -41,16 +58,20 @@ from __future__ import annotations
 import contextlib
 import enum
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from . import _ops
-from .comm import BucketComm
+from .comm import BucketComm, OutOfStepError
 from .gather import ParamGather
 from .layout import Layout
 from .precision import LossScaler
 from .state import ShardState
+
+
+class StepNotAppliedError(RuntimeError):
+    """step() applied nothing on any rank, because some rank failed before the update."""
 
 
 class StepPhase(enum.Enum):
@@ -109,6 +130,8 @@ class GradReducer:
         self.used = [False] * n        # got a gradient on this rank in any micro-batch of this step
         self.local = [False] * n       # holds a locally accumulated .grad not yet in a bucket
         self.reduced_micro_batches = 0  # no_sync micro-batches already reduced into the shard
+        self.micro_batches = 0          # backwards that gave gradients in this step
+        self.comm.where.micro_batch = 0
         self.prepared: Optional[Prepared] = None  # phase 2's result, in PREPARED
         self._callback_queued = False
         self._begin_micro_batch()
@@ -123,6 +146,10 @@ class GradReducer:
 
     def on_grad(self, index: int, param: torch.Tensor) -> None:
         self._check_grad_allowed(index)
+        if not self._callback_queued:  # the first gradient of this backward
+            self._callback_queued = True
+            self.comm.where.phase = "backward"
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self.used[index] = True
         if self.views is not None:
             self._point_at_view(index, param)
@@ -134,9 +161,6 @@ class GradReducer:
                 f"ZeroAdam: {self.names[index]} got a second gradient before step(); call opt.step() "
                 f"after each backward, or run the earlier backwards of an accumulated step inside "
                 f"`with opt.no_sync():`")
-        if self.in_no_sync and not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_micro_batch)
         slot = self.layout.slots[index]
         if self.views is None:  # with views the gradient is in its slot already
             self.comm.add_grad(slot.bucket, slot.offset, param.grad)
@@ -182,10 +206,19 @@ class GradReducer:
                 self.comm.reduce(self.next_launch, self.reduced_micro_batches > 0)
             self.next_launch += 1
 
+    def _end_backward(self) -> None:
+        """End of a backward that gave this optimizer gradients: one more micro-batch (counted, so
+        the ranks can check they ran the same number: [Note: the step's agreement])."""
+        self._callback_queued = False
+        self.micro_batches += 1
+        self.comm.where.micro_batch = self.micro_batches
+        self.comm.where.phase = "after backward"
+        if self.in_no_sync and not self.accumulates_locally:
+            self._end_micro_batch()
+
     def _end_micro_batch(self) -> None:
         """End of a backward inside no_sync() (stages 2 and 3, reducing every micro-batch): launch
         every bucket, then let the next micro-batch's reduces add into the shard."""
-        self._callback_queued = False
         self.flush()
         self.reduced_micro_batches += 1
         self.phase = StepPhase.ACCUMULATED
@@ -245,19 +278,56 @@ class GradReducer:
             self.missing[b] = 0
         self.launch_ready()
 
-    def prepare(self, need_norm: bool, world_size: int) -> Prepared:
+    def prepare(self, need_norm: bool, world_size: int, check: Optional[Callable[[], None]] = None) -> Prepared:
         """Phase 2, once per step (step() or an earlier clip_grad_norm_()): every bucket reduced, the
-        ranks agreed on which parameters got a gradient, and, where loss scaling or clipping needs
-        them, on whether any gradient overflowed and on the global gradient norm."""
+        ranks agreed on which parameters got a gradient, that they are in step, and that none failed
+        before the update ([Note: the step's agreement]), and, where loss scaling or clipping needs
+        them, on whether any gradient overflowed and on the global gradient norm. check: this rank's
+        last checks before the update; what it raises makes every rank raise, nothing applied."""
         if self.prepared is not None:  # clip_grad_norm_() ran it; it computed the norm
             return self.prepared
+        failure = None
+        try:
+            if check is not None:
+                check()
+        except Exception as e:  # noqa: BLE001  (any error: the ranks must agree to apply nothing)
+            failure = e
         self.flush()
+        where = self.comm.where
         with torch.profiler.record_function("zerofast::reduce"):
             device = self.shard.grad_shard.device
-            got = torch.tensor(self.used, dtype=torch.uint8, device=device)
-            self.comm.all_reduce_max(got)
-            used = [bool(x) for x in got.tolist()]
+            n = len(self.used)
+            counts = [where.step, self.micro_batches, where.reduces, where.gathers]
+            flags = torch.tensor(self.used + [v for c in counts for v in (c, -c)]
+                                 + [0 if failure is None else self.comm.rank + 1], dtype=torch.int64, device=device)
+            self.comm.all_reduce_max(flags)
+            agreed = flags.tolist()
+            used = [bool(x) for x in agreed[:n]]
+            (steps, micro, reduces, gathers) = [(agreed[n + 2 * i], -agreed[n + 2 * i + 1]) for i in range(4)]
+            failed = agreed[n + 8]
+            if steps[0] != steps[1] or micro[0] != micro[1]:
+                raise OutOfStepError(
+                    f"ZeroAdam (rank {self.comm.rank}): the ranks are out of step at step() of step {where.step + 1}: "
+                    f"they have taken {steps[1]} to {steps[0]} steps and run {micro[1]} to {micro[0]} micro-batches "
+                    f"(this rank: {where.step} and {self.micro_batches}). Every rank must run the same "
+                    f"micro-batches and call step() as often; nothing was applied")
+            if reduces[0] != reduces[1] or gathers[0] != gathers[1]:
+                which = "gathers (stage 3: the modules ran in another order)" if gathers[0] != gathers[1] else "reduces"
+                raise OutOfStepError(
+                    f"ZeroAdam (rank {self.comm.rank}): the ranks are out of step at step() of step {where.step + 1}: "
+                    f"they issued different {which} in this step, so collectives paired up wrongly and this "
+                    f"step's gradients are not to be trusted; nothing was applied. Every rank must run the same "
+                    f"modules in the same order; ZEROFAST_DEBUG=1 names the first collective that differs")
             self.comm.wait_reduces()
+        if failed:
+            self.begin_step()  # this step's gradients are dropped; nothing was applied
+            note = (f"ZeroAdam: step {where.step + 1} was not applied on any rank: rank {failed - 1} failed before "
+                    f"the update; parameters and optimizer state are those after step {where.step} on every rank, "
+                    f"and this step's gradients are dropped")
+            if failure is not None:
+                failure.add_note(note)
+                raise failure
+            raise StepNotAppliedError(note + " (see that rank's error)")
         found_inf, sumsq = False, None
         if self.scaler.enabled or need_norm:
             stats = torch.zeros(2, dtype=torch.float32, device=device)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _checks
-from .comm import BucketComm
+from .comm import BucketComm, debug_from_env, group_timeout
 from .gather import ParamGather
 from .grads import GradReducer
 from .layout import Layout, build_layout, layout_from_groups
@@ -110,6 +110,13 @@ class ZeroAdam(torch.optim.Optimizer):
       gradients are reduced in their own dtype: its .grad are views of persistent buckets that are
       reduced in place, so a rank holds one copy of the gradients ([Note: grads as bucket views]);
       after step() its .grad is None, as in stages 2 and 3.
+    check_collectives: before every collective, check that every rank is about to issue the same
+      one (the same bucket, size, step and micro-batch), raising OutOfStepError on every rank
+      otherwise; one small blocking all_gather per collective (None: on when ZEROFAST_DEBUG=1).
+      Without it, a cheap check rides on the step's agreement ([Note: the step's agreement]).
+    Every wait is bounded by the process group's timeout (stage 3's gather group gets the same): a
+    dead, stuck or out-of-step rank makes the others raise CollectiveError naming the step, the phase
+    and the collective ([Note: faults] in zerofast/comm.py).
     """
 
     def __init__(self, model: nn.Module, stage: int = 2, lr: float = 1e-3, betas=(0.9, 0.999),
@@ -121,7 +128,8 @@ class ZeroAdam(torch.optim.Optimizer):
                  reduce_dtype: Optional[torch.dtype] = None, max_grad_norm: Optional[float] = None,
                  init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, accumulate_locally: bool = False,
-                 min_unit_mb: Optional[float] = None, bucket_buffers: int = DEFAULT_BUCKET_BUFFERS):
+                 min_unit_mb: Optional[float] = None, bucket_buffers: int = DEFAULT_BUCKET_BUFFERS,
+                 check_collectives: Optional[bool] = None):
         _checks.check_args(model, stage, lr, betas, eps, weight_decay, partition, bucket_mb)
         if bucket_mb is None:
             bucket_mb = DEFAULT_BUCKET_MB.get(stage, DEFAULT_BUCKET_MB[2])
@@ -132,6 +140,8 @@ class ZeroAdam(torch.optim.Optimizer):
                                 backoff_factor, growth_interval)
         _checks.check_flags(adamw=adamw, overlap=overlap, overlap_param_gather=overlap_param_gather,
                             accumulate_locally=accumulate_locally)
+        if check_collectives is not None:
+            _checks.check_flags(check_collectives=check_collectives)
         _checks.check_process_group(process_group)
         self.model, self.stage, self.adamw, self.partition = model, stage, adamw, partition
         self.overlap, self.overlap_param_gather = overlap, overlap_param_gather
@@ -176,7 +186,8 @@ class ZeroAdam(torch.optim.Optimizer):
                                                                with_kwargs=True))
         self.comm = BucketComm(self.group, self.layout, self.rank, self.shard.grad_shard,
                                self._gather_group() if stage == 3 else None, self.shard.grad_buckets,
-                               bucket_buffers)
+                               bucket_buffers,
+                               debug_from_env() if check_collectives is None else check_collectives)
         self._scaler = LossScaler(init_scale, growth_factor, backoff_factor, growth_interval,
                                   enabled=mixed_precision == "fp16")
         self._gather = ParamGather(self.comm, self.layout, self.shard.param_buffers)
@@ -205,7 +216,8 @@ class ZeroAdam(torch.optim.Optimizer):
     def _gather_group(self) -> dist.ProcessGroup:
         """Stage 3 gathers on a second group: see [Note: two process groups] in csrc/buckets.cpp."""
         ranks = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
-        return dist.new_group(ranks, use_local_synchronization=True)
+        # With the same timeout as the group given: new_group's default is 30 minutes ([Note: faults]).
+        return dist.new_group(ranks, timeout=group_timeout(self.group), use_local_synchronization=True)
 
     def _shard_params(self) -> UnitTracker:
         """Copy this rank's shards out, release every unit, and install the hooks."""
@@ -261,10 +273,13 @@ class ZeroAdam(torch.optim.Optimizer):
             raise RuntimeError("ZeroAdam.step() was called inside `with opt.no_sync():`; no_sync() wraps "
                                "the micro-batches whose gradients are only accumulated, and step() follows "
                                "the last backward, outside it")
+        where = self.comm.where
+        where.phase = "step() (phase 2: the reduces and the agreement)"
         self._gather.wait()                     # last step's, if some module never ran
         if self.units is not None:              # stage 3: nothing may stay gathered across the update
             self.units.release_all()
-        prep = self._grads.prepare(self.max_grad_norm is not None, self.world_size)  # phase 2
+        prep = self._grads.prepare(self.max_grad_norm is not None, self.world_size,  # phase 2
+                                   check=self._check_update)
         if self.max_grad_norm is not None:
             self._grads.clip(prep, self.max_grad_norm)
         anything = any(prep.used)  # agreed: the same on every rank
@@ -273,6 +288,7 @@ class ZeroAdam(torch.optim.Optimizer):
                 self.shard.apply_adam(prep.used, self.param_groups, self._group_of, self.adamw,
                                       prep.grad_factor / (self.world_size * self._scaler.scale))
             if self.stage < 3:                  # phase 4 (stage 3: the next forward gathers)
+                where.phase = "step() (phase 4: the parameter gather)"
                 with torch.profiler.record_function("zerofast::gather"):
                     self._gather.start()
                     if not self.overlap_param_gather:
@@ -281,7 +297,16 @@ class ZeroAdam(torch.optim.Optimizer):
             self._scaler.update(prep.found_inf)
         self.last_step_skipped = prep.found_inf
         self._last_comm = dict(self.comm.stats)
+        where.step += 1
+        where.phase = "forward"
         self._grads.begin_step()
+
+    def _check_update(self) -> None:
+        """The last checks before an update, on every rank before the step's agreement, so that a
+        failure here applies nothing anywhere ([Note: the step's agreement] in zerofast/grads.py):
+        the hyper-parameters as a scheduler or user code may have left them."""
+        for g, group in enumerate(self.param_groups):
+            _checks.check_hyper(f".param_groups[{g}]", group)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients' global norm to max_norm, as torch.nn.utils.clip_grad_norm_ on the
@@ -293,7 +318,9 @@ class ZeroAdam(torch.optim.Optimizer):
         if self._grads.in_no_sync:
             raise RuntimeError("ZeroAdam.clip_grad_norm_() was called inside `with opt.no_sync():`; clip after "
                                "the last backward of the step, outside it")
-        return self._grads.clip(self._grads.prepare(True, self.world_size), float(max_norm))
+        self.comm.where.phase = "clip_grad_norm_() (the reduces and the agreement)"
+        return self._grads.clip(self._grads.prepare(True, self.world_size, check=self._check_update),
+                                float(max_norm))
 
     # --- the rest of the public surface ---------------------------------------------------------
 

@@ -398,6 +398,8 @@ class UnitTracker:
     def _pre_forward(self, module, args, kwargs):
         units = self.needs[module]
         if module is self.model:
+            self.buffers.comm.where.phase = "forward"
+            self.buffers.comm.check_forward()
             if self._calls:  # the last forward, complete: the order to prefetch in
                 self._previous = self._calls
             self._calls, self._running = [], []
@@ -450,6 +452,7 @@ class UnitTracker:
     def _pre_backward(self, calls: list[_Call], k: int) -> None:
         if not self._callback_queued:
             self._callback_queued = True
+            self.buffers.comm.where.phase = "backward"
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         self.acquire(calls[k].units)
         self.prefetch(_next_other(calls, k, -1))

@@ -5,7 +5,10 @@
 
 Without torchrun's environment it launches itself on --nproc local ranks through
 torch.distributed.run (the mechanism behind torchrun), so a multi-machine run is
-`torchrun --nnodes ... -m zerofast.train`. Trains on text shipped inside the package (zerofast/data.py),
+`torchrun --nnodes ... -m zerofast.train`. Faults: every collective waits at most --timeout seconds;
+a dead or stuck rank makes the others exit with one line naming the step, the phase and the
+collective; with --max-restarts R and --save-dir, torchrun restarts the workers after a failure and
+they resume from the newest checkpoint. Trains on text shipped inside the package (zerofast/data.py),
 shows a progress bar on rank 0, and ends with a table per rank: parameter, gradient and optimizer
 bytes measured next to the seed's estimate, and the communication per step next to 2Φ / 3Φ.
 """
@@ -16,11 +19,14 @@ import logging
 import os
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from .checkpoint import latest, load, save
+from .comm import CollectiveError, OutOfStepError
+from .grads import StepNotAppliedError
 from .data import corpus_tokens, text_batch
 from .memory import format_bytes, estimate_memory
 from .models import CONFIGS, make_gpt
@@ -55,7 +61,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in --save-dir (model, optimizer, step, data "
                         "position, RNG), at any world size or stage; start afresh if there is none")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds any collective may wait for the other ranks (default 60; the process groups' "
+                        "timeout): a stuck rank ends the job after this, a dead one at once")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="torchrun restarts the workers up to this many times after a failure; with --save-dir they "
+                        "resume from the newest checkpoint (default 0)")
     args = p.parse_args(argv)
+    if not args.timeout > 0:
+        p.error(f"--timeout must be positive; got {args.timeout}")
+    if args.max_restarts < 0:
+        p.error(f"--max-restarts must be 0 or more; got {args.max_restarts}")
     if args.nproc < 1:
         p.error(f"--nproc must be at least 1; got {args.nproc}")
     if args.stage not in (1, 2, 3):
@@ -94,12 +110,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def launch(argv: list[str], nproc: int) -> int:
-    """Start `nproc` local ranks running this module, through torch.distributed.run."""
+def launch(argv: list[str], nproc: int, max_restarts: int) -> int:
+    """Start `nproc` local ranks running this module, through torch.distributed.run; its agent
+    restarts them up to max_restarts times after a failure (they resume: see _resuming)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torchrun_main(["--standalone", f"--nproc-per-node={nproc}", "-m", "zerofast.train", *_without_nproc(argv)])
+    try:
+        torchrun_main(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+                       "-m", "zerofast.train", *_without_nproc(argv)])
+    except ChildFailedError:  # the workers said why on stderr; torchrun printed its summary
+        return 1
     return 0
 
 
@@ -188,7 +210,7 @@ def run(kind: str, args, device, steps: int, progress: bool):
     seq = model.cfg.block_size
     losses, times, measured = [], [], {}
     checkpoints = kind == "zero" and args.save_dir is not None
-    start = _resume(args, model, opt, rank) if checkpoints and args.resume else 0
+    start = _resume(args, model, opt, rank) if checkpoints and _resuming(args) else 0
     bar = Progress(steps, progress and rank == 0)
     if progress and rank == 0 and isinstance(opt, ZeroAdam) and opt.stage == 3:
         units = opt.units_report()
@@ -212,7 +234,11 @@ def run(kind: str, args, device, steps: int, progress: bool):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         mean_loss = loss.detach().float()
-        dist.all_reduce(mean_loss)
+        try:
+            dist.all_reduce(mean_loss)
+        except RuntimeError as e:  # the job's own collective: the same one-line report as ZeroAdam's
+            raise CollectiveError(f"zerofast.train (rank {rank} of {world}): the loss average after step {step + 1} "
+                                  f"failed: another rank died or is stuck. Backend: {str(e).strip().splitlines()[0]}") from e
         losses.append(mean_loss.item() / world)
         bar.update(step, losses[-1], args.batch * seq * world / times[-1])
         if checkpoints and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps):
@@ -223,6 +249,11 @@ def run(kind: str, args, device, steps: int, progress: bool):
     if isinstance(opt, ZeroAdam):
         opt.remove_hooks()
     return losses, times, measured, comm, numel
+
+
+def _resuming(args) -> bool:
+    """--resume, or a restart by torchrun's agent after a failure (TORCHELASTIC_RESTART_COUNT > 0)."""
+    return args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
 def _resume(args, model, opt, rank: int) -> int:
@@ -287,9 +318,41 @@ def plot(path: str, rows: dict[str, list[dict]], numel: int, precision: str) -> 
     fig.savefig(path, dpi=100)
 
 
+def _init_process_group(backend: str, timeout: timedelta) -> None:
+    """init_process_group from torchrun's environment. After a restart by torchrun's agent
+    (TORCHELASTIC_RESTART_COUNT > 0) the rendezvous store can still hold the previous attempt's keys,
+    among them the addresses of workers that are gone, and gloo then fails to connect to them
+    (measured: "connectFullMesh failed ... Connection refused" on every restart); each attempt gets
+    keys of its own under a prefix."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    from torch.distributed.rendezvous import rendezvous
+    store, rank, world = next(rendezvous("env://", timeout=timeout))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"zerofast/attempt-{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)
+
+
+def exit_on_fault(error: BaseException) -> None:
+    """A collective failed (a rank died or is stuck) or the ranks are out of step: print the one
+    line that says where, and leave at once. os._exit, because an orderly interpreter exit can block
+    on the process group's threads while a peer is stuck; torchrun then ends (or restarts) the rest."""
+    sys.stderr.write(f"zerofast.train rank {os.environ.get('RANK', '?')}: {error}\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def worker(args: argparse.Namespace) -> None:
+    try:
+        _worker(args)
+    except (CollectiveError, OutOfStepError, StepNotAppliedError) as e:
+        exit_on_fault(e)
+
+
+def _worker(args: argparse.Namespace) -> None:
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    dist.init_process_group(backend)
+    _init_process_group(backend, timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device(backend)
     if rank == 0:
@@ -330,7 +393,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if "RANK" not in os.environ:
-        return launch(argv, args.nproc)
+        return launch(argv, args.nproc, args.max_restarts)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     worker(args)
     return 0

@@ -1,0 +1,336 @@
+"""Faults (issue 14): a rank stopped (SIGSTOP) or killed (SIGKILL) during forward, backward, a
+reduce, step() or a parameter gather, in every stage, makes the other ranks leave with one message
+naming the step, the phase and the collective, quickly (killed) or after the process group's timeout
+(stopped); ranks out of step are caught; a step that fails on one rank is applied on none.
+
+The fault matrix runs each case in fresh processes (a broken process group cannot be reused), forked
+from a forkserver that has imported torch and zerofast once, a few cases at a time."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from harness import free_port, run_ranks
+from oracles import HYPER, rank_batch
+from zerofast import ZeroAdam
+from zerofast.models import make_gpt
+
+TIMEOUT_S = 4.0      # the process groups' timeout in the fault cases
+FAULT_STEP = 2       # the victim's fault comes in its third step (0-based 2)
+POINTS = ("forward", "backward", "reduce", "step", "gather")
+STAGES = (1, 2, 3)
+SIGNALS = ("SIGKILL", "SIGSTOP")
+PARALLEL = 5         # cases at once (2 processes each)
+
+_CTX = None
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "zerofast", "zerofast.models", "oracles"])
+    return _CTX
+
+
+def _install_fault(model, opt, point: str, sig: int, state: dict) -> None:
+    """On the victim: deliver `sig` to itself at `point` of step FAULT_STEP."""
+    def fire():
+        if state["step"] == FAULT_STEP:
+            os.kill(os.getpid(), sig)
+
+    if point == "forward":  # in the middle of the forward
+        model.blocks[1].register_forward_pre_hook(lambda *_: fire())
+    elif point == "backward":  # the first gradient backward computes, before any reduce
+        state["on_logits"] = lambda logits: logits.register_hook(lambda g: fire())
+    elif point == "reduce":  # right after launching the second bucket's reduce, mid-backward
+        reduce = opt.comm.reduce
+
+        def reduce_then_fire(bucket, accumulate=False):
+            reduce(bucket, accumulate)
+            if bucket == 1:
+                fire()
+        opt.comm.reduce = reduce_then_fire
+    elif point == "step":  # inside step(), after the agreement, before the update
+        apply = opt.shard.apply_adam
+
+        def fire_then_apply(*args, **kwargs):
+            fire()
+            return apply(*args, **kwargs)
+        opt.shard.apply_adam = fire_then_apply
+    elif point == "gather":  # stage 3: a unit's gather in forward; stages 1 and 2: phase 4 of step()
+        start = opt.comm.gather_start
+        calls = {"n": 0}
+
+        def start_then_fire(bucket, buffer):
+            start(bucket, buffer)
+            if state["step"] == FAULT_STEP:
+                calls["n"] += 1
+                if calls["n"] == 2:
+                    fire()
+        opt.comm.gather_start = start_then_fire
+
+
+def _rank_main(rank, world, port, stage, point, sig_name, out_dir):
+    import torch.distributed as dist
+
+    from zerofast.train import exit_on_fault
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
+    model = make_gpt("tiny", n_layer=4)
+    opt = ZeroAdam(model, stage=stage, bucket_mb=0.002, min_unit_mb=0, **HYPER)
+    state = {"step": 0}
+    if rank == world - 1:
+        _install_fault(model, opt, point, getattr(signal, sig_name), state)
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    try:
+        for step in range(FAULT_STEP + 3):
+            state["step"] = step
+            if step == FAULT_STEP:
+                with open(path + ".t0", "w") as f:
+                    f.write(repr(time.monotonic()))
+            logits, loss = model(*rank_batch(model, step, rank))
+            if "on_logits" in state:
+                state["on_logits"](logits)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    except Exception as e:  # noqa: BLE001
+        with open(path, "w") as f:
+            json.dump({"type": type(e).__name__, "message": str(e), "t": time.monotonic()}, f)
+        exit_on_fault(e)  # zerofast.train's handler: one line on stderr, exit code 1
+    with open(path, "w") as f:
+        json.dump({"type": None, "t": time.monotonic()}, f)
+    os._exit(0)
+
+
+def _run_cases(cases, tmp_path, world=2):
+    """Run the cases, PARALLEL at a time; return {case: [per-survivor result dicts]}."""
+    ctx = _context()
+    results = {}
+    for i in range(0, len(cases), PARALLEL):
+        batch = []
+        for case in cases[i:i + PARALLEL]:
+            out = tmp_path / "-".join(map(str, case))
+            out.mkdir()
+            port = free_port()
+            procs = [ctx.Process(target=_rank_main, args=(r, world, port, *case, str(out)), daemon=True)
+                     for r in range(world)]
+            for p in procs:
+                p.start()
+            batch.append((case, out, procs))
+        for case, out, procs in batch:
+            survivors = procs[:-1]
+            for p in survivors:
+                p.join(timeout=TIMEOUT_S + 60)
+            rows = []
+            for r, p in enumerate(survivors):
+                alive = p.is_alive()
+                if alive:
+                    p.kill()
+                    p.join()
+                row = {"exitcode": None if alive else p.exitcode}
+                path = out / f"rank{r}.json"
+                if path.exists():
+                    row.update(json.loads(path.read_text()))
+                    row["elapsed"] = row["t"] - float((out / f"rank{r}.json.t0").read_text())
+                rows.append(row)
+            victim = procs[-1]
+            if victim.is_alive():  # stopped: SIGKILL ends it too
+                victim.kill()
+                victim.join()
+            results[case] = rows
+    return results
+
+
+PHASES = r"(forward|backward|after backward|step\(\) \(phase 2: the reduces and the agreement\)|step\(\) \(phase 4: the parameter gather\))"
+COLLECTIVES = r"(the reduce of bucket \d+|an earlier reduce|the wait for this step's bucket reduces|the step's agreement|the gather of bucket \d+)"
+
+
+def _check_survivors(case, rows):
+    stage, point, sig = case
+    for r, row in enumerate(rows):
+        where = f"rank {r}, stage {stage}, {point}, {sig}: {row}"
+        assert row["exitcode"] == 1 and row.get("type") == "CollectiveError", where
+        msg = row["message"]
+        # One message: who, where (the step; stage 3 may meet the fault in the next step's forward
+        # gather, after a fault inside step()), which collective, then the backend's own words.
+        m = re.match(rf"ZeroAdam \(rank {r} of 2\): {COLLECTIVES}.* failed at step (\d), (micro-batch \d, )?{PHASES}(, after \d micro-batch(es)?)?: "
+                     r"another rank died, is stuck or is out of step \(the wait is bounded by the process group's "
+                     rf"timeout, {TIMEOUT_S:g} s\)\. Backend: .+", msg)
+        assert m, where
+        assert int(m.group(2)) in (FAULT_STEP + 1, FAULT_STEP + 2), where
+        assert "\n" not in msg, where
+        if sig == "SIGKILL":  # the connection closes: no need to wait for the timeout
+            assert row["elapsed"] < TIMEOUT_S, where
+        else:  # stopped: the timeout ends the wait, and not much later
+            assert TIMEOUT_S * 0.9 <= row["elapsed"] <= TIMEOUT_S + 10, where
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_dead_or_stopped_rank_ends_the_others_with_one_message(stage, tmp_path):
+    cases = [(stage, point, sig) for point in POINTS for sig in SIGNALS]
+    results = _run_cases(cases, tmp_path)
+    for case, rows in results.items():
+        _check_survivors(case, rows)
+
+
+# --- out of step -------------------------------------------------------------------------------------
+
+def _out_of_step(rank, world, stage, how, check):
+    """Rank 0 runs an extra micro-batch in step 2 (how="extra"), or skips step()'s micro-batch
+    entirely and calls step() with no backward (how="skip"); returns the error each rank raised."""
+    model = make_gpt("tiny", n_layer=4)
+    opt = ZeroAdam(model, stage=stage, bucket_mb=0.002, min_unit_mb=0, check_collectives=check, **HYPER)
+    try:
+        for step in range(3):
+            micro = 1
+            if step == 1 and rank == 0:
+                micro = 2 if how == "extra" else 0
+            for k in range(micro):
+                ctx = opt.no_sync() if k < micro - 1 else _nothing()
+                with ctx:
+                    _, loss = model(*rank_batch(model, step, rank))
+                    loss.backward()
+            opt.step()
+            opt.zero_grad()
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+    return None
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_ranks_out_of_step_raise_on_every_rank():
+    # Stage 1 communicates nothing in an extra micro-batch (it accumulates locally), so the step's
+    # agreement sees the counts differ; a rank that runs no micro-batch at all also differs there.
+    for how in ("extra", "skip"):
+        for rank, (kind, msg) in enumerate(run_ranks(_out_of_step, 2, args=(1, how, False), timeout=60)):
+            assert kind == "OutOfStepError" and "the ranks are out of step at step() of step 2" in msg, (how, rank, msg)
+            assert ("run 1 to 2 micro-batches" if how == "extra" else "run 0 to 1 micro-batches") in msg, msg
+
+
+def test_check_collectives_catches_what_the_agreement_cannot():
+    # Stages 2 and 3 reduce in every micro-batch: rank 0's extra micro-batch issues reduces the others
+    # do not. check_collectives compares each collective before it is issued, on every rank.
+    for stage in (2, 3):
+        for rank, (kind, msg) in enumerate(run_ranks(_out_of_step, 2, args=(stage, "extra", True), timeout=60)):
+            assert kind == "OutOfStepError" and "the ranks are out of step" in msg, (stage, rank, msg)
+            assert "rank 0: #" in msg and "rank 1: #" in msg, msg
+
+
+class _Ordered(torch.nn.Module):
+    """Four equal blocks (each its own stage-3 unit), run in the order given."""
+
+    def __init__(self, order):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.order = order
+
+    def forward(self, x):
+        for i in self.order:
+            x = torch.tanh(self.blocks[i](x))
+        return x.square().mean()
+
+
+def _module_order(rank, world, check):
+    """Stage 3, rank 1 running two blocks the other way round: equal sizes, so without a check the
+    gathers would pair up with the wrong blocks and mix their data silently."""
+    model = _Ordered([0, 2, 1, 3] if rank == 1 else [0, 1, 2, 3])
+    opt = ZeroAdam(model, stage=3, min_unit_mb=0, check_collectives=check, **HYPER)
+    before = opt.master_shard()
+    try:
+        for step in range(2):
+            model(torch.randn(4, 16, generator=torch.Generator().manual_seed(step))).backward()
+            opt.step()
+            opt.zero_grad()
+    except Exception as e:  # noqa: BLE001
+        after = opt.master_shard()
+        return type(e).__name__, str(e), all(torch.equal(x[2], y[2]) for x, y in zip(before, after))
+    return None
+
+
+def test_stage3_modules_in_another_order_are_caught():
+    for check, wanted in ((False, "they issued different gathers (stage 3: the modules ran in another order)"),
+                          (True, "the collective each rank was about to issue")):
+        for rank, r in enumerate(run_ranks(_module_order, 2, args=(check,), timeout=60)):
+            assert r is not None, (check, rank)
+            kind, msg, unchanged = r
+            assert kind == "OutOfStepError" and wanted in msg, (check, rank, msg)
+            assert unchanged, (check, rank)  # nothing was applied
+
+
+# --- all or nothing ------------------------------------------------------------------------------------
+
+def _failing_step(rank, world, stage, fault):
+    """Rank 1's step 3 fails before the update (a bad lr left by user code, or any exception raised
+    in step()'s last checks); every rank must raise and keep the state of step 2, and training then
+    continues in step."""
+    model = make_gpt("tiny", n_layer=4)
+    opt = ZeroAdam(model, stage=stage, bucket_mb=0.002, min_unit_mb=0, **HYPER)
+
+    def snapshot():
+        with opt.gathered_params():
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        return params, opt.master_shard(), opt.shard.state_pieces("exp_avg"), opt.step_counts()
+
+    errors = []
+    for step in range(5):
+        _, loss = model(*rank_batch(model, step, rank))
+        loss.backward()
+        if step == 2:
+            before = snapshot()
+            if rank == 1:
+                if fault == "lr":
+                    opt.param_groups[0]["lr"] = -1.0
+                else:
+                    def boom():
+                        raise RuntimeError("injected fault")
+                    opt._check_update = boom
+            try:
+                opt.step()
+                errors.append(None)
+            except Exception as e:  # noqa: BLE001
+                errors.append((type(e).__name__, str(e)))
+            after = snapshot()
+            opt.param_groups[0]["lr"] = HYPER["lr"]
+            opt.__dict__.pop("_check_update", None)
+        else:
+            opt.step()
+        opt.zero_grad()
+    with opt.gathered_params():
+        final = {n: p.detach().clone() for n, p in model.named_parameters()}
+    same = all(torch.equal(a[k], b[k]) for a, b in [(before[0], after[0])] for k in a)
+    same = same and all(torch.equal(x[2], y[2]) for x, y in zip(before[1] + before[2], after[1] + after[2]))
+    return dict(errors=errors, same=same, counts=(before[3], after[3]), final=final)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_step_that_fails_on_one_rank_is_applied_on_none(stage):
+    for fault, wanted in (("lr", "ValueError"), ("raise", "RuntimeError")):
+        results = run_ranks(_failing_step, 2, args=(stage, fault), timeout=60)
+        for rank, r in enumerate(results):
+            where = f"stage {stage} {fault} rank {rank}"
+            kind, msg = r["errors"][0]
+            assert kind == (wanted if rank == 1 else "StepNotAppliedError"), (where, kind, msg)
+            assert r["same"] and r["counts"][0] == r["counts"][1], where
+            if rank == 0:
+                assert "step 3 was not applied on any rank: rank 1 failed before the update" in msg, msg
+        # The ranks went on in step: stages 1-3 hold the same full parameters on every rank.
+        assert all(torch.equal(results[0]["final"][k], results[1]["final"][k]) for k in results[0]["final"]), fault

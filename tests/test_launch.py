@@ -1,0 +1,127 @@
+"""The main job under torchrun (issue 14): a worker killed mid-run and restarted by torchrun's agent
+resumes from the newest checkpoint and ends bitwise equal to an uninterrupted run; a relaunch on
+fewer ranks continues resharded; a stuck worker ends the job after --timeout with one message; and
+two torchrun launches of 2 ranks each (two "machines" on this one, c10d rendezvous) run every stage
+and equal the same job on 4 local ranks. Slow (real launches); run in `make test`."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from harness import free_port
+from zerofast import checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+JOB = ["--model", "small", "--batch", "2", "--lr", "1e-3"]
+
+
+def _train(*argv, timeout=300):
+    return subprocess.run([sys.executable, "-m", "zerofast.train", *argv], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _start(*argv):
+    return subprocess.Popen([sys.executable, "-m", "zerofast.train", *argv], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _workers(pid: int) -> list[int]:
+    """The launcher's child processes (torchrun's agent runs inside it and starts the workers)."""
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids += [int(k) for k in f.read().split()]
+    return kids
+
+
+def _wait_for(path: str, proc, limit: float = 120.0) -> None:
+    t0 = time.monotonic()
+    while not os.path.exists(path):
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() - t0 < limit, f"{path} did not appear"
+        time.sleep(0.02)
+
+
+def _same_checkpoints(a: str, b: str) -> bool:
+    (am, ao), (bm, bo) = checkpoint.to_torch(a), checkpoint.to_torch(b)
+    return (am.keys() == bm.keys() and all(torch.equal(am[k], bm[k]) for k in am)
+            and all(torch.equal(s[k], bo["state"][i][k]) for i, s in ao["state"].items() for k in s))
+
+
+def test_a_killed_worker_is_restarted_and_resumes_bitwise(tmp_path):
+    whole, faulty = str(tmp_path / "whole"), str(tmp_path / "faulty")
+    steps = ["--steps", "12", "--save-every", "3"]
+    out = _train("--nproc", "2", *JOB, *steps, "--save-dir", whole)
+    assert out.returncode == 0, out.stdout + out.stderr
+    proc = _start("--nproc", "2", *JOB, *steps, "--save-dir", faulty, "--max-restarts", "1")
+    _wait_for(os.path.join(faulty, "step-000003"), proc)
+    time.sleep(random.uniform(0.0, 0.3))  # somewhere between the saves at steps 3 and 6
+    victim = random.choice(_workers(proc.pid))
+    os.kill(victim, signal.SIGKILL)
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, log
+    assert "resumed from" in log, log  # the restarted workers loaded the newest checkpoint
+    assert _same_checkpoints(os.path.join(whole, "step-000012"), os.path.join(faulty, "step-000012"))
+
+
+def test_a_relaunch_on_fewer_ranks_continues_resharded(tmp_path):
+    d = str(tmp_path / "ckpt")
+    out = _train("--nproc", "3", *JOB, "--stage", "2", "--steps", "4", "--save-dir", d)
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = _train("--nproc", "2", *JOB, "--stage", "2", "--steps", "6", "--save-dir", d, "--resume")
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log
+    assert "at step 4" in log and "over 2 steps" in log, log
+    (m4, o4), (m6, o6) = (checkpoint.to_torch(os.path.join(d, f"step-00000{s}")) for s in (4, 6))
+    assert all(s["step"] == 6 for s in o6["state"].values())
+    assert any(not torch.equal(m4[k], m6[k]) for k in m4)  # it trained on
+
+
+def test_a_stuck_worker_ends_the_job_after_the_timeout(tmp_path):
+    d = str(tmp_path / "ckpt")
+    proc = _start("--nproc", "2", *JOB, "--steps", "200", "--save-every", "2", "--save-dir", d, "--timeout", "3")
+    _wait_for(os.path.join(d, "step-000002"), proc)
+    victim = _workers(proc.pid)[-1]
+    os.kill(victim, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        log = proc.communicate(timeout=120)[0]
+    finally:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:  # torchrun ended it
+            pass
+    elapsed = time.monotonic() - t0
+    print(f"job ended {elapsed:.1f} s after the worker was stopped")
+    assert proc.returncode != 0, log
+    # The survivor's one line: where it was, then the backend's words.
+    lines = [line for line in log.splitlines() if line.startswith("zerofast.train rank")]
+    assert len(lines) == 1 and "failed at step" in lines[0] and "timeout, 3 s" in lines[0], log
+    # Its wait ends after --timeout; torchrun then stops the other workers, giving the stopped one
+    # its 30-second grace for SIGTERM before SIGKILL.
+    assert elapsed < 3 + 30 + 30, elapsed
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_two_machines_on_torchrun_equal_four_local_ranks(tmp_path, stage):
+    job = [*JOB, "--model", "tiny", "--stage", str(stage), "--steps", "3"]
+    local, nodes = str(tmp_path / "local"), str(tmp_path / "nodes")
+    out = _train("--nproc", "4", *job, "--save-dir", local)
+    assert out.returncode == 0, out.stdout + out.stderr
+    port = free_port()
+    launches = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(i),
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "zerofast.train", *job,
+         "--save-dir", nodes], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)]
+    logs = [p.communicate(timeout=300)[0] for p in launches]
+    assert all(p.returncode == 0 for p in launches), "\n".join(logs)
+    assert _same_checkpoints(os.path.join(local, "step-000003"), os.path.join(nodes, "step-000003"))
