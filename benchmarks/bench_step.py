@@ -118,7 +118,9 @@ def build(case, rank, world):
     if kind == "zerofast":
         stage, partition, *extra = rest.split()
         # "k=v" words are ZeroAdam arguments: min_unit_mb, bucket_mb (numbers), bucket_buffers (an int)
-        options = {k: int(v) if k == "bucket_buffers" else float(v)
+        # and check_collectives (0 or 1)
+        # (check_collectives=1: the debug check before every collective)
+        options = {k: bool(int(v)) if k == "check_collectives" else int(v) if k == "bucket_buffers" else float(v)
                    for k, v in (e.split("=") for e in extra if "=" in e)}
         opt = ZeroAdam(model, stage=int(stage), partition=partition, overlap_param_gather="overlap_gather" in extra,
                        **options, **HYPER)
@@ -143,7 +145,8 @@ CASES = (["nocomm", "ddp", "zero_redundancy", "reference 1", "reference 2"]
          + [f"zerofast {s} {p} overlap_gather" for s in (1, 2) for p in ("flat", "greedy")]
          + ["deepspeed 1", "deepspeed 2"]
          + ["reference 3", "fsdp2"] + [f"zerofast 3 {p}" for p in ("flat", "round_robin", "greedy")]
-         + ["deepspeed 3"])
+         + ["deepspeed 3"]
+         + [f"zerofast {s} flat check_collectives=1" for s in (1, 2, 3)])  # ZEROFAST_DEBUG's cost
 
 
 # The narrow, deep GPT of issue 16: d=64, 32 blocks (356 tensors), where per-tensor and per-unit

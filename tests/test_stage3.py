@@ -132,17 +132,20 @@ def _comm_gpt(rank, world, stage):
     _, loss = model(*rank_batch(model, 0, rank))
     loss.backward()
     opt.step()
-    return opt.comm_stats(), sum(p.numel() * 4 for p in model.parameters()), sum(b.numel * 4 for b in opt.layout.buckets)
+    return (opt.comm_stats(), sum(p.numel() * 4 for p in model.parameters()), sum(b.numel * 4 for b in opt.layout.buckets),
+            len(list(model.parameters())))
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_stages_1_2_move_2phi(stage):
-    for stats, phi, padded in run_ranks(_comm_gpt, 2, args=(stage,)):
+    for stats, phi, padded, tensors in run_ranks(_comm_gpt, 2, args=(stage,)):
         reduced = sum(v for k, v in stats.items() if k in ("reduce_scatter", "reduce", "all_reduce"))
         gathered = sum(v for k, v in stats.items() if k in ("all_gather", "broadcast"))
         assert reduced == gathered == padded
         assert phi <= padded <= phi * 1.01  # 2Φ, up to the padding ([Note: padding])
-        assert stats["all_reduce_flags"] < 100  # one small agreement per step
+        # One small agreement per step: an int64 flag per parameter tensor, and the step's counters
+        # (step, micro-batches, reduce and gather hashes, each also negated) and failure flag.
+        assert stats["all_reduce_flags"] == 8 * (tensors + 9)
 
 
 def _gathered_params_and_eval(rank, world):
