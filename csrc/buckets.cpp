@@ -104,6 +104,13 @@ class OnCommStream {
 #endif
 };
 
+// A running hash of bucket indices in order, modulo the prime 2^61 - 1 (it fits an int64, negated
+// too, for the agreement's MAX).
+uint64_t mix(uint64_t h, int64_t bucket) {
+  const unsigned __int128 x = static_cast<unsigned __int128>(h) * 1000003u + static_cast<uint64_t>(bucket) + 1u;
+  return static_cast<uint64_t>(x % ((static_cast<uint64_t>(1) << 61) - 1));
+}
+
 bool valid_ops(bool flat, Collective reduce_op, Collective gather_op) {
   if (!flat) return reduce_op == Collective::kReduce && gather_op == Collective::kBroadcast;
   return (reduce_op == Collective::kAllReduce || reduce_op == Collective::kReduceScatter) &&
@@ -363,6 +370,8 @@ void BucketComm::reduce(int64_t bucket, bool accumulate) {
   if (!grad_buckets_.empty()) buffer(bucket);  // the gradients are already there, as .grad views
   TORCH_CHECK(buffers_[bucket].has_value(), "BucketComm.reduce: bucket ", bucket, " has no gradients");
   at::Tensor buf = *buffers_[bucket];
+  reduce_bytes_ += bucket_numels_[bucket] * buf.element_size();
+  reduce_hash_ = mix(reduce_hash_, bucket);
   begin_comm();
   OnCommStream on_comm(comm_stream_);
   const auto& bd = bounds_[bucket];
@@ -404,6 +413,8 @@ void BucketComm::gather_start(int64_t bucket, const at::Tensor& param_buffer) {
   TORCH_CHECK(gathers_[bucket].empty(), "BucketComm.gather_start: bucket ", bucket, " is already being gathered");
   TORCH_CHECK(param_buffer.dim() == 1 && param_buffer.numel() == bucket_numels_[bucket], "BucketComm.gather_start: bucket ",
               bucket, " needs a flat buffer of ", bucket_numels_[bucket], " elements; got shape ", param_buffer.sizes());
+  gather_bytes_ += param_buffer.numel() * param_buffer.element_size();
+  gather_hash_ = mix(gather_hash_, bucket);
   begin_comm();
   OnCommStream on_comm(comm_stream_);
   at::Tensor out = param_buffer;

@@ -78,6 +78,15 @@ class BucketComm {
   int64_t over_budget() const { return over_budget_; }
   void reset_peak() { peak_live_ = live_; peak_alive_ = live_ + static_cast<int64_t>(pool_.size()); }
   int64_t max_buffers() const { return max_buffers_; }
+  // This step's traffic, counted where the collectives are issued (the C++ gradient path launches
+  // reduces without Python): payload bytes, and running hashes of the buckets reduced and gathered
+  // in order, which the step's agreement compares across ranks ([Note: the step's agreement] in
+  // zerofast/grads.py). reset_counts() at each new step.
+  int64_t reduce_bytes() const { return reduce_bytes_; }
+  int64_t gather_bytes() const { return gather_bytes_; }
+  int64_t reduce_hash() const { return static_cast<int64_t>(reduce_hash_); }
+  int64_t gather_hash() const { return static_cast<int64_t>(gather_hash_); }
+  void reset_counts() { reduce_bytes_ = gather_bytes_ = 0; reduce_hash_ = gather_hash_ = 0; }
 
   // The side stream collectives run on (CUDA builds with CUDA tensors); nothing on CPU builds.
 #ifdef ZEROFAST_WITH_CUDA
@@ -126,6 +135,10 @@ class BucketComm {
   int64_t peak_live_ = 0;
   int64_t peak_alive_ = 0;
   int64_t over_budget_ = 0;
+  int64_t reduce_bytes_ = 0;
+  int64_t gather_bytes_ = 0;
+  uint64_t reduce_hash_ = 0;
+  uint64_t gather_hash_ = 0;
   CommStream comm_stream_;
 };
 

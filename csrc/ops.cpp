@@ -5,6 +5,7 @@
 
 #include "adam_cpu.h"
 #include "buckets.h"
+#include "grad_path.h"
 
 namespace zerofast {
 
@@ -103,5 +104,37 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("peak_alive_buffers", &BucketComm::peak_alive_buffers)
       .def_property_readonly("over_budget", &BucketComm::over_budget)
       .def_property_readonly("max_buffers", &BucketComm::max_buffers)
-      .def("reset_peak", &BucketComm::reset_peak);
+      .def("reset_peak", &BucketComm::reset_peak)
+      .def_property_readonly("reduce_bytes", &BucketComm::reduce_bytes)
+      .def_property_readonly("gather_bytes", &BucketComm::gather_bytes)
+      .def_property_readonly("reduce_hash", &BucketComm::reduce_hash)
+      .def_property_readonly("gather_hash", &BucketComm::gather_hash)
+      .def("reset_counts", &BucketComm::reset_counts);
+
+  using zerofast::GradPath;
+  py::class_<GradPath>(m, "GradPath", "The per-gradient path of phase 1 (see csrc/grad_path.h)")
+      .def(py::init<BucketComm&, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                    std::vector<int64_t>, std::vector<at::Tensor>, bool, bool, py::object, py::object>(),
+           py::arg("comm"), py::arg("params"), py::arg("bucket"), py::arg("offset"), py::arg("bucket_params"),
+           py::arg("views"), py::arg("drop_grad"), py::arg("overlap"), py::arg("on_grad"), py::arg("on_error"),
+           py::keep_alive<1, 2>())  // the BucketComm outlives the path
+      // May wait for a reduce (add_grad, launches): without the GIL, as BucketComm's own methods.
+      .def("accept", &GradPath::accept, py::arg("index"), py::call_guard<py::gil_scoped_release>())
+      .def("launch_ready", &GradPath::launch_ready, py::call_guard<py::gil_scoped_release>())
+      .def("fill_rest", &GradPath::fill_rest)
+      .def("begin_micro_batch", &GradPath::begin_micro_batch)
+      .def("begin_step", &GradPath::begin_step)
+      .def("remove_hooks", &GradPath::remove_hooks)
+      .def_readwrite("python_decides", &GradPath::python_decides)
+      .def_readwrite("in_backward", &GradPath::in_backward)
+      .def_readwrite("accumulate", &GradPath::accumulate)
+      .def_readwrite("next_launch", &GradPath::next_launch)
+      .def_readonly("fast_calls", &GradPath::fast_calls)
+      .def("used", [](const GradPath& g, int64_t i) { return static_cast<bool>(g.used.at(i)); })
+      .def("set_used", [](GradPath& g, int64_t i) { g.used.at(i) = 1; })
+      .def("used_list", [](const GradPath& g) { return std::vector<bool>(g.used.begin(), g.used.end()); })
+      .def("got_grad", [](const GradPath& g, int64_t i) { return static_cast<bool>(g.got_grad.at(i)); })
+      .def("set_got_grad", [](GradPath& g, int64_t i) { g.got_grad.at(i) = 1; })
+      .def("missing", [](const GradPath& g, int64_t b) { return g.missing.at(b); })
+      .def("clear_missing", [](GradPath& g, int64_t b) { g.missing.at(b) = 0; });
 }

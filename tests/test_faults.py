@@ -51,14 +51,12 @@ def _install_fault(model, opt, point: str, sig: int, state: dict) -> None:
         model.blocks[1].register_forward_pre_hook(lambda *_: fire())
     elif point == "backward":  # the first gradient backward computes, before any reduce
         state["on_logits"] = lambda logits: logits.register_hook(lambda g: fire())
-    elif point == "reduce":  # right after launching the second bucket's reduce, mid-backward
-        reduce = opt.comm.reduce
-
-        def reduce_then_fire(bucket, accumulate=False):
-            reduce(bucket, accumulate)
-            if bucket == 1:
+    elif point == "reduce":  # at the first gradient after a bucket's reduce was launched, mid-backward
+        def after_a_launch(_):
+            if opt.comm.stats.get(opt.comm.reduce_name):  # some reduce of this step is in flight
                 fire()
-        opt.comm.reduce = reduce_then_fire
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(after_a_launch)
     elif point == "step":  # inside step(), after the agreement, before the update
         apply = opt.shard.apply_adam
 
@@ -153,7 +151,8 @@ def _run_cases(cases, tmp_path, world=2):
 
 
 PHASES = r"(forward|backward|after backward|step\(\) \(phase 2: the reduces and the agreement\)|step\(\) \(phase 4: the parameter gather\))"
-COLLECTIVES = r"(the reduce of bucket \d+|an earlier reduce|the wait for this step's bucket reduces|the step's agreement|the gather of bucket \d+)"
+COLLECTIVES = (r"(the reduce of bucket \d+|an earlier reduce|the wait for this step's bucket reduces|the step's agreement|"
+               r"the gather of bucket \d+|the gradient path at bucket \d+|the reduce of a complete bucket)")
 
 
 def _check_survivors(case, rows):

@@ -39,29 +39,18 @@ class OutOfStepError(RuntimeError):
     """The ranks are not running the same collectives, steps or micro-batches."""
 
 
-_HASH_MOD = (1 << 61) - 1  # a prime; the running hashes below fit an int64, negated too
-
-
 @dataclass
 class Where:
-    """Where this rank is, for error messages: steps completed, and the phase of the current one;
-    and running hashes of the reduces and gathers issued this step, in order, which the step's
-    agreement compares across ranks ([Note: the step's agreement] in zerofast/grads.py)."""
+    """Where this rank is, for error messages: steps completed, and the phase of the current one."""
     step: int = 0
     micro_batch: int = 0
     phase: str = "forward"
-    reduces: int = 0
-    gathers: int = 0
 
     def describe(self) -> str:
         if self.phase in ("forward", "backward"):
             return f"step {self.step + 1}, micro-batch {self.micro_batch + 1}, {self.phase}"
         m = self.micro_batch
         return f"step {self.step + 1}, {self.phase}, after {m} micro-batch{'' if m == 1 else 'es'}"
-
-    @staticmethod
-    def mix(h: int, bucket: int) -> int:
-        return (h * 1_000_003 + bucket + 1) % _HASH_MOD
 
 
 def group_timeout(group: dist.ProcessGroup) -> Optional[timedelta]:
@@ -122,19 +111,33 @@ class BucketComm:
         self.gather_group = group if gather_group is None else gather_group
         self.rank, self.world = rank, dist.get_world_size(group)
         self.element_size = grad_shard.element_size()
-        self.stats: Counter = Counter()  # payload bytes by collective, this step
+        self._agreements: Counter = Counter()  # payload bytes of the step's small all_reduces
         self.where = Where()             # see [Note: faults]
         self.timeout = group_timeout(group)
         self.check = check_collectives
         self._checked = {id(self.group): 0, id(self.gather_group): 0}  # descriptions per group, in order
 
     def new_step(self) -> None:
-        self.stats = Counter()
-        self.where.reduces = self.where.gathers = 0
+        self._agreements = Counter()
+        self._impl.reset_counts()
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Payload bytes by collective, this step (the reduces and gathers counted in C++, where
+        they are issued: the C++ gradient path launches reduces without Python)."""
+        out = dict(self._agreements)
+        for name, nbytes in ((self.reduce_name, self._impl.reduce_bytes), (self.gather_name, self._impl.gather_bytes)):
+            if nbytes:
+                out[name] = out.get(name, 0) + nbytes
+        return out
+
+    def order_hashes(self) -> tuple[int, int]:
+        """Running hashes of the buckets reduced and gathered this step, in order."""
+        return self._impl.reduce_hash, self._impl.gather_hash
 
     # --- errors and checks: [Note: faults] -----------------------------------------------------
 
-    def _failed(self, what: str, error: BaseException) -> CollectiveError:
+    def failed(self, what: str, error: BaseException) -> CollectiveError:
         timeout = f"{self.timeout.total_seconds():g} s" if self.timeout is not None else "the backend's"
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return CollectiveError(
@@ -142,13 +145,13 @@ class BucketComm:
             f"rank died, is stuck or is out of step (the wait is bounded by the process group's timeout, "
             f"{timeout}). Backend: {first}")
 
-    def _run(self, what, fn, *args):
+    def run(self, what, fn, *args):
         try:
             return fn(*args)
         except RuntimeError as e:
             if isinstance(e, (CollectiveError, OutOfStepError)):
                 raise
-            raise self._failed(what() if callable(what) else what, e) from e
+            raise self.failed(what() if callable(what) else what, e) from e
 
     def _verify(self, kind: str, bucket: int, numel: int, group: dist.ProcessGroup) -> None:
         """check_collectives: every rank describes the collective it is about to issue; any
@@ -158,7 +161,7 @@ class BucketComm:
         mine = torch.tensor([seq, _KINDS.index(kind), bucket, numel, self.where.step, self.where.micro_batch],
                             dtype=torch.int64)
         everyone = [torch.empty_like(mine) for _ in range(self.world)]
-        self._run(lambda: f"the check of {kind} {bucket}", dist.all_gather, everyone, mine, group)
+        self.run(lambda: f"the check of {kind} {bucket}", dist.all_gather, everyone, mine, group)
         rows = [t.tolist() for t in everyone]
         if any(r != rows[0] for r in rows):
             def show(r):
@@ -183,51 +186,47 @@ class BucketComm:
 
     def add_grad(self, bucket: int, offset: int, grad: torch.Tensor) -> None:
         # May wait for an earlier reduce: [Note: buffers in flight] in csrc/buckets.cpp.
-        self._run(lambda: f"an earlier reduce (waited for before bucket {bucket} takes a gradient)",
+        self.run(lambda: f"an earlier reduce (waited for before bucket {bucket} takes a gradient)",
                   self._impl.add_grad, bucket, offset, grad)
 
     def zero_slot(self, bucket: int, offset: int, numel: int) -> None:
-        self._run(lambda: f"an earlier reduce (waited for before bucket {bucket} is written)",
+        self.run(lambda: f"an earlier reduce (waited for before bucket {bucket} is written)",
                   self._impl.zero_slot, bucket, offset, numel)
 
     def reduce(self, bucket: int, accumulate: bool = False) -> None:
         numel = self.layout.buckets[bucket].numel
         if self.check:
             self._verify("reduce", bucket, numel, self.group)
-        self.stats[self.reduce_name] += numel * self.element_size
-        self.where.reduces = Where.mix(self.where.reduces, bucket)
-        self._run(lambda: f"the reduce of bucket {bucket} ({self.reduce_name}, {numel * self.element_size:,} bytes)",
+        self.run(lambda: f"the reduce of bucket {bucket} ({self.reduce_name}, {numel * self.element_size:,} bytes)",
                   self._impl.reduce, bucket, accumulate)
 
     def wait_reduces(self) -> None:
-        self._run(f"the wait for this step's bucket reduces ({self.reduce_name})", self._impl.wait_reduces)
+        self.run(f"the wait for this step's bucket reduces ({self.reduce_name})", self._impl.wait_reduces)
 
     def gather_start(self, bucket: int, param_buffer: torch.Tensor) -> None:
         if self.check:
             self._verify("gather", bucket, param_buffer.numel(), self.gather_group)
-        self.stats[self.gather_name] += param_buffer.numel() * param_buffer.element_size()
-        self.where.gathers = Where.mix(self.where.gathers, bucket)
-        self._run(lambda: f"the gather of bucket {bucket} ({self.gather_name})", self._impl.gather_start,
+        self.run(lambda: f"the gather of bucket {bucket} ({self.gather_name})", self._impl.gather_start,
                   bucket, param_buffer)
 
     def gather_wait(self, bucket: int) -> None:
-        self._run(lambda: f"the gather of bucket {bucket} ({self.gather_name})", self._impl.gather_wait, bucket)
+        self.run(lambda: f"the gather of bucket {bucket} ({self.gather_name})", self._impl.gather_wait, bucket)
 
     def all_reduce_max(self, t: torch.Tensor) -> None:
         """A small agreement (which parameters got a gradient, the step and micro-batch counts, a
         failure before the update), counted too."""
         if self.check:
             self._verify("agree_used", 0, t.numel(), self.group)
-        self.stats["all_reduce_flags"] += t.numel() * t.element_size()
-        self._run("the step's agreement (all_reduce of flags and counters)", dist.all_reduce, t,
+        self._agreements["all_reduce_flags"] += t.numel() * t.element_size()
+        self.run("the step's agreement (all_reduce of flags and counters)", dist.all_reduce, t,
                   dist.ReduceOp.MAX, self.group)
 
     def all_reduce_sum(self, t: torch.Tensor) -> None:
         """A small agreement (overflow flag and squared gradient norm), counted too."""
         if self.check:
             self._verify("agree_stats", 0, t.numel(), self.group)
-        self.stats["all_reduce_stats"] += t.numel() * t.element_size()
-        self._run("the step's agreement on overflow and gradient norm (all_reduce)", dist.all_reduce, t,
+        self._agreements["all_reduce_stats"] += t.numel() * t.element_size()
+        self.run("the step's agreement on overflow and gradient norm (all_reduce)", dist.all_reduce, t,
                   dist.ReduceOp.SUM, self.group)
 
     @property

@@ -62,7 +62,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import _ops
+from . import _C, _ops
 from .comm import BucketComm, OutOfStepError
 from .gather import ParamGather
 from .layout import Layout
@@ -99,11 +99,13 @@ class Prepared:
 
 
 class GradReducer:
-    """Phases 1 and 2 over one BucketComm: the hooks, the launches, the flush and the agreement."""
+    """Phases 1 and 2 over one BucketComm: the gradient path, the launches, the flush and the
+    agreement. The per-gradient state (which parameters got a gradient, each bucket's missing
+    count, the next bucket to launch) lives in the compiled GradPath, which both paths update."""
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], layout: Layout, comm: BucketComm,
                  shard: ShardState, stage: int, *, overlap: bool, accumulate_locally: bool,
-                 scaler: LossScaler, gather: ParamGather):
+                 scaler: LossScaler, gather: ParamGather, always_python: bool = False):
         self.params, self.names, self.layout, self.comm = params, names, layout, comm
         self.shard = shard                    # where the reduces leave this rank's owned gradients
         # Stage 1: each parameter's slot in the persistent buckets, which .grad is pointed at
@@ -112,8 +114,15 @@ class GradReducer:
         self.stage, self.overlap = stage, overlap
         self.accumulates_locally = stage == 1 or accumulate_locally  # under no_sync: .grad accumulates
         self.scaler, self.gather = scaler, gather
+        # Every gradient through Python: fp16 (each gradient checks its backward was scaled), the
+        # overlapped gather (each checks its bucket's gather was waited for), check_collectives
+        # (each launch is described first). See [Note: the gradient path].
+        self.always_python = always_python or scaler.enabled or comm.check
         self.in_no_sync = False
-        self.handles = [p.register_post_accumulate_grad_hook(_GradHook(self, i)) for i, p in enumerate(params)]
+        slots = layout.slots
+        self.path = _C.GradPath(comm._impl, params, [s.bucket for s in slots], [s.offset for s in slots],
+                                [len(b.params) for b in layout.buckets], self.views or [], stage >= 2, overlap,
+                                self._on_grad, self._on_error)
         self.begin_step()
 
     # --- the step's bookkeeping -----------------------------------------------------------------
@@ -127,51 +136,59 @@ class GradReducer:
             for p in self.params:
                 p.grad = None
         self.phase = StepPhase.IDLE
-        self.used = [False] * n        # got a gradient on this rank in any micro-batch of this step
         self.local = [False] * n       # holds a locally accumulated .grad not yet in a bucket
         self.reduced_micro_batches = 0  # no_sync micro-batches already reduced into the shard
         self.micro_batches = 0          # backwards that gave gradients in this step
         self.comm.where.micro_batch = 0
         self.prepared: Optional[Prepared] = None  # phase 2's result, in PREPARED
-        self._callback_queued = False
-        self._begin_micro_batch()
+        self.path.begin_step()          # used, got_grad, missing, next_launch; no backward running
+        self._refresh()
         self.comm.new_step()
 
     def _begin_micro_batch(self) -> None:
-        self.got_grad = [False] * len(self.params)  # copied into its bucket in this micro-batch
-        self.missing = [len(b.params) for b in self.layout.buckets]
-        self.next_launch = 0
+        self.path.begin_micro_batch()
+
+    def _refresh(self) -> None:
+        """Whether the compiled path may take gradients without Python: [Note: the gradient path]."""
+        self.path.python_decides = (self.always_python or self.in_no_sync or self.phase is StepPhase.PREPARED)
+        self.path.accumulate = self.reduced_micro_batches > 0
 
     # --- phase 1 --------------------------------------------------------------------------------
 
-    def on_grad(self, index: int, param: torch.Tensor) -> None:
+    def _on_grad(self, index: int) -> None:
+        """Python's path for one gradient (the compiled hook calls it with the GIL)."""
+        param = self.params[index]
         self._check_grad_allowed(index)
-        if not self._callback_queued:  # the first gradient of this backward
-            self._callback_queued = True
+        if not self.path.in_backward:  # the first gradient of this backward
+            self.path.in_backward = True
             self.comm.where.phase = "backward"
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        self.used[index] = True
-        if self.views is not None:
-            self._point_at_view(index, param)
+        self.path.set_used(index)
         if self.in_no_sync and self.accumulates_locally:
+            if self.views is not None:
+                self._point_at_view(index, param)
             self.local[index] = True  # .grad accumulates; the last micro-batch copies it
             return
-        if self.got_grad[index]:
+        if self.path.got_grad(index):
             raise RuntimeError(
                 f"ZeroAdam: {self.names[index]} got a second gradient before step(); call opt.step() "
                 f"after each backward, or run the earlier backwards of an accumulated step inside "
                 f"`with opt.no_sync():`")
-        slot = self.layout.slots[index]
-        if self.views is None:  # with views the gradient is in its slot already
-            self.comm.add_grad(slot.bucket, slot.offset, param.grad)
         self.phase = StepPhase.BACKWARD
-        self.got_grad[index] = True
         self.local[index] = False
-        if self.stage >= 2:
-            param.grad = None  # the bucket holds it now; see [Note: grads as views]
-        self.missing[slot.bucket] -= 1
+        bucket = self.layout.slots[index].bucket
+        # Into the slot, .grad dropped in stages 2 and 3 ([Note: grads as views]), counted, and
+        # launched (in C++ unless Python decides the launches too).
+        self.comm.run(lambda: f"an earlier reduce (waited for before bucket {bucket} takes a gradient)",
+                      self.path.accept, index)
         if self.overlap:
             self.launch_ready()
+
+    def _on_error(self, index: int, message: str) -> None:
+        """A failure in the compiled path's copy or launch, raised as Python's path would raise it."""
+        bucket = self.layout.slots[index].bucket
+        raise self.comm.failed(f"the gradient path at bucket {bucket} (its copy, or a reduce it launched or "
+                               f"waited for)", RuntimeError(message))
 
     def _point_at_view(self, index: int, param: torch.Tensor) -> None:
         """Make .grad the parameter's bucket slot: autograd accumulated into it in place, unless
@@ -199,17 +216,21 @@ class GradReducer:
                                f"clip after the last backward of the step")
 
     def launch_ready(self) -> None:
-        """Start every complete bucket whose predecessors have all started: see [Note: bucket order]."""
+        """Start every complete bucket whose predecessors have all started: see [Note: bucket order].
+        With check_collectives each launch goes through Python, which describes it first."""
+        if not self.comm.check:
+            self.comm.run("the reduce of a complete bucket", self.path.launch_ready)
+            return
         buckets = self.layout.buckets
-        while self.next_launch < len(buckets) and self.missing[self.next_launch] == 0:
+        while self.path.next_launch < len(buckets) and self.path.missing(self.path.next_launch) == 0:
             with torch.profiler.record_function("zerofast::reduce"):
-                self.comm.reduce(self.next_launch, self.reduced_micro_batches > 0)
-            self.next_launch += 1
+                self.comm.reduce(self.path.next_launch, self.reduced_micro_batches > 0)
+            self.path.next_launch += 1
 
     def _end_backward(self) -> None:
         """End of a backward that gave this optimizer gradients: one more micro-batch (counted, so
         the ranks can check they ran the same number: [Note: the step's agreement])."""
-        self._callback_queued = False
+        self.path.in_backward = False
         self.micro_batches += 1
         self.comm.where.micro_batch = self.micro_batches
         self.comm.where.phase = "after backward"
@@ -223,24 +244,27 @@ class GradReducer:
         self.reduced_micro_batches += 1
         self.phase = StepPhase.ACCUMULATED
         self._begin_micro_batch()
+        self._refresh()
 
     @contextlib.contextmanager
     def no_sync(self):
         if self.in_no_sync:
             raise RuntimeError("ZeroAdam.no_sync() is already active: no_sync() blocks cannot be nested")
         self.in_no_sync = True
+        self._refresh()
         try:
             yield
         finally:
             self.in_no_sync = False
-            self._callback_queued = False  # a backward that raised may have left it queued, never run
+            self.path.in_backward = False  # a backward that raised may have left it set, its end never run
+            self._refresh()
 
     def zero_grad(self, set_to_none: bool) -> None:
         if self.phase is not StepPhase.IDLE:
             raise RuntimeError("ZeroAdam.zero_grad() was called between backward and step(): this step's "
                                "gradients are already being reduced across ranks and would still be "
                                "applied; call step() first (or zero_grad() only at the start of an iteration)")
-        self.used = [False] * len(self.params)
+        self.path.begin_step()
         self.local = [False] * len(self.params)
         if self.views is not None and not set_to_none:  # zeroed slots: autograd accumulates in place
             for g in self.shard.grad_buckets:
@@ -259,9 +283,10 @@ class GradReducer:
     def flush(self) -> None:
         """Launch what backward did not: a locally accumulated gradient where one is waiting, zeros
         for a parameter without gradient here ([Note: unused parameters])."""
-        for b in range(self.next_launch, len(self.layout.buckets)):
+        path = self.path
+        for b in range(path.next_launch, len(self.layout.buckets)):
             for i in self.layout.buckets[b].params:
-                if self.got_grad[i]:
+                if path.got_grad(i):
                     continue
                 s = self.layout.slots[i]
                 p = self.params[i]
@@ -274,8 +299,8 @@ class GradReducer:
                         p.grad = None
                 else:
                     self.comm.zero_slot(s.bucket, s.offset, s.numel)
-                self.got_grad[i] = True
-            self.missing[b] = 0
+                path.set_got_grad(i)
+            path.clear_missing(b)
         self.launch_ready()
 
     def prepare(self, need_norm: bool, world_size: int, check: Optional[Callable[[], None]] = None) -> Prepared:
@@ -296,9 +321,10 @@ class GradReducer:
         where = self.comm.where
         with torch.profiler.record_function("zerofast::reduce"):
             device = self.shard.grad_shard.device
-            n = len(self.used)
-            counts = [where.step, self.micro_batches, where.reduces, where.gathers]
-            flags = torch.tensor(self.used + [v for c in counts for v in (c, -c)]
+            local_used = self.path.used_list()
+            n = len(local_used)
+            counts = [where.step, self.micro_batches, *self.comm.order_hashes()]
+            flags = torch.tensor(local_used + [v for c in counts for v in (c, -c)]
                                  + [0 if failure is None else self.comm.rank + 1], dtype=torch.int64, device=device)
             self.comm.all_reduce_max(flags)
             agreed = flags.tolist()
@@ -344,6 +370,7 @@ class GradReducer:
             norm = sumsq.sqrt() / (world_size * self.scaler.scale)
         self.prepared = Prepared(used, found_inf, norm, 1.0)
         self.phase = StepPhase.PREPARED
+        self._refresh()
         return self.prepared
 
     @staticmethod
@@ -357,16 +384,4 @@ class GradReducer:
         return norm
 
     def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-
-
-class _GradHook:
-    """The post-accumulate-grad hook of parameter `index`."""
-
-    def __init__(self, reducer: GradReducer, index: int):
-        self.reducer, self.index = reducer, index
-
-    def __call__(self, param: torch.Tensor) -> None:
-        self.reducer.on_grad(self.index, param)
+        self.path.remove_hooks()
