@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -120,9 +121,12 @@ class GradReducer:
         self.always_python = always_python or scaler.enabled or comm.check
         self.in_no_sync = False
         slots = layout.slots
+        # The compiled path calls back through weak references: it must not keep this reducer (and
+        # with it the optimizer) alive, since the garbage collector cannot see references held in C++.
+        me = weakref.ref(self)
         self.path = _C.GradPath(comm._impl, params, [s.bucket for s in slots], [s.offset for s in slots],
                                 [len(b.params) for b in layout.buckets], self.views or [], stage >= 2, overlap,
-                                self._on_grad, self._on_error)
+                                _Callback(me, "_on_grad"), _Callback(me, "_on_error"))
         self.begin_step()
 
     # --- the step's bookkeeping -----------------------------------------------------------------
@@ -385,3 +389,15 @@ class GradReducer:
 
     def remove(self) -> None:
         self.path.remove_hooks()
+
+
+class _Callback:
+    """A method of the GradReducer, called by the compiled path through a weak reference."""
+
+    def __init__(self, ref: "weakref.ref[GradReducer]", name: str):
+        self.ref, self.name = ref, name
+
+    def __call__(self, *args) -> None:
+        reducer = self.ref()
+        if reducer is not None:
+            getattr(reducer, self.name)(*args)
