@@ -1,7 +1,7 @@
 """Phases 1 and 2 of a step: gradients into buckets, bucket reduces, and the ranks' agreement.
 
-Phase 1, during backward: a post-accumulate-grad hook per parameter copies its gradient into its
-slot of a bucket (stages 2 and 3 then drop param.grad); when every parameter of a bucket is in,
+Phase 1, during backward: a hook per parameter (compiled: [Note: the gradient path]) copies its
+gradient into its slot of a bucket (stages 2 and 3 then drop param.grad); when every parameter of a bucket is in,
 the bucket's reduce starts at once, asynchronously, buckets strictly in index order (which is
 backward order: [Note: bucket order] in zerofast/layout.py). "flat" reduces each bucket into this
 rank's gradient shard; "round_robin" and "greedy" reduce each owner's segment to that owner.
@@ -10,6 +10,22 @@ zeros in the missing slots; the ranks agree which parameters got a gradient anyw
 are waited for; with fp16 or clipping, one small all_reduce agrees on overflow and the global norm.
 
 Where a step is lives in one StepPhase; GradReducer switches on it.
+
+[Note: the gradient path]
+Each gradient's work in phase 1 is the compiled GradPath's (csrc/grad_path.cpp): one autograd post
+hook per parameter, on its AccumulateGrad node (where DDP's reducer hooks too; several post hooks
+live on one node, so a user's hooks and ours never replace each other), copies the gradient into its
+slot (stage 1: points .grad at it), drops .grad (stages 2 and 3), counts the bucket and launches
+every complete bucket in order, with no Python frame. It also holds the state both paths share:
+which parameters got a gradient, each bucket's missing count, the next bucket to launch.
+Python keeps what Python must decide, through _on_grad (called with the GIL): the first gradient of
+each backward (it queues the backward's end and sets the phase), every gradient under no_sync (local
+accumulation or per-micro-batch reduces), fp16 (each checks its backward was scaled), the
+overlapped gather (each checks its bucket was waited for), between clip_grad_norm_() and step(),
+with check_collectives (each launch is described first), and a second gradient (an error).
+_refresh() sets python_decides whenever one of those changes. A failure inside the compiled path
+(a reduce that cannot complete) comes back through _on_error as the CollectiveError Python's path
+would raise. Measured (benchmarks/bench_grad_path.py): see README, "Per-gradient cost".
 
 [Note: the step's agreement]
 Phase 2's one small all_reduce(MAX) carries, besides which parameters got a gradient, this rank's
