@@ -330,8 +330,8 @@ class UnitTracker:
         self.state = [UnitState.SHARDED] * n
         self.refs = [0] * n                     # running modules (forward or backward) holding each unit
         self.carried = [False] * n              # kept gathered for the next call: [Note: merging small units]
-        self._calls: list[_Call] = []           # this step's gathering calls, in forward order
-        self._previous: list[_Call] = []        # the last complete forward's: the prefetch order
+        self._calls = _CallList()               # this step's gathering calls, in forward order
+        self._previous = _CallList()            # the last complete forward's: the prefetch order
         self._running: list[Optional[int]] = [] # per running forward call: its index in _calls (None: skipped)
         self._callback_queued = False
         self.handles = []
@@ -402,7 +402,7 @@ class UnitTracker:
             self.buffers.comm.check_forward()
             if self._calls:  # the last forward, complete: the order to prefetch in
                 self._previous = self._calls
-            self._calls, self._running = [], []
+            self._calls, self._running = _CallList(), []
         elif self._held(units):  # a module running around this one holds them: [Note: who gathers what]
             self._running.append(None)
             return None
@@ -412,7 +412,7 @@ class UnitTracker:
         self.acquire(units)
         prev = self._previous
         if k + 1 < len(prev) and prev[k].module is module:
-            self.prefetch(_next_other(prev, k, +1))
+            self.prefetch(prev.next_other(k, +1))
         if torch.is_grad_enabled():
             return self._wrap_inputs(k, args, kwargs)
         return None
@@ -420,7 +420,9 @@ class UnitTracker:
     def _wrap_inputs(self, k: int, args, kwargs):
         """The module's tensor arguments that need a gradient, through _PostBackward, so that their
         gradient (the module's backward done) releases its units."""
-        flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        plain = not kwargs and not any(isinstance(a, (list, tuple, dict)) for a in args)
+        # Plain positional arguments (most modules) skip the pytree walk, a third of this hook's cost.
+        flat, spec = (list(args), None) if plain else torch.utils._pytree.tree_flatten((args, kwargs))
         positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.requires_grad]
         if not positions:
             return None
@@ -429,7 +431,7 @@ class UnitTracker:
         wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
         for i, t in zip(positions, wrapped):
             flat[i] = t
-        return torch.utils._pytree.tree_unflatten(flat, spec)
+        return (tuple(flat), kwargs) if plain else torch.utils._pytree.tree_unflatten(flat, spec)
 
     @torch.compiler.disable
     def _post_forward(self, module, args, output):
@@ -445,8 +447,11 @@ class UnitTracker:
             self.release_all()  # prefetches that no module claimed
         outputs = [t for t in output_tensors(output) if t.requires_grad]
         if outputs and torch.is_grad_enabled():
-            torch.autograd.graph.register_multi_grad_hook(
-                outputs, lambda grads, calls=self._calls, k=k: self._pre_backward(calls, k), mode="any")
+            if len(outputs) == 1:  # one output (most modules): a tensor hook, a fifth of the multi-grad hook's cost
+                outputs[0].register_hook(_BeforeBackward(self, self._calls, k))
+            else:
+                torch.autograd.graph.register_multi_grad_hook(
+                    outputs, lambda grads, calls=self._calls, k=k: self._pre_backward(calls, k), mode="any")
 
     @torch.compiler.disable
     def _pre_backward(self, calls: list[_Call], k: int) -> None:
@@ -455,7 +460,7 @@ class UnitTracker:
             self.buffers.comm.where.phase = "backward"
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         self.acquire(calls[k].units)
-        self.prefetch(_next_other(calls, k, -1))
+        self.prefetch(calls.next_other(k, -1))
 
     def _post_backward(self, calls: list[_Call], k: int) -> None:
         if k > 0:
@@ -480,15 +485,45 @@ class UnitTracker:
         self.handles = []
 
 
-def _next_other(calls: list[_Call], k: int, step: int) -> tuple[int, ...]:
-    """The units of the first call after k (step +1) or before it (-1) that needs others than
-    call k: what to prefetch (the calls in between share call k's units, a merged unit)."""
-    i = k + step
-    while 0 <= i < len(calls):
-        if calls[i].units != calls[k].units:
-            return calls[i].units
-        i += step
-    return ()
+class _BeforeBackward:
+    """The gradient hook on a one-output module's output: its backward is about to run."""
+
+    def __init__(self, tracker: "UnitTracker", calls: "_CallList", k: int):
+        self.tracker, self.calls, self.k = tracker, calls, k
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.tracker._pre_backward(self.calls, self.k)
+
+
+class _CallList(list):
+    """The gathering calls of one forward, in order, and for each call what to prefetch: the units of
+    the first call after it (step +1, forward) or before it (step -1, backward) that needs others
+    than it (the calls in between share its units: a merged unit). Computed once per direction, in
+    one pass: a scan per call was quadratic in the calls of a merged unit (1,024 modules of one
+    unit: 0.27 s of Python per step)."""
+
+    def __init__(self):
+        super().__init__()
+        self._tables: dict[int, list[tuple[int, ...]]] = {}
+
+    def append(self, call: _Call) -> None:
+        self._tables = {}
+        super().append(call)
+
+    def next_other(self, k: int, step: int) -> tuple[int, ...]:
+        table = self._tables.get(step)
+        if table is None:
+            table = self._tables[step] = self._table(step)
+        return table[k]
+
+    def _table(self, step: int) -> list[tuple[int, ...]]:
+        n = len(self)
+        out: list[tuple[int, ...]] = [()] * n
+        order = range(n - 2, -1, -1) if step > 0 else range(1, n)
+        for i in order:  # from the far end towards the start of the walk
+            j = i + step
+            out[i] = self[j].units if self[j].units != self[i].units else out[j]
+        return out
 
 
 def output_tensors(output) -> list[torch.Tensor]:
