@@ -81,7 +81,9 @@ void GradPath::on_hook(int64_t index) {
     ++fast_calls;
   } catch (const std::exception& e) {
     py::gil_scoped_acquire gil;
-    on_error_(index, std::string(e.what()));  // raises zerofast.comm.CollectiveError
+    // Raises zerofast.comm.CollectiveError for the backend's errors (is_comm_failure), any other
+    // error as a RuntimeError naming the parameter.
+    on_error_(index, std::string(e.what()));
     throw;
   }
 }

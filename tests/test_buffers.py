@@ -29,7 +29,8 @@ def _train_counting(rank, world, stage, partition, budget, slow, precision=None,
     opt = ZeroAdam(model, stage=stage, partition=partition, bucket_mb=0.002, min_unit_mb=0, bucket_buffers=budget,
                    mixed_precision=precision, reduce_dtype=reduce_dtype, **HYPER)
     samples = []
-    # Registered after ZeroAdam's own hooks, so each runs right after the gradient went into its bucket.
+    # Tensor post-accumulate hooks run before ZeroAdam's (a post hook on the AccumulateGrad node), so
+    # each sample sees the buffers as the previous gradient left them; the C++ peaks see every moment.
     handles = [p.register_post_accumulate_grad_hook(lambda _: samples.append(opt.comm.buffer_counts()["live"]))
                for p in model.parameters()]
     for step in range(STEPS):

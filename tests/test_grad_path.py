@@ -85,3 +85,26 @@ def test_a_dropped_optimizer_is_freed_and_leaves_no_hooks():
     # every dropped optimizer (its buffers, shards and moments) alive until the process ends.
     for rank, out in enumerate(run_ranks(_freed, 2)):
         assert all(out), (rank, out)
+
+
+def _gather_in_flight(rank, world):
+    """overlap_param_gather: `sometimes` runs only in even steps; in step 1 the loss reads its weight
+    outside its module, while its bucket's gather (started by step 0's step()) may be in flight."""
+    model = Quirky()
+    opt = ZeroAdam(model, stage=2, overlap_param_gather=True, bucket_mb=0.001, **HYPER)
+    model(*rank_batch(model, 0, rank), 0, rank).backward()
+    opt.step()
+    opt.zero_grad()
+    loss = model(*rank_batch(model, 1, rank), 1, rank) + 0.1 * model.sometimes.weight.square().sum()
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_the_overlapped_gathers_check_still_runs_for_every_gradient():
+    # Each gradient must reach Python's check, not only the first of the backward (which the
+    # compiled path would otherwise leave to Python alone).
+    for rank, msg in enumerate(run_ranks(_gather_in_flight, 2)):
+        assert msg is not None and "sometimes.weight was used while its gather was still in flight" in msg, (rank, msg)

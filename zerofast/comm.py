@@ -63,6 +63,20 @@ def group_timeout(group: dist.ProcessGroup) -> Optional[timedelta]:
     return None
 
 
+def is_comm_failure(error: BaseException) -> bool:
+    """Whether an error raised inside a collective call comes from the communication: torch's
+    DistError, or a plain RuntimeError, as gloo raises from some calls with words of its own
+    ("Connection reset by peer", "Application timeout caused pair closure": measured). Not our own
+    checks (GradPath, BucketComm, zerofast, ZeroAdam) and not running out of memory."""
+    if isinstance(error, (CollectiveError, OutOfStepError, torch.OutOfMemoryError)):
+        return False
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error)
+    return (isinstance(error, RuntimeError) and "out of memory" not in text
+            and not text.startswith(("GradPath", "BucketComm", "zerofast", "ZeroAdam")))
+
+
 def debug_from_env() -> bool:
     return os.environ.get("ZEROFAST_DEBUG", "0") not in ("", "0")
 
@@ -111,6 +125,7 @@ class BucketComm:
         self.gather_group = group if gather_group is None else gather_group
         self.rank, self.world = rank, dist.get_world_size(group)
         self.element_size = grad_shard.element_size()
+        self.device = grad_shard.device
         self._agreements: Counter = Counter()  # payload bytes of the step's small all_reduces
         self.where = Where()             # see [Note: faults]
         self.timeout = group_timeout(group)
@@ -149,7 +164,7 @@ class BucketComm:
         try:
             return fn(*args)
         except RuntimeError as e:
-            if isinstance(e, (CollectiveError, OutOfStepError)):
+            if not is_comm_failure(e):  # an error of another kind (out of memory, a bug) is raised as it is
                 raise
             raise self.failed(what() if callable(what) else what, e) from e
 
@@ -159,7 +174,7 @@ class BucketComm:
         seq = self._checked[id(group)]
         self._checked[id(group)] = seq + 1
         mine = torch.tensor([seq, _KINDS.index(kind), bucket, numel, self.where.step, self.where.micro_batch],
-                            dtype=torch.int64)
+                            dtype=torch.int64, device=self.device)  # NCCL takes device tensors only
         everyone = [torch.empty_like(mine) for _ in range(self.world)]
         self.run(lambda: f"the check of {kind} {bucket}", dist.all_gather, everyone, mine, group)
         rows = [t.tolist() for t in everyone]

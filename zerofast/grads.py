@@ -80,7 +80,7 @@ from typing import Callable, Optional
 import torch
 
 from . import _C, _ops
-from .comm import BucketComm, OutOfStepError
+from .comm import BucketComm, OutOfStepError, is_comm_failure
 from .gather import ParamGather
 from .layout import Layout
 from .precision import LossScaler
@@ -123,6 +123,8 @@ class GradReducer:
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], layout: Layout, comm: BucketComm,
                  shard: ShardState, stage: int, *, overlap: bool, accumulate_locally: bool,
                  scaler: LossScaler, gather: ParamGather, always_python: bool = False):
+        """always_python: every gradient through Python's path (overlap_param_gather: each checks
+        that its bucket's gather was waited for)."""
         self.params, self.names, self.layout, self.comm = params, names, layout, comm
         self.shard = shard                    # where the reduces leave this rank's owned gradients
         # Stage 1: each parameter's slot in the persistent buckets, which .grad is pointed at
@@ -206,6 +208,8 @@ class GradReducer:
 
     def _on_error(self, index: int, message: str) -> None:
         """A failure in the compiled path's copy or launch, raised as Python's path would raise it."""
+        if not is_comm_failure(RuntimeError(message)):  # not the backend's: named, and raised as it is
+            raise RuntimeError(f"ZeroAdam: {self.names[index]}: {message}")
         bucket = self.layout.slots[index].bucket
         raise self.comm.failed(f"the gradient path at bucket {bucket} (its copy, or a reduce it launched or "
                                f"waited for)", RuntimeError(message))
@@ -286,6 +290,8 @@ class GradReducer:
                                "applied; call step() first (or zero_grad() only at the start of an iteration)")
         self.path.begin_step()
         self.local = [False] * len(self.params)
+        self.micro_batches = 0  # micro-batches accumulated only locally are dropped with their gradients
+        self.comm.where.micro_batch = 0
         if self.views is not None and not set_to_none:  # zeroed slots: autograd accumulates in place
             for g in self.shard.grad_buckets:
                 g.zero_()

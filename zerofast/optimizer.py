@@ -196,7 +196,8 @@ class ZeroAdam(torch.optim.Optimizer):
         self.units: Optional[UnitTracker] = self._shard_params() if stage == 3 else None
         self._grads = GradReducer(self._params, self._names, self.layout, self.comm, self.shard,
                                   stage, overlap=overlap, accumulate_locally=accumulate_locally,
-                                  scaler=self._scaler, gather=self._gather)
+                                  scaler=self._scaler, gather=self._gather,
+                                  always_python=overlap_param_gather and stage < 3)
         self.last_step_skipped = False  # fp16: the last step() found an inf or nan and skipped
         self._last_comm: dict = {}
 

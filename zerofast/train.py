@@ -346,8 +346,8 @@ def exit_on_fault(error: BaseException) -> None:
 def worker(args: argparse.Namespace) -> None:
     try:
         _worker(args)
-    except (CollectiveError, OutOfStepError, StepNotAppliedError) as e:
-        exit_on_fault(e)
+    except (CollectiveError, OutOfStepError, StepNotAppliedError, dist.DistError) as e:
+        exit_on_fault(e)  # dist.DistError: a fault in a checkpoint's collectives (DCP, barriers)
 
 
 def _worker(args: argparse.Namespace) -> None:
