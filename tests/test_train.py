@@ -72,6 +72,7 @@ def test_estimate_formulas():
     (dict(model_or_param_count=10, world=0, stage=1), "world must be an integer >= 1; got 0"),
     (dict(model_or_param_count=10, world=2, stage=4), "stage must be 0 \\(DDP\\), 1, 2 or 3; got 4"),
     (dict(model_or_param_count=10, world=2, stage=1, precision="fp8"), "precision must be fp32 or mixed; got 'fp8'"),
+    (dict(model_or_param_count=10, world=2, stage=2, bucket_buffers=0), "bucket_buffers must be an integer >= 1; got 0"),
 ])
 def test_estimate_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -106,6 +107,8 @@ def test_train_command_loss_goes_down(extra):
     (["--resume"], "--save-every, --keep and --resume need --save-dir"),
     (["--save-dir", "d", "--keep", "1"], "--keep must be at least 2; got 1"),
     (["--save-dir", "d", "--save-every", "-1"], "--save-every must be 0 or more; got -1"),
+    (["--timeout", "0"], "--timeout must be positive; got 0.0"),
+    (["--max-restarts", "-1"], "--max-restarts must be 0 or more; got -1"),
     (["--save-dir", "d", "--resume", "--compare"], "use it without --resume"),
 ])
 def test_train_bad_arguments_exit_2(argv, message, capsys):

@@ -200,6 +200,7 @@ def _bad_arguments(rank, world):
         (dict(adamw="yes"), "adamw must be True or False; got 'yes'"),
         (dict(overlap=1), "overlap must be True or False; got 1"),
         (dict(overlap_param_gather=None), "overlap_param_gather must be True or False; got None"),
+        (dict(check_collectives="yes"), "check_collectives must be True or False; got 'yes'"),
         (dict(process_group="world"), "process_group must be a torch.distributed ProcessGroup or None; got str"),
     ]
     import re
