@@ -49,7 +49,7 @@ def build(case, root, rank, world):
 
     from zerofast import ZeroAdam
     from zerofast import checkpoint as ck
-    from zerofast.models import make_gpt, random_batch
+    from zerofast.tools.models import make_gpt, random_batch
 
     system, action, size = case.split()
     model = make_gpt("small", **MODELS[size])

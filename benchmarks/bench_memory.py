@@ -124,7 +124,7 @@ def build(case, precision, rank, world):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from zerofast import ZeroAdam
-    from zerofast.models import make_gpt, random_batch
+    from zerofast.tools.models import make_gpt, random_batch
     kind, _, rest = case.partition(" ")
     if kind == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh

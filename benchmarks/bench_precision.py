@@ -21,7 +21,7 @@ GROUP = "mixed precision: 2 gloo ranks x 1 thread, GPT 6.4M params, batch 8x64"
 
 def build(case, rank, world):
     from zerofast import ZeroAdam
-    from zerofast.models import make_gpt, random_batch
+    from zerofast.tools.models import make_gpt, random_batch
 
     model = make_gpt("small")
     precision, stage = case.split()[0], int(case.split()[-1])

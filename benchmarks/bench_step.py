@@ -25,7 +25,7 @@ HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 
 
 def _batch(model, rank, step):
-    from zerofast.models import random_batch
+    from zerofast.tools.models import random_batch
     return random_batch(model.cfg, BATCH, SEQ, seed=1000 * step + rank)
 
 
@@ -75,7 +75,7 @@ def build(case, rank, world):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from zerofast import ZeroAdam
-    from zerofast.models import make_gpt
+    from zerofast.tools.models import make_gpt
     from zerofast.reference import ReferenceZero
 
     shape = next((k for k in SHAPES if case.endswith(f" @{k}")), None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from zerofast.models import make_gpt, random_batch
+from zerofast.tools.models import make_gpt, random_batch
 
 # lr 1e-3: Adam's first steps move each element by about lr * sign(g), so an element whose true
 # gradient is ~0 (pure rounding noise, whose sign depends on summation order) moves by up to lr in a

@@ -9,7 +9,7 @@ import torch
 from harness import run_ranks
 from oracles import HYPER, fp32_tol, held_tensor_bytes, max_abs_diff, rank_batch, single_process_adamw
 from zerofast import ZeroAdam
-from zerofast.models import make_gpt
+from zerofast.tools.models import make_gpt
 
 STEPS = 3
 PARTITIONS = ("flat", "round_robin", "greedy")

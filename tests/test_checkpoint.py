@@ -14,7 +14,7 @@ from harness import run_ranks
 from oracles import HYPER, Quirky, fp32_tol, full_master, global_batch, max_abs_diff, rank_batch
 from zerofast import ZeroAdam
 from zerofast import checkpoint as ck
-from zerofast.models import make_gpt
+from zerofast.tools.models import make_gpt
 
 STEPS = 3  # before the save, and again after it
 

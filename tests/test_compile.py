@@ -10,7 +10,7 @@ import torch
 from harness import run_ranks
 from oracles import HYPER, max_abs_diff, rank_batch
 from zerofast import ZeroAdam
-from zerofast.models import make_gpt
+from zerofast.tools.models import make_gpt
 
 STEPS = 4
 # Compiled and eager code reduce in other orders (Inductor fuses layer norm, softmax and the loss

@@ -9,8 +9,8 @@ import torch
 from harness import run_ranks
 from oracles import HYPER, rank_batch
 from zerofast import ZeroAdam
-from zerofast.memory import main as estimate_main, parse_count
-from zerofast.models import make_gpt
+from zerofast.tools.estimate import main as estimate_main, parse_count
+from zerofast.tools.models import make_gpt
 
 
 def _closure_and_plain(rank, world):

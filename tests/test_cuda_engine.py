@@ -16,7 +16,7 @@ STEPS = 10
 
 def _zero_on_gpu(rank, world, stage, partition):
     from zerofast import ZeroAdam
-    from zerofast.models import make_gpt
+    from zerofast.tools.models import make_gpt
     model = make_gpt("tiny").cuda()
     opt = ZeroAdam(model, stage=stage, partition=partition, bucket_mb=0.01, **HYPER)
     for step in range(STEPS):
@@ -30,7 +30,7 @@ def _zero_on_gpu(rank, world, stage, partition):
 
 
 def _adamw_on_gpu():
-    from zerofast.models import make_gpt
+    from zerofast.tools.models import make_gpt
     model = make_gpt("tiny").cuda()
     opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
     for step in range(STEPS):
@@ -52,7 +52,7 @@ def test_zero_adam_nccl_world1_matches_adamw(stage, partition):
 
 def _mixed_on_gpu(rank, world, precision, scaler):
     from zerofast import ZeroAdam
-    from zerofast.models import make_gpt
+    from zerofast.tools.models import make_gpt
     model = make_gpt("tiny").cuda()
     opt = ZeroAdam(model, stage=3, bucket_mb=0.01, mixed_precision=precision, max_grad_norm=0.5,
                    **(scaler or {}), **HYPER)

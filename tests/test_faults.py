@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from harness import free_port, run_ranks
 from oracles import HYPER, rank_batch
 from zerofast import ZeroAdam
-from zerofast.models import make_gpt
+from zerofast.tools.models import make_gpt
 
 TIMEOUT_S = 4.0      # the process groups' timeout in the fault cases
 FAULT_STEP = 2       # the victim's fault comes in its third step (0-based 2)
@@ -37,7 +37,7 @@ def _context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "zerofast", "zerofast.models", "oracles"])
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "zerofast", "zerofast.tools.models", "oracles"])
     return _CTX
 
 
@@ -80,7 +80,7 @@ def _install_fault(model, opt, point: str, sig: int, state: dict) -> None:
 def _rank_main(rank, world, port, stage, point, sig_name, out_dir):
     import torch.distributed as dist
 
-    from zerofast.train import exit_on_fault
+    from zerofast.tools.train import exit_on_fault
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S))

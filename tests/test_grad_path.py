@@ -57,7 +57,7 @@ def _freed(rank, world):
     import gc
     import weakref
 
-    from zerofast.models import make_gpt
+    from zerofast.tools.models import make_gpt
     out = []
     for stage in (1, 2, 3):
         model = make_gpt("tiny")

@@ -138,8 +138,8 @@ def test_two_machines_on_torchrun_equal_four_local_ranks(tmp_path, stage):
 def _single_process_losses(steps: int, world: int, batch: int, lr: float) -> list[float]:
     """zerofast.train's job (tiny GPT over the shipped text, AdamW lr, weight decay 0.1) in one
     process on the concatenation of every rank's batch."""
-    from zerofast.data import corpus_tokens, text_batch
-    from zerofast.models import make_gpt
+    from zerofast.tools.data import corpus_tokens, text_batch
+    from zerofast.tools.models import make_gpt
     model = make_gpt("tiny", vocab_size=256)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     tokens, seq, losses = corpus_tokens(), model.cfg.block_size, []

@@ -11,7 +11,7 @@ from harness import run_ranks
 from oracles import (HYPER, ULP_REL, Quirky, fp32_tol, full_master, low_precision_tol, lp_param_tol, max_abs_diff,
                      norm_rel_tol, rank_batch, single_process_adamw, single_process_mixed)
 from zerofast import ZeroAdam
-from zerofast.models import make_gpt
+from zerofast.tools.models import make_gpt
 
 STEPS = 6
 STAGES = (1, 2, 3)

@@ -4,7 +4,7 @@ import torch
 
 from harness import run_ranks
 from oracles import HYPER, fp32_tol, max_abs_diff, rank_batch, single_process_adamw
-from zerofast.models import make_gpt
+from zerofast.tools.models import make_gpt
 from zerofast.reference import ReferenceZero, round_robin_owners
 
 STEPS = 5

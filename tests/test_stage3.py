@@ -9,7 +9,7 @@ from harness import run_ranks
 from oracles import (HYPER, fp32_tol, Quirky, TwiceMLP, make_scheduler, max_abs_diff, rank_batch, single_process,
                      single_process_adamw, single_process_quirky, two_groups)
 from zerofast import ZeroAdam
-from zerofast.models import make_gpt
+from zerofast.tools.models import make_gpt
 from zerofast.reference import ReferenceZero
 
 STEPS = 10

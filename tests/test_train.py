@@ -11,8 +11,8 @@ import torch
 from harness import run_ranks
 from oracles import HYPER, rank_batch
 from zerofast import ZeroAdam
-from zerofast.memory import estimate_memory
-from zerofast.models import make_gpt
+from zerofast.tools.estimate import estimate_memory
+from zerofast.tools.models import make_gpt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -112,7 +112,7 @@ def test_train_command_loss_goes_down(extra):
     (["--save-dir", "d", "--resume", "--compare"], "use it without --resume"),
 ])
 def test_train_bad_arguments_exit_2(argv, message, capsys):
-    from zerofast.train import parse_args
+    from zerofast.tools.train import parse_args
     with pytest.raises(SystemExit) as e:
         parse_args(argv)
     assert e.value.code == 2

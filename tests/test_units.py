@@ -8,8 +8,8 @@ import torch
 from harness import run_ranks
 from oracles import HYPER, fp32_tol, Nested, TwiceMLP, hf_gpt2, max_abs_diff, model_loss, rank_batch, single_process
 from zerofast import ZeroAdam
-from zerofast.models import Block, make_gpt
-from zerofast.stage3 import find_units, hook_needs
+from zerofast.tools.models import Block, make_gpt
+from zerofast.stage3.units import find_units, hook_needs
 
 STEPS = 6
 TOL = fp32_tol(STEPS)  # see the tolerances in tests/oracles.py
@@ -192,7 +192,7 @@ def test_prefetch_targets_match_the_plain_definition():
     first call after (+1) or before (-1) call k whose units differ from call k's; () if none."""
     import random
 
-    from zerofast.stage3 import _Call, _CallList
+    from zerofast.stage3.runtime import _Call, _CallList
 
     def plain(calls, k, step):
         i = k + step

@@ -8,7 +8,7 @@ from harness import run_ranks
 from oracles import (HYPER, fp32_tol, held_tensor_bytes, Quirky, make_scheduler, max_abs_diff, rank_batch, single_process_adamw,
                      single_process_quirky, two_groups)
 from zerofast import ZeroAdam
-from zerofast.models import make_gpt
+from zerofast.tools.models import make_gpt
 from zerofast.partition import imbalance
 from zerofast.reference import ReferenceZero, round_robin_owners
 

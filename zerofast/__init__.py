@@ -4,8 +4,8 @@ Public names: ZeroAdam (the sharded optimizer), estimate_memory (the seed's tabl
 reference stages in zerofast.reference (the correctness oracle); sharded checkpoints in zerofast.checkpoint.
 """
 from ._ops import cpu_isa, fused_adam_, has_cuda_kernels, nonfinite_check_
-from .memory import estimate_memory
-from .optimizer import ZeroAdam
+from .tools.estimate import estimate_memory
+from .optim import ZeroAdam
 
 __all__ = ["ZeroAdam", "fused_adam_", "nonfinite_check_", "estimate_memory", "has_cuda_kernels", "cpu_isa"]
 __version__ = "0.1.0"

@@ -1,7 +1,7 @@
-"""`python -m zerofast.estimate --params N --world W [--stage K] [--precision mixed|fp32] [--bucket-mb B]`"""
+"""`python -m zerofast.estimate`: per-rank memory by the ZeRO paper's formulas, in zerofast/tools/estimate.py."""
 import sys
 
-from .memory import main
+from .tools.estimate import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .stage3 import output_tensors
+from .stage3.runtime import output_tensors
 
 __all__ = ["ReferenceZero", "round_robin_owners"]
 

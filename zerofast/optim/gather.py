@@ -20,8 +20,8 @@ from typing import Iterable, Optional
 import torch
 import torch.nn as nn
 
-from .comm import BucketComm
-from .layout import Layout
+from ..comm import BucketComm
+from ..layout import Layout
 
 
 class ParamGather:

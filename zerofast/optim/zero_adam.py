@@ -38,14 +38,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _checks
-from .comm import BucketComm, debug_from_env, group_timeout
+from . import checks as _checks
+from ..comm import BucketComm, debug_from_env, group_timeout
 from .gather import ParamGather
 from .grads import GradReducer
-from .layout import Layout, build_layout, layout_from_groups
-from .partition import imbalance, owners_for
+from ..layout import Layout, build_layout, layout_from_groups
+from ..partition import imbalance, owners_for
 from .precision import LOW_DTYPES, InputCast, LossScaler, cast_unmanaged
-from .stage3 import UnitBuffers, UnitPlan, UnitTracker, find_units, hook_needs
+from ..stage3.runtime import UnitBuffers, UnitTracker
+from ..stage3.units import UnitPlan, find_units, hook_needs
 from .state import ShardState
 
 __all__ = ["ZeroAdam"]
@@ -403,13 +404,13 @@ class ZeroAdam(torch.optim.Optimizer):
         and Adam moment by name in its own shape, this rank's pieces only (views of the live state).
         To restore: sd = opt.state_dict(); dcp.load(sd, ...); opt.load_state_dict(sd), in any
         configuration. zerofast.checkpoint.save/load do this with atomic folders and `extra`."""
-        from . import checkpoint
+        from .. import checkpoint
         return checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Finish restoring after dcp.load filled a state_dict() of this optimizer (step counts,
         hyper-parameters, loss scale, low-precision parameters, the gather of stages 1 and 2)."""
-        from . import checkpoint
+        from .. import checkpoint
         checkpoint.load_state_dict(self, state_dict)
 
     def remove_hooks(self) -> None:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _ops
-from .layout import Layout, Piece
+from .. import _ops
+from ..layout import Layout, Piece
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from .layout import ALIGN
-from .optimizer import DEFAULT_BUCKET_MB
+from ..layout import ALIGN
+from ..optim.zero_adam import DEFAULT_BUCKET_MB
 
 BYTES = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}  # parameter, gradient, optimizer state per element
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .partition import PARTITIONS
+from ..partition import PARTITIONS
 from .precision import LOW_DTYPES
 
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")

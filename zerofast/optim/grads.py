@@ -79,10 +79,10 @@ from typing import Callable, Optional
 
 import torch
 
-from . import _C, _ops
-from .comm import BucketComm, OutOfStepError, is_comm_failure
+from .. import _C, _ops
+from ..comm import BucketComm, OutOfStepError, is_comm_failure
 from .gather import ParamGather
-from .layout import Layout
+from ..layout import Layout
 from .precision import LossScaler
 from .state import ShardState
 

@@ -1,0 +1,1 @@
+"""Thin adapters of zerofast's public API onto training frameworks."""

@@ -1,0 +1,203 @@
+"""Stage 3 planning: which parameters form a unit, and which units each module must hold while it
+runs. Pure functions of the module tree and the managed parameters (no process group, no storage).
+
+[Note: choosing units]
+A unit is a group of parameters gathered and released together, one bucket (one collective) each
+way. `units=` on ZeroAdam takes
+  - None (default): the model's repeated blocks, found as (1) the modules whose class is named in
+    the model's `_no_split_modules` (the Hugging Face convention Accelerate's FSDP auto-wrap reads),
+    else (2) the children of every nn.ModuleList anywhere in the model (not looking inside a child
+    already taken), else (3) the root's children (through ModuleDict containers);
+  - a list of submodules, as given (a parameter in two of them belongs to the first);
+  - a module class or a set of classes (FSDP's transformer auto-wrap policy), or a callable
+    module -> bool: every matching module, outermost only (a match inside a match joins it).
+Every managed parameter that no unit module holds joins one more unit, the root's: embeddings, the
+final norm, an output head. It is unit 0, the last in backward order, because a tied embedding's
+gradient is complete only at the very end of backward ([Note: bucket order]).
+`opt.units_report()` lists what each unit holds.
+
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """The units of a model, in order: unit 0 is the root's (if any parameter is left for it)."""
+    groups: list[list[int]]     # groups[u]: indices (into the managed parameters) of unit u's parameters
+    modules: list[nn.Module]    # modules[u]: the (first) module defining unit u (the root for the root's unit)
+    names: list[str]            # names[u]: the qualified names of its modules, ", "-joined ("" for the root)
+    has_root_unit: bool         # unit 0 is the root's remaining parameters
+    members: list[tuple[nn.Module, ...]] = ()  # members[u]: every module of unit u (several when merged)
+
+
+def unit_modules(model: nn.Module, units) -> list[nn.Module]:
+    """The modules that define units, from ZeroAdam's `units=` argument (see [Note: choosing units]);
+    a clear error for anything else."""
+    if units is None:
+        return default_unit_modules(model)
+    if isinstance(units, nn.Module):
+        raise TypeError(f"ZeroAdam: units must be a list of submodules, a module class, a set of classes or a "
+                        f"callable module -> bool; got the module {type(units).__name__} itself "
+                        f"(wrap it in a list: units=[module])")
+    if isinstance(units, type):
+        return _outermost(model, _class_policy(model, [units]))
+    if callable(units):
+        return _outermost(model, units)
+    if isinstance(units, (str, bytes)) or not isinstance(units, Iterable):
+        raise TypeError(f"ZeroAdam: units must be a list of submodules, a module class, a set of classes or a "
+                        f"callable module -> bool; got {units!r}")
+    items = list(units)
+    if items and all(isinstance(u, type) for u in items):
+        return _outermost(model, _class_policy(model, items))
+    mine = {id(m) for m in model.modules()}
+    for k, u in enumerate(items):
+        if not isinstance(u, nn.Module) or id(u) not in mine:
+            raise ValueError(f"ZeroAdam: units[{k}] must be a submodule of the model (or every item a module "
+                             f"class); got {type(u).__name__}")
+    return items
+
+
+def _class_policy(model: nn.Module, classes: list) -> Callable[[nn.Module], bool]:
+    for c in classes:
+        if not issubclass(c, nn.Module):
+            raise ValueError(f"ZeroAdam: units names the class {c.__name__}, which is not an nn.Module class")
+    present = {type(m) for m in model.modules()}
+    if not any(issubclass(t, tuple(classes)) for t in present):
+        raise ValueError(f"ZeroAdam: units names the classes {sorted(c.__name__ for c in classes)}, but the model "
+                         f"holds no module of them")
+    return lambda m: isinstance(m, tuple(classes))
+
+
+def default_unit_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: see [Note: choosing units]."""
+    names = getattr(model, "_no_split_modules", None)
+    if names:
+        wanted = set(names)
+        found = _outermost(model, lambda m: type(m).__name__ in wanted)
+        if found:
+            return found
+    in_lists = _children_of_module_lists(model)
+    if in_lists:
+        return in_lists
+    return list(_root_children(model))
+
+
+def _outermost(model: nn.Module, policy: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    """Modules below the root matching `policy`, in module order, not looking inside a match."""
+    found = []
+
+    def walk(module: nn.Module) -> None:
+        for child in module.children():
+            if policy(child):
+                found.append(child)
+            else:
+                walk(child)
+    walk(model)
+    return _with_params(found)
+
+
+def _children_of_module_lists(model: nn.Module) -> list[nn.Module]:
+    found = []
+
+    def walk(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, nn.ModuleList):
+                found.extend(child.children())
+            else:
+                walk(child)
+    walk(model)
+    return _with_params(found)
+
+
+def _root_children(module: nn.Module):
+    for child in module.children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            yield from _root_children(child)
+        elif any(True for _ in child.parameters()):
+            yield child
+
+
+def _with_params(modules: list[nn.Module]) -> list[nn.Module]:
+    seen, out = set(), []
+    for m in modules:
+        if id(m) not in seen and any(True for _ in m.parameters()):
+            seen.add(id(m))
+            out.append(m)
+    return out
+
+
+def find_units(model: nn.Module, params: list[nn.Parameter], units=None, min_unit_bytes: int = 0,
+               element_size: int = 4) -> UnitPlan:
+    """Group the managed parameters (indices into `params`) into units: the root's rest first, then
+    one per unit module in the order given (module order for the policies). With the default
+    units (units=None), units of fewer than min_unit_bytes are merged with their neighbours in
+    module order ([Note: merging small units])."""
+    index_of = {id(p): i for i, p in enumerate(params)}
+    name_of = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    singles, claimed = [], set()
+    for module in unit_modules(model, units):
+        mine = [index_of[id(p)] for p in module.parameters() if id(p) in index_of and id(p) not in claimed]
+        if mine:
+            claimed.update(id(params[i]) for i in mine)
+            singles.append(([module], [name_of[id(module)]], mine))
+    if units is None and min_unit_bytes > 0:
+        singles = _merge_small(singles, min_unit_bytes, [p.numel() * element_size for p in params])
+    groups = [idx for _, _, idx in singles]
+    members = [tuple(mods) for mods, _, _ in singles]
+    names = [", ".join(ns) for _, ns, _ in singles]
+    rest = [i for i, p in enumerate(params) if id(p) not in claimed]
+    if rest:
+        return UnitPlan([rest] + groups, [model] + [m[0] for m in members], [""] + names, True,
+                        [(model,)] + members)
+    return UnitPlan(groups, [m[0] for m in members], names, False, members)
+
+
+# [Note: merging small units]
+# A deep narrow model has many small blocks, and a gather of each is a latency-bound collective:
+# units below min_unit_mb are merged with their neighbours in module order (as FSDP's size-based
+# auto-wrap policy groups modules), so a handful of collectives move the model each way. A unit at
+# or above the threshold stays alone; consecutive small ones join until the group reaches it. The
+# modules of a merged unit gather it while they run, and the unit is handed from one to the next
+# (see UnitTracker: carried) instead of being released and gathered again between them; so is a
+# unit whose module runs twice in a row. Consecutive calls of one unit cost one gather.
+
+def _merge_small(singles, min_bytes: int, nbytes: list[int]):
+    merged, current = [], None
+
+    def size(group):
+        return sum(nbytes[i] for i in group[2])
+    for item in singles:
+        if size(item) >= min_bytes:
+            if current is not None:
+                merged.append(current)
+                current = None
+            merged.append(item)
+            continue
+        current = item if current is None else (current[0] + item[0], current[1] + item[1], current[2] + item[2])
+        if size(current) >= min_bytes:
+            merged.append(current)
+            current = None
+    if current is not None:
+        merged.append(current)
+    return merged
+
+
+def hook_needs(model: nn.Module, params: list[nn.Parameter], plan: UnitPlan) -> dict[nn.Module, tuple[int, ...]]:
+    """The units each module must hold while it runs: see [Note: who gathers what]."""
+    unit_of_param = {id(params[i]): u for u, group in enumerate(plan.groups) for i in group}
+    unit_of_module = {id(m): u for u, members in enumerate(plan.members) for m in members if m is not model}
+    needs = {}
+    for module in model.modules():
+        units = {unit_of_param[id(p)] for p in module.parameters(recurse=False) if id(p) in unit_of_param}
+        if module is model and plan.has_root_unit:
+            units.add(0)
+        if id(module) in unit_of_module:
+            units.add(unit_of_module[id(module)])
+        if units or module is model:
+            needs[module] = tuple(sorted(units))
+    return needs

@@ -1,0 +1,403 @@
+"""The main job: train a small GPT with ZeroAdam on N local ranks and show ZeRO's memory at work.
+
+    python -m zerofast.train --nproc 2 --stage 3 [--partition flat] [--steps N] [--model tiny|small]
+                             [--backend gloo|nccl] [--compare] [--plot memory.png]
+
+Without torchrun's environment it launches itself on --nproc local ranks through
+torch.distributed.run (the mechanism behind torchrun), so a multi-machine run is
+`torchrun --nnodes ... -m zerofast.train`. Faults: every collective waits at most --timeout seconds;
+a dead or stuck rank makes the others exit with one line naming the step, the phase and the
+collective; with --max-restarts R and --save-dir, torchrun restarts the workers after a failure and
+they resume from the newest checkpoint. Trains on text shipped inside the package (zerofast/data.py),
+shows a progress bar on rank 0, and ends with a table per rank: parameter, gradient and optimizer
+bytes measured next to the seed's estimate, and the communication per step next to 2Φ / 3Φ.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import latest, load, save
+from ..comm import CollectiveError, OutOfStepError
+from ..optim.grads import StepNotAppliedError
+from .data import corpus_tokens, text_batch
+from .estimate import format_bytes, estimate_memory
+from .models import CONFIGS, make_gpt
+from ..optim import ZeroAdam
+from ..partition import PARTITIONS
+
+log = logging.getLogger("zerofast.train")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m zerofast.train", description=__doc__.split("\n")[0])
+    p.add_argument("--nproc", type=int, default=2, help="local ranks to launch (default 2)")
+    p.add_argument("--stage", type=int, default=3, help="ZeRO stage 1, 2 or 3 (default 3)")
+    p.add_argument("--partition", default="flat", help=f"{', '.join(PARTITIONS)} (default flat)")
+    p.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    p.add_argument("--model", default="small", help=f"model size: {', '.join(CONFIGS)} (default small)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
+    p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl with GPUs, else gloo)")
+    p.add_argument("--mixed-precision", default=None,
+                   help="bf16 or fp16 (fp16 with dynamic loss scaling); default fp32")
+    p.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm to this")
+    p.add_argument("--compare", action="store_true",
+                   help="also run the same steps under DDP and the reference stage; print loss differences and step-time ratios")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="draw measured memory per rank (DDP and stages 1-3) as stacked bars into PNG")
+    p.add_argument("--save-dir", default=None, metavar="DIR",
+                   help="write a sharded checkpoint (zerofast.checkpoint) into DIR/step-NNNNNN every --save-every "
+                        "steps and after the last step")
+    p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (default: only at the end)")
+    p.add_argument("--keep", type=int, default=None, help="keep only the newest K checkpoints (K >= 2)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --save-dir (model, optimizer, step, data "
+                        "position, RNG), at any world size or stage; start afresh if there is none")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds any collective may wait for the other ranks (default 60; the process groups' "
+                        "timeout): a stuck rank ends the job after this, a dead one at once")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="torchrun restarts the workers up to this many times after a failure; with --save-dir they "
+                        "resume from the newest checkpoint (default 0)")
+    args = p.parse_args(argv)
+    if not args.timeout > 0:
+        p.error(f"--timeout must be positive; got {args.timeout}")
+    if args.max_restarts < 0:
+        p.error(f"--max-restarts must be 0 or more; got {args.max_restarts}")
+    if args.nproc < 1:
+        p.error(f"--nproc must be at least 1; got {args.nproc}")
+    if args.stage not in (1, 2, 3):
+        p.error(f"--stage must be 1, 2 or 3; got {args.stage}")
+    if args.partition not in PARTITIONS:
+        p.error(f"--partition must be one of {', '.join(PARTITIONS)}; got {args.partition!r}")
+    if args.steps < 0:
+        p.error(f"--steps must be 0 or more; got {args.steps}")
+    if args.model not in CONFIGS:
+        p.error(f"--model must be one of {', '.join(CONFIGS)}; got {args.model!r}")
+    if args.batch < 1:
+        p.error(f"--batch must be at least 1; got {args.batch}")
+    if not args.lr > 0:
+        p.error(f"--lr must be positive; got {args.lr}")
+    if args.backend not in (None, "gloo", "nccl"):
+        p.error(f"--backend must be gloo or nccl; got {args.backend!r}")
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        p.error("--backend nccl needs CUDA GPUs; none is visible")
+    if args.mixed_precision not in (None, "bf16", "fp16"):
+        p.error(f"--mixed-precision must be bf16 or fp16; got {args.mixed_precision!r}")
+    if args.max_grad_norm is not None and not args.max_grad_norm > 0:
+        p.error(f"--max-grad-norm must be positive; got {args.max_grad_norm}")
+    if args.resume and args.compare:
+        p.error("--compare trains DDP and the reference stage from step 0 beside this run; use it without --resume")
+    if args.save_every < 0:
+        p.error(f"--save-every must be 0 or more; got {args.save_every}")
+    if (args.save_every or args.resume or args.keep is not None) and args.save_dir is None:
+        p.error("--save-every, --keep and --resume need --save-dir")
+    if args.keep is not None and args.keep < 2:
+        p.error(f"--keep must be at least 2; got {args.keep}")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--plot needs matplotlib (pip install matplotlib)")
+    return args
+
+
+def launch(argv: list[str], nproc: int, max_restarts: int) -> int:
+    """Start `nproc` local ranks running this module, through torch.distributed.run; its agent
+    restarts them up to max_restarts times after a failure (they resume: see _resuming)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        torchrun_main(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+                       "-m", "zerofast.train", *_without_nproc(argv)])
+    except ChildFailedError:  # the workers said why on stderr; torchrun printed its summary
+        return 1
+    return 0
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """The ranks don't need --nproc, and torchrun's own parser would take it for an abbreviation of
+    its --nproc-per-node even after the module name."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+class Progress:
+    """A one-line progress bar on rank 0 (stderr), with loss and tokens/s."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled, self.start = total, enabled, time.perf_counter()
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if not self.enabled:
+            return
+        width = 30
+        done = int(width * (step + 1) / max(1, self.total))
+        bar = "#" * done + "." * (width - done)
+        sys.stderr.write(f"\r[{bar}] {step + 1}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s")
+        if step + 1 == self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _model(args):
+    """The GPT of the chosen size, over byte tokens (vocabulary 256) of the shipped text."""
+    return make_gpt(args.model, vocab_size=256)
+
+
+def _device(backend: str) -> torch.device:
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def _make_optimizer(kind: str, model, args):
+    """kind: "zero" (ZeroAdam at args.stage / a given stage), "ddp", or "reference"."""
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        wrapped = DDP(model)
+        return wrapped, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    if kind == "reference":
+        from ..reference import ReferenceZero
+        return model, ReferenceZero(model, stage=args.stage, lr=args.lr, weight_decay=0.1)
+    stage = int(kind.split(":")[1]) if ":" in kind else args.stage
+    return model, ZeroAdam(model, stage=stage, partition=args.partition, lr=args.lr, weight_decay=0.1,
+                           mixed_precision=args.mixed_precision, max_grad_norm=args.max_grad_norm)
+
+
+def _measure(kind: str, model, opt) -> dict[str, int]:
+    """Bytes this rank holds now, counted from the tensors."""
+    if isinstance(opt, ZeroAdam):
+        r = opt.memory_report()
+        return {"params": r["params"], "grads": r["grads"] + r["grad_shard"],
+                "optimizer": r["optimizer"] + r["master_copy"],
+                "buckets": r["bucket_buffers"] + r["bucket_pool"]}
+    if hasattr(opt, "memory_held"):  # the reference stage counts its own
+        return {**opt.memory_held(), "buckets": 0}
+    state = list(opt.state.values())
+    return {"params": sum(p.nbytes for p in model.parameters()),
+            "grads": sum(p.grad.nbytes for p in model.parameters() if p.grad is not None),
+            "optimizer": sum(s[k].nbytes for s in state for k in ("exp_avg", "exp_avg_sq") if k in s),
+            "buckets": 0}
+
+
+def run(kind: str, args, device, steps: int, progress: bool):
+    """Train a fresh model `steps` steps (the main run: from the newest checkpoint with --resume,
+    writing checkpoints with --save-dir); return losses, seconds per step, measured bytes, comm."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model(args).to(device)
+    module, opt = _make_optimizer(kind, model, args)
+    tokens = corpus_tokens()
+    seq = model.cfg.block_size
+    losses, times, measured = [], [], {}
+    checkpoints = kind == "zero" and args.save_dir is not None
+    start = _resume(args, model, opt, rank) if checkpoints and _resuming(args) else 0
+    bar = Progress(steps, progress and rank == 0)
+    if progress and rank == 0 and isinstance(opt, ZeroAdam) and opt.stage == 3:
+        units = opt.units_report()
+        largest = max(units, key=lambda u: u["bytes"])
+        sys.stderr.write(f"stage 3: {len(units)} units ({', '.join(u['module'] or '(root)' for u in units[:3])}"
+                         f"{', ...' if len(units) > 3 else ''}); the largest, {largest['module'] or '(root)'}, "
+                         f"holds {format_bytes(largest['bytes'])}\n")
+    for step in range(start, steps):
+        x, y = text_batch(tokens, args.batch, seq, seed=step * world + rank)  # the data position is the step
+        t0 = time.perf_counter()
+        _, loss = module(x.to(device), y.to(device))
+        if isinstance(opt, ZeroAdam):
+            opt.backward(loss)  # scales the loss under fp16
+        else:
+            loss.backward()
+        opt.step()
+        if step == steps - 1:
+            measured = _measure(kind, model, opt)  # after step(), before zero_grad()
+        opt.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        mean_loss = loss.detach().float()
+        try:
+            dist.all_reduce(mean_loss)
+        except RuntimeError as e:  # the job's own collective: the same one-line report as ZeroAdam's
+            raise CollectiveError(f"zerofast.train (rank {rank} of {world}): the loss average after step {step + 1} "
+                                  f"failed: another rank died or is stuck. Backend: {str(e).strip().splitlines()[0]}") from e
+        losses.append(mean_loss.item() / world)
+        bar.update(step, losses[-1], args.batch * seq * world / times[-1])
+        if checkpoints and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps):
+            save(os.path.join(args.save_dir, f"step-{step + 1:06d}"), model, opt, keep=args.keep,
+                 extra={"step": step + 1, "rng": torch.get_rng_state(), "losses": losses})
+    comm = opt.comm_stats() if isinstance(opt, ZeroAdam) else {}
+    numel = sum(p.numel() for p in model.parameters())
+    if isinstance(opt, ZeroAdam):
+        opt.remove_hooks()
+    return losses, times, measured, comm, numel
+
+
+def _resuming(args) -> bool:
+    """--resume, or a restart by torchrun's agent after a failure (TORCHELASTIC_RESTART_COUNT > 0)."""
+    return args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def _resume(args, model, opt, rank: int) -> int:
+    """Load the newest complete checkpoint in --save-dir, if any; the step to continue from."""
+    path = latest(args.save_dir)
+    if path is None:
+        if rank == 0:
+            log.info("no checkpoint in %s: starting from step 0", args.save_dir)
+        return 0
+    extra = load(path, model, opt)
+    torch.set_rng_state(extra["rng"])
+    if rank == 0:
+        log.info("resumed from %s at step %d", path, extra["step"])
+    return extra["step"]
+
+
+def _median(xs):
+    xs = sorted(xs[1:] or xs)  # the first step pays for warm-up
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def report(args, measured_all, comm, numel, world) -> None:
+    precision = "mixed" if args.mixed_precision else "fp32"
+    est = estimate_memory(numel, world, args.stage, precision)
+    p_bytes = 2 if args.mixed_precision else 4
+    phi = p_bytes * numel
+    table = "2 + 2 + 12" if args.mixed_precision else "4 + 4 + 8"
+    print(f"\nper rank, bytes after step() ({args.mixed_precision or 'fp32'}: {table} per parameter; "
+          f"estimate = the seed's table)")
+    print(f"{'rank':>4s} {'params':>12s} {'(est)':>12s} {'grads':>12s} {'(est)':>12s} "
+          f"{'optimizer':>12s} {'(est)':>12s} {'buckets':>10s}")
+    for r, m in enumerate(measured_all):
+        print(f"{r:4d} {m['params']:12,d} {est.params:12,d} {m['grads']:12,d} {est.grads:12,d} "
+              f"{m['optimizer']:12,d} {est.optimizer:12,d} {m['buckets']:10,d}")
+    moved = sum(v for k, v in comm.items() if not k.startswith("all_reduce_"))
+    seed = 3 if args.stage == 3 else 2
+    print(f"communication per step: {moved:,d} bytes = {moved / phi:.2f} Φ (seed: {seed}Φ = {seed * phi:,d}; "
+          f"Φ = {phi:,d} bytes of {args.mixed_precision or 'fp32'} parameters)  by collective: {comm}")
+
+
+def plot(path: str, rows: dict[str, list[dict]], numel: int, precision: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(rows)
+    world = len(next(iter(rows.values())))
+    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 4), sharey=True)
+    colors = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "buckets": "#8172b3"}
+    for ax, name in zip(axes, names):
+        bottom = [0.0] * world
+        for kind in ("params", "grads", "optimizer", "buckets"):  # buckets: ZeroAdam's buffers and pool
+            vals = [m[kind] / 2**20 for m in rows[name]]
+            ax.bar(range(world), vals, bottom=bottom, color=colors[kind], label=kind)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_title(name)
+        ax.set_xticks(range(world), [f"rank {r}" for r in range(world)])
+    axes[0].set_ylabel("MiB per rank (measured)")
+    axes[-1].legend(loc="upper right")
+    fig.suptitle(f"Memory per rank, measured, Adam (ZeroAdam in {precision}; DDP fp32), Φ = {numel:,} parameters")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def _init_process_group(backend: str, timeout: timedelta) -> None:
+    """init_process_group from torchrun's environment. After a restart by torchrun's agent
+    (TORCHELASTIC_RESTART_COUNT > 0) the rendezvous store can still hold the previous attempt's keys,
+    among them the addresses of workers that are gone, and gloo then fails to connect to them
+    (measured: "connectFullMesh failed ... Connection refused" on every restart); each attempt gets
+    keys of its own under a prefix."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    from torch.distributed.rendezvous import rendezvous
+    store, rank, world = next(rendezvous("env://", timeout=timeout))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"zerofast/attempt-{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)
+
+
+def exit_on_fault(error: BaseException) -> None:
+    """A collective failed (a rank died or is stuck) or the ranks are out of step: print the one
+    line that says where, and leave at once. os._exit, because an orderly interpreter exit can block
+    on the process group's threads while a peer is stuck; torchrun then ends (or restarts) the rest."""
+    sys.stderr.write(f"zerofast.train rank {os.environ.get('RANK', '?')}: {error}\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def worker(args: argparse.Namespace) -> None:
+    try:
+        _worker(args)
+    except (CollectiveError, OutOfStepError, StepNotAppliedError, dist.DistError) as e:
+        exit_on_fault(e)  # dist.DistError: a fault in a checkpoint's collectives (DCP, barriers)
+
+
+def _worker(args: argparse.Namespace) -> None:
+    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    _init_process_group(backend, timedelta(seconds=args.timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = _device(backend)
+    if rank == 0:
+        n = sum(p.numel() for p in _model(args).parameters())
+        log.info("training a %s GPT (%.2fM parameters) on %d ranks (%s): ZeroAdam stage %d, %s partition",
+                 args.model, n / 1e6, world, backend, args.stage, args.partition)
+    losses, times, measured, comm, numel = run("zero", args, device, args.steps, progress=True)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, measured)
+    if rank == 0 and losses:
+        log.info("loss %.4f -> %.4f over %d steps, %.0f ms per step", losses[0], losses[-1], len(losses),
+                 1e3 * _median(times))
+        if all(everyone):
+            report(args, everyone, comm, numel, world)
+    if args.compare and args.steps > 0:
+        results = {kind: run(kind, args, device, args.steps, progress=False) for kind in ("ddp", "reference")}
+        if rank == 0:
+            for kind, (other, other_times, *_rest) in results.items():
+                diff = max(abs(a - b) for a, b in zip(losses, other))
+                log.info("vs %-9s largest loss difference %.2e; step time ZeroAdam / %s = %.2f%s",
+                         kind, diff, kind, _median(times) / _median(other_times),
+                         f" ({kind} trains in fp32, ZeroAdam in {args.mixed_precision})" if args.mixed_precision else "")
+    if args.plot:
+        rows = {}
+        for kind, label in (("ddp", "DDP"), ("zero:1", "stage 1"), ("zero:2", "stage 2"), ("zero:3", "stage 3")):
+            _, _, m, _, _ = run(kind, args, device, 2, progress=False)
+            per_rank: list = [None] * world
+            dist.all_gather_object(per_rank, m)
+            rows[label] = per_rank
+        if rank == 0:
+            plot(args.plot, rows, numel, args.mixed_precision or "fp32")
+            log.info("wrote %s", args.plot)
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if "RANK" not in os.environ:
+        return launch(argv, args.nproc, args.max_restarts)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    worker(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
