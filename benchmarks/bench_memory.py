@@ -123,7 +123,7 @@ def build(case, precision, rank, world):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from zerofast import ZeroAdam
+    from zerofast import CommPolicy, ZeroAdam
     from zerofast.tools.models import make_gpt, random_batch
     kind, _, rest = case.partition(" ")
     if kind == "fsdp2":
@@ -161,8 +161,8 @@ def build(case, precision, rank, world):
     elif kind == "zeroadam":
         extra = {k: float(v) if k == "bucket_mb" else int(v)
                  for k, v in (kv.split("=") for kv in rest.split()[1:])}
-        opt = ZeroAdam(model, stage=int(rest.split()[0]), partition="flat",
-                       mixed_precision="bf16" if bf16 else None, **extra, **HYPER)
+        opt = ZeroAdam(model, stage=int(rest.split()[0]), mixed_precision="bf16" if bf16 else None,
+                       comm=CommPolicy(**extra), **HYPER)  # "k=v" words: CommPolicy's bucket_mb, bucket_buffers
         def tensor_bytes():
             nonlocal report
             total, report = _zeroadam_tensor_bytes(opt)

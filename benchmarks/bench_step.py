@@ -74,7 +74,7 @@ def build(case, rank, world):
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from zerofast import ZeroAdam
+    from zerofast import CommPolicy, UnitPolicy, ZeroAdam
     from zerofast.tools.models import make_gpt
     from zerofast.reference import ReferenceZero
 
@@ -117,13 +117,13 @@ def build(case, rank, world):
         return _loop(model, rank, plain(opt, model))
     if kind == "zerofast":
         stage, partition, *extra = rest.split()
-        # "k=v" words are ZeroAdam arguments: min_unit_mb, bucket_mb (numbers), bucket_buffers (an int)
-        # and check_collectives (0 or 1)
-        # (check_collectives=1: the debug check before every collective)
+        # "k=v" words are policy fields: UnitPolicy's min_unit_mb, CommPolicy's bucket_mb (numbers),
+        # bucket_buffers (an int) and check_collectives (0 or 1: the debug check before every collective)
         options = {k: bool(int(v)) if k == "check_collectives" else int(v) if k == "bucket_buffers" else float(v)
                    for k, v in (e.split("=") for e in extra if "=" in e)}
-        opt = ZeroAdam(model, stage=int(stage), partition=partition, overlap_param_gather="overlap_gather" in extra,
-                       **options, **HYPER)
+        units = UnitPolicy(min_unit_mb=options.pop("min_unit_mb")) if "min_unit_mb" in options else None
+        comm = CommPolicy(partition=partition, overlap_param_gather="overlap_gather" in extra, **options)
+        opt = ZeroAdam(model, stage=int(stage), comm=comm, units=units, **HYPER)
         return _loop(model, rank, plain(opt, model), opt.materialized_param_bytes if opt.stage == 3 else None)
     if kind == "deepspeed":
         import os

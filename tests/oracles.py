@@ -314,3 +314,28 @@ def held_tensor_bytes(root) -> int:
         elif hasattr(obj, "__dict__"):
             stack.extend(vars(obj).values())
     return sum(n for ptr, n in storages.items() if ptr)
+
+
+def zero_options(stage: int, *, partition=None, bucket_mb=None, bucket_buffers=None, overlap=None,
+                 overlap_param_gather=None, accumulate_locally=None, check_collectives=None, min_unit_mb=None,
+                 units=None, mixed_precision=None, reduce_dtype=None, init_scale=None, growth_interval=None) -> dict:
+    """ZeroAdam's keywords for a test matrix written over flat option names: the stage, and the
+    policies that hold the options given (None: the policy's default). A bucket size belongs to
+    stages 1 and 2, so a matrix over stages passes bucket_mb to those only (stage 3 reduces one
+    bucket per unit, and ZeroAdam rejects a bucket size there)."""
+    from zerofast import CommPolicy, LossScalePolicy, MixedPrecisionPolicy, UnitPolicy
+    comm = {k: v for k, v in dict(partition=partition, bucket_mb=bucket_mb if stage < 3 else None,
+                                  bucket_buffers=bucket_buffers, overlap=overlap,
+                                  overlap_param_gather=overlap_param_gather, accumulate_locally=accumulate_locally,
+                                  check_collectives=check_collectives).items() if v is not None}
+    out = dict(stage=stage, comm=CommPolicy(**comm))
+    if stage == 3 and (units is not None or min_unit_mb is not None):
+        out["units"] = UnitPolicy(modules=units, min_unit_mb=min_unit_mb if units is None else None)
+    scaling = {k: v for k, v in dict(init_scale=init_scale, growth_interval=growth_interval).items() if v is not None}
+    if mixed_precision is not None and (reduce_dtype is not None or scaling):
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
+        out["mixed_precision"] = MixedPrecisionPolicy(dtype, reduce_dtype,
+                                                      LossScalePolicy(**scaling) if scaling else None)
+    elif mixed_precision is not None:
+        out["mixed_precision"] = mixed_precision
+    return out

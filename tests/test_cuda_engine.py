@@ -5,7 +5,7 @@ import torch
 
 import zerofast
 from harness import run_ranks
-from oracles import HYPER, fp32_tol, lp_param_tol, max_abs_diff, rank_batch
+from oracles import zero_options, HYPER, fp32_tol, lp_param_tol, max_abs_diff, rank_batch
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(
     not (torch.cuda.is_available() and zerofast.has_cuda_kernels()),
@@ -18,7 +18,7 @@ def _zero_on_gpu(rank, world, stage, partition):
     from zerofast import ZeroAdam
     from zerofast.tools.models import make_gpt
     model = make_gpt("tiny").cuda()
-    opt = ZeroAdam(model, stage=stage, partition=partition, bucket_mb=0.01, **HYPER)
+    opt = ZeroAdam(model, **zero_options(stage, partition=partition, bucket_mb=0.01), **HYPER)
     for step in range(STEPS):
         x, y = rank_batch(model, step, rank)
         _, loss = model(x.cuda(), y.cuda())
@@ -54,8 +54,7 @@ def _mixed_on_gpu(rank, world, precision, scaler):
     from zerofast import ZeroAdam
     from zerofast.tools.models import make_gpt
     model = make_gpt("tiny").cuda()
-    opt = ZeroAdam(model, stage=3, bucket_mb=0.01, mixed_precision=precision, max_grad_norm=0.5,
-                   **(scaler or {}), **HYPER)
+    opt = ZeroAdam(model, **zero_options(3, bucket_mb=0.01), mixed_precision=precision, max_grad_norm=0.5, **scaler or {}, **HYPER)
     history = []
     for step in range(STEPS):
         x, y = rank_batch(model, step, rank)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from oracles import (HYPER, ULP_REL, Quirky, fp32_tol, full_master, low_precision_tol, lp_param_tol, max_abs_diff,
+from oracles import (zero_options, HYPER, ULP_REL, Quirky, fp32_tol, full_master, low_precision_tol, lp_param_tol, max_abs_diff,
                      norm_rel_tol, rank_batch, single_process_adamw, single_process_mixed)
 from zerofast import ZeroAdam
 from zerofast.tools.models import make_gpt
@@ -24,8 +24,9 @@ def _shapes():
 
 def _train_mixed(rank, world, stage, precision, reduce_dtype, scaler, max_norm, clip_call, steps):
     model = make_gpt("tiny")
-    opt = ZeroAdam(model, stage=stage, bucket_mb=0.01, mixed_precision=precision, reduce_dtype=reduce_dtype,
-                   max_grad_norm=None if clip_call else max_norm, **(scaler or {}), **HYPER)
+    opt = ZeroAdam(model, **zero_options(stage, bucket_mb=0.01, mixed_precision=precision, reduce_dtype=reduce_dtype,
+                                         **(scaler or {})),
+                   max_grad_norm=None if clip_call else max_norm, **HYPER)
     assert all(p.dtype == DTYPES[precision] for p in model.parameters())
     history = []
     for step in range(steps):
@@ -139,8 +140,7 @@ def _train_clipped(rank, world, max_norm, steps):
         for partition in ("flat", "round_robin"):
             for clip_call in (False, True):
                 model = make_gpt("tiny")
-                opt = ZeroAdam(model, stage=stage, partition=partition, bucket_mb=0.01,
-                               max_grad_norm=None if clip_call else max_norm, **HYPER)
+                opt = ZeroAdam(model, **zero_options(stage, partition=partition, bucket_mb=0.01), max_grad_norm=None if clip_call else max_norm, **HYPER)
                 norms = []
                 for step in range(steps):
                     _, loss = model(*rank_batch(model, step, rank))
@@ -199,7 +199,7 @@ def _train_accumulated(rank, world, steps):
     for stage, local in variants:
         for partition in ("flat", "greedy"):
             model = make_gpt("tiny")
-            opt = ZeroAdam(model, stage=stage, partition=partition, bucket_mb=0.01, accumulate_locally=local, **HYPER)
+            opt = ZeroAdam(model, **zero_options(stage, partition=partition, bucket_mb=0.01, accumulate_locally=local), **HYPER)
             reduced = []
             for step in range(steps):
                 with opt.no_sync():
@@ -245,7 +245,7 @@ def _snapshot(opt, model):
 
 def _inf_on_one_rank(rank, world, stage, bad_rank):
     model = make_gpt("tiny")
-    opt = ZeroAdam(model, stage=stage, bucket_mb=0.01, mixed_precision="fp16", init_scale=1024.0, **HYPER)
+    opt = ZeroAdam(model, **zero_options(stage, bucket_mb=0.01, mixed_precision="fp16", init_scale=1024.0), **HYPER)
     out = []
     for step in range(4):
         _, loss = model(*rank_batch(model, step, rank))
@@ -286,7 +286,7 @@ def test_inf_in_one_ranks_gradient_skips_the_step_everywhere(world, stage):
 def _memory_mixed(rank, world, stage):
     model = make_gpt("tiny")
     numel = sum(p.numel() for p in model.parameters())
-    opt = ZeroAdam(model, stage=stage, bucket_mb=0.01, mixed_precision="bf16", **HYPER)
+    opt = ZeroAdam(model, **zero_options(stage, bucket_mb=0.01), mixed_precision="bf16", **HYPER)
     _, loss = model(*rank_batch(model, 0, rank))
     opt.backward(loss)
     opt.step()
@@ -320,29 +320,48 @@ def test_bf16_memory_follows_the_seeds_table(world, stage):
 
 # --- bad arguments and misuse -----------------------------------------------------------------------
 
+def _mp(*args, **kwargs):
+    from zerofast import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(*args, **kwargs)
+
+
+def _fp16_scaling(**kwargs):
+    from zerofast import LossScalePolicy, MixedPrecisionPolicy
+    return MixedPrecisionPolicy(torch.float16, loss_scale=LossScalePolicy(**kwargs))
+
+
+# (a name, the keywords, built inside the check since a policy checks its fields when built; the message)
 BAD = [
-    (dict(mixed_precision="fp8"), "mixed_precision must be None, 'bf16' or 'fp16'; got 'fp8'"),
-    (dict(mixed_precision="bf16", reduce_dtype=torch.int8), "reduce_dtype must be"),
-    (dict(reduce_dtype=torch.bfloat16), "reduce_dtype=torch.bfloat16 needs mixed_precision"),
-    (dict(mixed_precision="bf16", reduce_dtype=torch.float16), "reduce_dtype=torch.float16 needs mixed_precision='fp16'"),
-    (dict(max_grad_norm=0.0), "max_grad_norm must be None or a number > 0; got 0.0"),
-    (dict(max_grad_norm=-1), "max_grad_norm must be None or a number > 0; got -1"),
-    (dict(mixed_precision="fp16", init_scale=0), "init_scale must be a number > 0; got 0"),
-    (dict(mixed_precision="fp16", growth_factor=0.5), "growth_factor must be a number > 1; got 0.5"),
-    (dict(mixed_precision="fp16", backoff_factor=1.5), "backoff_factor must be a number in (0, 1); got 1.5"),
-    (dict(mixed_precision="fp16", growth_interval=0), "growth_interval must be an integer >= 1; got 0"),
-    (dict(accumulate_locally="yes"), "accumulate_locally must be True or False; got 'yes'"),
+    ("fp8", lambda: dict(mixed_precision="fp8"), "mixed_precision must be None, 'bf16', 'fp16' or a MixedPrecisionPolicy; got 'fp8'"),
+    ("int8 param", lambda: dict(mixed_precision=_mp(torch.int8)), "param_dtype must be torch.float32, torch.bfloat16 or torch.float16; got torch.int8"),
+    ("int8 reduce", lambda: dict(mixed_precision=_mp(torch.bfloat16, torch.int8)), "reduce_dtype must be"),
+    ("bf16 reduce in fp32", lambda: dict(mixed_precision=_mp(torch.float32, torch.bfloat16)),
+     "reduce_dtype=torch.bfloat16 needs a low-precision param_dtype"),
+    ("fp16 reduce of bf16", lambda: dict(mixed_precision=_mp(torch.bfloat16, torch.float16)),
+     "reduce_dtype=torch.float16 needs param_dtype=torch.float16"),
+    ("bf16 scaling", lambda: dict(mixed_precision=_mp(torch.bfloat16, loss_scale=_fp16_scaling().loss_scale)),
+     "loss_scale applies to float16 parameters only"),
+    ("max_grad_norm 0", lambda: dict(max_grad_norm=0.0), "max_grad_norm must be None or a number > 0; got 0.0"),
+    ("max_grad_norm -1", lambda: dict(max_grad_norm=-1), "max_grad_norm must be None or a number > 0; got -1"),
+    ("init_scale", lambda: dict(mixed_precision=_fp16_scaling(init_scale=0)), "init_scale must be a number > 0; got 0"),
+    ("growth_factor", lambda: dict(mixed_precision=_fp16_scaling(growth_factor=0.5)), "growth_factor must be a number > 1; got 0.5"),
+    ("backoff_factor", lambda: dict(mixed_precision=_fp16_scaling(backoff_factor=1.5)),
+     "backoff_factor must be a number in (0, 1); got 1.5"),
+    ("growth_interval", lambda: dict(mixed_precision=_fp16_scaling(growth_interval=0)),
+     "growth_interval must be an integer >= 1; got 0"),
+    ("accumulate_locally", lambda: dict(comm=__import__("zerofast").CommPolicy(accumulate_locally="yes")),
+     "accumulate_locally must be True or False; got 'yes'"),
 ]
 
 
 def _misuse(rank, world):
     errors = {}
-    for kwargs, _ in BAD:
+    for name, make_kwargs, _ in BAD:
         try:
-            ZeroAdam(make_gpt("tiny"), **kwargs)
-            errors[repr(kwargs)] = None
+            ZeroAdam(make_gpt("tiny"), **make_kwargs())
+            errors[name] = None
         except (ValueError, TypeError) as e:
-            errors[repr(kwargs)] = str(e)
+            errors[name] = str(e)
 
     def catch(fn):
         try:
@@ -381,7 +400,7 @@ def _misuse(rank, world):
         fp16.step()
 
     errors["unscaled"] = catch(unscaled)
-    empty = ZeroAdam(make_gpt("tiny"), stage=2, mixed_precision="fp16", growth_interval=1, **HYPER)
+    empty = ZeroAdam(make_gpt("tiny"), **zero_options(2, mixed_precision="fp16", growth_interval=1), **HYPER)
     scale = empty.loss_scale
     for _ in range(3):  # steps without any gradient: no evidence, the scale stays
         empty.step()
@@ -393,9 +412,9 @@ def _misuse(rank, world):
 
 def test_bad_arguments_and_misuse_get_named_errors():
     (errors,) = run_ranks(_misuse, 1)
-    for kwargs, message in BAD:
-        got = errors[repr(kwargs)]
-        assert got is not None and message in got, f"ZeroAdam(**{kwargs}): {got!r} lacks {message!r}"
+    for name, _, message in BAD:
+        got = errors[name]
+        assert got is not None and message in got, f"{name}: {got!r} lacks {message!r}"
     assert "cannot be nested" in errors["nested"]
     assert "step() was called inside `with opt.no_sync():`" in errors["step_inside"]
     assert "max_norm must be a number > 0; got 0" in errors["clip_zero"]
@@ -412,7 +431,7 @@ def _train_accumulated_quirky(rank, world, steps):
     out = {}
     for stage, local in [(1, False), (2, False), (2, True), (3, False), (3, True)]:
         model = Quirky()
-        opt = ZeroAdam(model, stage=stage, bucket_mb=0.001, accumulate_locally=local, **HYPER)
+        opt = ZeroAdam(model, **zero_options(stage, bucket_mb=0.001, accumulate_locally=local), **HYPER)
         for step in range(steps):
             with opt.no_sync():
                 for k in range(MICRO - 1):

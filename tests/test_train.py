@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from harness import run_ranks
-from oracles import HYPER, rank_batch
-from zerofast import ZeroAdam
+from oracles import zero_options, HYPER, rank_batch
+from zerofast import CommPolicy, MixedPrecisionPolicy, UnitPolicy, ZeroAdam
 from zerofast.tools.estimate import estimate_memory
 from zerofast.tools.models import make_gpt
 
@@ -30,8 +30,7 @@ def _measured(rank, world, stage, precision="fp32"):
         return {"params": sum(p.nbytes for p in model.parameters()),
                 "grads": sum(p.grad.nbytes for p in model.parameters()),
                 "optimizer": sum(s[k].nbytes for s in state for k in ("exp_avg", "exp_avg_sq"))}
-    opt = ZeroAdam(model, stage=stage, bucket_mb=0.01, mixed_precision="bf16" if precision == "mixed" else None,
-                   **HYPER)
+    opt = ZeroAdam(model, **zero_options(stage, bucket_mb=0.01), mixed_precision="bf16" if precision == "mixed" else None, **HYPER)
     _, loss = model(*rank_batch(model, 0, rank))
     opt.backward(loss)
     opt.step()
@@ -44,7 +43,8 @@ def _measured(rank, world, stage, precision="fp32"):
 @pytest.mark.parametrize("stage, precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"),
                                               (1, "mixed"), (2, "mixed"), (3, "mixed")])
 def test_estimate_matches_measured_bytes(world, stage, precision):
-    est = estimate_memory(make_gpt("tiny"), world, stage, precision, bucket_mb=0.01)
+    comm = CommPolicy(bucket_mb=0.01) if stage in (1, 2) else None  # stage 3's buckets are its units
+    est = estimate_memory(make_gpt("tiny"), world, stage, "bf16" if precision == "mixed" else None, comm)
     for rank, m in enumerate(run_ranks(_measured, world, args=(stage, precision))):
         for kind in ("params", "grads", "optimizer"):
             want = getattr(est, kind)
@@ -57,26 +57,68 @@ def test_estimate_matches_measured_bytes(world, stage, precision):
 
 def test_estimate_formulas():
     phi = 1_000_000
-    ddp = estimate_memory(phi, 4, 0, "mixed")
+    ddp = estimate_memory(phi, 4, 0, "bf16")
     assert (ddp.params, ddp.grads, ddp.optimizer) == (2 * phi, 2 * phi, 12 * phi)  # the seed's 16Φ
-    s1, s2, s3 = (estimate_memory(phi, 4, s, "mixed") for s in (1, 2, 3))
+    s1, s2, s3 = (estimate_memory(phi, 4, s, "bf16") for s in (1, 2, 3))
     assert (s1.params, s1.grads, s1.optimizer) == (2 * phi, 2 * phi, 3 * phi)       # 4Φ + 12Φ/N
     assert (s2.params, s2.grads, s2.optimizer) == (2 * phi, phi // 2, 3 * phi)      # 2Φ + 14Φ/N
     assert (s3.params, s3.grads, s3.optimizer) == (phi // 2, phi // 2, 3 * phi)     # 16Φ/N
-    f = estimate_memory(phi, 2, 0, "fp32")
+    f = estimate_memory(phi, 2, 0, None)
     assert (f.params, f.grads, f.optimizer) == (4 * phi, 4 * phi, 8 * phi)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(model_or_param_count=-1, world=2, stage=1), "count >= 0; got -1"),
-    (dict(model_or_param_count=10, world=0, stage=1), "world must be an integer >= 1; got 0"),
-    (dict(model_or_param_count=10, world=2, stage=4), "stage must be 0 \\(DDP\\), 1, 2 or 3; got 4"),
-    (dict(model_or_param_count=10, world=2, stage=1, precision="fp8"), "precision must be fp32 or mixed; got 'fp8'"),
-    (dict(model_or_param_count=10, world=2, stage=2, bucket_buffers=0), "bucket_buffers must be an integer >= 1; got 0"),
+@pytest.mark.parametrize("make_kwargs, message", [
+    (lambda: dict(model_or_param_count=-1, world=2, stage=1), "count >= 0; got -1"),
+    (lambda: dict(model_or_param_count=10, world=0, stage=1), "world must be an integer >= 1; got 0"),
+    (lambda: dict(model_or_param_count=10, world=2, stage=4), "stage must be 0, 1, 2 or 3; got 4"),
+    (lambda: dict(model_or_param_count=10, world=2, stage=1, mixed_precision="fp8"),
+     "mixed_precision must be None, 'bf16', 'fp16' or a MixedPrecisionPolicy; got 'fp8'"),
+    # ZeroAdam's own checks, through the same code: what it rejects, the estimator rejects
+    (lambda: dict(model_or_param_count=10, world=2, stage=3, comm=CommPolicy(bucket_mb=8)),
+     "bucket_mb sets stages 1 and 2's buckets"),
+    (lambda: dict(model_or_param_count=10, world=2, stage=2, comm=CommPolicy(bucket_mb=True)),
+     "bucket_mb must be None or a number > 0; got True"),
+    (lambda: dict(model_or_param_count=10, world=2, stage=1, units=UnitPolicy(min_unit_mb=1)),
+     "units apply to stage 3 only"),
+    (lambda: dict(model_or_param_count=10, world=2, stage=0, comm=CommPolicy(bucket_buffers=-1)),
+     "bucket_buffers must be an integer >= 0"),
 ])
-def test_estimate_bad_arguments(kwargs, message):
+def test_estimate_bad_arguments(make_kwargs, message):
     with pytest.raises(ValueError, match=message):
-        estimate_memory(**kwargs)
+        estimate_memory(**make_kwargs())
+
+
+@pytest.mark.parametrize("name, where", [("precision", "mixed_precision="), ("bucket_mb", "comm=CommPolicy"),
+                                         ("bucket_buffers", "comm=CommPolicy")])
+def test_estimate_old_keywords_name_their_new_place(name, where):
+    with pytest.raises(TypeError, match=f"the keyword {name}= is now {re.escape(where)}"):
+        estimate_memory(10, 2, 1, **{name: 1})
+
+
+def test_estimate_accepts_what_zero_adam_accepts():
+    """bucket_buffers=0 (no bound) and the policies' other values: accepted, and no bound means every
+    gradient byte may sit in a pooled buffer."""
+    phi = 1_000_000
+    unbounded = estimate_memory(phi, 4, 2, comm=CommPolicy(bucket_buffers=0))
+    bounded = estimate_memory(phi, 4, 2, comm=CommPolicy(bucket_buffers=2, bucket_mb=0.5))
+    assert unbounded.zerofast_extra >= 4 * phi > bounded.zerofast_extra
+    fp32_reduce = estimate_memory(phi, 4, 2, MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+    assert fp32_reduce.grads == 4 * phi // 4 and fp32_reduce.params == 2 * phi  # the shard in float32
+
+
+def test_estimator_imports_no_compiled_code():
+    """The estimator runs where the extension was never built: with zerofast._C unimportable,
+    `import zerofast`, estimate_memory and the command line all work."""
+    code = ("import sys; sys.modules['zerofast._C'] = None\n"
+            "import zerofast\n"
+            "from zerofast import CommPolicy, estimate_memory\n"
+            "print(estimate_memory(7_500_000_000, 64, 3, 'bf16').total)\n"
+            "from zerofast.tools.estimate import main\n"
+            "main(['--params', '7.5B', '--world', '64'])\n"
+            "assert 'zerofast.optim.zero_adam' not in sys.modules\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "stage 3" in out.stdout
 
 
 def _run(*args, timeout=300):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from oracles import HYPER, fp32_tol, Nested, TwiceMLP, hf_gpt2, max_abs_diff, model_loss, rank_batch, single_process
+from oracles import zero_options, HYPER, fp32_tol, Nested, TwiceMLP, hf_gpt2, max_abs_diff, model_loss, rank_batch, single_process
 from zerofast import ZeroAdam
 from zerofast.tools.models import Block, make_gpt
 from zerofast.stage3.units import find_units, hook_needs
@@ -132,7 +132,7 @@ def _models():
 def _peak_inside_blocks(rank, world, name):
     factory, units, partition, min_unit_mb = _models()[name]
     model = factory()
-    opt = ZeroAdam(model, stage=3, partition=partition, units=units, min_unit_mb=min_unit_mb, **HYPER)
+    opt = ZeroAdam(model, **zero_options(3, partition=partition, units=units, min_unit_mb=min_unit_mb), **HYPER)
     samples = []
 
     def sample(*_):

@@ -1,11 +1,12 @@
 """ZeroAdam stages 1 and 2 on real gloo ranks, against both oracles: single-process
-torch.optim.AdamW on the global batch, and the reference stage (the seed's algorithm)."""
+torch.optim.AdamW on the global batch, and the reference stage (zerofast.reference: the ZeRO
+textbook chapter's algorithm)."""
 import pytest
 import torch
 import torch.distributed as dist
 
 from harness import run_ranks
-from oracles import (HYPER, fp32_tol, held_tensor_bytes, Quirky, make_scheduler, max_abs_diff, rank_batch, single_process_adamw,
+from oracles import (zero_options, HYPER, fp32_tol, held_tensor_bytes, Quirky, make_scheduler, max_abs_diff, rank_batch, single_process_adamw,
                      single_process_quirky, two_groups)
 from zerofast import ZeroAdam
 from zerofast.tools.models import make_gpt
@@ -24,7 +25,7 @@ def _params(model):
 def _train_gpt(rank, engine, stage, partition="flat", bucket_mb=0.01, steps=STEPS, overlap=True):
     model = make_gpt("tiny")
     if engine == "zero":
-        opt = ZeroAdam(model, stage=stage, partition=partition, bucket_mb=bucket_mb, overlap=overlap, **HYPER)
+        opt = ZeroAdam(model, **zero_options(stage, partition=partition, bucket_mb=bucket_mb, overlap=overlap), **HYPER)
     else:
         opt = ReferenceZero(model, stage=stage, **HYPER)
     for step in range(steps):
@@ -71,7 +72,7 @@ def test_stages_1_2_match_both_oracles(world):
 def _train_quirky(rank, world, stage, partition, groups, scheduler, bucket_mb, steps):
     model = Quirky()
     params = dict(param_groups=two_groups(model)) if groups else {}
-    opt = ZeroAdam(model, stage=stage, partition=partition, bucket_mb=bucket_mb, **HYPER, **params)
+    opt = ZeroAdam(model, **zero_options(stage, partition=partition, bucket_mb=bucket_mb), **HYPER, **params)
     sched = make_scheduler(opt) if scheduler else None
     frozen_before = model.frozen.detach().clone()
     for step in range(steps):
@@ -117,7 +118,7 @@ def test_unused_parameter_is_left_untouched():
 
 def _memory(rank, world, stage, partition):
     model = make_gpt("tiny")
-    opt = ZeroAdam(model, stage=stage, partition=partition, bucket_mb=0.01, **HYPER)
+    opt = ZeroAdam(model, **zero_options(stage, partition=partition, bucket_mb=0.01), **HYPER)
     _, loss = model(*rank_batch(model, 0, rank))
     loss.backward()
     opt.step()
@@ -135,14 +136,15 @@ def _memory(rank, world, stage, partition):
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("partition", ["flat", "round_robin"])
-def test_memory_follows_the_seeds_table(world, stage, partition):
+def test_memory_follows_the_papers_table(world, stage, partition):
     for rank, m in enumerate(run_ranks(_memory, world, args=(stage, partition))):
         owned, shard, numel = m["owned"], m["shard"], m["numel"]
-        # Seed, fp32 form: what the optimizer holds is the parameters (4 bytes per element, in the
-        # flat buffers, padding included), the gradients (stage 1: in full, in its flat gradient
-        # buckets; stage 2: the reduced shard, 4 per owned element) and Adam's moments (8 per owned
-        # element); in fp32 there is no separate master. The shard adds only padding: see
-        # [Note: padding]. After step() no .grad is left (stage 1's were views of its buckets).
+        # The ZeRO paper's memory table, fp32 form: what the optimizer holds is the parameters (4
+        # bytes per element, in the flat buffers, padding included), the gradients (stage 1: in
+        # full, in its flat gradient buckets; stage 2: the reduced shard, 4 per owned element) and
+        # Adam's moments (8 per owned element); in fp32 there is no separate master. The shard adds
+        # only padding: see [Note: padding]. After step() no .grad is left (stage 1's were views of
+        # its buckets).
         grads = 4 * m["padded"] if stage == 1 else 4 * shard
         assert m["measured"]["held"] == 4 * m["padded"] + grads + 8 * shard
         assert shard - owned <= (m["buckets"] * 4 * world if partition == "flat" else 0)
@@ -177,41 +179,64 @@ def test_different_models_fail_clearly_on_every_rank():
 
 def _bad_arguments(rank, world):
     model = make_gpt("tiny")
+    from zerofast import CommPolicy, UnitPolicy
+    # Each case builds its keywords inside the check: a policy checks its own fields when built.
     cases = [
-        (dict(stage=4), "stage must be 1, 2 or 3; got 4"),
-        (dict(partition="zigzag"), "partition must be one of flat, round_robin, greedy; got 'zigzag'"),
-        (dict(bucket_mb=0), "bucket_mb must be None or a positive number; got 0"),
-        (dict(bucket_buffers=-1), r"bucket_buffers must be an integer >= 0 \(0: no bound\); got -1"),
-        (dict(bucket_buffers=1.5), r"bucket_buffers must be an integer >= 0 \(0: no bound\); got 1.5"),
-        (dict(lr=-1.0), "lr must be a number >= 0; got -1.0"),
-        (dict(betas=(0.9, 1.0)), r"betas must be two numbers in \[0, 1\); got \(0.9, 1.0\)"),
-        (dict(eps=-1e-8), "eps must be a number >= 0; got -1e-08"),
-        (dict(stage=3, min_unit_mb=-1), "min_unit_mb must be None or a number >= 0; got -1"),
-        (dict(stage=3, min_unit_mb="2"), "min_unit_mb must be None or a number >= 0; got '2'"),
-        (dict(weight_decay=-0.1), "weight_decay must be a number >= 0; got -0.1"),
-        (dict(param_groups=[{"params": [model.wte.weight]}]), "is in no param group"),
-        (dict(param_groups=[{"params": [model.wte.weight]}, {"params": list(model.parameters())}]),
+        (lambda: dict(stage=4), "stage must be 1, 2 or 3; got 4"),
+        (lambda: dict(stage=True), "stage must be 1, 2 or 3; got True"),
+        (lambda: dict(comm=CommPolicy(partition="zigzag")),
+         "CommPolicy: partition must be one of flat, round_robin, greedy; got 'zigzag'"),
+        (lambda: dict(comm=CommPolicy(bucket_mb=0)), "CommPolicy: bucket_mb must be None or a number > 0; got 0"),
+        (lambda: dict(comm=CommPolicy(bucket_mb=True)), "CommPolicy: bucket_mb must be None or a number > 0; got True"),
+        (lambda: dict(comm=CommPolicy(bucket_buffers=-1)),
+         r"bucket_buffers must be an integer >= 0 \(0: no bound\); got -1"),
+        (lambda: dict(comm=CommPolicy(bucket_buffers=1.5)),
+         r"bucket_buffers must be an integer >= 0 \(0: no bound\); got 1.5"),
+        (lambda: dict(comm=dict(partition="flat")), "comm must be a CommPolicy or None; got dict"),
+        (lambda: dict(stage=3, comm=CommPolicy(bucket_mb=8)), "bucket_mb sets stages 1 and 2's buckets.*stage=3"),
+        (lambda: dict(stage=3, comm=CommPolicy(overlap_param_gather=True)),
+         "overlap_param_gather applies to stages 1 and 2"),
+        (lambda: dict(lr=-1.0), "lr must be a number >= 0; got -1.0"),
+        (lambda: dict(betas=(0.9, 1.0)), r"betas must be two numbers in \[0, 1\); got \(0.9, 1.0\)"),
+        (lambda: dict(eps=-1e-8), "eps must be a number >= 0; got -1e-08"),
+        (lambda: dict(stage=3, units=UnitPolicy(min_unit_mb=-1)), "min_unit_mb must be None or a number >= 0; got -1"),
+        (lambda: dict(stage=3, units=UnitPolicy(min_unit_mb="2")), "min_unit_mb must be None or a number >= 0; got '2'"),
+        (lambda: dict(stage=3, units=UnitPolicy(modules=[model.blocks[0]], min_unit_mb=1)),
+         "min_unit_mb=1 merges the default units.*pass one or the other"),
+        (lambda: dict(stage=2, units=UnitPolicy(min_unit_mb=1)), "units apply to stage 3 only"),
+        (lambda: dict(weight_decay=-0.1), "weight_decay must be a number >= 0; got -0.1"),
+        (lambda: dict(param_groups=[{"params": [model.wte.weight]}]), "is in no param group"),
+        (lambda: dict(param_groups=[{"params": [model.wte.weight]}, {"params": list(model.parameters())}]),
          r"wte.weight is in param_groups\[0\] and param_groups\[1\]"),
-        (dict(param_groups=[{"params": [torch.nn.Parameter(torch.zeros(3))]}]), "not one of the model's trainable parameters"),
-        (dict(param_groups=[{"params": list(model.parameters()), "momentum": 0.9}]), "unknown keys \\['momentum'\\]"),
-        (dict(param_groups=[{"params": list(model.parameters()), "lr": -2}]), r"param_groups\[0\]: lr must be a number >= 0; got -2"),
-    ]
-    cases += [
-        (dict(adamw="yes"), "adamw must be True or False; got 'yes'"),
-        (dict(overlap=1), "overlap must be True or False; got 1"),
-        (dict(overlap_param_gather=None), "overlap_param_gather must be True or False; got None"),
-        (dict(check_collectives="yes"), "check_collectives must be True or False; got 'yes'"),
-        (dict(process_group="world"), "process_group must be a torch.distributed ProcessGroup or None; got str"),
+        (lambda: dict(param_groups=[{"params": [torch.nn.Parameter(torch.zeros(3))]}]),
+         "not one of the model's trainable parameters"),
+        (lambda: dict(param_groups=[{"params": list(model.parameters()), "momentum": 0.9}]),
+         "unknown keys \\['momentum'\\]"),
+        (lambda: dict(param_groups=[{"params": list(model.parameters()), "lr": -2}]),
+         r"param_groups\[0\]: lr must be a number >= 0; got -2"),
+        (lambda: dict(adamw="yes"), "adamw must be True or False; got 'yes'"),
+        (lambda: dict(comm=CommPolicy(overlap=1)), "overlap must be True or False; got 1"),
+        (lambda: dict(comm=CommPolicy(overlap_param_gather=None)), "overlap_param_gather must be True or False; got None"),
+        (lambda: dict(comm=CommPolicy(check_collectives="yes")), "check_collectives must be True or False; got 'yes'"),
+        (lambda: dict(process_group="world"), "process_group must be a torch.distributed ProcessGroup or None; got str"),
+        # A keyword of before the policies names where it lives now; an unknown one is named.
+        (lambda: dict(bucket_mb=25), r"the keyword bucket_mb= moved into a policy: pass comm=CommPolicy\(bucket_mb=...\)"),
+        (lambda: dict(partition="greedy"), r"pass comm=CommPolicy\(partition=...\)"),
+        (lambda: dict(min_unit_mb=1), r"pass units=UnitPolicy\(min_unit_mb=...\)"),
+        (lambda: dict(init_scale=8.0), r"loss_scale=LossScalePolicy\(init_scale=...\)"),
+        (lambda: dict(reduce_dtype=torch.float32), r"MixedPrecisionPolicy\(param_dtype, reduce_dtype=...\)"),
+        (lambda: dict(bucket_size=3), "unexpected keyword argument 'bucket_size'"),
     ]
     import re
     failures = []
-    for kwargs, pattern in cases:
+    for make_kwargs, pattern in cases:
         try:
+            kwargs = make_kwargs()
             ZeroAdam(make_gpt("tiny") if "param_groups" not in kwargs else model, **kwargs)
-            failures.append(f"{kwargs}: no error")
+            failures.append(f"{pattern}: no error")
         except (ValueError, TypeError) as e:
             if not re.search(pattern, str(e)):
-                failures.append(f"{kwargs}: {e}")
+                failures.append(f"{pattern}: {e}")
     try:
         ZeroAdam(torch.zeros(3))
         failures.append("tensor as model: no error")
@@ -243,20 +268,31 @@ def test_second_backward_before_step_is_an_error():
 
 
 def _reports(rank, world):
-    opts = {p: ZeroAdam(make_gpt("tiny"), stage=1, partition=p).partition_report() for p in PARTITIONS}
+    opts = {p: ZeroAdam(make_gpt("tiny"), **zero_options(1, partition=p)).partition_report() for p in PARTITIONS}
     return opts
 
 
 def test_partition_report():
     reports = run_ranks(_reports, 3)[0]
-    numel = sum(p.numel() for p in make_gpt("tiny").parameters())
-    # The seed's round-robin rule, from the reference stage: parameter i to rank i % 3.
-    model = make_gpt("tiny")
-    owners = round_robin_owners([n for n, _ in model.named_parameters()], 3)
-    by_rank = [sum(p.numel() for n, p in model.named_parameters() if owners[n] == r) for r in range(3)]
-    assert reports["round_robin"]["owned_numel"] == by_rank
-    for p, r in reports.items():
-        assert sum(r["owned_numel"]) == numel
-        assert r["imbalance"] == imbalance(r["owned_numel"])
+    named = list(make_gpt("tiny").named_parameters())
+    numel = sum(p.numel() for _, p in named)
+    # Each partition's owned elements, counted here without the library's partition code.
+    # Round-robin owners, from the reference stage: parameter i to rank i % 3.
+    owners = round_robin_owners([n for n, _ in named], 3)
+    expected = {"round_robin": [sum(p.numel() for n, p in named if owners[n] == r) for r in range(3)]}
+    # Greedy: whole tensors, largest first (a stable sort: ties in model order), each to the rank
+    # that owns the fewest elements so far (ties: the lower rank).
+    loads = [0, 0, 0]
+    for numel_i in sorted((p.numel() for _, p in named), reverse=True):
+        loads[loads.index(min(loads))] += numel_i
+    expected["greedy"] = loads
+    # Flat: one bucket (the tiny GPT is far below the bucket size) cut into 3 equal slices; 7,776
+    # elements are a multiple of 3 x 4 (ALIGN), so there is no padding and every rank owns a third.
+    assert numel == 7776
+    expected["flat"] = [numel // 3] * 3
+    for name, owned in expected.items():
+        assert reports[name]["owned_numel"] == owned, (name, reports[name])
+        # The imbalance is max / mean of those counts, written out.
+        assert reports[name]["imbalance"] == pytest.approx(max(owned) / (numel / 3)), (name, reports[name])
+    assert reports["flat"]["imbalance"] <= reports["greedy"]["imbalance"] < reports["round_robin"]["imbalance"]
     assert imbalance([1, 2, 3]) == 1.5 and imbalance([4, 4]) == 1.0 and imbalance([0, 0]) == 1.0
-    assert reports["flat"]["imbalance"] <= reports["greedy"]["imbalance"] <= reports["round_robin"]["imbalance"]

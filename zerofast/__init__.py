@@ -1,11 +1,46 @@
-"""zerofast: ZeRO stages 1-3 for PyTorch.
+"""zerofast: ZeRO stages 1-3 for PyTorch (the ZeRO paper, Rajbhandari et al., 2020).
 
-Public names: ZeroAdam (the sharded optimizer), estimate_memory (the seed's table), fused_adam_ (the compiled fused Adam/AdamW step), nonfinite_check_ (its overflow check alone), has_cuda_kernels, cpu_isa, and the
-reference stages in zerofast.reference (the correctness oracle); sharded checkpoints in zerofast.checkpoint.
+Public names: ZeroAdam (the sharded optimizer) and its policies (MixedPrecisionPolicy,
+LossScalePolicy, CommPolicy, UnitPolicy: zerofast/config.py), the errors it raises
+(CollectiveError, OutOfStepError, StepNotAppliedError), estimate_memory (the paper's memory table),
+fused_adam_ (the compiled fused Adam/AdamW step), nonfinite_check_ (its overflow check alone),
+has_cuda_kernels, cpu_isa; the reference stages in zerofast.reference (the correctness oracle);
+sharded checkpoints in zerofast.checkpoint.
+
+The names that need the compiled extension (zerofast._C) are imported on first use, so that
+`import zerofast` and the estimator (`python -m zerofast.estimate`, pure arithmetic) work where
+the extension was never built.
 """
-from ._ops import cpu_isa, fused_adam_, has_cuda_kernels, nonfinite_check_
-from .tools.estimate import estimate_memory
-from .optim import ZeroAdam
+from importlib import import_module
 
-__all__ = ["ZeroAdam", "fused_adam_", "nonfinite_check_", "estimate_memory", "has_cuda_kernels", "cpu_isa"]
+from .config import CommPolicy, LossScalePolicy, MixedPrecisionPolicy, UnitPolicy
+from .tools.estimate import estimate_memory
+
+# name -> the module that defines it, imported when the name is first read (PEP 562).
+_LAZY = {
+    "ZeroAdam": "zerofast.optim.zero_adam",
+    "CollectiveError": "zerofast.comm",
+    "OutOfStepError": "zerofast.comm",
+    "StepNotAppliedError": "zerofast.optim.grads",
+    "fused_adam_": "zerofast._ops",
+    "nonfinite_check_": "zerofast._ops",
+    "has_cuda_kernels": "zerofast._ops",
+    "cpu_isa": "zerofast._ops",
+}
+
+__all__ = ["ZeroAdam", "MixedPrecisionPolicy", "LossScalePolicy", "CommPolicy", "UnitPolicy", "CollectiveError",
+           "OutOfStepError", "StepNotAppliedError", "estimate_memory", "fused_adam_", "nonfinite_check_",
+           "has_cuda_kernels", "cpu_isa"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value  # later reads skip this function
+        return value
+    raise AttributeError(f"module 'zerofast' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,4 +1,10 @@
-"""The optimizer front and the parts of a step it orders (see zero_adam.py's docstring)."""
-from .zero_adam import ZeroAdam
+"""The optimizer front and the parts of a step it orders (see zero_adam.py's docstring).
+ZeroAdam is imported on first use, so that zerofast.config's users (the estimator) never load the
+compiled extension through this package."""
 
-__all__ = ["ZeroAdam"]
+
+def __getattr__(name: str):
+    if name == "ZeroAdam":
+        from .zero_adam import ZeroAdam
+        return ZeroAdam
+    raise AttributeError(f"module 'zerofast.optim' has no attribute {name!r}")

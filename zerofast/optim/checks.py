@@ -1,22 +1,17 @@
-"""ZeroAdam's argument checks and the cross-rank checks at construction: pure functions that raise
-a clear error naming the argument and the value it got (or, across ranks, the first mismatch),
-never a hang later."""
+"""ZeroAdam's checks at construction that need the model or the process group (the options alone are
+checked in zerofast/config.py): the parameter groups, the parameters' dtypes and device, and the
+cross-rank agreement on the model (one all_gather_object, then rank 0's values broadcast), each
+raising a clear error naming the argument and the value it got, or the first mismatch across
+ranks, never a hang later."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..partition import PARTITIONS
-from .precision import LOW_DTYPES
+from ..config import check_hyper
 
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
-
-
-def check_flags(**flags) -> None:
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"ZeroAdam: {name} must be True or False; got {value!r}")
 
 
 def check_process_group(process_group) -> None:
@@ -28,84 +23,18 @@ def check_process_group(process_group) -> None:
                            "world size 1 works too")
 
 
-def check_args(model, stage, lr, betas, eps, weight_decay, partition, bucket_mb) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"ZeroAdam: model must be an nn.Module; got {type(model).__name__}")
-    if stage not in (1, 2, 3):
-        raise ValueError(f"ZeroAdam: stage must be 1, 2 or 3; got {stage!r}")
-    if partition not in PARTITIONS:
-        raise ValueError(f"ZeroAdam: partition must be one of {', '.join(PARTITIONS)}; got {partition!r}")
-    if bucket_mb is not None and not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
-        raise ValueError(f"ZeroAdam: bucket_mb must be None or a positive number; got {bucket_mb!r}")
-    check_hyper("", dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-
-
-def check_precision(mixed_precision, reduce_dtype, max_grad_norm, init_scale, growth_factor, backoff_factor,
-                     growth_interval) -> None:
-    if mixed_precision is not None and mixed_precision not in LOW_DTYPES:
-        raise ValueError(f"ZeroAdam: mixed_precision must be None, 'bf16' or 'fp16'; got {mixed_precision!r}")
-    if reduce_dtype is not None and reduce_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"ZeroAdam: reduce_dtype must be None, torch.float32, torch.bfloat16 or torch.float16; "
-                         f"got {reduce_dtype!r}")
-    if mixed_precision is None and reduce_dtype not in (None, torch.float32):
-        raise ValueError(f"ZeroAdam: reduce_dtype={reduce_dtype} needs mixed_precision; fp32 parameters reduce "
-                         f"in float32")
-    if reduce_dtype == torch.float16 and mixed_precision != "fp16":
-        raise ValueError(f"ZeroAdam: reduce_dtype=torch.float16 needs mixed_precision='fp16' (whose loss scaling "
-                         f"catches overflow); got mixed_precision={mixed_precision!r}")
-    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
-                                          and not isinstance(max_grad_norm, bool) and max_grad_norm > 0):
-        raise ValueError(f"ZeroAdam: max_grad_norm must be None or a number > 0; got {max_grad_norm!r}")
-    for name, value, ok in (("init_scale", init_scale, lambda v: v > 0),
-                            ("growth_factor", growth_factor, lambda v: v > 1),
-                            ("backoff_factor", backoff_factor, lambda v: 0 < v < 1)):
-        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and ok(value)):
-            bound = {"init_scale": "> 0", "growth_factor": "> 1", "backoff_factor": "in (0, 1)"}[name]
-            raise ValueError(f"ZeroAdam: {name} must be a number {bound}; got {value!r}")
-    if not (isinstance(growth_interval, int) and not isinstance(growth_interval, bool) and growth_interval >= 1):
-        raise ValueError(f"ZeroAdam: growth_interval must be an integer >= 1; got {growth_interval!r}")
-
-
-def check_dtypes(names: list[str], params: list, mixed_precision) -> None:
-    """One device and one dtype for every trainable parameter; fp32 unless mixed precision converts it."""
+def check_dtypes(names: list[str], params: list, param_dtype: torch.dtype) -> None:
+    """One device and one dtype for every trainable parameter; fp32 unless mixed precision converts it
+    (to param_dtype, after this check)."""
     dtype, device = params[0].dtype, params[0].device
     for n, p in zip(names, params):
         if p.dtype != dtype or p.device != device:
             raise ValueError(f"ZeroAdam needs every trainable parameter on one device with one dtype: "
                              f"{names[0]} is {dtype} on {device}, {n} is {p.dtype} on {p.device}")
-    if dtype != torch.float32 and mixed_precision is None:
+    if dtype != torch.float32 and param_dtype == torch.float32:
         raise ValueError(f"ZeroAdam: the model's parameters are {dtype}; without mixed_precision they must be "
                          f"float32 (they are the master copy). Pass the fp32 model with "
                          f"mixed_precision='bf16' or 'fp16' to train in low precision")
-
-
-def check_units(model: nn.Module, stage: int, units) -> None:
-    """The stage; the value itself is checked where it is read (zerofast.stage3.unit_modules)."""
-    if units is not None and stage != 3:
-        raise ValueError(f"ZeroAdam: units apply to stage 3 only; got units with stage={stage}")
-
-
-def check_min_unit_mb(min_unit_mb) -> None:
-    if min_unit_mb is not None and not (isinstance(min_unit_mb, (int, float)) and not isinstance(min_unit_mb, bool)
-                                        and min_unit_mb >= 0):
-        raise ValueError(f"ZeroAdam: min_unit_mb must be None or a number >= 0; got {min_unit_mb!r}")
-
-
-def check_bucket_buffers(bucket_buffers) -> None:
-    if not (isinstance(bucket_buffers, int) and not isinstance(bucket_buffers, bool) and bucket_buffers >= 0):
-        raise ValueError(f"ZeroAdam: bucket_buffers must be an integer >= 0 (0: no bound); got {bucket_buffers!r}")
-
-
-def check_hyper(where: str, g: dict) -> None:
-    lr, betas, eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
-    if not (isinstance(lr, (int, float)) and lr >= 0):
-        raise ValueError(f"ZeroAdam{where}: lr must be a number >= 0; got {lr!r}")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
-        raise ValueError(f"ZeroAdam{where}: betas must be two numbers in [0, 1); got {betas!r}")
-    if not (isinstance(eps, (int, float)) and eps >= 0):
-        raise ValueError(f"ZeroAdam{where}: eps must be a number >= 0; got {eps!r}")
-    if not (isinstance(wd, (int, float)) and wd >= 0):
-        raise ValueError(f"ZeroAdam{where}: weight_decay must be a number >= 0; got {wd!r}")
 
 
 def build_groups(param_groups, named, defaults) -> list[dict]:

@@ -82,6 +82,7 @@ import torch
 from .. import _C, _ops
 from ..comm import BucketComm, OutOfStepError, is_comm_failure
 from .gather import ParamGather
+from ..config import Plan
 from ..layout import Layout
 from .precision import LossScaler
 from .state import ShardState
@@ -121,29 +122,28 @@ class GradReducer:
     count, the next bucket to launch) lives in the compiled GradPath, which both paths update."""
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], layout: Layout, comm: BucketComm,
-                 shard: ShardState, stage: int, *, overlap: bool, accumulate_locally: bool,
-                 scaler: LossScaler, gather: ParamGather, always_python: bool = False):
-        """always_python: every gradient through Python's path (overlap_param_gather: each checks
-        that its bucket's gather was waited for)."""
+                 shard: ShardState, plan: Plan, *, scaler: LossScaler, gather: ParamGather):
         self.params, self.names, self.layout, self.comm = params, names, layout, comm
+        self.plan = plan
         self.shard = shard                    # where the reduces leave this rank's owned gradients
         # Stage 1: each parameter's slot in the persistent buckets, which .grad is pointed at
         # ([Note: grads as bucket views] in csrc/buckets.cpp); None where gradients are copied.
         self.views = shard.grad_views(params)
-        self.stage, self.overlap = stage, overlap
-        self.accumulates_locally = stage == 1 or accumulate_locally  # under no_sync: .grad accumulates
+        self.overlap = plan.overlap
+        self.accumulates_locally = plan.accumulates_locally  # under no_sync: .grad accumulates
         self.scaler, self.gather = scaler, gather
         # Every gradient through Python: fp16 (each gradient checks its backward was scaled), the
         # overlapped gather (each checks its bucket's gather was waited for), check_collectives
         # (each launch is described first). See [Note: the gradient path].
-        self.always_python = always_python or scaler.enabled or comm.check
+        self.always_python = plan.overlap_param_gather or plan.scales_loss or plan.check_collectives
         self.in_no_sync = False
         slots = layout.slots
         # The compiled path calls back through weak references: it must not keep this reducer (and
         # with it the optimizer) alive, since the garbage collector cannot see references held in C++.
         me = weakref.ref(self)
         self.path = _C.GradPath(comm._impl, params, [s.bucket for s in slots], [s.offset for s in slots],
-                                [len(b.params) for b in layout.buckets], self.views or [], stage >= 2, overlap,
+                                [len(b.params) for b in layout.buckets], self.views or [], plan.grads_sharded,
+                                plan.overlap,
                                 _Callback(me, "_on_grad"), _Callback(me, "_on_error"))
         self.begin_step()
 
@@ -321,7 +321,7 @@ class GradReducer:
                         self._point_at_view(i, p)
                     else:
                         self.comm.add_grad(s.bucket, s.offset, p.grad)
-                    if self.stage >= 2:
+                    if self.plan.grads_sharded:
                         p.grad = None
                 else:
                     self.comm.zero_slot(s.bucket, s.offset, s.numel)

@@ -20,27 +20,29 @@ every rank skips the update together (parameters, master, m, v and step counts u
 scale is multiplied by backoff_factor; after growth_interval clean steps in a row it is multiplied
 by growth_factor. Rule and float32 rounding are GradScaler's. Unscaling costs nothing: 1/scale is
 part of the kernel's grad_scale. A reduce in fp16 can itself overflow (two finite gradients whose
-sum is not); that is caught the same way, one reason to pass reduce_dtype=torch.float32.
+sum is not); that is caught the same way, one reason to reduce in float32
+(MixedPrecisionPolicy(torch.float16, reduce_dtype=torch.float32)).
 """
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
-LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
+from ..config import LossScalePolicy
 
 class LossScaler:
     """fp16's dynamic loss scale, with torch.amp.GradScaler's rule and rounding: halve (backoff) on
     a step with an inf or nan, grow after growth_interval clean steps in a row; the scale is kept
     in float32, as GradScaler's tensor is. See [Note: loss scaling]."""
 
-    def __init__(self, init_scale, growth_factor, backoff_factor, growth_interval, enabled: bool):
-        self.enabled = enabled
-        self.scale = to_f32(init_scale) if enabled else 1.0
-        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+    def __init__(self, policy: Optional[LossScalePolicy]):
+        """policy: the plan's loss scaling (fp16 only); None: disabled, the scale stays 1."""
+        self.enabled = policy is not None
+        self.scale = to_f32(policy.init_scale) if policy is not None else 1.0
+        self.policy = policy
         self.growth_tracker = 0
         self.in_scaled_backward = False  # inside backward(): gradients arriving now were scaled
 
@@ -58,12 +60,12 @@ class LossScaler:
         if not self.enabled:
             return
         if found_inf:
-            self.scale = to_f32(self.scale * self.backoff_factor)
+            self.scale = to_f32(self.scale * self.policy.backoff_factor)
             self.growth_tracker = 0
             return
         self.growth_tracker += 1
-        if self.growth_tracker == self.growth_interval:
-            grown = to_f32(self.scale * self.growth_factor)
+        if self.growth_tracker == self.policy.growth_interval:
+            grown = to_f32(self.scale * self.policy.growth_factor)
             if math.isfinite(grown):
                 self.scale = grown
             self.growth_tracker = 0

@@ -11,10 +11,12 @@ Checkpoints and reports read it through the accessors below, never through its t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 
 from .. import _ops
+from ..config import Plan
 from ..layout import Layout, Piece
 
 
@@ -30,29 +32,29 @@ class Run:
 
 
 class ShardState:
-    def __init__(self, layout: Layout, rank: int, names: list[str], params: list[torch.nn.Parameter],
-                 dtype: torch.dtype, reduce_dtype: torch.dtype, sharded_params: bool, grad_views: bool = False):
+    def __init__(self, layout: Layout, rank: int, names: list[str], params: list[torch.nn.Parameter], plan: Plan):
         """Build the buffers and make every parameter in `params` a view of its slot; the fp32
-        master starts from the parameters' values as given (the user's exact fp32 values).
-        sharded_params: stage 3, whose parameters live in a shard of their own between uses.
-        grad_views: stage 1, where the gradients live in persistent buckets that .grad are views
-        of and the reduce leaves the owned range in place, so there is no separate gradient shard
-        ([Note: grads as bucket views] in csrc/buckets.cpp); needs reduce_dtype == dtype."""
+        master starts from the parameters' values as given (the user's exact fp32 values). What
+        exists follows the plan: plan.params_sharded (stage 3) keeps the parameters in a shard of
+        their own between uses; plan.grads_as_bucket_views (stage 1) keeps the gradients in
+        persistent buckets that .grad are views of, the reduce leaving the owned range in place, so
+        there is no separate gradient shard ([Note: grads as bucket views] in csrc/buckets.cpp);
+        plan.separate_master (low-precision parameters) keeps an fp32 master shard."""
+        self.plan = plan
         self.layout, self.rank, self.names = layout, rank, names
         device = params[0].device
-        mixed = dtype != torch.float32
+        dtype, reduce_dtype, grad_views = plan.param_dtype, plan.reduce_dtype, plan.grads_as_bucket_views
+        mixed = plan.separate_master
         shard = layout.shard_numel(rank)
         self.param_buffers = [torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buckets]
-        if grad_views and reduce_dtype != dtype:
-            raise ValueError(f"ShardState: grad_views needs reduce_dtype == dtype; got {reduce_dtype} and {dtype}")
-        # Stage 1 with grad_views: the full gradients, one flat bucket each, reduced in place.
+        # Stage 1 with gradient views: the full gradients, one flat bucket each, reduced in place.
         self.grad_buckets = ([torch.zeros(b.numel, dtype=reduce_dtype, device=device) for b in layout.buckets]
                              if grad_views else [])
         # 1D, this rank's reduced gradients (empty with grad_views: they stay in grad_buckets).
         self.grad_shard = torch.zeros(0 if grad_views else shard, dtype=reduce_dtype, device=device)
         # Stage 3's parameter shard, in the parameters' dtype, which the next forward gathers
         # (stages 1 and 2 update the owned range of the parameter buffers in place instead).
-        self.param_shard = torch.zeros(shard if sharded_params else 0, dtype=dtype, device=device)
+        self.param_shard = torch.zeros(shard if plan.params_sharded else 0, dtype=dtype, device=device)
         self.exp_avg = torch.zeros(shard, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(shard, dtype=torch.float32, device=device)
         self.master = torch.zeros(shard if mixed else 0, dtype=torch.float32, device=device)  # mixed only
@@ -111,14 +113,14 @@ class ShardState:
     def grad_range(self, bucket: int, bucket_lo: int, state: slice) -> torch.Tensor:
         """The reduced gradients of an owned range (bucket `bucket` from `bucket_lo`; `state` in
         the shard buffers): in the gradient shard, or where stage 1's in-place reduce left them."""
-        if self.grad_buckets:
+        if self.plan.grads_as_bucket_views:
             return self.grad_buckets[bucket].narrow(0, bucket_lo, state.stop - state.start)
         return self.grad_shard[state]
 
     def owned_grads(self) -> list[torch.Tensor]:
         """This rank's reduced gradients, padding included (zero), as flat tensors: the gradient
         shard, or the owned range of each of stage 1's buckets."""
-        if not self.grad_buckets:
+        if not self.plan.grads_as_bucket_views:
             return [self.grad_shard]
         return [g.narrow(0, b.bounds[self.rank], b.bounds[self.rank + 1] - b.bounds[self.rank])
                 for g, b in zip(self.grad_buckets, self.layout.buckets)]
@@ -126,7 +128,7 @@ class ShardState:
     def grad_views(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor] | None:
         """Each parameter's slot in stage 1's gradient buckets, shaped as the parameter (None
         without grad_views)."""
-        if not self.grad_buckets:
+        if not self.plan.grads_as_bucket_views:
             return None
         return [self.grad_buckets[s.bucket].narrow(0, s.offset, s.numel).view_as(p)
                 for s, p in zip(self.layout.slots, params)]
@@ -136,9 +138,9 @@ class ShardState:
         buffers), and the low-precision parameters its update is written to (None in fp32, where
         the master is the parameter)."""
         # Stage 3 keeps its parameters in the shard (the unit buffers are released by now).
-        params = (self.param_shard[state] if self.param_shard.numel()
+        params = (self.param_shard[state] if self.plan.params_sharded
                   else self.param_buffers[bucket].narrow(0, bucket_lo, state.stop - state.start))
-        if self.master.numel():  # mixed precision
+        if self.plan.separate_master:
             return self.master[state], params
         return params, None
 
@@ -152,18 +154,58 @@ class ShardState:
     def state_pieces(self, kind: str) -> list[tuple[str, int, torch.Tensor]]:
         """This rank's part of "master", "exp_avg" or "exp_avg_sq", as (parameter name, offset into
         the flattened parameter, fp32 values) pieces, copied."""
-        if kind not in ("master", "exp_avg", "exp_avg_sq"):
-            raise ValueError(f"ShardState.state_pieces: kind must be master, exp_avg or exp_avg_sq; got {kind!r}")
-        out = []
-        for pc in self.pieces:
-            state = slice(pc.state_offset, pc.state_offset + pc.numel)
-            values = (self.master_and_copy(pc.bucket, pc.bucket_offset, state)[0] if kind == "master"
-                      else getattr(self, kind)[state])
-            out.append((self.names[pc.param], pc.param_offset, values.detach().float().clone()))
-        return out
+        _check_kind("state_pieces", kind)
+        return [(self.names[pc.param], pc.param_offset, self.piece_view(pc, kind).detach().float().clone())
+                for pc in self.pieces]
+
+    def piece_view(self, pc: Piece, kind: str) -> torch.Tensor:
+        """The live 1-D values of "master", "exp_avg" or "exp_avg_sq" for one of this rank's
+        pieces: a view into the state, so reading it reads the state and writing into it writes
+        the state (a checkpoint's save reads these views, its load writes them; after writing the
+        master, sync_params_from_master())."""
+        _check_kind("piece_view", kind)
+        state = slice(pc.state_offset, pc.state_offset + pc.numel)
+        if kind == "master":
+            return self.master_and_copy(pc.bucket, pc.bucket_offset, state)[0]
+        return getattr(self, kind)[state]
+
+    def load_pieces(self, kind: str, full: Mapping[int, torch.Tensor]) -> None:
+        """Write this rank's pieces of `kind` from whole tensors, by parameter index (each of its
+        parameter's numel, any shape); parameters not in `full` keep their values."""
+        _check_kind("load_pieces", kind)
+        with torch.no_grad():
+            for pc in self.pieces:
+                if pc.param in full:
+                    src = full[pc.param].reshape(-1)[pc.param_offset:pc.param_offset + pc.numel]
+                    self.piece_view(pc, kind).copy_(src)
+
+    def sync_params_from_master(self) -> None:
+        """After the fp32 master was written outside a step (a load): this rank's owned
+        low-precision parameters become its rounding, as a step's kernel leaves them. Nothing to
+        do in fp32, where the master is the parameters."""
+        with torch.no_grad():
+            for pc in self.pieces:
+                state = slice(pc.state_offset, pc.state_offset + pc.numel)
+                master, copy = self.master_and_copy(pc.bucket, pc.bucket_offset, state)
+                if copy is None:
+                    return
+                copy.copy_(master)
 
     def step_counts(self) -> dict[str, int]:
+        """Adam steps taken by each parameter, by name."""
         return dict(zip(self.names, self.steps))
+
+    def set_step_counts(self, counts: Mapping[str, int]) -> None:
+        """Set every parameter's step count by name (step_counts() of a saved state)."""
+        missing = [n for n in self.names if n not in counts]
+        if missing:
+            raise ValueError(f"ShardState.set_step_counts: no step count for {missing[0]} ({len(missing)} missing)")
+        self.steps[:] = [int(counts[n]) for n in self.names]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the state lives."""
+        return self.exp_avg.device
 
     def materialized_param_bytes(self) -> int:
         """Bytes of parameter storage that exist now: the parameter buffers' storage (stage 3: only
@@ -185,3 +227,11 @@ class ShardState:
             "master_copy": size(self.master),
             "grad_buckets": sum(size(g) for g in self.grad_buckets),
         }
+
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")  # the fp32 state a piece holds, by name
+
+
+def _check_kind(where: str, kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"ShardState.{where}: kind must be master, exp_avg or exp_avg_sq; got {kind!r}")

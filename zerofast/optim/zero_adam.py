@@ -1,6 +1,6 @@
 """ZeroAdam: Adam/AdamW with ZeRO stage 1, 2 or 3 sharding, under the plain training loop.
 
-    opt = ZeroAdam(model, stage=2, lr=1e-3, partition="flat")
+    opt = ZeroAdam(model, stage=2, lr=1e-3)
     loss.backward(); opt.step(); opt.zero_grad()
 
 Goals: exactly single-process torch.optim.AdamW on the global batch; communication overlapped with
@@ -8,67 +8,50 @@ backward; one contiguous buffer per bucket, so collectives and the optimizer ste
 flat ranges rather than per tensor.
 
 A step, in phases, each owned by one object (its module holds the details and the named notes):
-  Phase 1, during backward (GradReducer, zerofast/grads.py): each gradient is copied into its slot
+  Phase 1, during backward (GradReducer, zerofast/optim/grads.py): each gradient is copied into its slot
     of a bucket; a complete bucket's reduce starts at once, asynchronously, in bucket order.
   Phase 2, step() or an earlier clip_grad_norm_() (GradReducer): buckets not filled on this rank
     are launched with zeros; the ranks agree which parameters got a gradient anywhere; every reduce
     is waited for; with fp16 or clipping, one small all_reduce agrees on overflow and the global
-    norm; an overflow skips phases 3 and 4 on every rank (LossScaler, zerofast/precision.py).
-  Phase 3, step() (ShardState, zerofast/state.py): the fused Adam kernel over this rank's fp32
+    norm; an overflow skips phases 3 and 4 on every rank (LossScaler, zerofast/optim/precision.py).
+  Phase 3, step() (ShardState, zerofast/optim/state.py): the fused Adam kernel over this rank's fp32
     master ranges, averaging, unscaling and clipping the gradient shard through its grad_scale.
-  Phase 4, step() (ParamGather, zerofast/gather.py): stages 1 and 2 gather each bucket's updated
+  Phase 4, step() (ParamGather, zerofast/optim/gather.py): stages 1 and 2 gather each bucket's updated
     parameters straight into the flat buffers the model's parameters are views of; by default
-    step() returns when every gather is done, with overlap_param_gather=True at once.
-Stage 3 (UnitTracker over UnitBuffers, zerofast/stage3.py) shards the parameters themselves: each
+    step() returns when every gather is done, with CommPolicy(overlap_param_gather=True) at once.
+Stage 3 (UnitTracker over UnitBuffers, zerofast/stage3/runtime.py) shards the parameters themselves: each
 unit (by default each block) is one bucket whose flat buffer exists only while gathered, module by
 module with prefetch; the fp32 master is this rank's parameter shard, and there is no phase 4: the
 next forward gathers. The communication itself is BucketComm (zerofast/comm.py over csrc/).
 
 [Note: determinism]
 Two runs with the same inputs give bitwise-identical results: the layout is a pure function of the
-parameter list and the arguments, buckets are launched in a fixed order, the collectives reduce in
+parameter list and the plan, buckets are launched in a fixed order, the collectives reduce in
 a fixed order for a fixed world size, and the fused kernel is elementwise.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+import functools
+from typing import Optional, TypedDict
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from . import checks as _checks
-from ..comm import BucketComm, debug_from_env, group_timeout
+from ..comm import BucketComm, group_timeout
+from ..config import Plan, check_hyper, reject_moved, resolve_plan
 from .gather import ParamGather
 from .grads import GradReducer
 from ..layout import Layout, build_layout, layout_from_groups
 from ..partition import imbalance, owners_for
-from .precision import LOW_DTYPES, InputCast, LossScaler, cast_unmanaged
+from .precision import InputCast, LossScaler, cast_unmanaged
 from ..stage3.runtime import UnitBuffers, UnitTracker
 from ..stage3.units import UnitPlan, find_units, hook_needs
 from .state import ShardState
 
 __all__ = ["ZeroAdam"]
-
-# Stage 3's default units smaller than this are merged with their neighbours ([Note: merging small
-# units] in zerofast/stage3.py). Chosen by measurement: see DEFAULT_MIN_UNIT_MB's row in README.
-DEFAULT_MIN_UNIT_MB = 2.0
-
-# Bucket sizes of stages 1 and 2 (stage 3's buckets are its units). Stage 1's buckets are its
-# gradients, so their size sets only how the reduce is cut into collectives: DDP's 25 MB. Stage 2's
-# are transient, DEFAULT_BUCKET_BUFFERS of them beside the gradient shard: 8 MB, chosen by
-# measurement (README, "Buffers in flight": the step time of 25 MB buckets at a third of the memory).
-DEFAULT_BUCKET_MB = {1: 25.0, 2: 8.0}
-
-# Gradient bucket buffers alive at once (stages 2 and 3, and stage 1 when gradients are copied):
-# one being filled while the previous one is reduced. Chosen by measurement: see README's
-# "Buffers in flight" ([Note: buffers in flight] in csrc/buckets.cpp).
-DEFAULT_BUCKET_BUFFERS = 2
-
-# The first bucket (in backward order) holds at most this, so its reduce starts early in backward;
-# DDP uses the same 1 MiB (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES).
-_FIRST_BUCKET_BYTES = 1 << 20
 
 
 class ZeroAdam(torch.optim.Optimizer):
@@ -77,80 +60,42 @@ class ZeroAdam(torch.optim.Optimizer):
 
     model: the nn.Module whose trainable parameters it manages (frozen ones are left alone; a tied
       parameter is one parameter). Its parameters become views into zerofast's flat buffers.
-    partition: "flat" (default; equal slices of every bucket), "round_robin" (the seed's parameter
-      i to rank i % N) or "greedy" (whole tensors, largest first, to the least-loaded rank).
+    stage: 1 shards the Adam state, 2 also the gradients, 3 also the parameters.
+    lr, betas, eps, weight_decay: as torch.optim.AdamW's.
+    adamw: decoupled weight decay (torch.optim.AdamW); False: torch.optim.Adam's L2 term.
     param_groups: torch.optim-style dicts over the model's trainable parameters ("lr", "betas",
       "eps", "weight_decay"; missing keys take the constructor's values).
-    bucket_mb: stages 1 and 2 bucket size in MiB of gradients (None: DEFAULT_BUCKET_MB, 25 for stage 1,
-      8 for stage 2; stage 3 uses one bucket per unit).
-    overlap: reduce each bucket during backward as soon as it is complete (else at step()).
-    overlap_param_gather: stages 1 and 2: gather after step() overlapped with the next forward.
-    units: stage 3: which modules' parameters are gathered together: None (the model's blocks:
-      its `_no_split_modules` classes, else the children of every nn.ModuleList, else the root's
-      children), a list of submodules, a module class or set of classes, or a callable
-      module -> bool; the parameters no unit holds form one more unit, the root's.
-      opt.units_report() shows the choice ([Note: choosing units] in zerofast/stage3.py).
-    min_unit_mb: stage 3 with the default units: units smaller than this (in the parameters'
-      dtype) are merged with their neighbours, so a deep narrow model gathers in a few collectives
-      (None: DEFAULT_MIN_UNIT_MB; 0: never merge). Units given explicitly are kept as given.
-    mixed_precision: None (fp32 parameters), "bf16" or "fp16": the model is converted as
-      model.to(dtype) would (parameters, frozen ones too, and floating buffers), floating-point
-      inputs of its forward are cast to that dtype, and the optimizer keeps the fp32 master shard
-      and Adam state ([Note: mixed precision] in zerofast/precision.py).
-    reduce_dtype: the dtype gradients are reduced (and, in stages 2 and 3, kept sharded) in;
-      default the parameters' dtype, torch.float32 on request.
     max_grad_norm: clip the global gradient norm to this at every step (None: no clipping);
       opt.clip_grad_norm_(max_norm) clips on request ([Note: global gradient clipping]).
-    init_scale, growth_factor, backoff_factor, growth_interval: fp16's dynamic loss scaling, named
-      and behaving as torch.amp.GradScaler's; use opt.backward(loss) ([Note: loss scaling]).
-    accumulate_locally: stages 2 and 3 under no_sync(): keep full local gradients and reduce once
-      (like stage 1) instead of reducing every micro-batch into the shard ([Note: accumulation]).
-    bucket_buffers: at most this many gradient bucket buffers alive at once, being filled, being
-      reduced or kept for reuse (0: no bound); backward waits for the oldest reduce when they are
-      all in use ([Note: buffers in flight] in csrc/buckets.cpp). Stage 1 needs none when the
-      gradients are reduced in their own dtype: its .grad are views of persistent buckets that are
-      reduced in place, so a rank holds one copy of the gradients ([Note: grads as bucket views]);
-      after step() its .grad is None, as in stages 2 and 3.
-    check_collectives: before every collective, check that every rank is about to issue the same
-      one (the same bucket, size, step and micro-batch), raising OutOfStepError on every rank
-      otherwise; one small blocking all_gather per collective (None: on when ZEROFAST_DEBUG=1).
-      Without it, a cheap check rides on the step's agreement ([Note: the step's agreement]).
-    Every wait is bounded by the process group's timeout (stage 3's gather group gets the same): a
-    dead, stuck or out-of-step rank makes the others raise CollectiveError naming the step, the phase
-    and the collective ([Note: faults] in zerofast/comm.py).
+    mixed_precision: None (fp32 parameters), "bf16", "fp16" or a MixedPrecisionPolicy (its reduce
+      dtype and fp16's loss scaling): the model is converted as model.to(dtype) would (parameters,
+      frozen ones too, and floating buffers), floating-point inputs of its forward are cast to that
+      dtype, and the optimizer keeps the fp32 master shard and Adam state ([Note: mixed precision]).
+    units: stage 3: a UnitPolicy, or what its `modules` takes (a list of submodules, a module class
+      or set of classes, a callable module -> bool); None: the model's blocks, small ones merged.
+    comm: a CommPolicy: partition, bucket size, buffers in flight, overlap, accumulation, and the
+      collectives' debug check (None: CommPolicy()'s defaults).
+    process_group: the ranks that share the state (None: the whole world).
+    Every option is checked and resolved once into `opt.plan` (zerofast/config.py), which every part
+    reads. Every wait is bounded by the process group's timeout (stage 3's gather group gets the
+    same): a dead, stuck or out-of-step rank makes the others raise CollectiveError naming the step,
+    the phase and the collective ([Note: faults] in zerofast/comm.py).
     """
 
     def __init__(self, model: nn.Module, stage: int = 2, lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, adamw: bool = True,
-                 param_groups: Optional[list[dict]] = None, partition: str = "flat",
-                 bucket_mb: Optional[float] = None, overlap: bool = True,
-                 process_group: Optional[dist.ProcessGroup] = None, overlap_param_gather: bool = False,
-                 units=None, mixed_precision: Optional[str] = None,
-                 reduce_dtype: Optional[torch.dtype] = None, max_grad_norm: Optional[float] = None,
-                 init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, accumulate_locally: bool = False,
-                 min_unit_mb: Optional[float] = None, bucket_buffers: int = DEFAULT_BUCKET_BUFFERS,
-                 check_collectives: Optional[bool] = None):
-        _checks.check_args(model, stage, lr, betas, eps, weight_decay, partition, bucket_mb)
-        if bucket_mb is None:
-            bucket_mb = DEFAULT_BUCKET_MB.get(stage, DEFAULT_BUCKET_MB[2])
-        _checks.check_units(model, stage, units)
-        _checks.check_min_unit_mb(min_unit_mb)
-        _checks.check_bucket_buffers(bucket_buffers)
-        _checks.check_precision(mixed_precision, reduce_dtype, max_grad_norm, init_scale, growth_factor,
-                                backoff_factor, growth_interval)
-        _checks.check_flags(adamw=adamw, overlap=overlap, overlap_param_gather=overlap_param_gather,
-                            accumulate_locally=accumulate_locally)
-        if check_collectives is not None:
-            _checks.check_flags(check_collectives=check_collectives)
+                 param_groups: Optional[list[dict]] = None, *, max_grad_norm: Optional[float] = None,
+                 mixed_precision=None, units=None, comm=None,
+                 process_group: Optional[dist.ProcessGroup] = None, **moved):
+        reject_moved("ZeroAdam", moved)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"ZeroAdam: model must be an nn.Module; got {type(model).__name__}")
+        plan = resolve_plan(stage, adamw=adamw, max_grad_norm=max_grad_norm, mixed_precision=mixed_precision,
+                            comm=comm, units=units)
+        check_hyper("", dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         _checks.check_process_group(process_group)
-        self.model, self.stage, self.adamw, self.partition = model, stage, adamw, partition
-        self.overlap, self.overlap_param_gather = overlap, overlap_param_gather
-        self.mixed_precision = mixed_precision
-        self.param_dtype = LOW_DTYPES[mixed_precision] if mixed_precision else torch.float32
-        self.reduce_dtype = reduce_dtype if reduce_dtype is not None else self.param_dtype
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-        self.accumulate_locally = accumulate_locally
+        self.plan: Plan = plan
+        self.model = model
         self.group = process_group if process_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
@@ -171,48 +116,56 @@ class ZeroAdam(torch.optim.Optimizer):
                 self._group_of[index_of[id(p)]] = g
         self._constructed = True  # add_param_group after this is an error
 
-        _checks.check_dtypes(self._names, self._params, mixed_precision)
-        self.min_unit_mb = DEFAULT_MIN_UNIT_MB if min_unit_mb is None else float(min_unit_mb)
-        self.unit_plan: Optional[UnitPlan] = (find_units(model, self._params, units, int(self.min_unit_mb * 2**20),
-                                                         torch.empty(0, dtype=self.param_dtype).element_size())
-                                              if stage == 3 else None)
-        self.layout: Layout = self._build_layout(bucket_mb)
-        self.shard = ShardState(self.layout, self.rank, self._names, self._params, self.param_dtype,
-                                self.reduce_dtype, sharded_params=stage == 3,
-                                grad_views=stage == 1 and self.reduce_dtype == self.param_dtype)
+        _checks.check_dtypes(self._names, self._params, plan.param_dtype)
+        self.unit_plan: Optional[UnitPlan] = (
+            find_units(model, self._params, plan.unit_modules, plan.min_unit_bytes,
+                       torch.empty(0, dtype=plan.param_dtype).element_size())
+            if plan.params_sharded else None)
+        self.layout: Layout = self._build_layout()
+        self.shard = ShardState(self.layout, self.rank, self._names, self._params, plan)
         self._hooks = []
-        if self.param_dtype != torch.float32:  # see [Note: mixed precision]
-            cast_unmanaged(model, self.param_dtype)
-            self._hooks.append(model.register_forward_pre_hook(InputCast(self.param_dtype), prepend=True,
+        if plan.separate_master:  # see [Note: mixed precision]
+            cast_unmanaged(model, plan.param_dtype)
+            self._hooks.append(model.register_forward_pre_hook(InputCast(plan.param_dtype), prepend=True,
                                                                with_kwargs=True))
         self.comm = BucketComm(self.group, self.layout, self.rank, self.shard.grad_shard,
-                               self._gather_group() if stage == 3 else None, self.shard.grad_buckets,
-                               bucket_buffers,
-                               debug_from_env() if check_collectives is None else check_collectives)
-        self._scaler = LossScaler(init_scale, growth_factor, backoff_factor, growth_interval,
-                                  enabled=mixed_precision == "fp16")
+                               self._gather_group() if plan.params_sharded else None, self.shard.grad_buckets,
+                               plan.bucket_buffers, plan.check_collectives)
+        self._scaler = LossScaler(plan.loss_scale)
         self._gather = ParamGather(self.comm, self.layout, self.shard.param_buffers)
-        if overlap_param_gather and stage < 3:
+        if plan.overlap_param_gather:
             self._hooks += self._gather.register_waits(model, self._params)
-        self.units: Optional[UnitTracker] = self._shard_params() if stage == 3 else None
-        self._grads = GradReducer(self._params, self._names, self.layout, self.comm, self.shard,
-                                  stage, overlap=overlap, accumulate_locally=accumulate_locally,
-                                  scaler=self._scaler, gather=self._gather,
-                                  always_python=overlap_param_gather and stage < 3)
+        self.units: Optional[UnitTracker] = self._shard_params() if plan.params_sharded else None
+        self._grads = GradReducer(self._params, self._names, self.layout, self.comm, self.shard, plan,
+                                  scaler=self._scaler, gather=self._gather)
         self.last_step_skipped = False  # fp16: the last step() found an inf or nan and skipped
         self._last_comm: dict = {}
 
+    @property
+    def stage(self) -> int:
+        return self.plan.stage
+
+    @property
+    def partition(self) -> str:
+        return self.plan.partition
+
+    @property
+    def mixed_precision(self) -> Optional[str]:
+        """"bf16", "fp16" or None, as the mixed_precision= shortcut names the parameters' dtype."""
+        return self.plan.mixed_precision
+
     # --- construction ---------------------------------------------------------------------------
 
-    def _build_layout(self, bucket_mb: float) -> Layout:
-        reduce_size = torch.empty(0, dtype=self.reduce_dtype).element_size()
+    def _build_layout(self) -> Layout:
+        plan = self.plan
+        reduce_size = torch.empty(0, dtype=plan.reduce_dtype).element_size()
         numels = [p.numel() for p in self._params]
-        owners = owners_for(self.partition, numels, self.world_size)
-        if self.stage == 3:  # one bucket per unit, in backward order: see [Note: bucket order]
+        owners = owners_for(plan.partition, numels, self.world_size)
+        if plan.params_sharded:  # one bucket per unit, in backward order: see [Note: bucket order]
             return layout_from_groups(numels, self.unit_plan.groups[::-1], self.world_size, owners)
-        bucket_numel = max(1, int(bucket_mb * 2**20) // reduce_size)
+        bucket_numel = max(1, plan.bucket_bytes // reduce_size)
         order = list(reversed(range(len(numels))))  # backward order: see [Note: bucket order]
-        first_bucket_numel = min(bucket_numel, _FIRST_BUCKET_BYTES // reduce_size)
+        first_bucket_numel = min(bucket_numel, plan.first_bucket_bytes // reduce_size)
         return build_layout(numels, order, self.world_size, bucket_numel, owners, first_bucket_numel)
 
     def _gather_group(self) -> dist.ProcessGroup:
@@ -277,23 +230,21 @@ class ZeroAdam(torch.optim.Optimizer):
                                "the last backward, outside it")
         where = self.comm.where
         where.phase = "step() (phase 2: the reduces and the agreement)"
-        self._gather.wait()                     # last step's, if some module never ran
-        if self.units is not None:              # stage 3: nothing may stay gathered across the update
-            self.units.release_all()
-        prep = self._grads.prepare(self.max_grad_norm is not None, self.world_size,  # phase 2
+        self.quiesce()  # last step's gathers, if some module never ran; stage 3: none stays gathered across the update
+        prep = self._grads.prepare(self.plan.max_grad_norm is not None, self.world_size,  # phase 2
                                    check=self._check_update)
-        if self.max_grad_norm is not None:
-            self._grads.clip(prep, self.max_grad_norm)
+        if self.plan.max_grad_norm is not None:
+            self._grads.clip(prep, self.plan.max_grad_norm)
         anything = any(prep.used)  # agreed: the same on every rank
         if anything and not prep.found_inf:
             with torch.profiler.record_function("zerofast::adam"):  # phase 3
-                self.shard.apply_adam(prep.used, self.param_groups, self._group_of, self.adamw,
+                self.shard.apply_adam(prep.used, self.param_groups, self._group_of, self.plan.adamw,
                                       prep.grad_factor / (self.world_size * self._scaler.scale))
-            if self.stage < 3:                  # phase 4 (stage 3: the next forward gathers)
+            if self.plan.gather_after_step:     # phase 4 (stage 3: the next forward gathers)
                 where.phase = "step() (phase 4: the parameter gather)"
                 with torch.profiler.record_function("zerofast::gather"):
                     self._gather.start()
-                    if not self.overlap_param_gather:
+                    if not self.plan.overlap_param_gather:
                         self._gather.wait()
         if anything:  # a step without gradients anywhere is no evidence for or against the scale
             self._scaler.update(prep.found_inf)
@@ -308,7 +259,7 @@ class ZeroAdam(torch.optim.Optimizer):
         failure here applies nothing anywhere ([Note: the step's agreement] in zerofast/grads.py):
         the hyper-parameters as a scheduler or user code may have left them."""
         for g, group in enumerate(self.param_groups):
-            _checks.check_hyper(f".param_groups[{g}]", group)
+            check_hyper(f".param_groups[{g}]", group)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients' global norm to max_norm, as torch.nn.utils.clip_grad_norm_ on the
@@ -353,7 +304,7 @@ class ZeroAdam(torch.optim.Optimizer):
         [Note: choosing units] in zerofast/stage3.py. Empty for stages 1 and 2, which gather by bucket."""
         if self.unit_plan is None:
             return []
-        size = torch.empty(0, dtype=self.param_dtype).element_size()
+        size = torch.empty(0, dtype=self.plan.param_dtype).element_size()
         report = []
         for u, (group, name) in enumerate(zip(self.unit_plan.groups, self.unit_plan.names)):
             numel = sum(self._params[i].numel() for i in group)
@@ -372,7 +323,7 @@ class ZeroAdam(torch.optim.Optimizer):
         local = sum(p.grad.numel() * p.grad.element_size() for p in self._params if p.grad is not None)
         return {
             **nbytes,
-            "grads": grad_buckets if self.shard.grad_buckets else local,
+            "grads": grad_buckets if self.plan.grads_as_bucket_views else local,
             "bucket_buffers": self.comm.buffer_bytes,
             "bucket_buffers_peak": self.comm.peak_buffer_bytes,
             "bucket_pool": self.comm.pooled_bytes,  # released buffers kept for reuse (<= the peak)
@@ -404,14 +355,17 @@ class ZeroAdam(torch.optim.Optimizer):
         and Adam moment by name in its own shape, this rank's pieces only (views of the live state).
         To restore: sd = opt.state_dict(); dcp.load(sd, ...); opt.load_state_dict(sd), in any
         configuration. zerofast.checkpoint.save/load do this with atomic folders and `extra`."""
-        from .. import checkpoint
-        return checkpoint.state_dict(self)
+        # The dependency runs optim -> checkpoint, which reads this optimizer through the typed
+        # accessors at the end of the class; imported here, not at the top, because importing
+        # torch.distributed.checkpoint costs ~0.8 s and only checkpointing needs it.
+        from ..checkpoint import dcp
+        return dcp.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Finish restoring after dcp.load filled a state_dict() of this optimizer (step counts,
         hyper-parameters, loss scale, low-precision parameters, the gather of stages 1 and 2)."""
-        from .. import checkpoint
-        checkpoint.load_state_dict(self, state_dict)
+        from ..checkpoint import dcp  # lazy: see state_dict()
+        dcp.load_state_dict(self, state_dict)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -420,3 +374,57 @@ class ZeroAdam(torch.optim.Optimizer):
         self._grads.remove()
         if self.units is not None:
             self.units.remove()
+
+    # --- typed access to the state, for checkpoints and tools ------------------------------------
+    # zerofast.checkpoint reads and writes the optimizer only through these (and the ShardState
+    # accessors of opt.shard, the layout and param_groups), never through underscored attributes.
+
+    @property
+    def named_params(self) -> tuple[tuple[str, nn.Parameter], ...]:
+        """The managed (trainable) parameters and their names, in the optimizer's order: index i
+        is parameter i of the layout, of the step counts and of a checkpoint."""
+        return tuple(zip(self._names, self._params))
+
+    def param_index(self, param: torch.Tensor) -> Optional[int]:
+        """The index of a managed parameter in named_params (by identity), or None for any
+        other tensor (a frozen parameter, a buffer)."""
+        return self._index_of.get(id(param))
+
+    @functools.cached_property
+    def _index_of(self) -> dict[int, int]:
+        return {id(p): i for i, p in enumerate(self._params)}
+
+    def quiesce(self) -> None:
+        """Bring the state to rest, so that the shard alone is the state and nothing writes it:
+        wait for parameter gathers still in flight (stages 1 and 2) and release every gathered unit
+        (stage 3). Before reading or writing the state outside step()."""
+        self._gather.wait()  # last step's, if some module never ran
+        if self.units is not None:  # stage 3: nothing stays gathered
+            self.units.release_all()
+
+    def sync_params_from_master(self) -> None:
+        """After the fp32 master was written outside step() (a load, with the state at rest):
+        the low-precision parameters become its rounding, and (stages 1 and 2) every rank's full
+        parameters are gathered from their owners. Stage 3's next forward gathers."""
+        self.shard.sync_params_from_master()
+        if self.units is None:
+            self._gather.start()
+            self._gather.wait()
+
+    def loss_scaler_state(self) -> ScalerState:
+        """fp16's dynamic loss scale as plain data (enabled False without fp16 loss scaling)."""
+        s = self._scaler
+        return ScalerState(scale=s.scale, growth_tracker=s.growth_tracker, enabled=s.enabled)
+
+    def load_loss_scaler_state(self, state: ScalerState) -> None:
+        """Restore loss_scaler_state(): the scale and growth tracker, when loss scaling is on here
+        and was on where the state came from; otherwise this optimizer's own scale stays."""
+        if self._scaler.enabled and state["enabled"]:
+            self._scaler.scale, self._scaler.growth_tracker = float(state["scale"]), int(state["growth_tracker"])
+
+
+class ScalerState(TypedDict):
+    """ZeroAdam.loss_scaler_state(): fp16's loss scale, as torch.amp.GradScaler keeps it."""
+    scale: float
+    growth_tracker: int  # clean steps in a row since the scale last changed
+    enabled: bool

@@ -20,6 +20,7 @@ import os
 import sys
 import time
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,8 @@ from ..optim.grads import StepNotAppliedError
 from .data import corpus_tokens, text_batch
 from .estimate import format_bytes, estimate_memory
 from .models import CONFIGS, make_gpt
-from ..optim import ZeroAdam
+from ..optim.zero_adam import ZeroAdam
+from ..config import CommPolicy
 from ..partition import PARTITIONS
 
 log = logging.getLogger("zerofast.train")
@@ -170,18 +172,17 @@ def _device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _make_optimizer(kind: str, model, args):
-    """kind: "zero" (ZeroAdam at args.stage / a given stage), "ddp", or "reference"."""
+def _make_optimizer(kind: str, model, args, stage: int):
+    """kind: "zero" (ZeroAdam at `stage`), "ddp", or "reference" (the reference stage `stage`)."""
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
         wrapped = DDP(model)
         return wrapped, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     if kind == "reference":
         from ..reference import ReferenceZero
-        return model, ReferenceZero(model, stage=args.stage, lr=args.lr, weight_decay=0.1)
-    stage = int(kind.split(":")[1]) if ":" in kind else args.stage
-    return model, ZeroAdam(model, stage=stage, partition=args.partition, lr=args.lr, weight_decay=0.1,
-                           mixed_precision=args.mixed_precision, max_grad_norm=args.max_grad_norm)
+        return model, ReferenceZero(model, stage=stage, lr=args.lr, weight_decay=0.1)
+    return model, ZeroAdam(model, stage=stage, lr=args.lr, weight_decay=0.1, mixed_precision=args.mixed_precision,
+                           max_grad_norm=args.max_grad_norm, comm=CommPolicy(partition=args.partition))
 
 
 def _measure(kind: str, model, opt) -> dict[str, int]:
@@ -200,12 +201,13 @@ def _measure(kind: str, model, opt) -> dict[str, int]:
             "buckets": 0}
 
 
-def run(kind: str, args, device, steps: int, progress: bool):
+def run(kind: str, args, device, steps: int, progress: bool, stage: Optional[int] = None):
     """Train a fresh model `steps` steps (the main run: from the newest checkpoint with --resume,
-    writing checkpoints with --save-dir); return losses, seconds per step, measured bytes, comm."""
+    writing checkpoints with --save-dir) with `kind` at `stage` (None: --stage); return losses,
+    seconds per step, measured bytes, comm."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _model(args).to(device)
-    module, opt = _make_optimizer(kind, model, args)
+    module, opt = _make_optimizer(kind, model, args, args.stage if stage is None else stage)
     tokens = corpus_tokens()
     seq = model.cfg.block_size
     losses, times, measured = [], [], {}
@@ -276,8 +278,7 @@ def _median(xs):
 
 
 def report(args, measured_all, comm, numel, world) -> None:
-    precision = "mixed" if args.mixed_precision else "fp32"
-    est = estimate_memory(numel, world, args.stage, precision)
+    est = estimate_memory(numel, world, args.stage, args.mixed_precision)
     p_bytes = 2 if args.mixed_precision else 4
     phi = p_bytes * numel
     table = "2 + 2 + 12" if args.mixed_precision else "4 + 4 + 8"
@@ -377,8 +378,9 @@ def _worker(args: argparse.Namespace) -> None:
                          f" ({kind} trains in fp32, ZeroAdam in {args.mixed_precision})" if args.mixed_precision else "")
     if args.plot:
         rows = {}
-        for kind, label in (("ddp", "DDP"), ("zero:1", "stage 1"), ("zero:2", "stage 2"), ("zero:3", "stage 3")):
-            _, _, m, _, _ = run(kind, args, device, 2, progress=False)
+        for kind, stage, label in (("ddp", None, "DDP"), ("zero", 1, "stage 1"), ("zero", 2, "stage 2"),
+                                   ("zero", 3, "stage 3")):
+            _, _, m, _, _ = run(kind, args, device, 2, progress=False, stage=stage)
             per_rank: list = [None] * world
             dist.all_gather_object(per_rank, m)
             rows[label] = per_rank

@@ -1,0 +1,353 @@
+"""ZeroAdam's configuration: the policies a user passes, and the frozen plan they resolve into.
+
+The policies group the options that travel together, as FSDP2's MixedPrecisionPolicy and
+OffloadPolicy do; each is a small frozen dataclass that checks its own fields when built:
+  MixedPrecisionPolicy  parameter dtype, reduce dtype, and fp16's LossScalePolicy
+  CommPolicy            who owns what (partition), bucket size, buffers in flight, overlap,
+                        accumulation, the collectives' debug check
+  UnitPolicy            stage 3: which modules form a unit, and merging small ones
+`resolve_plan` checks the combinations and fills every default once, into a `Plan` whose fields are
+explicit facts (gradients as bucket views, parameters sharded, ...). Every part of the optimizer
+reads the plan; none re-derives the stage from an argument or infers it from a tensor's size.
+
+This module imports no compiled code (the estimator, `python -m zerofast.estimate`, runs where the
+extension was never built) and holds every default and every check of ZeroAdam's options.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from .partition import PARTITIONS
+
+STAGES = (1, 2, 3)
+
+# Bucket sizes of stages 1 and 2 (stage 3's buckets are its units). Stage 1's buckets are its
+# gradients, so their size sets only how the reduce is cut into collectives: DDP's 25 MB. Stage 2's
+# are transient, DEFAULT_BUCKET_BUFFERS of them beside the gradient shard: 8 MB, chosen by
+# measurement (README, "Buffers in flight": the step time of 25 MB buckets at a third of the memory).
+DEFAULT_BUCKET_MB = {1: 25.0, 2: 8.0}
+
+# Gradient bucket buffers alive at once (stages 2 and 3, and stage 1 when gradients are copied):
+# one being filled while the previous one is reduced. Chosen by measurement: see README's
+# "Buffers in flight" ([Note: buffers in flight] in csrc/buckets.cpp).
+DEFAULT_BUCKET_BUFFERS = 2
+
+# Stage 3's default units smaller than this are merged with their neighbours ([Note: merging small
+# units] in zerofast/stage3/units.py). Chosen by measurement: see README, "Merging small units".
+DEFAULT_MIN_UNIT_MB = 2.0
+
+# The first bucket (in backward order) holds at most this, so its reduce starts early in backward;
+# DDP uses the same 1 MiB (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES).
+FIRST_BUCKET_BYTES = 1 << 20
+
+# The shortcut names of mixed_precision=, and the dtypes they stand for.
+LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_bool(owner: str, name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}: {name} must be True or False; got {value!r}")
+
+
+# --- the policies ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LossScalePolicy:
+    """fp16's dynamic loss scaling, named and behaving as torch.amp.GradScaler's: the loss is
+    multiplied by the scale (opt.backward(loss)); a step whose gradients hold an inf or nan is
+    skipped and the scale multiplied by backoff_factor; after growth_interval clean steps in a row it
+    is multiplied by growth_factor ([Note: loss scaling] in zerofast/optim/precision.py)."""
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self):
+        for name, ok, bound in (("init_scale", lambda v: v > 0, "> 0"),
+                                ("growth_factor", lambda v: v > 1, "> 1"),
+                                ("backoff_factor", lambda v: 0 < v < 1, "in (0, 1)")):
+            value = getattr(self, name)
+            if not (_is_number(value) and ok(value)):
+                raise ValueError(f"LossScalePolicy: {name} must be a number {bound}; got {value!r}")
+        gi = self.growth_interval
+        if not (isinstance(gi, int) and not isinstance(gi, bool) and gi >= 1):
+            raise ValueError(f"LossScalePolicy: growth_interval must be an integer >= 1; got {gi!r}")
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """The dtypes of training ([Note: mixed precision] in zerofast/optim/precision.py).
+
+    param_dtype: the model's parameters (and floating buffers, and floating inputs of its forward)
+      in this dtype; the optimizer keeps the fp32 master shard and Adam state either way.
+    reduce_dtype: the dtype gradients are reduced in (and, in stages 2 and 3, kept sharded in);
+      None: param_dtype. torch.float16 needs param_dtype float16 (whose loss scaling catches overflow).
+    loss_scale: fp16's dynamic loss scaling (None: LossScalePolicy()'s defaults); float16 only.
+    `mixed_precision="bf16"` is MixedPrecisionPolicy(torch.bfloat16), "fp16" MixedPrecisionPolicy(torch.float16).
+    """
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: Optional[torch.dtype] = None
+    loss_scale: Optional[LossScalePolicy] = None
+
+    def __post_init__(self):
+        if self.param_dtype not in _PARAM_DTYPES:
+            raise ValueError(f"MixedPrecisionPolicy: param_dtype must be torch.float32, torch.bfloat16 or "
+                             f"torch.float16; got {self.param_dtype!r}")
+        if self.reduce_dtype is not None and self.reduce_dtype not in _PARAM_DTYPES:
+            raise ValueError(f"MixedPrecisionPolicy: reduce_dtype must be None, torch.float32, torch.bfloat16 or "
+                             f"torch.float16; got {self.reduce_dtype!r}")
+        if self.param_dtype == torch.float32 and self.reduce_dtype not in (None, torch.float32):
+            raise ValueError(f"MixedPrecisionPolicy: reduce_dtype={self.reduce_dtype} needs a low-precision "
+                             f"param_dtype; fp32 parameters reduce in float32")
+        if self.reduce_dtype == torch.float16 and self.param_dtype != torch.float16:
+            raise ValueError(f"MixedPrecisionPolicy: reduce_dtype=torch.float16 needs param_dtype=torch.float16 "
+                             f"(whose loss scaling catches overflow); got param_dtype={self.param_dtype}")
+        if self.loss_scale is not None:
+            if not isinstance(self.loss_scale, LossScalePolicy):
+                raise TypeError(f"MixedPrecisionPolicy: loss_scale must be a LossScalePolicy or None; "
+                                f"got {type(self.loss_scale).__name__}")
+            if self.param_dtype != torch.float16:
+                raise ValueError(f"MixedPrecisionPolicy: loss_scale applies to float16 parameters only; got "
+                                 f"param_dtype={self.param_dtype} (bf16 and fp32 need no loss scaling)")
+
+
+@dataclass(frozen=True)
+class CommPolicy:
+    """How the ranks split the state and move it.
+
+    partition: "flat" (intra-tensor: each bucket one buffer cut into N equal padded slices;
+      reduce_scatter / all_gather), "round_robin" (parameter i to rank i % N; reduce to the owner,
+      broadcast from it) or "greedy" (whole tensors, largest first, to the least-loaded rank).
+    bucket_mb: stages 1 and 2's bucket size in MiB of gradients (None: 25 for stage 1, whose buckets
+      are its gradients, 8 for stage 2; stage 3 has one bucket per unit, so it takes none).
+    bucket_buffers: at most this many gradient bucket buffers alive at once, being filled, being
+      reduced or kept for reuse (0: no bound); backward waits for the oldest reduce when all are in
+      use ([Note: buffers in flight] in csrc/buckets.cpp).
+    overlap: reduce each bucket during backward as soon as it is complete (else at step()).
+    overlap_param_gather: stages 1 and 2: step() returns before the parameter gather finishes and
+      each module's forward waits for its own bucket ([Note: overlapped parameter gather]).
+    accumulate_locally: stages 2 and 3 under no_sync(): keep full local gradients and reduce once
+      (as stage 1 always does) instead of reducing every micro-batch into the shard.
+    check_collectives: before every collective, check that every rank is about to issue the same
+      one (None: on when ZEROFAST_DEBUG=1); one small blocking all_gather per collective.
+    """
+    partition: str = "flat"
+    bucket_mb: Optional[float] = None
+    bucket_buffers: int = DEFAULT_BUCKET_BUFFERS
+    overlap: bool = True
+    overlap_param_gather: bool = False
+    accumulate_locally: bool = False
+    check_collectives: Optional[bool] = None
+
+    def __post_init__(self):
+        if self.partition not in PARTITIONS:
+            raise ValueError(f"CommPolicy: partition must be one of {', '.join(PARTITIONS)}; got {self.partition!r}")
+        if self.bucket_mb is not None and not (_is_number(self.bucket_mb) and self.bucket_mb > 0):
+            raise ValueError(f"CommPolicy: bucket_mb must be None or a number > 0; got {self.bucket_mb!r}")
+        bb = self.bucket_buffers
+        if not (isinstance(bb, int) and not isinstance(bb, bool) and bb >= 0):
+            raise ValueError(f"CommPolicy: bucket_buffers must be an integer >= 0 (0: no bound); got {bb!r}")
+        for name in ("overlap", "overlap_param_gather", "accumulate_locally"):
+            _check_bool("CommPolicy", name, getattr(self, name))
+        if self.check_collectives is not None:
+            _check_bool("CommPolicy", "check_collectives", self.check_collectives)
+
+
+UnitSpec = Union[None, list, tuple, type, set, frozenset, Callable[[Any], bool]]
+
+
+@dataclass(frozen=True)
+class UnitPolicy:
+    """Stage 3: which modules' parameters are gathered and released together ([Note: choosing units]
+    in zerofast/stage3/units.py; opt.units_report() shows the choice).
+
+    modules: None (the model's blocks: its `_no_split_modules` classes, else the children of every
+      nn.ModuleList, else the root's children), a list of submodules, a module class or set of
+      classes, or a callable module -> bool. The parameters no unit holds form one more unit, the root's.
+    min_unit_mb: the default units smaller than this (in the parameters' dtype) are merged with their
+      neighbours, so a deep narrow model gathers in few collectives (None: 2 MiB; 0: never merge).
+      Units given as `modules` are kept as given, so the two are not combined.
+    `units=X` on ZeroAdam is UnitPolicy(modules=X).
+    """
+    modules: UnitSpec = None
+    min_unit_mb: Optional[float] = None
+
+    def __post_init__(self):
+        m = self.min_unit_mb
+        if m is not None and not (_is_number(m) and m >= 0):
+            raise ValueError(f"UnitPolicy: min_unit_mb must be None or a number >= 0; got {m!r}")
+        if m is not None and self.modules is not None:
+            raise ValueError(f"UnitPolicy: min_unit_mb={m!r} merges the default units, and units given as modules "
+                             f"are kept as given; pass one or the other")
+
+
+# --- the plan -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Plan:
+    """Every option of a ZeroAdam resolved, and the facts each part of the optimizer acts on.
+    Built once by resolve_plan; frozen."""
+    stage: int
+    partition: str
+    adamw: bool                         # decoupled weight decay (AdamW); False: Adam's L2 term
+    max_grad_norm: Optional[float]      # clip the global gradient norm at every step
+    param_dtype: torch.dtype            # the model's parameters
+    reduce_dtype: torch.dtype           # gradients in buckets, reduces and (stages 2, 3) the shard
+    loss_scale: Optional[LossScalePolicy]  # fp16 only: dynamic loss scaling
+    bucket_bytes: int                   # stages 1 and 2: gradient bytes per bucket (0 in stage 3)
+    first_bucket_bytes: int             # the first bucket in backward order holds at most this
+    bucket_buffers: int                 # pooled gradient buffers alive at once (0: no bound)
+    overlap: bool                       # reduce each bucket in backward as soon as it is complete
+    overlap_param_gather: bool          # stages 1 and 2: the gather overlaps the next forward
+    check_collectives: bool             # every collective first checked across ranks (ZEROFAST_DEBUG=1)
+    unit_modules: UnitSpec              # stage 3: the unit modules as given (None: the default rule)
+    min_unit_bytes: int                 # stage 3, default units: merge units smaller than this
+    # The facts, one per behaviour that differs between stages and precisions:
+    params_sharded: bool                # stage 3: parameters live in a shard, gathered unit by unit
+    grads_sharded: bool                 # stages 2, 3: after its reduce a rank keeps only its gradient shard
+    grads_as_bucket_views: bool         # stage 1 reducing in its own dtype: .grad are views of persistent
+                                        # buckets reduced in place ([Note: grads as bucket views])
+    gather_after_step: bool             # stages 1, 2: step() gathers the updated parameters (stage 3:
+                                        # the next forward does)
+    accumulates_locally: bool           # under no_sync(), .grad accumulates and one reduce follows
+    separate_master: bool               # low-precision parameters: an fp32 master shard of its own
+
+    @property
+    def mixed_precision(self) -> Optional[str]:
+        """"bf16", "fp16" or None: the shortcut name of param_dtype."""
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.param_dtype)
+
+    @property
+    def scales_loss(self) -> bool:
+        return self.loss_scale is not None
+
+
+def precision_policy(mixed_precision) -> MixedPrecisionPolicy:
+    """mixed_precision= as ZeroAdam takes it: None, "bf16", "fp16" or a MixedPrecisionPolicy."""
+    if mixed_precision is None:
+        return MixedPrecisionPolicy()
+    if isinstance(mixed_precision, MixedPrecisionPolicy):
+        return mixed_precision
+    if isinstance(mixed_precision, str) and mixed_precision in LOW_DTYPES:
+        return MixedPrecisionPolicy(LOW_DTYPES[mixed_precision])
+    raise ValueError(f"ZeroAdam: mixed_precision must be None, 'bf16', 'fp16' or a MixedPrecisionPolicy; "
+                     f"got {mixed_precision!r}")
+
+
+def unit_policy(units) -> UnitPolicy:
+    """units= as ZeroAdam takes it: a UnitPolicy, or what UnitPolicy(modules=...) takes."""
+    return units if isinstance(units, UnitPolicy) else UnitPolicy(modules=units)
+
+
+def comm_policy(comm) -> CommPolicy:
+    if comm is None:
+        return CommPolicy()
+    if not isinstance(comm, CommPolicy):
+        raise TypeError(f"ZeroAdam: comm must be a CommPolicy or None; got {type(comm).__name__}")
+    return comm
+
+
+def check_stage(stage, who: str = "ZeroAdam", stages=STAGES) -> None:
+    if isinstance(stage, bool) or stage not in stages:
+        words = " or ".join(", ".join(str(s) for s in stages).rsplit(", ", 1))
+        raise ValueError(f"{who}: stage must be {words}; got {stage!r}")
+
+
+def check_hyper(where: str, g: dict) -> None:
+    """lr, betas, eps and weight_decay of the constructor or of one parameter group."""
+    lr, betas, eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
+    if not (_is_number(lr) and lr >= 0):
+        raise ValueError(f"ZeroAdam{where}: lr must be a number >= 0; got {lr!r}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+            and all(_is_number(b) and 0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"ZeroAdam{where}: betas must be two numbers in [0, 1); got {betas!r}")
+    if not (_is_number(eps) and eps >= 0):
+        raise ValueError(f"ZeroAdam{where}: eps must be a number >= 0; got {eps!r}")
+    if not (_is_number(wd) and wd >= 0):
+        raise ValueError(f"ZeroAdam{where}: weight_decay must be a number >= 0; got {wd!r}")
+
+
+def resolve_plan(stage: int, *, adamw: bool = True, max_grad_norm: Optional[float] = None,
+                 mixed_precision=None, comm=None, units=None) -> Plan:
+    """The one place ZeroAdam's options are checked together and their defaults filled in.
+    mixed_precision, comm and units as ZeroAdam takes them (shortcuts included)."""
+    check_stage(stage)
+    _check_bool("ZeroAdam", "adamw", adamw)
+    if max_grad_norm is not None and not (_is_number(max_grad_norm) and max_grad_norm > 0):
+        raise ValueError(f"ZeroAdam: max_grad_norm must be None or a number > 0; got {max_grad_norm!r}")
+    precision, comm_p, unit_p = precision_policy(mixed_precision), comm_policy(comm), unit_policy(units)
+    if stage < 3 and unit_p != UnitPolicy():
+        raise ValueError(f"ZeroAdam: units apply to stage 3 only (stages 1 and 2 gather by bucket); got "
+                         f"units={unit_p} with stage={stage}")
+    if stage == 3 and comm_p.bucket_mb is not None:
+        raise ValueError(f"ZeroAdam: CommPolicy.bucket_mb sets stages 1 and 2's buckets; stage 3 reduces and "
+                         f"gathers one bucket per unit (see UnitPolicy); got bucket_mb={comm_p.bucket_mb!r} "
+                         f"with stage=3")
+    if stage == 3 and comm_p.overlap_param_gather:
+        raise ValueError("ZeroAdam: CommPolicy.overlap_param_gather applies to stages 1 and 2 (stage 3 gathers "
+                         "each unit in the next forward anyway); got it with stage=3")
+    param_dtype = precision.param_dtype
+    reduce_dtype = precision.reduce_dtype or param_dtype
+    reduce_size = _itemsize(reduce_dtype)
+    loss_scale = (precision.loss_scale or LossScalePolicy()) if param_dtype == torch.float16 else None
+    bucket_mb = comm_p.bucket_mb if comm_p.bucket_mb is not None else DEFAULT_BUCKET_MB.get(stage, 0.0)
+    min_unit_mb = DEFAULT_MIN_UNIT_MB if unit_p.min_unit_mb is None else float(unit_p.min_unit_mb)
+    return Plan(
+        stage=stage, partition=comm_p.partition, adamw=adamw,
+        max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, loss_scale=loss_scale,
+        bucket_bytes=max(reduce_size, int(bucket_mb * 2**20)) if stage < 3 else 0,
+        first_bucket_bytes=FIRST_BUCKET_BYTES, bucket_buffers=comm_p.bucket_buffers,
+        overlap=comm_p.overlap, overlap_param_gather=comm_p.overlap_param_gather,
+        check_collectives=debug_from_env() if comm_p.check_collectives is None else comm_p.check_collectives,
+        unit_modules=unit_p.modules if stage == 3 else None,
+        min_unit_bytes=int(min_unit_mb * 2**20) if stage == 3 and unit_p.modules is None else 0,
+        params_sharded=stage == 3, grads_sharded=stage >= 2,
+        grads_as_bucket_views=stage == 1 and reduce_dtype == param_dtype,
+        gather_after_step=stage < 3, accumulates_locally=stage == 1 or comm_p.accumulate_locally,
+        separate_master=param_dtype != torch.float32)
+
+
+def debug_from_env() -> bool:
+    """ZEROFAST_DEBUG=1 turns check_collectives on where CommPolicy leaves it None."""
+    return os.environ.get("ZEROFAST_DEBUG", "0") not in ("", "0")
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+# Where each keyword ZeroAdam took before the policies lives now, for the error that names it.
+MOVED_KEYWORDS = {
+    "partition": "comm=CommPolicy(partition=...)",
+    "bucket_mb": "comm=CommPolicy(bucket_mb=...)",
+    "bucket_buffers": "comm=CommPolicy(bucket_buffers=...)",
+    "overlap": "comm=CommPolicy(overlap=...)",
+    "overlap_param_gather": "comm=CommPolicy(overlap_param_gather=...)",
+    "accumulate_locally": "comm=CommPolicy(accumulate_locally=...)",
+    "check_collectives": "comm=CommPolicy(check_collectives=...)",
+    "min_unit_mb": "units=UnitPolicy(min_unit_mb=...)",
+    "reduce_dtype": "mixed_precision=MixedPrecisionPolicy(param_dtype, reduce_dtype=...)",
+    "init_scale": "mixed_precision=MixedPrecisionPolicy(torch.float16, loss_scale=LossScalePolicy(init_scale=...))",
+    "growth_factor": "mixed_precision=MixedPrecisionPolicy(torch.float16, loss_scale=LossScalePolicy(growth_factor=...))",
+    "backoff_factor": "mixed_precision=MixedPrecisionPolicy(torch.float16, loss_scale=LossScalePolicy(backoff_factor=...))",
+    "growth_interval": "mixed_precision=MixedPrecisionPolicy(torch.float16, loss_scale=LossScalePolicy(growth_interval=...))",
+}
+
+
+def reject_moved(who: str, given: dict) -> None:
+    """A clear error for keywords that moved into a policy (or never existed)."""
+    for name in given:
+        if name in MOVED_KEYWORDS:
+            raise TypeError(f"{who}: the keyword {name}= moved into a policy: pass {MOVED_KEYWORDS[name]} "
+                            f"(see README, 'ZeroAdam')")
+        raise TypeError(f"{who} got an unexpected keyword argument {name!r}")
