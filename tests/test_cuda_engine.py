@@ -63,7 +63,7 @@ def _mixed_on_gpu(rank, world, precision, scaler):
         opt.backward(loss)
         opt.step()
         opt.zero_grad()
-        history.append((scale, opt.last_step_skipped))
+        history.append((scale, opt.step_was_skipped))
     torch.cuda.synchronize()
     with opt.gathered_params():
         return {n: p.detach().float().cpu() for n, p in model.named_parameters()}, history

@@ -36,7 +36,7 @@ def _train_mixed(rank, world, stage, precision, reduce_dtype, scaler, max_norm, 
         norm = float(opt.clip_grad_norm_(max_norm)) if clip_call else None
         opt.step()
         opt.zero_grad()
-        history.append((scale, opt.last_step_skipped, norm))
+        history.append((scale, opt.step_was_skipped, norm))
     with opt.gathered_params():
         params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     return params, opt.master_shard(), history
@@ -264,7 +264,7 @@ def _inf_on_one_rank(rank, world, stage, bad_rank):
                    for a, b in [(before[k], after[k])])
         same = same and all(torch.equal(a, b) for a, b in zip(before["params"], after["params"]))
         same = same and before["steps"] == after["steps"]
-        out.append((opt.last_step_skipped, same, scale, opt.loss_scale))
+        out.append((opt.step_was_skipped, same, scale, opt.loss_scale))
     return out
 
 

@@ -138,7 +138,7 @@ class ZeroAdam(torch.optim.Optimizer):
         self.units: Optional[UnitTracker] = self._shard_params() if plan.params_sharded else None
         self._grads = GradReducer(self._params, self._names, self.layout, self.comm, self.shard, plan,
                                   scaler=self._scaler, gather=self._gather)
-        self.last_step_skipped = False  # fp16: the last step() found an inf or nan and skipped
+        self._step_skipped = False  # fp16: the last step() found an inf or nan and skipped
         self._last_comm: dict = {}
 
     @property
@@ -248,7 +248,7 @@ class ZeroAdam(torch.optim.Optimizer):
                         self._gather.wait()
         if anything:  # a step without gradients anywhere is no evidence for or against the scale
             self._scaler.update(prep.found_inf)
-        self.last_step_skipped = prep.found_inf
+        self._step_skipped = prep.found_inf
         self._last_comm = dict(self.comm.stats)
         where.step += 1
         where.phase = "forward"
@@ -265,7 +265,9 @@ class ZeroAdam(torch.optim.Optimizer):
         """Clip the gradients' global norm to max_norm, as torch.nn.utils.clip_grad_norm_ on the
         whole model would, and return the norm before clipping (a float32 tensor). Call it after
         the last backward of a step and before step(); the clipping is applied inside the fused
-        kernel, through its grad_scale ([Note: global gradient clipping] in zerofast/grads.py)."""
+        kernel, through its grad_scale ([Note: global gradient clipping] in zerofast/optim/grads.py).
+        max_norm=float("inf") only measures: the norm is returned and nothing is clipped (what
+        trainers call to log the norm)."""
         if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and max_norm > 0):
             raise ValueError(f"ZeroAdam.clip_grad_norm_: max_norm must be a number > 0; got {max_norm!r}")
         if self._grads.in_no_sync:
@@ -274,6 +276,20 @@ class ZeroAdam(torch.optim.Optimizer):
         self.comm.where.phase = "clip_grad_norm_() (the reduces and the agreement)"
         return self._grads.clip(self._grads.prepare(True, self.world_size, check=self._check_update),
                                 float(max_norm))
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last step() applied nothing because some rank's fp16 gradients held an inf
+        or nan (torch.amp.GradScaler's skipped step; the same on every rank). False without fp16."""
+        return self._step_skipped
+
+    def train(self) -> None:
+        """A no-op: trainers (transformers.Trainer, Accelerate) call optimizer.train() / eval() where
+        the optimizer has them, for schedule-free optimizers that swap their parameters; ZeroAdam's
+        parameters are the same in both modes."""
+
+    def eval(self) -> None:
+        """A no-op: see train()."""
 
     # --- the rest of the public surface ---------------------------------------------------------
 

@@ -1,0 +1,90 @@
+"""What trainers (transformers.Trainer, Accelerate, Lightning) call on an optimizer, on 2 gloo ranks
+in every stage, against single-process torch.optim.AdamW with torch.nn.utils.clip_grad_norm_ on the
+global batch: clip_grad_norm_(inf) only measuring, clip_grad_norm_(max_norm) clipping, an external
+model.zero_grad() after step() (and before a backward), zero_grad(set_to_none=False),
+optimizer.train()/eval(), and step_was_skipped on an fp16 overflow."""
+import math
+
+import torch
+
+from harness import run_ranks
+from oracles import HYPER, fp32_tol, max_abs_diff, norm_rel_tol, rank_batch
+from zerofast import LossScalePolicy, MixedPrecisionPolicy, ZeroAdam
+from zerofast.tools.models import make_gpt
+
+# Per step: the max_norm given to clip_grad_norm_ (inf: measure only), as trainers log the norm
+# every step and clip in some.
+CLIPS = [math.inf, 0.3, math.inf, 0.3]
+
+
+def single_process(world):
+    model = make_gpt("tiny")
+    opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+    norms = []
+    for step, max_norm in enumerate(CLIPS):
+        total = sum(model(*rank_batch(model, step, r))[1] for r in range(world)) / world
+        total.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+def _trainer_loop(rank, world):
+    out = {}
+    for stage in (1, 2, 3):
+        model = make_gpt("tiny")
+        opt = ZeroAdam(model, stage=stage, **HYPER)
+        norms, skipped = [], []
+        for step, max_norm in enumerate(CLIPS):
+            opt.train()
+            if step == 2:  # zeroed in place, then dropped by the model: the next backward starts afresh
+                opt.zero_grad(set_to_none=False)
+                model.zero_grad()
+            _, loss = model(*rank_batch(model, step, rank))
+            loss.backward()
+            norms.append(float(opt.clip_grad_norm_(max_norm)))
+            opt.step()
+            skipped.append(opt.step_was_skipped)
+            model.zero_grad()               # what Trainer / Accelerate call after step()
+            model.zero_grad(set_to_none=False)
+            opt.zero_grad()
+            opt.eval()
+        with opt.gathered_params():
+            out[stage] = ({n: p.detach().clone() for n, p in model.named_parameters()}, norms, skipped)
+    return out
+
+
+def test_trainer_calls_match_adamw_with_clip_grad_norm():
+    world = 2
+    want, want_norms = single_process(world)
+    assert want_norms[1] > 0.3 and want_norms[3] > 0.3, f"clipping must act in the clipped steps: {want_norms}"
+    numel = sum(p.numel() for p in want.values())
+    for rank, out in enumerate(run_ranks(_trainer_loop, world)):
+        for stage, (params, norms, skipped) in out.items():
+            where = f"stage {stage} rank {rank}"
+            # ulps of the parameters' scale, accumulated over the steps, as every multi-rank test
+            assert max_abs_diff(params, want) <= fp32_tol(len(CLIPS)), where
+            for got, n0 in zip(norms, want_norms):  # a norm summed in another order: norm_rel_tol
+                assert math.isclose(got, n0, rel_tol=norm_rel_tol(numel)), f"{where}: norm {got} vs torch {n0}"
+            assert skipped == [False] * len(CLIPS), where
+
+
+def _fp16_overflow(rank, world):
+    model = make_gpt("tiny")
+    # A loss scale of 2^40 makes the fp16 gradients overflow: the first step is skipped on every rank.
+    opt = ZeroAdam(model, stage=2, mixed_precision=MixedPrecisionPolicy(
+        torch.float16, loss_scale=LossScalePolicy(init_scale=2.0**40)), **HYPER)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _, loss = model(*rank_batch(model, 0, rank))
+    opt.backward(loss)
+    opt.step()
+    first = opt.step_was_skipped
+    unchanged = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    return first, unchanged, opt.loss_scale
+
+
+def test_step_was_skipped_on_fp16_overflow():
+    for first, unchanged, scale in run_ranks(_fp16_overflow, 2):
+        assert first and unchanged
+        assert scale == 2.0**39  # backed off once, GradScaler's rule
