@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from oracles import HYPER, fp32_tol, held_tensor_bytes, max_abs_diff, rank_batch, single_process_adamw
+from oracles import zero_options, HYPER, fp32_tol, held_tensor_bytes, max_abs_diff, rank_batch, single_process_adamw
 from zerofast import ZeroAdam
 from zerofast.tools.models import make_gpt
 
@@ -26,12 +26,11 @@ def _train_counting(rank, world, stage, partition, budget, slow, precision=None,
     only the budget keeps their buffers bounded then. Samples the C++ live-buffer count after every
     gradient has been handed to the buckets."""
     model = make_gpt("tiny", n_layer=10)
-    opt = ZeroAdam(model, stage=stage, partition=partition, bucket_mb=0.002, min_unit_mb=0, bucket_buffers=budget,
-                   mixed_precision=precision, reduce_dtype=reduce_dtype, **HYPER)
+    opt = ZeroAdam(model, **zero_options(stage, partition=partition, bucket_mb=0.002, min_unit_mb=0, bucket_buffers=budget, mixed_precision=precision, reduce_dtype=reduce_dtype), **HYPER)
     samples = []
     # Tensor post-accumulate hooks run before ZeroAdam's (a post hook on the AccumulateGrad node), so
     # each sample sees the buffers as the previous gradient left them; the C++ peaks see every moment.
-    handles = [p.register_post_accumulate_grad_hook(lambda _: samples.append(opt.comm.buffer_counts()["live"]))
+    handles = [p.register_post_accumulate_grad_hook(lambda _: samples.append(opt.buffer_counts()["live"]))
                for p in model.parameters()]
     for step in range(STEPS):
         logits, loss = model(*rank_batch(model, step, rank))
@@ -44,7 +43,7 @@ def _train_counting(rank, world, stage, partition, budget, slow, precision=None,
         h.remove()
     with opt.gathered_params():  # stage 3's parameters exist only while gathered
         params = _params(model)
-    return dict(counts=opt.comm.buffer_counts(), sampled=max(samples), buckets=len(opt.layout.buckets),
+    return dict(counts=opt.buffer_counts(), sampled=max(samples), buckets=len(opt.layout.buckets),
                 params=params)
 
 
@@ -93,7 +92,7 @@ def test_buffers_alive_at_once_stay_within_the_budget(world):
 
 def _stage1(rank, world, precision):
     model = make_gpt("tiny")
-    opt = ZeroAdam(model, stage=1, bucket_mb=0.01, mixed_precision=precision, **HYPER)
+    opt = ZeroAdam(model, **zero_options(1, bucket_mb=0.01), mixed_precision=precision, **HYPER)
     buckets = [(g.data_ptr(), g.data_ptr() + g.numel() * g.element_size()) for g in opt.shard.grad_buckets]
     inside, after_step = [], []
     steps = 6
@@ -113,7 +112,7 @@ def _stage1(rank, world, precision):
     report = opt.memory_report()
     return dict(inside=inside, after_step=after_step, held=held, report=report, params=_params(model),
                 numel=sum(p.numel() for p in model.parameters()), padded=sum(b.numel for b in opt.layout.buckets),
-                shard=opt.layout.shard_numel(rank), counts=opt.comm.buffer_counts(), steps=steps)
+                shard=opt.layout.shard_numel(rank), counts=opt.buffer_counts(), steps=steps)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -345,6 +345,13 @@ class ZeroAdam(torch.optim.Optimizer):
             "bucket_pool": self.comm.pooled_bytes,  # released buffers kept for reuse (<= the peak)
         }
 
+    def buffer_counts(self) -> dict[str, int]:
+        """The pooled gradient bucket buffers, as the C++ side counts them: "live" (alive now),
+        "peak_live" / "peak_alive" (the most in use, and in use + kept, at once), "max" (the budget,
+        CommPolicy.bucket_buffers; 0: no bound) and "over_budget" (how often backward found no reduce
+        in flight to wait for)."""
+        return self.comm.buffer_counts()
+
     def materialized_param_bytes(self) -> int:
         """Bytes of parameter storage that exist now: gathered unit buffers (stage 3: only those
         gathered at this moment; stages 1 and 2: always all) plus stage 3's own shard."""
