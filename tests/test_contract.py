@@ -97,3 +97,46 @@ def test_estimator_command_line(capsys):
             estimate_main(["--params", bad, "--world", "8"])
         assert exit_info.value.code == 2
         assert "--params" in capsys.readouterr().err, bad
+
+
+def test_zero_adam_takes_at_most_twelve_keywords_and_the_policies():
+    """The options most people set are plain keywords; the rest travel in the policies."""
+    import inspect
+    params = inspect.signature(ZeroAdam.__init__).parameters
+    named = [n for n, p in params.items() if n not in ("self", "model") and p.kind is not p.VAR_KEYWORD]
+    assert len(named) <= 12, named
+    assert {"stage", "lr", "betas", "eps", "weight_decay", "param_groups", "max_grad_norm", "mixed_precision",
+            "units", "comm", "process_group"} <= set(named)
+
+
+def test_the_plan_resolves_every_default_once():
+    """resolve_plan's facts per stage and precision: what each part of the optimizer acts on."""
+    from zerofast import CommPolicy, MixedPrecisionPolicy
+    from zerofast.config import DEFAULT_BUCKET_MB, resolve_plan
+    p1, p2, p3 = (resolve_plan(s) for s in (1, 2, 3))
+    assert (p1.grads_as_bucket_views, p1.grads_sharded, p1.params_sharded, p1.gather_after_step) == (True, False, False, True)
+    assert (p2.grads_as_bucket_views, p2.grads_sharded, p2.params_sharded, p2.gather_after_step) == (False, True, False, True)
+    assert (p3.grads_as_bucket_views, p3.grads_sharded, p3.params_sharded, p3.gather_after_step) == (False, True, True, False)
+    assert (p1.accumulates_locally, p2.accumulates_locally) == (True, False)
+    assert resolve_plan(2, comm=CommPolicy(accumulate_locally=True)).accumulates_locally
+    assert (p1.bucket_bytes, p2.bucket_bytes, p3.bucket_bytes) == (int(DEFAULT_BUCKET_MB[1] * 2**20),
+                                                                   int(DEFAULT_BUCKET_MB[2] * 2**20), 0)
+    assert p3.min_unit_bytes == 2 * 2**20 and p1.min_unit_bytes == 0
+    bf16 = resolve_plan(1, mixed_precision="bf16")
+    assert (bf16.param_dtype, bf16.reduce_dtype, bf16.separate_master, bf16.loss_scale) == (
+        torch.bfloat16, torch.bfloat16, True, None)
+    fp32_reduce = resolve_plan(1, mixed_precision=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+    assert not fp32_reduce.grads_as_bucket_views  # stage 1 copies where it reduces in another dtype
+    fp16 = resolve_plan(2, mixed_precision="fp16")
+    assert fp16.scales_loss and fp16.loss_scale.init_scale == 2.0**16 and fp16.mixed_precision == "fp16"
+    with pytest.raises(Exception):  # frozen
+        p1.stage = 2
+
+
+def test_errors_are_exported():
+    import zerofast
+    from zerofast.comm import CollectiveError, OutOfStepError
+    from zerofast.optim.grads import StepNotAppliedError
+    assert (zerofast.CollectiveError, zerofast.OutOfStepError, zerofast.StepNotAppliedError) == (
+        CollectiveError, OutOfStepError, StepNotAppliedError)
+    assert {"CollectiveError", "OutOfStepError", "StepNotAppliedError", "CommPolicy"} <= set(zerofast.__all__)
