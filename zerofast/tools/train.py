@@ -8,9 +8,10 @@ torch.distributed.run (the mechanism behind torchrun), so a multi-machine run is
 `torchrun --nnodes ... -m zerofast.train`. Faults: every collective waits at most --timeout seconds;
 a dead or stuck rank makes the others exit with one line naming the step, the phase and the
 collective; with --max-restarts R and --save-dir, torchrun restarts the workers after a failure and
-they resume from the newest checkpoint. Trains on text shipped inside the package (zerofast/data.py),
+they resume from the newest checkpoint. Trains on text shipped inside the package (zerofast/tools/data.py),
 shows a progress bar on rank 0, and ends with a table per rank: parameter, gradient and optimizer
-bytes measured next to the seed's estimate, and the communication per step next to 2Φ / 3Φ.
+bytes measured next to the ZeRO paper's memory table (Rajbhandari et al., 2020), and the
+communication per step next to the paper's 2Φ (stages 1 and 2) / 3Φ (stage 3).
 """
 from __future__ import annotations
 
@@ -283,15 +284,15 @@ def report(args, measured_all, comm, numel, world) -> None:
     phi = p_bytes * numel
     table = "2 + 2 + 12" if args.mixed_precision else "4 + 4 + 8"
     print(f"\nper rank, bytes after step() ({args.mixed_precision or 'fp32'}: {table} per parameter; "
-          f"estimate = the seed's table)")
+          f"estimate = the ZeRO paper's memory table)")
     print(f"{'rank':>4s} {'params':>12s} {'(est)':>12s} {'grads':>12s} {'(est)':>12s} "
           f"{'optimizer':>12s} {'(est)':>12s} {'buckets':>10s}")
     for r, m in enumerate(measured_all):
         print(f"{r:4d} {m['params']:12,d} {est.params:12,d} {m['grads']:12,d} {est.grads:12,d} "
               f"{m['optimizer']:12,d} {est.optimizer:12,d} {m['buckets']:10,d}")
     moved = sum(v for k, v in comm.items() if not k.startswith("all_reduce_"))
-    seed = 3 if args.stage == 3 else 2
-    print(f"communication per step: {moved:,d} bytes = {moved / phi:.2f} Φ (seed: {seed}Φ = {seed * phi:,d}; "
+    paper = 3 if args.stage == 3 else 2
+    print(f"communication per step: {moved:,d} bytes = {moved / phi:.2f} Φ (ZeRO paper: {paper}Φ = {paper * phi:,d}; "
           f"Φ = {phi:,d} bytes of {args.mixed_precision or 'fp32'} parameters)  by collective: {comm}")
 
 
