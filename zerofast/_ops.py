@@ -75,7 +75,7 @@ def nonfinite_check_(grad: torch.Tensor, found_inf: torch.Tensor) -> None:
     """Set found_inf (1-element float32) to 1 when any value of the flat tensor grad (float32,
     bfloat16 or float16) is inf or nan; otherwise leave it as it is. The check fused_adam_'s
     found_inf runs, alone: ZeroAdam runs it on every rank's shard and agrees on the result before
-    any rank updates (see [Note: loss scaling] in zerofast/optimizer.py)."""
+    any rank updates (see [Note: loss scaling] in zerofast/optim/precision.py)."""
     if found_inf.device != grad.device:
         raise RuntimeError(f"nonfinite_check_: found_inf is on {found_inf.device} but grad is on {grad.device}")
     torch.ops.zerofast.nonfinite_check_(grad, found_inf)

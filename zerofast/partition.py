@@ -1,7 +1,8 @@
 """Owner assignment: which rank owns (updates, keeps Adam state for) which parameter.
 
 Pure Python, no process group. Three partitions:
-- "round_robin": the seed's inter-tensor rule, parameter i to rank i % world;
+- "round_robin": round-robin owners (the ZeRO textbook chapter's inter-tensor rule), parameter i
+  to rank i % world;
 - "greedy": whole tensors, largest first, each to the rank that owns the fewest elements so far;
 - "flat": intra-tensor, as FSDP and DeepSpeed do: no owner per tensor; each bucket is one buffer cut
   into world equal slices (see layout.py), so every rank owns the same number of elements.
@@ -14,7 +15,7 @@ PARTITIONS = ("flat", "round_robin", "greedy")
 
 
 def round_robin(numels: list[int], world: int) -> list[int]:
-    """Owner of each parameter: i % world (the seed's rule)."""
+    """Owner of each parameter: i % world (round-robin owners)."""
     return [i % world for i in range(len(numels))]
 
 

@@ -1,20 +1,21 @@
-"""The seed's ZeRO stages 1, 2 and 3 in plain PyTorch: zerofast's correctness oracle.
+"""ZeRO stages 1, 2 and 3 in plain PyTorch: zerofast's correctness oracle.
 
-Faithful to the seed chapter's algorithm, simple and obviously correct over fast:
+The ZeRO paper's algorithm (Rajbhandari et al., 2020) as a Chinese textbook chapter on it writes it
+in pure Python; this module follows it, simple and obviously correct rather than fast:
 - owners: trainable parameter i (in `model.named_parameters()` order, so a tied weight is one
   parameter) belongs to rank i % world ("round-robin");
 - the owner alone keeps AdamW state (a torch.optim.AdamW over its owned parameters);
 - step(): each gradient is reduced to its owner, one `dist.reduce` per parameter; the owner steps;
   stages 1 and 2 then broadcast every parameter from its owner, one `dist.broadcast` per parameter;
 - stage 1 keeps every gradient on every rank (the non-owners' hold undefined values after the
-  reduce, as the seed notes); stage 2 drops the non-owners' gradients right after the reduce;
+  reduce, as the chapter notes); stage 2 drops the non-owners' gradients right after the reduce;
 - stage 3 also drops the non-owners' parameter data (`param.data = torch.empty(0)`) and gathers the
   whole model by broadcast before forward and again before backward, releasing it after forward
   and after step (3Φ per step: broadcast, broadcast, reduce).
 
-Two deliberate differences from the seed, both so the oracle equals single-process AdamW on the
+Two deliberate differences from the chapter, both so the oracle equals single-process AdamW on the
 global batch and runs under the same loop as ZeroAdam (`loss.backward(); opt.step(); opt.zero_grad()`):
-- gradients are averaged over ranks (the seed sums them), as DDP does;
+- gradients are averaged over ranks (the chapter sums them), as DDP does;
 - the ranks first agree which parameters got a gradient: a parameter with a gradient on no rank is
   left untouched (like torch.optim.AdamW with grad None); one missing on only some ranks counts as zero.
 Stage 3's gathers are driven by hooks (a forward pre-hook and a hook on the forward's outputs'
@@ -34,12 +35,12 @@ __all__ = ["ReferenceZero", "round_robin_owners"]
 
 
 def round_robin_owners(names: Iterable[str], world_size: int) -> dict[str, int]:
-    """The seed's owner rule: the i-th parameter belongs to rank i % world_size."""
+    """Round-robin owners, the chapter's rule: the i-th parameter belongs to rank i % world_size."""
     return {name: i % world_size for i, name in enumerate(names)}
 
 
 class ReferenceZero:
-    """The seed's stage `stage` (1, 2 or 3) as an optimizer: step() and zero_grad()."""
+    """The chapter's stage `stage` (1, 2 or 3) as an optimizer: step() and zero_grad()."""
 
     def __init__(self, model: nn.Module, stage: int, lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0,
@@ -105,7 +106,7 @@ class ReferenceZero:
             p.grad = torch.zeros(self._full_shape[name], dtype=p.dtype, device=p.device)
         dist.reduce(p.grad, dst=self._global(self.owner[name]), op=dist.ReduceOp.SUM, group=self.group)
         if self._is_owner(name):
-            p.grad.div_(self.world_size)  # average, as DDP does (the seed sums)
+            p.grad.div_(self.world_size)  # average, as DDP does (the chapter sums)
         elif self.stage >= 2:
             p.grad = None  # stage 2's one change: non-owners drop the gradient
 
