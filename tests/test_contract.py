@@ -1,4 +1,4 @@
-"""torch.optim's contract and the small promises around it (issue 12): step(closure), a clear
+"""torch.optim's contract and the small promises around it: step(closure), a clear
 error for add_param_group, profiler ranges, the estimator's command line."""
 import subprocess
 import sys

@@ -7,7 +7,7 @@ from zerofast.partition import greedy, imbalance, owners_for, round_robin
 NUMELS = [1024, 256, 16, 768, 16, 7, 4096, 64, 1, 300]
 
 
-def test_round_robin_is_the_seeds_rule():
+def test_round_robin_owners_are_i_mod_world():
     assert round_robin([5] * 7, 3) == [0, 1, 2, 0, 1, 2, 0]
 
 

@@ -1,5 +1,5 @@
-"""The main job and the memory estimator: measured bytes on real ranks against the seed's formulas,
-a short real training run, and clear exits on bad arguments."""
+"""The main job and the memory estimator: measured bytes on real ranks against the ZeRO paper's
+formulas, a short real training run, and clear exits on bad arguments."""
 import os
 import re
 import subprocess
@@ -58,7 +58,7 @@ def test_estimate_matches_measured_bytes(world, stage, precision):
 def test_estimate_formulas():
     phi = 1_000_000
     ddp = estimate_memory(phi, 4, 0, "bf16")
-    assert (ddp.params, ddp.grads, ddp.optimizer) == (2 * phi, 2 * phi, 12 * phi)  # the seed's 16Φ
+    assert (ddp.params, ddp.grads, ddp.optimizer) == (2 * phi, 2 * phi, 12 * phi)  # the paper's 16Φ
     s1, s2, s3 = (estimate_memory(phi, 4, s, "bf16") for s in (1, 2, 3))
     assert (s1.params, s1.grads, s1.optimizer) == (2 * phi, 2 * phi, 3 * phi)       # 4Φ + 12Φ/N
     assert (s2.params, s2.grads, s2.optimizer) == (2 * phi, phi // 2, 3 * phi)      # 2Φ + 14Φ/N
