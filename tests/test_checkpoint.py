@@ -2,6 +2,7 @@
 configuration bitwise; load into another world size, stage, partition or precision with the full
 parameters and optimizer state bitwise as saved; a plain model loads the model entry with DCP
 alone; incomplete checkpoints are never taken; bad input gets a clear error on every rank."""
+import json
 import os
 import shutil
 import tempfile
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from harness import run_ranks
-from oracles import HYPER, Quirky, fp32_tol, full_master, global_batch, max_abs_diff, rank_batch
+from oracles import HYPER, Quirky, fp32_tol, full_master, global_batch, max_abs_diff, rank_batch, zero_options
 from zerofast import ZeroAdam
 from zerofast import checkpoint as ck
 from zerofast.tools.models import make_gpt
@@ -50,8 +51,10 @@ def _snapshot(model, opt) -> dict:
 def _make(stage, partition, precision, seed=0, **kw):
     model = make_gpt("tiny", seed=seed)
     group = dist.new_group(list(range(dist.get_world_size())))  # a fresh process group for each optimizer
-    opt = ZeroAdam(model, stage=stage, partition=partition, mixed_precision=precision, process_group=group,
-                   bucket_mb=kw.pop("bucket_mb", 0.01), init_scale=2.0**8, growth_interval=2, **HYPER, **kw)
+    scaling = dict(init_scale=2.0**8, growth_interval=2) if precision == "fp16" else {}  # a scale that moves
+    opt = ZeroAdam(model, **zero_options(stage, partition=partition, mixed_precision=precision,
+                                         bucket_mb=kw.pop("bucket_mb", 0.01), **scaling),
+                   process_group=group, **HYPER, **kw)
     return model, opt
 
 
@@ -321,6 +324,49 @@ def test_keep_purges_all_but_the_newest(root):
         assert all(e and "keep must be None or an integer >= 2" in e for e in errors), errors
 
 
+def _saves_out_of_name_order(rank, world, root):
+    """z-1 at step 1; b-2 and a-2 at step 2 (a-2 saved last); then, from a fresh optimizer at step
+    1, c-1 with keep=2."""
+    model, opt = _make(1, "flat", None)
+    _train(model, opt, rank, 0, 1)
+    ck.save(os.path.join(root, "z-1"), model, opt)
+    _train(model, opt, rank, 1, 1)
+    ck.save(os.path.join(root, "b-2"), model, opt)
+    ck.save(os.path.join(root, "a-2"), model, opt)
+    dist.barrier()
+    if rank == 0:  # wall-clock time says otherwise: the step-1 checkpoint is the newest by `created`
+        for name, created in (("z-1", 3e9), ("b-2", 2e9), ("a-2", 1e9)):
+            with open(os.path.join(root, name, ck.MANIFEST)) as f:
+                manifest = json.load(f)
+            with open(os.path.join(root, name, ck.MANIFEST), "w") as f:
+                json.dump({**manifest, "created": created}, f)
+    dist.barrier()
+    picked = [ck.latest(root)]
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(os.path.join(root, "a-2"))
+    dist.barrier()
+    picked.append(ck.latest(root))
+    model, opt = _make(1, "flat", None)
+    _train(model, opt, rank, 0, 1)
+    ck.save(os.path.join(root, "c-1"), model, opt, keep=2)
+    return picked, sorted(os.listdir(root))
+
+
+def test_latest_orders_by_the_step_in_the_manifest_not_the_clock(root):
+    for picked, left in run_ranks(_saves_out_of_name_order, 2, args=(root,)):
+        assert picked == [os.path.join(root, "a-2"), os.path.join(root, "b-2")]  # the same step: saved later
+        assert left == ["b-2", "c-1"]  # keep=2: the latest two, and never the one just written
+    manifests = {}
+    for name in ("b-2", "c-1"):
+        with open(os.path.join(root, name, ck.MANIFEST)) as f:
+            manifests[name] = json.load(f)
+    assert (manifests["b-2"]["step"], manifests["b-2"]["save_counter"]) == (2, 2)
+    assert (manifests["c-1"]["step"], manifests["c-1"]["save_counter"]) == (1, 3)  # after b-2's, a-2 deleted
+    assert ck.latest(root) == os.path.join(root, "b-2")
+    assert "optimizer step 2 (save 2 in its folder)" in ck.info(os.path.join(root, "b-2"))
+
+
 # --- a save killed half-way; a damaged file -------------------------------------------------------
 
 def _killed_while_saving(rank, world, root):
@@ -389,19 +435,30 @@ class _Wide(torch.nn.Module):
 
 
 def _save_wide(rank, world, path):
+    """Whole tensors to each rank ("greedy"), so each tensor is one chunk: an export that read a chunk
+    whole would hold a tensor whole."""
     model = _Wide()
-    opt = ZeroAdam(model, stage=2, partition="flat", **HYPER)
+    opt = ZeroAdam(model, **zero_options(2, partition="greedy"), **HYPER)
     ck.save(path, model, opt)
-    return max(len(pieces) for pieces in [opt.layout.pieces(r) for r in range(world)])
 
 
+# The peak RSS during export (Linux's VmHWM, reset through /proc/self/clear_refs) less the RSS just
+# before it, as benchmarks/bench_checkpoint.py measures: ru_maxrss would hide export's growth under
+# whatever peak the imports reached before it.
 _EXPORT_RSS = """
-import resource, sys, torch
+import sys
 from zerofast import checkpoint as ck
-ck.info(sys.argv[1])  # imports and the metadata read: the baseline
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+if len(sys.argv) > 3:  # the module (the package's `export` is the function)
+    sys.modules["zerofast.checkpoint.export"]._BLOCK = int(sys.argv[3])
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+ck.info(sys.argv[1])  # imports and the metadata read, before the measurement
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets VmHWM (the peak) to the current RSS
+base = status("VmRSS")
 ck.export(sys.argv[1], sys.argv[2])
-print(base * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+print(base, status("VmHWM"))
 """
 
 
@@ -410,19 +467,26 @@ def test_export_memory_is_a_constant_not_a_tensor(root):
     import sys
     path = os.path.join(root, "wide")
     run_ranks(_save_wide, 2, args=(path,))
-    out = subprocess.run([sys.executable, "-c", _EXPORT_RSS, path, os.path.join(root, "wide.safetensors")],
-                         capture_output=True, text=True, check=True).stdout
-    base, peak = map(int, out.split())
+
+    def grew(out, *block):
+        text = subprocess.run([sys.executable, "-c", _EXPORT_RSS, path, out, *map(str, block)],
+                              capture_output=True, text=True, check=True).stdout
+        base, peak = map(int, text.split())
+        return peak - base
+
+    # Chunks are copied a block of at most 4 MiB at a time ([Note: streaming export]): export holds
+    # that block and a few MiB of file buffers, whatever the tensors' sizes (7.9 MiB measured);
+    # holding the largest tensor whole would be 16 MiB alone, the model 64 MiB.
     largest = 4096 * 1024 * 4
-    model = largest + 6 * 2048 * 1024 * 4
-    # Chunks are copied in blocks of 4 MiB ([Note: streaming export]): the block, a bytes object
-    # holding it and the file buffers, 16 MiB in all at the most; the largest tensor alone would be
-    # 16 MiB more, the whole model 64 MiB.
-    bound = 16 * 2**20
-    print(f"export: {(peak - base) / 2**20:.1f} MiB over the baseline; largest tensor {largest / 2**20:.0f} MiB, "
-          f"model {model / 2**20:.0f} MiB")
-    assert peak - base <= bound, f"export grew by {(peak - base) / 2**20:.1f} MiB; bound {bound / 2**20:.1f} MiB"
-    assert bound < model
+    streaming = grew(os.path.join(root, "wide.safetensors"))
+    # The control: with blocks larger than any chunk, each tensor is read whole, and the measurement
+    # must see that (19.9 MiB measured), or it could not see the property break either.
+    whole = grew(os.path.join(root, "whole.safetensors"), 64 << 20)
+    print(f"export: {streaming / 2**20:.1f} MiB over the RSS before it ({whole / 2**20:.1f} MiB reading each "
+          f"tensor whole); largest tensor {largest / 2**20:.0f} MiB")
+    assert whole >= largest, f"the control grew by {whole / 2**20:.1f} MiB only: the measurement is blind"
+    assert streaming < largest, (f"export grew by {streaming / 2**20:.1f} MiB, as much as the largest tensor "
+                                 f"({largest / 2**20:.0f} MiB): it no longer streams")
     from safetensors.torch import load_file
     exported, want = load_file(os.path.join(root, "wide.safetensors")), _Wide().state_dict()
     assert exported.keys() == want.keys() and all(torch.equal(exported[k], want[k]) for k in want)
@@ -467,7 +531,7 @@ def _quirky_save_and_load(rank, world, path):
     with torch.no_grad():  # what the checkpoint must overwrite: the buffer and the frozen parameter
         other.probe.fill_(7.0)
         other.frozen.fill_(7.0)
-    other_opt = ZeroAdam(other, stage=1, partition="greedy", **HYPER)
+    other_opt = ZeroAdam(other, **zero_options(1, partition="greedy"), **HYPER)
     ck.load(path, other, other_opt)
     return other.probe.clone(), other.frozen.detach().clone()
 
