@@ -9,7 +9,7 @@ parameters directly waits for their buckets, so the gather of later layers runs 
 layers compute. The contract: a parameter is read only inside the forward of a module that holds it
 (module.parameters(recurse=False)). A parameter read elsewhere (in a loss function, say) may be read
 while its gather is still in flight; that is caught when its gradient arrives, as an error naming
-it, when the parameter's bucket has not been waited for by then (zerofast/grads.py). The check is
+it, when the parameter's bucket has not been waited for by then (zerofast/optim/grads.py). The check is
 best-effort: if another module of the same bucket ran its pre-hook in between, the flag is cleared
 and the early read goes unnoticed. opt.gathered_params() (and the next step()) wait for everything.
 """

@@ -3,13 +3,14 @@
 [Note: mixed precision]
 mixed_precision="bf16" or "fp16" converts the model as model.to(dtype) would (trainable and frozen
 parameters, floating buffers) and casts floating-point inputs of its forward, so forward and backward
-run in that dtype. The optimizer keeps what the seed's 16Φ table keeps, each part sharded as the
-stage says: 2Φ parameters (the flat buffers the model's parameters are views of; stage 3: a
-low-precision shard plus the units gathered now), 2Φ gradients (buckets and the reduced shard, in
-reduce_dtype, default the parameter dtype) and 12Φ of optimizer state (an fp32 master shard,
-initialised from the user's exact fp32 values, and m and v: zerofast/state.py). The fused kernel
-reads the low-precision gradient shard, updates the fp32 master, m and v, and writes the rounded
-parameter through its param_copy in the same pass; the gather then moves 2-byte parameters.
+run in that dtype. The optimizer keeps what the ZeRO paper's 16Φ memory table keeps, each part
+sharded as the stage says: 2Φ parameters (the flat buffers the model's parameters are views of;
+stage 3: a low-precision shard plus the units gathered now), 2Φ gradients (buckets and the reduced
+shard, in reduce_dtype, default the parameter dtype) and 12Φ of optimizer state (an fp32 master
+shard, initialised from the user's exact fp32 values, and m and v: zerofast/optim/state.py). The
+fused kernel reads the low-precision gradient shard, updates the fp32 master, m and v, and writes
+the rounded parameter through its param_copy in the same pass; the gather then moves 2-byte
+parameters.
 
 [Note: loss scaling]
 fp16: opt.backward(loss) multiplies the loss by the scale, as torch.amp.GradScaler.scale does. At
