@@ -1,4 +1,4 @@
-"""The per-gradient cost (issue 16): one training step of a model made of 1,024 tiny linear layers
+"""The per-gradient cost: one training step of a model made of 1,024 tiny linear layers
 (2,048 parameter tensors of 64 or 8 elements), 1 gloo rank x 1 thread, so that the step's time is
 mostly per-tensor overhead. Beside each step's time the summary prints the median time of its
 backward alone: the difference to the no-communication backward, divided by the tensor count, is

@@ -12,8 +12,8 @@ less what a no-communication run of the same precision holds besides tensors:
 so the no-communication row is its own tensor count by construction (4.0 in fp32), and every other
 row is what it holds beyond a plain single-process training loop's non-tensor costs (allocator,
 kernels' workspaces, pages of libraries first touched by a training step), which are the same in
-every system. The unit is the seed's fp32 form of the 16-Phi table: parameters 1 + gradients 1 +
-Adam 2. Each row stands beside the seed's formula for it (N = 2 ranks):
+every system. The unit is the fp32 form of the ZeRO paper's 16-Phi memory table: parameters 1 +
+gradients 1 + Adam 2. Each row stands beside the paper's formula for it (N = 2 ranks):
 
   fp32   no comm 4; DDP 4, plus its gradient buckets (1); stage 1: 1 + 1 + 2/N = 3;
          stage 2: 1 + 1/N + 2/N = 2.5; stage 3 and FSDP2: (1 + 1 + 2)/N = 2.
@@ -42,7 +42,8 @@ Method, identical in every case:
 
 Run: .venv/bin/python -m pytest -q benchmarks/bench_memory.py --benchmark-only -s
 Rows named "zeroadam S k=v ..." pass those arguments to ZeroAdam (the defaults' alternatives:
-stage 2 with 25 MB buckets, as before issue 15, and with no bound on its buffers; stage 3 unbounded).
+stage 2 with 25 MB buckets, as before the buffer budget, and with no bound on its buffers; stage 3
+unbounded).
 """
 from __future__ import annotations
 
@@ -221,7 +222,7 @@ CASES = (["nocomm", "ddp", "fsdp2"] + [f"zeroadam {s}" for s in (1, 2, 3)]
 
 
 def formula(case: str, precision: str, n: int) -> tuple[float, str]:
-    """The seed's figure for a row, in units of 4 * numel bytes, and how it is made up."""
+    """The ZeRO paper's figure for a row, in units of 4 * numel bytes, and how it is made up."""
     kind, _, rest = case.partition(" ")
     stage = int(rest.split()[0]) if rest else None
     if precision == "fp32":

@@ -6,7 +6,7 @@ ZeroAdam.memory_report(); the summary prints it next to the step time.
 
 The step time of bf16 on a CPU depends on whether the CPU multiplies bf16 natively (AMX or
 AVX512-BF16); without that, bf16 matmuls are slower than fp32 ones and the step is too, while the
-memory halves for parameters and gradients as the seed's table says.
+memory halves for parameters and gradients as the ZeRO paper's memory table says.
 """
 import functools
 

@@ -1,5 +1,5 @@
 """One training step on gloo, 2 ranks x 1 thread, a GPT of 6.4M parameters in 92 tensors, batch
-8 x 64 per rank: ZeroAdam (stages 1 and 2, each partition) against the seed's reference stages,
+8 x 64 per rank: ZeroAdam (stages 1 and 2, each partition) against zerofast.reference's stages,
 torch DDP + AdamW, torch's ZeroRedundancyOptimizer + DDP, DeepSpeed ZeRO 1, 2 and 3 (when installed;
 DS_ACCELERATOR=cpu), the same model with no communication at all, and for stage 3: the reference
 stage 3 and torch FSDP2 (fully_shard on each block, then on the root). "overlap_gather" cases pass
@@ -149,16 +149,16 @@ CASES = (["nocomm", "ddp", "zero_redundancy", "reference 1", "reference 2"]
          + [f"zerofast {s} flat check_collectives=1" for s in (1, 2, 3)])  # ZEROFAST_DEBUG's cost
 
 
-# The narrow, deep GPT of issue 16: d=64, 32 blocks (356 tensors), where per-tensor and per-unit
-# costs show; stage 3 at several min_unit_mb (0: one unit per block, 0.2 MiB each).
+# The narrow, deep GPT (many small tensors): d=64, 32 blocks (356 tensors), where per-tensor and
+# per-unit costs show; stage 3 at several min_unit_mb (0: one unit per block, 0.2 MiB each).
 DEEP = dict(n_embd=64, n_layer=32, n_head=2)
 GROUP_DEEP = "step: 2 gloo ranks x 1 thread, narrow deep GPT (d=64, 32 blocks), batch 8x64"
 CASES_DEEP = [f"{c} @deep" for c in ["nocomm", "ddp", "fsdp2", "zerofast 1 flat", "zerofast 2 flat"]
               + [f"zerofast 3 flat min_unit_mb={mb}" for mb in (0, 0.5, 1, 2, 4)]]
 
-# The wide GPT of issue 15's memory benchmark (d=512, 25.4M parameters; bench_memory.py measures its
-# memory): step time of the buffer budget and bucket size against the previous defaults (stage 2:
-# 25 MB buckets, no bound).
+# The wide GPT of the buffer-budget memory benchmark (d=512, 25.4M parameters; bench_memory.py
+# measures its memory): step time of the buffer budget and bucket size against the previous
+# defaults (stage 2: 25 MB buckets, no bound).
 WIDE = dict(n_embd=512)
 GROUP_WIDE = "step: 2 gloo ranks x 1 thread, GPT 25.4M params (d=512), batch 8x64"
 CASES_WIDE = [f"{c} @wide" for c in ["nocomm", "ddp", "fsdp2", "zerofast 1 flat", "zerofast 2 flat",
