@@ -2,6 +2,7 @@
 (torch.compile(model)) and each block compiled (block.compile()), the two ways FSDP2 users
 compile. Stages 1 and 2 against compiled DDP + torch AdamW, stage 3 against eager ZeroAdam stage 3
 (its oracle tests are eager); graph breaks counted (torch._dynamo.utils.counters) per case."""
+import functools
 import os
 
 import pytest
@@ -80,6 +81,51 @@ def _eager(rank):
         return {n: p.detach().clone() for n, p in model.named_parameters()}, {}
 
 
+def _train_stage3(model, run, rank):
+    """ZeroAdam stage 3 built over `model` now, trained STEPS steps through `run`."""
+    opt = ZeroAdam(model, stage=3, **HYPER)
+    for step in range(STEPS):
+        _, loss = run(*rank_batch(model, step, rank))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    with opt.gathered_params():
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return params, opt
+
+
+def _compiled_before(rank, world):
+    """The sequences of [Note: code compiled before stage 3] (zerofast/stage3/runtime.py), one after
+    the other in one process, no torch._dynamo.reset() between them: each used to SIGSEGV."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from zerofast.tools.models import GPT
+    torch._dynamo.reset()
+    out = {}
+    # A compiled DDP baseline of the class: Dynamo now holds frames compiled without our hooks.
+    base = make_gpt("tiny")
+    _, loss = torch.compile(DDP(base))(*rank_batch(base, 0, rank))
+    loss.backward()
+    # A fresh instance of the class, wrapped, then compiled.
+    counters.clear()
+    model = make_gpt("tiny")
+    out["fresh after DDP"], opt = _train_stage3(model, torch.compile(model), rank)
+    out["fresh after DDP", "breaks"] = dict(counters["graph_break"])
+    out["classes"] = (isinstance(model, GPT), type(model) is GPT, type(model).__name__)
+    opt.remove_hooks()
+    out["class after remove_hooks"] = type(model) is GPT
+    # A model compiled whole and run before it is wrapped; the loop keeps calling the compiled one.
+    model = make_gpt("tiny")
+    compiled = torch.compile(model)
+    compiled(*rank_batch(model, 0, rank))[1].backward()
+    model.zero_grad(set_to_none=True)
+    out["compiled, run, then wrapped"] = _train_stage3(model, compiled, rank)[0]
+    out["eager"] = _eager(rank)[0]
+    return out
+
+
+@functools.cache
 def _torch_compile_is_sound() -> tuple[bool, str]:
     """Whether torch.compile itself reproduces eager mode here, with no zerofast involved: one
     forward of the tiny GPT, one thread as the ranks run. With ATEN_CPU_CAPABILITY=avx2 on an
@@ -118,3 +164,24 @@ def test_compiled_stages_match_compiled_ddp_and_eager_stage3():
             breaks = out[3, how][1]
             assert breaks and all("UnitTracker._pre_forward" in reason for reason in breaks), breaks
         print(f"rank {rank} graph breaks:", {k: sum(v[1].values()) for k, v in out.items()})
+
+
+def test_stage3_after_code_compiled_without_it():
+    """Stage 3 where Dynamo already holds frames compiled for the model's class without the stage-3
+    hooks (a compiled DDP baseline; the model itself compiled whole and run before ZeroAdam wrapped
+    it): those frames must not be reused, or they read parameters whose storage is released (both
+    were a SIGSEGV). Each against eager stage 3. (Blocks compiled before wrapping were not affected:
+    the block's frame runs inside its own eagerly run hooks, which gather its whole unit.)"""
+    sound, detail = _torch_compile_is_sound()
+    if not sound:
+        pytest.skip(f"torch.compile itself differs from eager here ({detail})")
+    results = run_ranks(_compiled_before, 2, timeout=900)
+    for rank, out in enumerate(results):
+        for case in ("fresh after DDP", "compiled, run, then wrapped"):
+            d = max_abs_diff(out[case], out["eager"])
+            assert d <= TOL, f"{case}, rank {rank}: {d:.3g} from eager stage 3"
+        # Dynamo traced the fresh model again, meeting the hooks, rather than reusing the baseline's frames.
+        breaks = out["fresh after DDP", "breaks"]
+        assert breaks and all("UnitTracker._pre_forward" in reason for reason in breaks), breaks
+        assert out["classes"] == (True, False, "GPT"), out["classes"]
+        assert out["class after remove_hooks"]

@@ -39,6 +39,44 @@ graph. So each hook is torch.compiler.disable'd: Dynamo breaks the graph around 
 eagerly, the compiled code between two hooks reads parameters whose storage the hook has just
 gathered, and autograd's saved tensors share that storage as in eager mode. The cost is one graph
 break per gathering module call (two per block under whole-model compile; see README).
+A hooked module's call is therefore never inlined into a graph: Dynamo breaks the graph at it and
+calls the module eagerly, so its own hooks run, whichever model the frame was compiled for; a frame
+compiled with our hooks in place is safe to reuse for another stage-3 model. The opposite is not:
+see [Note: code compiled before stage 3].
+
+[Note: code compiled before stage 3]
+The crash (SIGSEGV in each rank's first compiled step, torch 2.14): compile and run a model of a
+class (a DDP baseline, an eval copy), then wrap a fresh instance of the class with stage 3 and
+compile it; or compile a model, run it, and then wrap it (cm = torch.compile(model); cm(x);
+ZeroAdam(model, stage=3); cm(x)). Dynamo reuses a compiled frame whenever its guards pass, and
+none of them sees what stage 3 changed:
+  - no guard on any module's hook dicts: torch._dynamo.config.skip_nnmodule_hook_guards is True by
+    default, for guard speed, documented as unsafe when hooks are added after compiling (pytorch
+    #117758); with it False the sequences above train correctly;
+  - modules are not guarded by identity: Dynamo inlines every module as an "unspecialized" one
+    (inline_inbuilt_nn_modules, always on since torch 2.5), guarded by its type, its attributes and
+    its parameters' dtype, shape and stride, so a frame compiled for another instance of the class
+    passes for ours;
+  - nothing about storage: ZeroAdam swaps each parameter's data for a view of its unit buffer
+    (p.data = view), same shape and stride, and releasing a unit resizes the storage to 0 bytes,
+    which no tensor guard checks.
+So the frame compiled without our hooks (the root's forward: torch.compile(model) runs the root's
+own hooks eagerly, around the frame) has the blocks' calls inlined with no hook: the graph takes
+their parameters as inputs, never gathered, and Inductor's kernels read 0-byte storages. Stages 1
+and 2 release nothing (but a frame compiled before ZeroAdam skips their overlap_param_gather
+wait hooks the same way: seen as that option's in-flight-read error); stage 3 compiled alone traces with the hooks in place; blocks compiled
+before wrapping (block.compile()) were spared only because a block's frame runs inside the block's
+own hooks, which gather its whole unit.
+The fix: UnitTracker moves every module it hooks to a subclass of the module's class (own_classes:
+same name, module and qualified name, made once per class, as FSDP2's fully_shard and
+torch.nn.utils.parametrize swap classes). Every compiled frame guards the type of each module it
+inlined, or that it is the forward of, so a frame compiled before fails its guards and Dynamo
+traces again, meeting the hooks; nothing else recompiles (torch._dynamo.reset() would throw away
+every compiled function of the process, and flipping skip_nnmodule_hook_guards now would not
+reach the frames already compiled). Frames compiled for a stage-3 model are shared by the next
+stage-3 model of the class: correct by the note above. isinstance is unchanged; type(m) is the
+subclass; remove() puts the original classes back. Tested by tests/test_compile.py
+(test_stage3_after_code_compiled_without_it).
 """
 from __future__ import annotations
 
@@ -143,6 +181,7 @@ class UnitTracker:
         for module in needs:
             self.handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post_forward, always_call=True))
+        self._original_classes = own_classes(needs)  # [Note: code compiled before stage 3]
 
     # --- unit operations ------------------------------------------------------------------------
 
@@ -288,6 +327,9 @@ class UnitTracker:
         for h in self.handles:
             h.remove()
         self.handles = []
+        for module, cls in self._original_classes.items():
+            module.__class__ = cls
+        self._original_classes = {}
 
 
 class _BeforeBackward:
@@ -329,6 +371,27 @@ class _CallList(list):
             j = i + step
             out[i] = self[j].units if self[j].units != self[i].units else out[j]
         return out
+
+
+def own_classes(modules) -> dict[nn.Module, type]:
+    """Move every module to the stage-3 subclass of its class (made once per class: the same name,
+    module and qualified name), so that Dynamo's guards on a module's type fail for any frame compiled
+    before the hooks existed: see [Note: code compiled before stage 3]. Returns the original classes."""
+    originals = {}
+    for module in modules:
+        cls = type(module)
+        sub = cls if cls in _STAGE3_SUBCLASSES else _STAGE3_CLASSES.get(cls)
+        if sub is None:
+            sub = _STAGE3_CLASSES[cls] = type(cls.__name__, (cls,), {
+                "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+            _STAGE3_SUBCLASSES.add(sub)
+        module.__class__ = sub
+        originals[module] = cls
+    return originals
+
+
+_STAGE3_CLASSES: dict[type, type] = {}  # a module class -> its stage-3 subclass
+_STAGE3_SUBCLASSES: set[type] = set()     # those subclasses (a module already in one stays there)
 
 
 def output_tensors(output) -> list[torch.Tensor]:
