@@ -10,7 +10,7 @@ import torch
 
 from harness import run_ranks
 from oracles import HYPER, max_abs_diff, rank_batch
-from zerofast import ZeroAdam
+from zerofast import CommPolicy, ZeroAdam
 from zerofast.tools.models import make_gpt
 
 STEPS = 4
@@ -122,6 +122,23 @@ def _compiled_before(rank, world):
     model.zero_grad(set_to_none=True)
     out["compiled, run, then wrapped"] = _train_stage3(model, compiled, rank)[0]
     out["eager"] = _eager(rank)[0]
+    # Stage 2's overlapped gather hooks each module's forward the same way: a model compiled and
+    # run before wrapping must wait for its gathers too (against the same optimizer, eager).
+    for how in ("compiled, run, then wrapped", "eager"):
+        model = make_gpt("tiny")
+        run = model
+        if how != "eager":
+            run = torch.compile(model)
+            run(*rank_batch(model, 0, rank))[1].backward()
+            model.zero_grad(set_to_none=True)
+        opt = ZeroAdam(model, stage=2, comm=CommPolicy(overlap_param_gather=True), **HYPER)
+        for step in range(STEPS):
+            _, loss = run(*rank_batch(model, step, rank))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        with opt.gathered_params():
+            out["overlapped gather", how] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
 
 
@@ -183,5 +200,7 @@ def test_stage3_after_code_compiled_without_it():
         # Dynamo traced the fresh model again, meeting the hooks, rather than reusing the baseline's frames.
         breaks = out["fresh after DDP", "breaks"]
         assert breaks and all("UnitTracker._pre_forward" in reason for reason in breaks), breaks
+        d = max_abs_diff(out["overlapped gather", "compiled, run, then wrapped"], out["overlapped gather", "eager"])
+        assert d <= TOL, f"stage 2 with the overlapped gather, compiled before wrapping, rank {rank}: {d:.3g}"
         assert out["classes"] == (True, False, "GPT"), out["classes"]
         assert out["class after remove_hooks"]

@@ -20,6 +20,7 @@ from typing import Iterable, Optional
 import torch
 import torch.nn as nn
 
+from .._hook_classes import own_classes, restore_classes
 from ..comm import BucketComm
 from ..layout import Layout
 
@@ -44,12 +45,15 @@ class ParamGather:
         """A forward pre-hook per module holding managed parameters directly, waiting for their
         buckets: see [Note: overlapped parameter gather]."""
         index_of = {id(p): i for i, p in enumerate(params)}
-        handles = []
+        handles, hooked = [], []
         for module in model.modules():
             buckets = sorted({self.layout.slots[index_of[id(p)]].bucket
                               for p in module.parameters(recurse=False) if id(p) in index_of})
             if buckets:
                 handles.append(module.register_forward_pre_hook(_WaitFor(self, tuple(buckets))))
+                hooked.append(module)
+        # Code compiled before these hooks existed must not skip them: see zerofast/_hook_classes.py.
+        handles.append(_ClassesBack(own_classes(hooked)))
         return handles
 
 
@@ -62,3 +66,14 @@ class _WaitFor:
     @torch.compiler.disable  # a wait on a collective runs eagerly under torch.compile
     def __call__(self, module, args) -> None:
         self.gather.wait(self.buckets)
+
+
+class _ClassesBack:
+    """A hook handle whose remove() puts the hooked modules back in their own classes."""
+
+    def __init__(self, originals: dict[nn.Module, type]):
+        self.originals = originals
+
+    def remove(self) -> None:
+        restore_classes(self.originals)
+        self.originals = {}

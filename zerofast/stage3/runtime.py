@@ -64,10 +64,12 @@ So the frame compiled without our hooks (the root's forward: torch.compile(model
 own hooks eagerly, around the frame) has the blocks' calls inlined with no hook: the graph takes
 their parameters as inputs, never gathered, and Inductor's kernels read 0-byte storages. Stages 1
 and 2 release nothing (but a frame compiled before ZeroAdam skips their overlap_param_gather
-wait hooks the same way: seen as that option's in-flight-read error); stage 3 compiled alone traces with the hooks in place; blocks compiled
+wait hooks the same way, seen as that option's in-flight-read error: ParamGather owns its
+modules' classes too); stage 3 compiled alone traces with the hooks in place; blocks compiled
 before wrapping (block.compile()) were spared only because a block's frame runs inside the block's
 own hooks, which gather its whole unit.
-The fix: UnitTracker moves every module it hooks to a subclass of the module's class (own_classes:
+The fix: UnitTracker moves every module it hooks to a subclass of the module's class (own_classes
+in zerofast/_hook_classes.py:
 same name, module and qualified name, made once per class, as FSDP2's fully_shard and
 torch.nn.utils.parametrize swap classes). Every compiled frame guards the type of each module it
 inlined, or that it is the forward of, so a frame compiled before fails its guards and Dynamo
@@ -89,6 +91,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from .._hook_classes import own_classes, restore_classes
 from ..layout import Layout
 
 
@@ -327,8 +330,7 @@ class UnitTracker:
         for h in self.handles:
             h.remove()
         self.handles = []
-        for module, cls in self._original_classes.items():
-            module.__class__ = cls
+        restore_classes(self._original_classes)
         self._original_classes = {}
 
 
@@ -371,27 +373,6 @@ class _CallList(list):
             j = i + step
             out[i] = self[j].units if self[j].units != self[i].units else out[j]
         return out
-
-
-def own_classes(modules) -> dict[nn.Module, type]:
-    """Move every module to the stage-3 subclass of its class (made once per class: the same name,
-    module and qualified name), so that Dynamo's guards on a module's type fail for any frame compiled
-    before the hooks existed: see [Note: code compiled before stage 3]. Returns the original classes."""
-    originals = {}
-    for module in modules:
-        cls = type(module)
-        sub = cls if cls in _STAGE3_SUBCLASSES else _STAGE3_CLASSES.get(cls)
-        if sub is None:
-            sub = _STAGE3_CLASSES[cls] = type(cls.__name__, (cls,), {
-                "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
-            _STAGE3_SUBCLASSES.add(sub)
-        module.__class__ = sub
-        originals[module] = cls
-    return originals
-
-
-_STAGE3_CLASSES: dict[type, type] = {}  # a module class -> its stage-3 subclass
-_STAGE3_SUBCLASSES: set[type] = set()     # those subclasses (a module already in one stays there)
 
 
 def output_tensors(output) -> list[torch.Tensor]:
