@@ -56,9 +56,8 @@ class Facts(NamedTuple):
 
 
 def facts(opt: ZeroAdam) -> Facts:
-    """The one place the checkpoint reads the optimizer's configuration: from its resolved plan
-    (opt.plan), or from the optimizer itself where it has none (the same names)."""
-    plan = getattr(opt, "plan", opt)
+    """The one place the checkpoint reads the optimizer's configuration: its resolved plan."""
+    plan = opt.plan
     return Facts(opt.rank, opt.world_size, opt.group, plan.stage, plan.partition, plan.mixed_precision or "fp32")
 
 
