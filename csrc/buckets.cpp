@@ -1,81 +1,13 @@
-// See buckets.h. The notes on ordering live here, where the ordering is done.
-//
-// [Note: comm stream]
-// On CUDA every collective is issued with a side stream (the "comm stream") current. Before a
-// launch, an event recorded on the caller's stream (where backward copied the gradients into the
-// bucket) is waited on by the comm stream, so the collective reads finished data; ProcessGroupNCCL
-// orders its own stream after the current one, which is then the comm stream, so backward's
-// compute is never blocked by communication. A bucket buffer used on the comm stream is never
-// returned to the caching allocator: it goes back to the pool ([Note: bucket pool]) only after its
-// collective has been waited for, so no record_stream is needed. When the reduces are waited for,
-// the caller's stream waits on an event
-// recorded on the comm stream, so the optimizer step reads the reduced gradients. Gathers follow
-// the same pattern. On CPU (gloo) the Work handles alone order everything: gloo runs collectives on
-// its own threads and Work::wait() returns when the data is in place.
-//
-// [Note: collectives per backend]
-// A flat layout needs "every rank ends with the sum of its slice" in and "every rank ends with
-// every slice" out. On NCCL those are reduce_scatter and all_gather, the ring-optimal pair. gloo's
-// own implementations of the two are slower than other collectives with the same result, measured
-// on this project's 2-rank CPU machines for a 25.6 MB bucket: reduce_scatter 34 ms against
-// all_reduce 21 ms (then keep the own slice), and all_gather 19-26 ms against one broadcast per
-// rank's slice 8 ms. So on gloo the flat layout reduces with all_reduce and gathers with
-// broadcasts (zerofast/comm.py chooses); the numbers are the same, only the wire protocol differs.
-//
-// [Note: two process groups]
-// Collectives pair up across ranks by their order within a process group. Reduces are issued in
-// bucket order, but when a bucket fills depends on the rank (a parameter with a gradient on only
-// some ranks fills it there during backward, elsewhere only at step()), while stage 3's gathers are
-// issued as modules run. On one group, rank A could issue [gather u, reduce b] and rank B
-// [reduce b, gather u]: a hang, or worse, mixed data. So stage 3 gathers on a second group with
-// the same ranks; each group's own order is then the same everywhere.
-//
-// [Note: bucket pool]
-// A bucket's buffer is released after its reduce has been waited for, and kept in a pool for the
-// next bucket of that size: allocating and first-touching 25 MB costs ~4 ms per step on CPU (page
-// faults), which a training step would pay every time. What the pool keeps counts against the
-// budget below.
-//
-// [Note: buffers in flight]
-// Without a bound, the buffers alive at once are as many as backward runs ahead of the network:
-// on a fast GPU or a slow link, nearly every bucket of the model (Φ bytes: stage 2 would then hold
-// a full gradient after all). max_buffers bounds the pooled buffers alive at once, in use or kept
-// for reuse, as FSDP2 bounds its collectives in flight: when a bucket needs a buffer and the budget
-// is spent, the oldest reduce in flight is waited for and its buffer reused (or freed, when its
-// size differs). With the default of 2, one buffer is being filled while the previous one is being
-// reduced. The wait cannot hang: the reduce waited for was launched here, and every rank launches
-// reduces in the same order. Only when no reduce is in flight (every live buffer is still being
-// filled: a bucket whose gradients arrive out of backward order, as with a parameter used early and
-// late) a buffer beyond the budget is allocated, and over_budget() counts it: waiting would hang.
-//
-// [Note: accumulation into the shard]
-// Gradient accumulation in stages 2 and 3 reduces every micro-batch (as DeepSpeed does): the first
-// reduce of a bucket in a step overwrites the owned range of grad_shard, later ones add into it.
-// reduce_scatter cannot add, so an accumulating one writes into a scratch slice that
-// finish_reduce adds; all_reduce and reduce already leave the result in the bucket buffer, from
-// which finish_reduce copies or adds. The next micro-batch's backward may want a bucket whose
-// reduce is still in flight: add_grad and zero_slot finish that reduce first, so communication
-// still overlaps the next micro-batch's forward and the early part of its backward.
-//
-// [Note: grads as views]
-// Stages 2 and 3 copy each gradient into the bucket (one memcpy per parameter) rather than keeping
-// it as a view into it, as DDP's gradient_as_bucket_view does. With views, AccumulateGrad would
-// write into the bucket directly, but the bucket would have to outlive the step, which is the full
-// gradient that stage 2 exists not to keep, or the parameter's .grad would dangle (stage 2 frees
-// buckets as soon as they are reduced). The copy costs one read and one write of each gradient,
-// overlapped with the rest of backward.
-//
-// [Note: grads as bucket views]
-// Stage 1 keeps the full gradient anyway, so there the buckets are persistent (grad_buckets) and
-// every parameter's .grad is a view of its slot, as DDP's gradient_as_bucket_view: autograd
-// accumulates into the bucket, the reduce runs in place, and Adam reads its owned range where the
-// reduce left it. No second gradient copy exists (before: .grad, a bucket buffer in flight, and a
-// reduced shard); a rank holds the seed's stage-1 row, parameters + gradients + 1/N of Adam.
-// zerofast/grads.py re-points .grad at its view when user code replaced it (zero_grad with
-// set_to_none, or an assignment), copying the values over.
+// See buckets.h. Each note sits beside the code it describes: [Note: comm stream] at OnCommStream,
+// [Note: grads as bucket views] at buffer(), [Note: bucket pool] and [Note: buffers in flight] at
+// take_buffer(), [Note: grads as views] at add_grad(), [Note: accumulation into the shard] at
+// finish_reduce(), [Note: collectives per backend] at reduce(), [Note: two process groups] at
+// gather_start().
 #include "buckets.h"
 
 #include <algorithm>
+
+#include "errors.h"
 
 #ifdef ZEROFAST_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -85,6 +17,19 @@
 namespace zerofast {
 
 namespace {
+
+// [Note: comm stream]
+// On CUDA every collective is issued with a side stream (the "comm stream") current. Before a
+// launch, an event recorded on the caller's stream (where backward copied the gradients into the
+// bucket) is waited on by the comm stream, so the collective reads finished data; ProcessGroupNCCL
+// orders its own stream after the current one, which is then the comm stream, so backward's
+// compute is never blocked by communication. A bucket buffer used on the comm stream is never
+// returned to the caching allocator: it goes back to the pool ([Note: bucket pool]) only after its
+// collective has been waited for, so no record_stream is needed. When the reduces are waited for,
+// the caller's stream waits on an event recorded on the comm stream, so the optimizer step reads
+// the reduced gradients. Gathers follow the same pattern. On CPU (gloo) the Work handles alone
+// order everything: gloo runs collectives on their own threads and Work::wait() returns when the
+// data is in place.
 
 // Makes the comm stream current for the scope, where there is one ([Note: comm stream]); on CPU
 // (gloo) it does nothing, since the Work handles alone order everything.
@@ -188,6 +133,16 @@ void BucketComm::check_bucket(int64_t bucket, const char* what) const {
               ": bucket must be in [0, ", bucket_numels_.size(), "); got ", bucket);
 }
 
+// [Note: grads as bucket views]
+// Stage 1 keeps the full gradient anyway, so there the buckets are persistent (grad_buckets) and
+// every parameter's .grad is a view of its slot, as DDP's gradient_as_bucket_view: autograd
+// accumulates into the bucket, the reduce runs in place, and Adam reads its owned range where the
+// reduce left it. No second gradient copy exists (before: .grad, a bucket buffer in flight, and a
+// reduced shard); a rank holds the seed's stage-1 row, parameters + gradients + 1/N of Adam.
+// The gradient path (csrc/grad_path.cpp) re-points .grad at its view when autograd handed over a
+// fresh tensor or user code replaced it (zero_grad with set_to_none, or an assignment), copying
+// the values over.
+
 at::Tensor& BucketComm::buffer(int64_t bucket) {
   auto& slot = buffers_[bucket];
   if (!slot.has_value()) {
@@ -207,6 +162,24 @@ at::Tensor& BucketComm::buffer(int64_t bucket) {
   }
   return *slot;
 }
+
+// [Note: bucket pool]
+// A bucket's buffer is released after its reduce has been waited for, and kept in a pool for the
+// next bucket of that size: allocating and first-touching 25 MB costs ~4 ms per step on CPU (page
+// faults), which a training step would pay every time. What the pool keeps counts against the
+// budget below.
+//
+// [Note: buffers in flight]
+// Without a bound, the buffers alive at once are as many as backward runs ahead of the network:
+// on a fast GPU or a slow link, nearly every bucket of the model (Φ bytes: stage 2 would then hold
+// a full gradient after all). max_buffers bounds the pooled buffers alive at once, in use or kept
+// for reuse, as FSDP2 bounds its collectives in flight: when a bucket needs a buffer and the budget
+// is spent, the oldest reduce in flight is waited for and its buffer reused (or freed, when its
+// size differs). With the default of 2, one buffer is being filled while the previous one is being
+// reduced. The wait cannot hang: the reduce waited for was launched here, and every rank launches
+// reduces in the same order. Only when no reduce is in flight (every live buffer is still being
+// filled: a bucket whose gradients arrive out of backward order, as with a parameter used early and
+// late) a buffer beyond the budget is allocated, and over_budget() counts it: waiting would hang.
 
 at::Tensor BucketComm::take_buffer(int64_t numel) {
   // See [Note: buffers in flight]: wait for the oldest reduces until the budget has room.
@@ -260,13 +233,22 @@ void BucketComm::finish_in_flight(int64_t bucket) {
   if (busy) finish_buckets({bucket});
 }
 
+// [Note: grads as views]
+// Stages 2 and 3 copy each gradient into the bucket (one memcpy per parameter) rather than keeping
+// it as a view into it, as DDP's gradient_as_bucket_view does. With views, AccumulateGrad would
+// write into the bucket directly, but the bucket would have to outlive the step, which is the full
+// gradient that stage 2 exists not to keep, or the parameter's .grad would dangle (stage 2 frees
+// buckets as soon as they are reduced). The copy costs one read and one write of each gradient,
+// overlapped with the rest of backward.
+
 void BucketComm::add_grad(int64_t bucket, int64_t offset, const at::Tensor& grad) {
   check_bucket(bucket, "add_grad");
   finish_in_flight(bucket);  // see [Note: accumulation into the shard]
   at::Tensor& buf = buffer(bucket);
   TORCH_CHECK(offset >= 0 && offset + grad.numel() <= buf.numel(), "BucketComm.add_grad: ", grad.numel(),
               " elements at offset ", offset, " do not fit in bucket ", bucket, " of ", buf.numel());
-  TORCH_CHECK(grad.layout() == at::kStrided, "zerofast: sparse gradients are not supported; got layout ",
+  // The gradient path checked the gradient against its parameter (GradientError); this guards the engine.
+  TORCH_CHECK(grad.layout() == at::kStrided, "BucketComm.add_grad: a dense gradient is needed; got layout ",
               grad.layout());
   buf.narrow(0, offset, grad.numel()).view(grad.sizes()).copy_(grad);
 }
@@ -309,7 +291,7 @@ void BucketComm::reap_completed() {
   std::vector<int64_t> done;
   for (auto& entry : in_flight_) {
     const bool all_finished = std::all_of(in_flight_.begin(), in_flight_.end(), [&](const auto& other) {
-      return other.first != entry.first || other.second->isCompleted();
+      return other.first != entry.first || comm_call([&] { return other.second->isCompleted(); });
     });
     if (all_finished && std::find(done.begin(), done.end(), entry.first) == done.end()) done.push_back(entry.first);
   }
@@ -323,7 +305,7 @@ void BucketComm::finish_buckets(const std::vector<int64_t>& buckets) {
     OnCommStream on_comm(comm_stream_);
     for (auto& entry : in_flight_) {
       if (listed(entry.first)) {
-        entry.second->wait();
+        comm_call([&] { return entry.second->wait(); });
       } else {
         still.push_back(entry);
       }
@@ -335,6 +317,15 @@ void BucketComm::finish_buckets(const std::vector<int64_t>& buckets) {
   // add_grad writes a pooled buffer on the caller's stream, which must wait for those reads.
   end_comm();
 }
+
+// [Note: accumulation into the shard]
+// Gradient accumulation in stages 2 and 3 reduces every micro-batch (as DeepSpeed does): the first
+// reduce of a bucket in a step overwrites the owned range of grad_shard, later ones add into it.
+// reduce_scatter cannot add, so an accumulating one writes into a scratch slice that
+// finish_reduce adds; all_reduce and reduce already leave the result in the bucket buffer, from
+// which finish_reduce copies or adds. The next micro-batch's backward may want a bucket whose
+// reduce is still in flight: add_grad and zero_slot finish that reduce first, so communication
+// still overlaps the next micro-batch's forward and the early part of its backward.
 
 void BucketComm::finish_reduce(int64_t bucket) {
   auto& buf = buffers_[bucket];
@@ -359,6 +350,15 @@ void BucketComm::finish_reduce(int64_t bucket) {
   release(bucket);
 }
 
+// [Note: collectives per backend]
+// A flat layout needs "every rank ends with the sum of its slice" in and "every rank ends with
+// every slice" out. On NCCL those are reduce_scatter and all_gather, the ring-optimal pair. gloo's
+// own implementations of the two are slower than other collectives with the same result, measured
+// on this project's 2-rank CPU machines for a 25.6 MB bucket: reduce_scatter 34 ms against
+// all_reduce 21 ms (then keep the own slice), and all_gather 19-26 ms against one broadcast per
+// rank's slice 8 ms. So on gloo the flat layout reduces with all_reduce and gathers with
+// broadcasts (zerofast/comm.py chooses); the numbers are the same, only the wire protocol differs.
+
 void BucketComm::reduce(int64_t bucket, bool accumulate) {
   check_bucket(bucket, "reduce");
   reap_completed();
@@ -377,7 +377,7 @@ void BucketComm::reduce(int64_t bucket, bool accumulate) {
   const auto& bd = bounds_[bucket];
   if (reduce_op_ == Collective::kAllReduce) {
     std::vector<at::Tensor> whole{buf};
-    in_flight_.emplace_back(bucket, group_->allreduce(whole, c10d::AllreduceOptions()));
+    in_flight_.emplace_back(bucket, comm_call([&] { return group_->allreduce(whole, c10d::AllreduceOptions()); }));
     return;
   }
   if (reduce_op_ == Collective::kReduceScatter) {
@@ -388,7 +388,8 @@ void BucketComm::reduce(int64_t bucket, bool accumulate) {
       buffer_bytes_ += out.numel() * out.element_size();
       peak_buffer_bytes_ = std::max(peak_buffer_bytes_, buffer_bytes_);
     }
-    in_flight_.emplace_back(bucket, group_->_reduce_scatter_base(out, buf, c10d::ReduceScatterOptions()));
+    in_flight_.emplace_back(
+        bucket, comm_call([&] { return group_->_reduce_scatter_base(out, buf, c10d::ReduceScatterOptions()); }));
     return;
   }
   for (int64_t r = 0; r < world_; ++r) {
@@ -396,7 +397,7 @@ void BucketComm::reduce(int64_t bucket, bool accumulate) {
     std::vector<at::Tensor> segment{buf.narrow(0, bd[r], bd[r + 1] - bd[r])};
     c10d::ReduceOptions opts;
     opts.rootRank = r;
-    in_flight_.emplace_back(bucket, group_->reduce(segment, opts));
+    in_flight_.emplace_back(bucket, comm_call([&] { return group_->reduce(segment, opts); }));
   }
 }
 
@@ -407,6 +408,14 @@ void BucketComm::wait_reduces() {
   }
   finish_buckets(buckets);
 }
+
+// [Note: two process groups]
+// Collectives pair up across ranks by their order within a process group. Reduces are issued in
+// bucket order, but when a bucket fills depends on the rank (a parameter with a gradient on only
+// some ranks fills it there during backward, elsewhere only at step()), while stage 3's gathers are
+// issued as modules run. On one group, rank A could issue [gather u, reduce b] and rank B
+// [reduce b, gather u]: a hang, or worse, mixed data. So stage 3 gathers on a second group with
+// the same ranks; each group's own order is then the same everywhere.
 
 void BucketComm::gather_start(int64_t bucket, const at::Tensor& param_buffer) {
   check_bucket(bucket, "gather_start");
@@ -421,7 +430,8 @@ void BucketComm::gather_start(int64_t bucket, const at::Tensor& param_buffer) {
   const auto& bd = bounds_[bucket];
   if (gather_op_ == Collective::kAllGather) {
     at::Tensor mine = out.narrow(0, bd[rank_], bd[rank_ + 1] - bd[rank_]);
-    gathers_[bucket].push_back(gather_group_->_allgather_base(out, mine, c10d::AllgatherOptions()));
+    gathers_[bucket].push_back(
+        comm_call([&] { return gather_group_->_allgather_base(out, mine, c10d::AllgatherOptions()); }));
     return;
   }
   for (int64_t r = 0; r < world_; ++r) {
@@ -429,7 +439,7 @@ void BucketComm::gather_start(int64_t bucket, const at::Tensor& param_buffer) {
     std::vector<at::Tensor> segment{out.narrow(0, bd[r], bd[r + 1] - bd[r])};
     c10d::BroadcastOptions opts;
     opts.rootRank = r;
-    gathers_[bucket].push_back(gather_group_->broadcast(segment, opts));
+    gathers_[bucket].push_back(comm_call([&] { return gather_group_->broadcast(segment, opts); }));
   }
 }
 
@@ -437,7 +447,7 @@ void BucketComm::gather_wait(int64_t bucket) {
   check_bucket(bucket, "gather_wait");
   {
     OnCommStream on_comm(comm_stream_);
-    for (auto& work : gathers_[bucket]) work->wait();
+    for (auto& work : gathers_[bucket]) comm_call([&] { return work->wait(); });
   }
   gathers_[bucket].clear();
   end_comm();

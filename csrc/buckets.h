@@ -1,7 +1,10 @@
 // Flat gradient buckets and the collectives that reduce them and gather parameters, issued through
-// the c10d ProcessGroup handed over from Python. Python decides the layout (zerofast/layout.py)
-// and when to launch; this class owns the buffers, the copies, the Work handles and, on CUDA, the
-// side stream and its events.
+// the c10d ProcessGroup handed over from Python. Python decides the layout (zerofast/layout.py);
+// the gradient path (grad_path.h) decides when each bucket's reduce is launched, and stage 3's
+// hooks and the parameter gather (Python) when gathers are. This class owns the buffers, the
+// copies, the Work handles and, on CUDA, the side stream and its events. A failure of a c10d call
+// (issuing a collective, or waiting for one) is thrown as CommError (errors.h); its own checks are
+// TORCH_CHECKs.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -81,7 +84,7 @@ class BucketComm {
   // This step's traffic, counted where the collectives are issued (the C++ gradient path launches
   // reduces without Python): payload bytes, and running hashes of the buckets reduced and gathered
   // in order, which the step's agreement compares across ranks ([Note: the step's agreement] in
-  // zerofast/grads.py). reset_counts() at each new step.
+  // zerofast/optim/grads.py). reset_counts() at each new step.
   int64_t reduce_bytes() const { return reduce_bytes_; }
   int64_t gather_bytes() const { return gather_bytes_; }
   int64_t reduce_hash() const { return static_cast<int64_t>(reduce_hash_); }

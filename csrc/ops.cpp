@@ -67,6 +67,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_isa", [] { return std::string(zerofast::cpu::isa_name(zerofast::cpu::selected_isa())); },
         "The instruction set whose CPU loop fused_adam_ runs now (ZEROFAST_CPU_ISA may force one)");
 
+  // The errors that cross the boundary, by kind (csrc/errors.h): both subclass RuntimeError.
+  auto& comm_error = py::register_exception<zerofast::CommError>(m, "CommError", PyExc_RuntimeError);
+  comm_error.attr("__doc__") = "A collective of the compiled engine, or the wait for one, failed (c10d's error, "
+                     "with its message); zerofast.comm turns it into CollectiveError";
+  auto& gradient_error = py::register_exception<zerofast::GradientError>(m, "GradientError", PyExc_RuntimeError);
+  gradient_error.attr("__doc__") = "A gradient ZeroAdam cannot take (sparse, or of another dtype, device or shape than "
+                         "its parameter, or a second one before step()), named by its parameter";
+  zerofast::gradient_error_type = gradient_error.ptr();
+
   using zerofast::BucketComm;
   using zerofast::Collective;
   py::enum_<Collective>(m, "Collective", "The collective a bucket is reduced or gathered with (csrc/buckets.h)")
@@ -112,29 +121,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("reset_counts", &BucketComm::reset_counts);
 
   using zerofast::GradPath;
-  py::class_<GradPath>(m, "GradPath", "The per-gradient path of phase 1 (see csrc/grad_path.h)")
-      .def(py::init<BucketComm&, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
-                    std::vector<int64_t>, std::vector<at::Tensor>, bool, bool, py::object, py::object>(),
-           py::arg("comm"), py::arg("params"), py::arg("bucket"), py::arg("offset"), py::arg("bucket_params"),
-           py::arg("views"), py::arg("drop_grad"), py::arg("overlap"), py::arg("on_grad"), py::arg("on_error"),
+  py::class_<GradPath>(m, "GradPath", "The per-gradient path of phase 1 and its state (see csrc/grad_path.h)")
+      .def(py::init<BucketComm&, std::vector<at::Tensor>, std::vector<std::string>, std::vector<int64_t>,
+                    std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>, bool, bool, py::object,
+                    py::object, py::object>(),
+           py::arg("comm"), py::arg("params"), py::arg("names"), py::arg("bucket"), py::arg("offset"),
+           py::arg("bucket_params"), py::arg("views"), py::arg("drop_grad"), py::arg("overlap"), py::arg("on_grad"),
+           py::arg("on_error"), py::arg("before_launch"),
            py::keep_alive<1, 2>())  // the BucketComm outlives the path
       // May wait for a reduce (add_grad, launches): without the GIL, as BucketComm's own methods.
-      .def("accept", &GradPath::accept, py::arg("index"), py::call_guard<py::gil_scoped_release>())
+      .def("take", &GradPath::take, py::arg("index"), py::call_guard<py::gil_scoped_release>())
       .def("launch_ready", &GradPath::launch_ready, py::call_guard<py::gil_scoped_release>())
-      .def("fill_rest", &GradPath::fill_rest)
+      .def("flush", &GradPath::flush, py::call_guard<py::gil_scoped_release>())
       .def("begin_micro_batch", &GradPath::begin_micro_batch)
       .def("begin_step", &GradPath::begin_step)
       .def("remove_hooks", &GradPath::remove_hooks)
+      .def("used", &GradPath::used)
+      .def_property_readonly("next_launch", &GradPath::next_launch)
       .def_readwrite("python_decides", &GradPath::python_decides)
-      .def_readwrite("in_backward", &GradPath::in_backward)
+      .def_readwrite("keep_local", &GradPath::keep_local)
       .def_readwrite("accumulate", &GradPath::accumulate)
-      .def_readwrite("next_launch", &GradPath::next_launch)
-      .def_readonly("fast_calls", &GradPath::fast_calls)
-      .def("used", [](const GradPath& g, int64_t i) { return static_cast<bool>(g.used.at(i)); })
-      .def("set_used", [](GradPath& g, int64_t i) { g.used.at(i) = 1; })
-      .def("used_list", [](const GradPath& g) { return std::vector<bool>(g.used.begin(), g.used.end()); })
-      .def("got_grad", [](const GradPath& g, int64_t i) { return static_cast<bool>(g.got_grad.at(i)); })
-      .def("set_got_grad", [](GradPath& g, int64_t i) { g.got_grad.at(i) = 1; })
-      .def("missing", [](const GradPath& g, int64_t b) { return g.missing.at(b); })
-      .def("clear_missing", [](GradPath& g, int64_t b) { g.missing.at(b) = 0; });
+      .def_readwrite("in_backward", &GradPath::in_backward)
+      .def_readonly("fast_calls", &GradPath::fast_calls);
 }

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from harness import run_ranks
-from oracles import (HYPER, fp32_tol, Quirky, TwiceMLP, make_scheduler, max_abs_diff, rank_batch, single_process,
+from oracles import (zero_options, HYPER, fp32_tol, Quirky, TwiceMLP, make_scheduler, max_abs_diff, rank_batch, single_process,
                      single_process_adamw, single_process_quirky, two_groups)
 from zerofast import ZeroAdam
+from zerofast.optim.grads import AgreementLayout
 from zerofast.tools.models import make_gpt
 from zerofast.reference import ReferenceZero
 
@@ -26,7 +27,7 @@ def _gpt_matrix(rank, world):
     out = {}
     for partition in PARTITIONS:
         model = make_gpt("tiny")
-        opt = ZeroAdam(model, stage=3, partition=partition, **HYPER)
+        opt = ZeroAdam(model, **zero_options(3, partition=partition), **HYPER)
         for step in range(STEPS):
             _, loss = model(*rank_batch(model, step, rank))
             loss.backward()
@@ -63,7 +64,7 @@ def test_stage3_matches_both_oracles(world):
 
 def _train_quirky3(rank, world, partition):
     model = Quirky()
-    opt = ZeroAdam(model, stage=3, partition=partition, param_groups=two_groups(model), **HYPER)
+    opt = ZeroAdam(model, **zero_options(3, partition=partition), param_groups=two_groups(model), **HYPER)
     sched = make_scheduler(opt)
     for step in range(STEPS):
         model(*rank_batch(model, step, rank), step, rank).backward()
@@ -86,7 +87,7 @@ def test_stage3_awkward_model(world, partition):
 
 def _twice(rank, world, partition):
     model = TwiceMLP()
-    opt = ZeroAdam(model, stage=3, partition=partition, min_unit_mb=0, **HYPER)  # a unit per module
+    opt = ZeroAdam(model, **zero_options(3, partition=partition, min_unit_mb=0), **HYPER)  # a unit per module
     samples = []
 
     def sample(*_):
@@ -128,7 +129,7 @@ def test_module_called_twice_peak_memory_and_3phi(world, partition):
 
 def _comm_gpt(rank, world, stage):
     model = make_gpt("tiny")
-    opt = ZeroAdam(model, stage=stage, bucket_mb=0.01, **HYPER)
+    opt = ZeroAdam(model, **zero_options(stage, bucket_mb=0.01), **HYPER)
     _, loss = model(*rank_batch(model, 0, rank))
     loss.backward()
     opt.step()
@@ -143,9 +144,9 @@ def test_stages_1_2_move_2phi(stage):
         gathered = sum(v for k, v in stats.items() if k in ("all_gather", "broadcast"))
         assert reduced == gathered == padded
         assert phi <= padded <= phi * 1.01  # 2Φ, up to the padding ([Note: padding])
-        # One small agreement per step: an int64 flag per parameter tensor, and the step's counters
-        # (step, micro-batches, reduce and gather hashes, each also negated) and failure flag.
-        assert stats["all_reduce_flags"] == 8 * (tensors + 9)
+        # One small agreement per step: an int64 message laid out as AgreementLayout says (a flag
+        # per parameter tensor, the step's counters, each also negated, and the failure flag).
+        assert stats["all_reduce_flags"] == 8 * AgreementLayout(tensors).numel
 
 
 def _gathered_params_and_eval(rank, world):

@@ -15,6 +15,11 @@ check_collectives (ZEROFAST_DEBUG=1) every collective is first described to ever
 bucket, how many elements, step, micro-batch) and a rank whose description differs makes all of
 them raise OutOfStepError before the collective is issued, as TORCH_DISTRIBUTED_DEBUG=DETAIL does
 for torch's own collectives; it costs one small blocking all_gather per collective.
+Errors are told apart by their class, never by their text: the compiled engine throws CommError for
+a c10d call that failed (csrc/errors.h), which run() turns into CollectiveError; an error raised by
+a torch.distributed collective issued from here is the communication's too (_collective); every
+other error (a GradientError naming a parameter, running out of memory, a bug) is raised as itself,
+on the rank where it happened, and never says that a peer failed.
 """
 from __future__ import annotations
 
@@ -33,6 +38,12 @@ from .layout import Layout
 
 class CollectiveError(RuntimeError):
     """A collective of ZeroAdam failed or timed out: another rank died, is stuck, or is out of step."""
+
+
+# A gradient ZeroAdam cannot take (sparse, of another dtype, device or shape than its parameter, or a
+# second one before step()), named by its parameter and raised on the rank where it arrived. Thrown
+# by the compiled gradient path (csrc/errors.h), hence defined there; a RuntimeError.
+GradientError = _C.GradientError
 
 
 class OutOfStepError(RuntimeError):
@@ -61,20 +72,6 @@ def group_timeout(group: dist.ProcessGroup) -> Optional[timedelta]:
         except (RuntimeError, AttributeError, ValueError):
             continue
     return None
-
-
-def is_comm_failure(error: BaseException) -> bool:
-    """Whether an error raised inside a collective call comes from the communication: torch's
-    DistError, or a plain RuntimeError, as gloo raises from some calls with words of its own
-    ("Connection reset by peer", "Application timeout caused pair closure": measured). Not our own
-    checks (GradPath, BucketComm, zerofast, ZeroAdam) and not running out of memory."""
-    if isinstance(error, (CollectiveError, OutOfStepError, torch.OutOfMemoryError)):
-        return False
-    if isinstance(error, dist.DistError):
-        return True
-    text = str(error)
-    return (isinstance(error, RuntimeError) and "out of memory" not in text
-            and not text.startswith(("GradPath", "BucketComm", "zerofast", "ZeroAdam")))
 
 
 def debug_from_env() -> bool:
@@ -124,7 +121,6 @@ class BucketComm:
         self.group = group
         self.gather_group = group if gather_group is None else gather_group
         self.rank, self.world = rank, dist.get_world_size(group)
-        self.element_size = grad_shard.element_size()
         self.device = grad_shard.device
         self._agreements: Counter = Counter()  # payload bytes of the step's small all_reduces
         self.where = Where()             # see [Note: faults]
@@ -161,12 +157,26 @@ class BucketComm:
             f"{timeout}). Backend: {first}")
 
     def run(self, what, fn, *args):
+        """fn: a call into the compiled engine (BucketComm, GradPath). Only its CommError (a c10d call
+        that failed: csrc/errors.h) is the communication's; any other error (a GradientError, running
+        out of memory, a bug) is raised as it is. what: the collective, for the message (or a
+        function returning it)."""
         try:
             return fn(*args)
-        except RuntimeError as e:
-            if not is_comm_failure(e):  # an error of another kind (out of memory, a bug) is raised as it is
-                raise
+        except _C.CommError as e:
             raise self.failed(what() if callable(what) else what, e) from e
+
+    def _collective(self, what: str, fn, *args):
+        """fn: one torch.distributed collective on our own small tensors. Whatever it raises but
+        running out of memory is the communication's: torch's DistError, or a plain RuntimeError,
+        as gloo raises from some calls ("Connection reset by peer", "Application timeout caused pair
+        closure": measured)."""
+        try:
+            return fn(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as e:
+            raise self.failed(what, e) from e
 
     def _verify(self, kind: str, bucket: int, numel: int, group: dist.ProcessGroup) -> None:
         """check_collectives: every rank describes the collective it is about to issue; any
@@ -176,7 +186,7 @@ class BucketComm:
         mine = torch.tensor([seq, _KINDS.index(kind), bucket, numel, self.where.step, self.where.micro_batch],
                             dtype=torch.int64, device=self.device)  # NCCL takes device tensors only
         everyone = [torch.empty_like(mine) for _ in range(self.world)]
-        self.run(lambda: f"the check of {kind} {bucket}", dist.all_gather, everyone, mine, group)
+        self._collective(f"the check of {kind} {bucket}", dist.all_gather, everyone, mine, group)
         rows = [t.tolist() for t in everyone]
         if any(r != rows[0] for r in rows):
             def show(r):
@@ -199,21 +209,12 @@ class BucketComm:
 
     # --- the collectives ----------------------------------------------------------------------
 
-    def add_grad(self, bucket: int, offset: int, grad: torch.Tensor) -> None:
-        # May wait for an earlier reduce: [Note: buffers in flight] in csrc/buckets.cpp.
-        self.run(lambda: f"an earlier reduce (waited for before bucket {bucket} takes a gradient)",
-                  self._impl.add_grad, bucket, offset, grad)
+    # The reduces are launched by the compiled gradient path (csrc/grad_path.cpp), which copies the
+    # gradients into the buckets too; with check_collectives it calls verify_reduce first.
 
-    def zero_slot(self, bucket: int, offset: int, numel: int) -> None:
-        self.run(lambda: f"an earlier reduce (waited for before bucket {bucket} is written)",
-                  self._impl.zero_slot, bucket, offset, numel)
-
-    def reduce(self, bucket: int, accumulate: bool = False) -> None:
-        numel = self.layout.buckets[bucket].numel
-        if self.check:
-            self._verify("reduce", bucket, numel, self.group)
-        self.run(lambda: f"the reduce of bucket {bucket} ({self.reduce_name}, {numel * self.element_size:,} bytes)",
-                  self._impl.reduce, bucket, accumulate)
+    def verify_reduce(self, bucket: int) -> None:
+        """check_collectives: every rank describes the reduce of `bucket` it is about to launch."""
+        self._verify("reduce", bucket, self.layout.buckets[bucket].numel, self.group)
 
     def wait_reduces(self) -> None:
         self.run(f"the wait for this step's bucket reduces ({self.reduce_name})", self._impl.wait_reduces)
@@ -233,16 +234,16 @@ class BucketComm:
         if self.check:
             self._verify("agree_used", 0, t.numel(), self.group)
         self._agreements["all_reduce_flags"] += t.numel() * t.element_size()
-        self.run("the step's agreement (all_reduce of flags and counters)", dist.all_reduce, t,
-                  dist.ReduceOp.MAX, self.group)
+        self._collective("the step's agreement (all_reduce of flags and counters)", dist.all_reduce, t,
+                         dist.ReduceOp.MAX, self.group)
 
     def all_reduce_sum(self, t: torch.Tensor) -> None:
         """A small agreement (overflow flag and squared gradient norm), counted too."""
         if self.check:
             self._verify("agree_stats", 0, t.numel(), self.group)
         self._agreements["all_reduce_stats"] += t.numel() * t.element_size()
-        self.run("the step's agreement on overflow and gradient norm (all_reduce)", dist.all_reduce, t,
-                  dist.ReduceOp.SUM, self.group)
+        self._collective("the step's agreement on overflow and gradient norm (all_reduce)", dist.all_reduce, t,
+                         dist.ReduceOp.SUM, self.group)
 
     @property
     def buffer_bytes(self) -> int:

@@ -1,73 +1,22 @@
 """Phases 1 and 2 of a step: gradients into buckets, bucket reduces, and the ranks' agreement.
 
-Phase 1, during backward: a hook per parameter (compiled: [Note: the gradient path]) copies its
-gradient into its slot of a bucket (stages 2 and 3 then drop param.grad); when every parameter of a bucket is in,
-the bucket's reduce starts at once, asynchronously, buckets strictly in index order (which is
-backward order: [Note: bucket order] in zerofast/layout.py). "flat" reduces each bucket into this
-rank's gradient shard; "round_robin" and "greedy" reduce each owner's segment to that owner.
+Phase 1, during backward: the compiled gradient path (csrc/grad_path.cpp, [Note: the gradient path]
+there) takes each gradient as it is accumulated: checks it against its parameter, copies it into
+its slot of a bucket (stages 2 and 3 then drop param.grad; stage 1's .grad is the slot), and when
+every parameter of a bucket is in, starts the bucket's reduce at once, asynchronously, buckets
+strictly in index order (which is backward order: [Note: bucket order] in zerofast/layout.py).
+"flat" reduces each bucket into this rank's gradient shard; "round_robin" and "greedy" reduce each
+owner's segment to that owner.
 Phase 2, at step() (or an earlier clip_grad_norm_()): buckets a rank never filled are launched with
 zeros in the missing slots; the ranks agree which parameters got a gradient anywhere; all reduces
 are waited for; with fp16 or clipping, one small all_reduce agrees on overflow and the global norm.
 
-Where a step is lives in one StepPhase; GradReducer switches on it.
-
-[Note: the gradient path]
-Each gradient's work in phase 1 is the compiled GradPath's (csrc/grad_path.cpp): one autograd post
-hook per parameter, on its AccumulateGrad node (where DDP's reducer hooks too; several post hooks
-live on one node, so a user's hooks and ours never replace each other), copies the gradient into its
-slot (stage 1: points .grad at it), drops .grad (stages 2 and 3), counts the bucket and launches
-every complete bucket in order, with no Python frame. It also holds the state both paths share:
-which parameters got a gradient, each bucket's missing count, the next bucket to launch.
-Python keeps what Python must decide, through _on_grad (called with the GIL): the first gradient of
-each backward (it queues the backward's end and sets the phase), every gradient under no_sync (local
-accumulation or per-micro-batch reduces), fp16 (each checks its backward was scaled), the
-overlapped gather (each checks its bucket was waited for), between clip_grad_norm_() and step(),
-with check_collectives (each launch is described first), and a second gradient (an error).
-_refresh() sets python_decides whenever one of those changes. A failure inside the compiled path
-(a reduce that cannot complete) comes back through _on_error as the CollectiveError Python's path
-would raise. Measured (benchmarks/bench_grad_path.py): see README, "Per-gradient cost".
-
-[Note: the step's agreement]
-Phase 2's one small all_reduce(MAX) carries, besides which parameters got a gradient, this rank's
-step count, micro-batch count and running hashes of the buckets it reduced and gathered this step,
-in order (each also negated, so the MAX yields both the largest and the smallest), and a failure
-flag. Ranks whose counts differ raise OutOfStepError on every rank, before anything is applied: a
-rank that ran an extra micro-batch or skipped one (stage 1, whose extra micro-batches communicate
-nothing), or (stage 3) ran its modules in another order, so that gathers paired up with the wrong
-buckets of the same size, a silent mix of data that only this check sees. Where the collectives
-themselves no longer pair up (stages 2 and 3: an extra micro-batch issues extra reduces), the
-mismatch may first surface as a CollectiveError or a hang up to the timeout; check_collectives
-(ZEROFAST_DEBUG=1) catches it before the first differing collective is issued. The failure flag makes the update all-or-nothing: the last checks before it (the
-hyper-parameters of every group, as an lr scheduler may have left them) run on every rank before
-the agreement; if any rank's fail, every rank raises and applies nothing, the parameters and
-optimizer state stay those of the previous step everywhere, and the step's gradients are dropped.
-After the agreement, phase 3 is elementwise kernels over memory that already exists, and phase 4
-(stages 1 and 2) only moves the updated owned ranges, which a checkpoint reads from their owners.
-
-[Note: unused parameters]
-A parameter that gets a gradient on no rank in a step is left untouched, as torch.optim.AdamW leaves
-a parameter whose grad is None: no update, no state change, its step count unchanged. Where some
-ranks have a gradient and others none, the missing ones count as zero (their slot is zeroed before
-the reduce). Which case holds is agreed by one small all_reduce(MAX) per step.
-
-[Note: global gradient clipping]
-The global norm is that of the averaged, unscaled gradient: each rank computes the squared norm of
-its reduced gradient shard (every element of the model sits in exactly one rank's shard; a tied
-parameter is one parameter; padding is zero), one all_reduce sums them, and the norm is
-sqrt(sum) / (N * scale). The coefficient min(1, max_norm / (norm + 1e-6)), torch's, joins 1/N and
-1/scale in the kernel's grad_scale, so clipping costs no pass over the gradients.
-
-[Note: accumulation]
-`with opt.no_sync():` around every micro-batch but the last; every rank runs the same number of
-micro-batches (stages 2 and 3 communicate in each, as every rank runs the same number of steps).
-Stage 1 (which holds full gradients anyway) lets .grad accumulate as autograd does and reduces
-once, in the last backward: Φ of reduce per step however many micro-batches. Stages 2 and 3 by
-default reduce every micro-batch into the owned gradient shard, as DeepSpeed does: k micro-batches
-cost k·Φ of reduce, but gradient memory stays at the shard ([Note: accumulation into the shard] in
-csrc/buckets.cpp). With accumulate_locally=True they keep full local gradients during no_sync (2Φ
-bytes more on each rank in mixed precision, 4Φ in fp32) and reduce once, as stage 1. Reduces in
-reduce_dtype add in reduce_dtype too: accumulating many bf16 micro-batches into a bf16 shard
-rounds each time; reduce_dtype=torch.float32 avoids that.
+The step's phase is one variable, GradReducer.phase (a StepPhase), changed only by
+GradReducer._enter, which also sets from it how the compiled path takes gradients. Every
+gradient's own state (which parameters got one, which slots are filled, what is still missing, the
+next bucket to launch) is the compiled GradPath's alone. The notes sit beside the code they
+describe: [Note: the step's agreement] at AgreementLayout, [Note: accumulation] at no_sync(),
+[Note: unused parameters] at flush(), [Note: global gradient clipping] at clip().
 """
 from __future__ import annotations
 
@@ -75,12 +24,12 @@ import contextlib
 import enum
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, ClassVar, Optional
 
 import torch
 
 from .. import _C, _ops
-from ..comm import BucketComm, OutOfStepError, is_comm_failure
+from ..comm import BucketComm, OutOfStepError
 from .gather import ParamGather
 from ..config import Plan
 from ..layout import Layout
@@ -93,18 +42,28 @@ class StepNotAppliedError(RuntimeError):
 
 
 class StepPhase(enum.Enum):
+    """Where the step is, for its gradients (GradReducer.phase). Inside no_sync(): NO_SYNC and
+    NO_SYNC_REDUCING; outside it, the others."""
     IDLE = "idle"
-    """No gradient has reached a bucket since the last step(); zero_grad() may clear .grad (gradients
-    accumulated only locally, stage 1 inside no_sync, are dropped with it)."""
-    BACKWARD = "backward"
-    """This micro-batch's gradients are going into buckets; each bucket's reduce starts when it is
-    complete. Reduces already launched cannot be taken back: zero_grad() is an error."""
-    ACCUMULATED = "accumulated"
-    """Stages 2 and 3 inside no_sync(): a micro-batch's backward ended with every bucket launched; the
-    next micro-batch's reduces add into the shard ([Note: accumulation])."""
+    """Outside no_sync(), no gradient of this step in a bucket yet: zero_grad() may clear .grad
+    (gradients accumulated only locally under an earlier no_sync() are dropped with it)."""
+    NO_SYNC = "no_sync"
+    """Inside no_sync(), no gradient of this step in a bucket yet. With local accumulation (stage 1,
+    or accumulate_locally) each backward leaves its gradients in .grad (stage 1: the bucket views)
+    for the last micro-batch to hand over; otherwise the first gradient moves to NO_SYNC_REDUCING."""
+    REDUCING = "reducing"
+    """Outside no_sync(), gradients of this step are in buckets, each bucket's reduce started when it
+    was complete. Reduces already launched cannot be taken back: zero_grad() is an error."""
+    NO_SYNC_REDUCING = "no_sync_reducing"
+    """Inside no_sync(), stages 2 and 3 reducing every micro-batch: a backward's end launches every
+    bucket, and the next micro-batch's reduces add into the shard ([Note: accumulation])."""
     PREPARED = "prepared"
     """Phase 2 ran before step() (clip_grad_norm_): every reduce waited for, the ranks agreed; no
-    gradient may arrive until step()."""
+    gradient may arrive and no no_sync() begin until step()."""
+
+    @property
+    def in_no_sync(self) -> bool:
+        return self in (StepPhase.NO_SYNC, StepPhase.NO_SYNC_REDUCING)
 
 
 @dataclass
@@ -116,10 +75,85 @@ class Prepared:
     grad_factor: float          # the clip coefficients so far (1.0: none)
 
 
+# [Note: the step's agreement]
+# Phase 2's one small all_reduce(MAX) carries, besides which parameters got a gradient, this rank's
+# step count, micro-batch count and running hashes of the buckets it reduced and gathered this step,
+# in order (each also negated, so the MAX yields both the largest and the smallest), and a failure
+# flag; AgreementLayout says where each sits in the message. Ranks whose counts differ raise
+# OutOfStepError on every rank, before anything is applied: a rank that ran an extra micro-batch or
+# skipped one (stage 1, whose extra micro-batches communicate nothing), or (stage 3) ran its modules
+# in another order, so that gathers paired up with the wrong buckets of the same size, a silent mix
+# of data that only this check sees. Where the collectives themselves no longer pair up (stages 2
+# and 3: an extra micro-batch issues extra reduces), the mismatch may first surface as a
+# CollectiveError or a hang up to the timeout; check_collectives (ZEROFAST_DEBUG=1) catches it
+# before the first differing collective is issued. The failure flag makes the update
+# all-or-nothing: the last checks before it (the hyper-parameters of every group, as an lr
+# scheduler may have left them) run on every rank before the agreement; if any rank's fail, every
+# rank raises and applies nothing, the parameters and optimizer state stay those of the previous
+# step everywhere, and the step's gradients are dropped. After the agreement, phase 3 is
+# elementwise kernels over memory that already exists, and phase 4 (stages 1 and 2) only moves the
+# updated owned ranges, which a checkpoint reads from their owners.
+
+@dataclass(frozen=True)
+class AgreementLayout:
+    """The int64 message of the step's agreement, all_reduced with MAX: `params` flags (the
+    parameter got a gradient on this rank), then each counter of COUNTERS as two entries, its value
+    and its negation, then the failure flag (0, or 1 + the rank that failed before the update)."""
+    params: int
+    COUNTERS: ClassVar[tuple[str, ...]] = ("steps", "micro_batches", "reduces", "gathers")
+
+    @property
+    def used(self) -> slice:
+        return slice(0, self.params)
+
+    def counter(self, name: str) -> slice:
+        """The counter's two entries: its value, and its value negated."""
+        start = self.params + 2 * self.COUNTERS.index(name)
+        return slice(start, start + 2)
+
+    @property
+    def failed(self) -> int:
+        return self.params + 2 * len(self.COUNTERS)
+
+    @property
+    def numel(self) -> int:
+        return self.failed + 1
+
+    def pack(self, used: list[bool], counts: dict[str, int], failed_rank: Optional[int]) -> list[int]:
+        """This rank's message: counts holds a value for every name of COUNTERS."""
+        message = [0] * self.numel
+        message[self.used] = [int(u) for u in used]
+        for name in self.COUNTERS:
+            message[self.counter(name)] = [counts[name], -counts[name]]
+        message[self.failed] = 0 if failed_rank is None else failed_rank + 1
+        return message
+
+    def read(self, agreed: list[int]) -> "Agreed":
+        """The message after the all_reduce(MAX)."""
+        ranges = {}
+        for name in self.COUNTERS:
+            largest, negated_smallest = agreed[self.counter(name)]
+            ranges[name] = (-negated_smallest, largest)
+        failed = agreed[self.failed]
+        return Agreed([bool(x) for x in agreed[self.used]], ranges, None if failed == 0 else failed - 1)
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """What the ranks agreed on: AgreementLayout.read."""
+    used: list[bool]                     # the parameter got a gradient on some rank
+    ranges: dict[str, tuple[int, int]]   # each counter's (smallest, largest) over the ranks
+    failed_rank: Optional[int]           # a rank that failed before the update (the highest), or None
+
+    def same(self, name: str) -> bool:
+        smallest, largest = self.ranges[name]
+        return smallest == largest
+
+
 class GradReducer:
-    """Phases 1 and 2 over one BucketComm: the gradient path, the launches, the flush and the
-    agreement. The per-gradient state (which parameters got a gradient, each bucket's missing
-    count, the next bucket to launch) lives in the compiled GradPath, which both paths update."""
+    """Phases 1 and 2 over one BucketComm: the step's phase, Python's part of the gradient path,
+    the flush and the agreement. Every gradient's state (which parameters got a gradient, each
+    slot's, each bucket's missing count, the next bucket to launch) is the compiled GradPath's."""
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], layout: Layout, comm: BucketComm,
                  shard: ShardState, plan: Plan, *, scaler: LossScaler, gather: ParamGather):
@@ -134,94 +168,79 @@ class GradReducer:
         self.scaler, self.gather = scaler, gather
         # Every gradient through Python: fp16 (each gradient checks its backward was scaled), the
         # overlapped gather (each checks its bucket's gather was waited for), check_collectives
-        # (each launch is described first). See [Note: the gradient path].
+        # (each launch is described first). See [Note: the gradient path] in csrc/grad_path.cpp.
         self.always_python = plan.overlap_param_gather or plan.scales_loss or plan.check_collectives
-        self.in_no_sync = False
         slots = layout.slots
         # The compiled path calls back through weak references: it must not keep this reducer (and
         # with it the optimizer) alive, since the garbage collector cannot see references held in C++.
         me = weakref.ref(self)
-        self.path = _C.GradPath(comm._impl, params, [s.bucket for s in slots], [s.offset for s in slots],
+        self.path = _C.GradPath(comm._impl, params, names, [s.bucket for s in slots], [s.offset for s in slots],
                                 [len(b.params) for b in layout.buckets], self.views or [], plan.grads_sharded,
                                 plan.overlap,
-                                _Callback(me, "_on_grad"), _Callback(me, "_on_error"))
+                                _Callback(me, "_on_grad"), _Callback(me, "_on_error"),
+                                _Callback(me, "_before_launch") if comm.check else None)
         self.begin_step()
 
-    # --- the step's bookkeeping -----------------------------------------------------------------
+    # --- the step's phase -----------------------------------------------------------------------
 
     def begin_step(self) -> None:
         """A new step. Stage 1 with gradient views: the reduce has consumed .grad (its owned range
         now holds the sum over ranks, the rest is no gradient of this step), so .grad is dropped, as
         stages 2 and 3 drop it in backward; the buckets stay for the next backward."""
-        n = len(self.params)
         if self.views is not None:
             for p in self.params:
                 p.grad = None
-        self.phase = StepPhase.IDLE
-        self.local = [False] * n       # holds a locally accumulated .grad not yet in a bucket
         self.reduced_micro_batches = 0  # no_sync micro-batches already reduced into the shard
         self.micro_batches = 0          # backwards that gave gradients in this step
         self.comm.where.micro_batch = 0
-        self.prepared: Optional[Prepared] = None  # phase 2's result, in PREPARED
-        self.path.begin_step()          # used, got_grad, missing, next_launch; no backward running
-        self._refresh()
+        self._prepared: Optional[Prepared] = None  # phase 2's result, in PREPARED
+        self.path.begin_step()          # every slot empty, nothing used, no backward running
+        self._enter(StepPhase.IDLE)
         self.comm.new_step()
 
-    def _begin_micro_batch(self) -> None:
-        self.path.begin_micro_batch()
-
-    def _refresh(self) -> None:
-        """Whether the compiled path may take gradients without Python: [Note: the gradient path]."""
-        self.path.python_decides = (self.always_python or self.in_no_sync or self.phase is StepPhase.PREPARED)
+    def _enter(self, phase: StepPhase) -> None:
+        """The one place the phase changes, and how the compiled path takes the next gradients
+        follows from it ([Note: the gradient path] in csrc/grad_path.cpp): through Python when
+        every gradient has a check of its own there or when none may arrive (PREPARED); kept in
+        .grad inside no_sync() with local accumulation; reduces adding into the shard after a
+        micro-batch reduced under no_sync()."""
+        self.phase = phase
+        self.path.python_decides = self.always_python or phase is StepPhase.PREPARED
+        self.path.keep_local = phase is StepPhase.NO_SYNC and self.accumulates_locally
         self.path.accumulate = self.reduced_micro_batches > 0
 
     # --- phase 1 --------------------------------------------------------------------------------
 
     def _on_grad(self, index: int) -> None:
-        """Python's path for one gradient (the compiled hook calls it with the GIL)."""
-        param = self.params[index]
+        """Python's path for one gradient (the compiled hook calls it with the GIL): its checks,
+        the start of a backward, then the gradient path's own work (GradPath.take)."""
         self._check_grad_allowed(index)
         if not self.path.in_backward:  # the first gradient of this backward
-            self.path.in_backward = True
-            self.comm.where.phase = "backward"
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        self.path.set_used(index)
-        if self.in_no_sync and self.accumulates_locally:
-            if self.views is not None:
-                self._point_at_view(index, param)
-            self.local[index] = True  # .grad accumulates; the last micro-batch copies it
-            return
-        if self.path.got_grad(index):
-            raise RuntimeError(
-                f"ZeroAdam: {self.names[index]} got a second gradient before step(); call opt.step() "
-                f"after each backward, or run the earlier backwards of an accumulated step inside "
-                f"`with opt.no_sync():`")
-        self.phase = StepPhase.BACKWARD
-        self.local[index] = False
+            self._backward_starts()
         bucket = self.layout.slots[index].bucket
-        # Into the slot, .grad dropped in stages 2 and 3 ([Note: grads as views]), counted, and
-        # launched (in C++ unless Python decides the launches too).
-        self.comm.run(lambda: f"an earlier reduce (waited for before bucket {bucket} takes a gradient)",
-                      self.path.accept, index)
-        if self.overlap:
-            self.launch_ready()
+        self.comm.run(lambda: f"the gradient path at bucket {bucket} (its copy, or a reduce it launched or "
+                              f"waited for)", self.path.take, index)
+
+    def _backward_starts(self) -> None:
+        """Queue the backward's end, and enter the phase its gradients put the step in."""
+        self.path.in_backward = True
+        self.comm.where.phase = "backward"
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if self.phase is StepPhase.IDLE:
+            self._enter(StepPhase.REDUCING)
+        elif self.phase is StepPhase.NO_SYNC and not self.accumulates_locally:
+            self._enter(StepPhase.NO_SYNC_REDUCING)
 
     def _on_error(self, index: int, message: str) -> None:
-        """A failure in the compiled path's copy or launch, raised as Python's path would raise it."""
-        if not is_comm_failure(RuntimeError(message)):  # not the backend's: named, and raised as it is
-            raise RuntimeError(f"ZeroAdam: {self.names[index]}: {message}")
+        """A communication failure (CommError) in the compiled hook, raised as Python's path raises
+        it. Only those come here; a GradientError the hook raises itself."""
         bucket = self.layout.slots[index].bucket
         raise self.comm.failed(f"the gradient path at bucket {bucket} (its copy, or a reduce it launched or "
-                               f"waited for)", RuntimeError(message))
+                               f"waited for)", _C.CommError(message))
 
-    def _point_at_view(self, index: int, param: torch.Tensor) -> None:
-        """Make .grad the parameter's bucket slot: autograd accumulated into it in place, unless
-        .grad was None (autograd then hands over a fresh tensor) or user code replaced it; then its
-        values are copied into the slot once, and the slot becomes .grad."""
-        view, grad = self.views[index], param.grad
-        if grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
-            param.grad = view
+    def _before_launch(self, bucket: int) -> None:
+        """check_collectives: every rank describes the reduce it is about to launch."""
+        self.comm.verify_reduce(bucket)
 
     def _check_grad_allowed(self, index: int) -> None:
         name = self.names[index]
@@ -239,18 +258,6 @@ class GradReducer:
             raise RuntimeError(f"ZeroAdam: {name} got a gradient after clip_grad_norm_() and before step(); "
                                f"clip after the last backward of the step")
 
-    def launch_ready(self) -> None:
-        """Start every complete bucket whose predecessors have all started: see [Note: bucket order].
-        With check_collectives each launch goes through Python, which describes it first."""
-        if not self.comm.check:
-            self.comm.run("the reduce of a complete bucket", self.path.launch_ready)
-            return
-        buckets = self.layout.buckets
-        while self.path.next_launch < len(buckets) and self.path.missing(self.path.next_launch) == 0:
-            with torch.profiler.record_function("zerofast::reduce"):
-                self.comm.reduce(self.path.next_launch, self.reduced_micro_batches > 0)
-            self.path.next_launch += 1
-
     def _end_backward(self) -> None:
         """End of a backward that gave this optimizer gradients: one more micro-batch (counted, so
         the ranks can check they ran the same number: [Note: the step's agreement])."""
@@ -258,7 +265,7 @@ class GradReducer:
         self.micro_batches += 1
         self.comm.where.micro_batch = self.micro_batches
         self.comm.where.phase = "after backward"
-        if self.in_no_sync and not self.accumulates_locally:
+        if self.phase is StepPhase.NO_SYNC_REDUCING:
             self._end_micro_batch()
 
     def _end_micro_batch(self) -> None:
@@ -266,30 +273,43 @@ class GradReducer:
         every bucket, then let the next micro-batch's reduces add into the shard."""
         self.flush()
         self.reduced_micro_batches += 1
-        self.phase = StepPhase.ACCUMULATED
-        self._begin_micro_batch()
-        self._refresh()
+        self.path.begin_micro_batch()
+        self._enter(self.phase)
 
+    # [Note: accumulation]
+    # `with opt.no_sync():` around every micro-batch but the last; every rank runs the same number
+    # of micro-batches (stages 2 and 3 communicate in each, as every rank runs the same number of
+    # steps). Stage 1 (which holds full gradients anyway) lets .grad accumulate as autograd does and
+    # reduces once, in the last backward: Φ of reduce per step however many micro-batches. Stages 2
+    # and 3 by default reduce every micro-batch into the owned gradient shard, as DeepSpeed does: k
+    # micro-batches cost k·Φ of reduce, but gradient memory stays at the shard ([Note: accumulation
+    # into the shard] in csrc/buckets.cpp). With accumulate_locally=True they keep full local
+    # gradients during no_sync (2Φ bytes more on each rank in mixed precision, 4Φ in fp32) and
+    # reduce once, as stage 1. Reduces in reduce_dtype add in reduce_dtype too: accumulating many
+    # bf16 micro-batches into a bf16 shard rounds each time; reduce_dtype=torch.float32 avoids that.
     @contextlib.contextmanager
     def no_sync(self):
-        if self.in_no_sync:
+        if self.phase.in_no_sync:
             raise RuntimeError("ZeroAdam.no_sync() is already active: no_sync() blocks cannot be nested")
-        self.in_no_sync = True
-        self._refresh()
+        if self.phase is StepPhase.PREPARED:
+            raise RuntimeError("ZeroAdam.no_sync() was entered after clip_grad_norm_() and before step(); "
+                               "clip after the last backward of the step, then call step()")
+        self._enter(StepPhase.NO_SYNC if self.phase is StepPhase.IDLE else StepPhase.NO_SYNC_REDUCING)
         try:
             yield
         finally:
-            self.in_no_sync = False
             self.path.in_backward = False  # a backward that raised may have left it set, its end never run
-            self._refresh()
+            if self.phase is StepPhase.NO_SYNC:
+                self._enter(StepPhase.IDLE)
+            elif self.phase is StepPhase.NO_SYNC_REDUCING:
+                self._enter(StepPhase.REDUCING)
 
     def zero_grad(self, set_to_none: bool) -> None:
-        if self.phase is not StepPhase.IDLE:
+        if self.phase not in (StepPhase.IDLE, StepPhase.NO_SYNC):
             raise RuntimeError("ZeroAdam.zero_grad() was called between backward and step(): this step's "
                                "gradients are already being reduced across ranks and would still be "
                                "applied; call step() first (or zero_grad() only at the start of an iteration)")
-        self.path.begin_step()
-        self.local = [False] * len(self.params)
+        self.path.begin_step()  # locally accumulated gradients are dropped: no slot holds one now
         self.micro_batches = 0  # micro-batches accumulated only locally are dropped with their gradients
         self.comm.where.micro_batch = 0
         if self.views is not None and not set_to_none:  # zeroed slots: autograd accumulates in place
@@ -306,28 +326,17 @@ class GradReducer:
 
     # --- phase 2 --------------------------------------------------------------------------------
 
+    # [Note: unused parameters]
+    # A parameter that gets a gradient on no rank in a step is left untouched, as torch.optim.AdamW
+    # leaves a parameter whose grad is None: no update, no state change, its step count unchanged.
+    # Where some ranks have a gradient and others none, the missing ones count as zero (their slot
+    # is zeroed before the reduce: GradPath.flush). Which case holds is agreed by the step's one
+    # small all_reduce(MAX) ([Note: the step's agreement]).
     def flush(self) -> None:
-        """Launch what backward did not: a locally accumulated gradient where one is waiting, zeros
-        for a parameter without gradient here ([Note: unused parameters])."""
-        path = self.path
-        for b in range(path.next_launch, len(self.layout.buckets)):
-            for i in self.layout.buckets[b].params:
-                if path.got_grad(i):
-                    continue
-                s = self.layout.slots[i]
-                p = self.params[i]
-                if self.local[i] and p.grad is not None:
-                    if self.views is not None:
-                        self._point_at_view(i, p)
-                    else:
-                        self.comm.add_grad(s.bucket, s.offset, p.grad)
-                    if self.plan.grads_sharded:
-                        p.grad = None
-                else:
-                    self.comm.zero_slot(s.bucket, s.offset, s.numel)
-                path.set_got_grad(i)
-            path.clear_missing(b)
-        self.launch_ready()
+        """Launch what backward did not: each bucket not launched yet, with a locally accumulated
+        gradient where one is waiting and zeros for a parameter without gradient here."""
+        self.comm.run("an earlier reduce, or the reduce of a bucket backward left incomplete (filled and launched "
+                      "at the end of the micro-batch)", self.path.flush)
 
     def prepare(self, need_norm: bool, world_size: int, check: Optional[Callable[[], None]] = None) -> Prepared:
         """Phase 2, once per step (step() or an earlier clip_grad_norm_()): every bucket reduced, the
@@ -335,8 +344,8 @@ class GradReducer:
         before the update ([Note: the step's agreement]), and, where loss scaling or clipping needs
         them, on whether any gradient overflowed and on the global gradient norm. check: this rank's
         last checks before the update; what it raises makes every rank raise, nothing applied."""
-        if self.prepared is not None:  # clip_grad_norm_() ran it; it computed the norm
-            return self.prepared
+        if self.phase is StepPhase.PREPARED:  # clip_grad_norm_() ran it; it computed the norm
+            return self._prepared
         failure = None
         try:
             if check is not None:
@@ -347,35 +356,36 @@ class GradReducer:
         where = self.comm.where
         with torch.profiler.record_function("zerofast::reduce"):
             device = self.shard.grad_shard.device
-            local_used = self.path.used_list()
-            n = len(local_used)
-            counts = [where.step, self.micro_batches, *self.comm.order_hashes()]
-            flags = torch.tensor(local_used + [v for c in counts for v in (c, -c)]
-                                 + [0 if failure is None else self.comm.rank + 1], dtype=torch.int64, device=device)
+            local_used = self.path.used()
+            message = AgreementLayout(len(local_used))
+            reduce_hash, gather_hash = self.comm.order_hashes()
+            counts = dict(steps=where.step, micro_batches=self.micro_batches, reduces=reduce_hash,
+                          gathers=gather_hash)
+            flags = torch.tensor(message.pack(local_used, counts, None if failure is None else self.comm.rank),
+                                 dtype=torch.int64, device=device)
             self.comm.all_reduce_max(flags)
-            agreed = flags.tolist()
-            used = [bool(x) for x in agreed[:n]]
-            (steps, micro, reduces, gathers) = [(agreed[n + 2 * i], -agreed[n + 2 * i + 1]) for i in range(4)]
-            failed = agreed[n + 8]
-            if steps[0] != steps[1] or micro[0] != micro[1]:
+            agreed = message.read(flags.tolist())
+            if not (agreed.same("steps") and agreed.same("micro_batches")):
+                steps, micro = agreed.ranges["steps"], agreed.ranges["micro_batches"]
                 raise OutOfStepError(
                     f"ZeroAdam (rank {self.comm.rank}): the ranks are out of step at step() of step {where.step + 1}: "
-                    f"they have taken {steps[1]} to {steps[0]} steps and run {micro[1]} to {micro[0]} micro-batches "
+                    f"they have taken {steps[0]} to {steps[1]} steps and run {micro[0]} to {micro[1]} micro-batches "
                     f"(this rank: {where.step} and {self.micro_batches}). Every rank must run the same "
                     f"micro-batches and call step() as often; nothing was applied")
-            if reduces[0] != reduces[1] or gathers[0] != gathers[1]:
-                which = "gathers (stage 3: the modules ran in another order)" if gathers[0] != gathers[1] else "reduces"
+            if not (agreed.same("reduces") and agreed.same("gathers")):
+                which = ("gathers (stage 3: the modules ran in another order)" if not agreed.same("gathers")
+                         else "reduces")
                 raise OutOfStepError(
                     f"ZeroAdam (rank {self.comm.rank}): the ranks are out of step at step() of step {where.step + 1}: "
                     f"they issued different {which} in this step, so collectives paired up wrongly and this "
                     f"step's gradients are not to be trusted; nothing was applied. Every rank must run the same "
                     f"modules in the same order; ZEROFAST_DEBUG=1 names the first collective that differs")
             self.comm.wait_reduces()
-        if failed:
+        if agreed.failed_rank is not None:
             self.begin_step()  # this step's gradients are dropped; nothing was applied
-            note = (f"ZeroAdam: step {where.step + 1} was not applied on any rank: rank {failed - 1} failed before "
-                    f"the update; parameters and optimizer state are those after step {where.step} on every rank, "
-                    f"and this step's gradients are dropped")
+            note = (f"ZeroAdam: step {where.step + 1} was not applied on any rank: rank {agreed.failed_rank} failed "
+                    f"before the update; parameters and optimizer state are those after step {where.step} on every "
+                    f"rank, and this step's gradients are dropped")
             if failure is not None:
                 failure.add_note(note)
                 raise failure
@@ -394,16 +404,21 @@ class GradReducer:
         norm = None
         if sumsq is not None:  # the norm of the averaged, unscaled gradient
             norm = sumsq.sqrt() / (world_size * self.scaler.scale)
-        self.prepared = Prepared(used, found_inf, norm, 1.0)
-        self.phase = StepPhase.PREPARED
-        self._refresh()
-        return self.prepared
+        self._prepared = Prepared(agreed.used, found_inf, norm, 1.0)
+        self._enter(StepPhase.PREPARED)
+        return self._prepared
 
+    # [Note: global gradient clipping]
+    # The global norm is that of the averaged, unscaled gradient: each rank computes the squared
+    # norm of its reduced gradient shard (every element of the model sits in exactly one rank's
+    # shard; a tied parameter is one parameter; padding is zero), one all_reduce sums them, and the
+    # norm is sqrt(sum) / (N * scale) (prepare()). The coefficient min(1, max_norm / (norm + 1e-6)),
+    # torch's, joins 1/N and 1/scale in the kernel's grad_scale, so clipping costs no pass over the
+    # gradients.
     @staticmethod
     def clip(prep: Prepared, max_norm: float) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_'s coefficient, folded into grad_factor: applying it twice
-        (clip_grad_norm_ and max_grad_norm) acts as clipping twice would. See
-        [Note: global gradient clipping]."""
+        (clip_grad_norm_ and max_grad_norm) acts as clipping twice would."""
         norm = prep.norm * prep.grad_factor
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         prep.grad_factor *= float(coef)

@@ -224,7 +224,7 @@ class ZeroAdam(torch.optim.Optimizer):
         return loss
 
     def _step(self) -> None:
-        if self._grads.in_no_sync:
+        if self._grads.phase.in_no_sync:
             raise RuntimeError("ZeroAdam.step() was called inside `with opt.no_sync():`; no_sync() wraps "
                                "the micro-batches whose gradients are only accumulated, and step() follows "
                                "the last backward, outside it")
@@ -270,7 +270,7 @@ class ZeroAdam(torch.optim.Optimizer):
         trainers call to log the norm)."""
         if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and max_norm > 0):
             raise ValueError(f"ZeroAdam.clip_grad_norm_: max_norm must be a number > 0; got {max_norm!r}")
-        if self._grads.in_no_sync:
+        if self._grads.phase.in_no_sync:
             raise RuntimeError("ZeroAdam.clip_grad_norm_() was called inside `with opt.no_sync():`; clip after "
                                "the last backward of the step, outside it")
         self.comm.where.phase = "clip_grad_norm_() (the reduces and the agreement)"
