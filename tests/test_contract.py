@@ -135,8 +135,10 @@ def test_the_plan_resolves_every_default_once():
 
 def test_errors_are_exported():
     import zerofast
-    from zerofast.comm import CollectiveError, OutOfStepError
+    from zerofast.comm import CollectiveError, GradientError, OutOfStepError
     from zerofast.optim.grads import StepNotAppliedError
-    assert (zerofast.CollectiveError, zerofast.OutOfStepError, zerofast.StepNotAppliedError) == (
-        CollectiveError, OutOfStepError, StepNotAppliedError)
-    assert {"CollectiveError", "OutOfStepError", "StepNotAppliedError", "CommPolicy"} <= set(zerofast.__all__)
+    assert (zerofast.CollectiveError, zerofast.OutOfStepError, zerofast.StepNotAppliedError, zerofast.GradientError) == (
+        CollectiveError, OutOfStepError, StepNotAppliedError, GradientError)
+    assert GradientError is zerofast._C.GradientError and issubclass(GradientError, RuntimeError)
+    assert {"CollectiveError", "OutOfStepError", "StepNotAppliedError", "GradientError",
+            "CommPolicy"} <= set(zerofast.__all__)

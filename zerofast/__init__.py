@@ -2,7 +2,8 @@
 
 Public names: ZeroAdam (the sharded optimizer) and its policies (MixedPrecisionPolicy,
 LossScalePolicy, CommPolicy, UnitPolicy: zerofast/config.py), the errors it raises
-(CollectiveError, OutOfStepError, StepNotAppliedError), estimate_memory (the paper's memory table),
+(CollectiveError, OutOfStepError, StepNotAppliedError,
+GradientError), estimate_memory (the paper's memory table),
 fused_adam_ (the compiled fused Adam/AdamW step), nonfinite_check_ (its overflow check alone),
 has_cuda_kernels, cpu_isa; the reference stages in zerofast.reference (the correctness oracle);
 sharded checkpoints in zerofast.checkpoint.
@@ -21,6 +22,7 @@ _LAZY = {
     "ZeroAdam": "zerofast.optim.zero_adam",
     "CollectiveError": "zerofast.comm",
     "OutOfStepError": "zerofast.comm",
+    "GradientError": "zerofast.comm",
     "StepNotAppliedError": "zerofast.optim.grads",
     "fused_adam_": "zerofast._ops",
     "nonfinite_check_": "zerofast._ops",
@@ -29,7 +31,7 @@ _LAZY = {
 }
 
 __all__ = ["ZeroAdam", "MixedPrecisionPolicy", "LossScalePolicy", "CommPolicy", "UnitPolicy", "CollectiveError",
-           "OutOfStepError", "StepNotAppliedError", "estimate_memory", "fused_adam_", "nonfinite_check_",
+           "OutOfStepError", "StepNotAppliedError", "GradientError", "estimate_memory", "fused_adam_", "nonfinite_check_",
            "has_cuda_kernels", "cpu_isa"]
 __version__ = "0.1.0"
 

@@ -299,7 +299,7 @@ class ZeroAdam(torch.optim.Optimizer):
         them, so this costs nothing there (beyond finishing gathers still in flight); stage 3
         gathers every unit and re-shards on exit (changes made inside the block are not kept)."""
         self._gather.wait()
-        if self.units is None:
+        if not self.plan.params_sharded:
             yield self.model
             return
         self.units.gather_all()
@@ -318,7 +318,7 @@ class ZeroAdam(torch.optim.Optimizer):
         parameters, when there are any): its module's name ("" for the root), class, how many
         parameter tensors and elements it holds, and their bytes in the parameters' dtype. See
         [Note: choosing units] in zerofast/stage3.py. Empty for stages 1 and 2, which gather by bucket."""
-        if self.unit_plan is None:
+        if not self.plan.params_sharded:
             return []
         size = torch.empty(0, dtype=self.plan.param_dtype).element_size()
         report = []
@@ -395,7 +395,7 @@ class ZeroAdam(torch.optim.Optimizer):
             h.remove()
         self._hooks = []
         self._grads.remove()
-        if self.units is not None:
+        if self.plan.params_sharded:
             self.units.remove()
 
     # --- typed access to the state, for checkpoints and tools ------------------------------------
@@ -422,7 +422,7 @@ class ZeroAdam(torch.optim.Optimizer):
         wait for parameter gathers still in flight (stages 1 and 2) and release every gathered unit
         (stage 3). Before reading or writing the state outside step()."""
         self._gather.wait()  # last step's, if some module never ran
-        if self.units is not None:  # stage 3: nothing stays gathered
+        if self.plan.params_sharded:  # stage 3: nothing stays gathered
             self.units.release_all()
 
     def sync_params_from_master(self) -> None:
@@ -430,7 +430,7 @@ class ZeroAdam(torch.optim.Optimizer):
         the low-precision parameters become its rounding, and (stages 1 and 2) every rank's full
         parameters are gathered from their owners. Stage 3's next forward gathers."""
         self.shard.sync_params_from_master()
-        if self.units is None:
+        if not self.plan.params_sharded:
             self._gather.start()
             self._gather.wait()
 
