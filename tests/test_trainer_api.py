@@ -88,3 +88,37 @@ def test_step_was_skipped_on_fp16_overflow():
     for first, unchanged, scale in run_ranks(_fp16_overflow, 2):
         assert first and unchanged
         assert scale == 2.0**39  # backed off once, GradScaler's rule
+
+
+def _requires_grad_changed(rank, world):
+    out = {}
+    for stage in (1, 2, 3):
+        for name in ("blocks.0.attn.qkv.weight", "wte.weight"):
+            model = make_gpt("tiny")
+            opt = ZeroAdam(model, stage=stage, **HYPER)
+            param = dict(model.named_parameters())[name]
+            param.requires_grad_(False)
+            with opt.gathered_params():
+                before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            _, loss = model(*rank_batch(model, 0, rank))
+            loss.backward()
+            try:
+                opt.step()
+                out[stage, name] = None
+            except RuntimeError as e:
+                out[stage, name] = str(e)
+            with opt.gathered_params():
+                unchanged = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+            out[stage, name, "unchanged"] = unchanged
+    return out
+
+
+def test_requires_grad_changed_after_construction_is_named():
+    """A parameter frozen after ZeroAdam was built would silently stop training: step() refuses,
+    naming it, on every rank, and applies nothing (the check runs before the step's agreement)."""
+    for out in run_ranks(_requires_grad_changed, 2):
+        for stage in (1, 2, 3):
+            for name in ("blocks.0.attn.qkv.weight", "wte.weight"):
+                message = out[stage, name]
+                assert message is not None and f"{name}.requires_grad changed from True to False" in message, message
+                assert out[stage, name, "unchanged"], (stage, name)

@@ -115,6 +115,9 @@ class ZeroAdam(torch.optim.Optimizer):
             for p in group["params"]:
                 self._group_of[index_of[id(p)]] = g
         self._constructed = True  # add_param_group after this is an error
+        # Which of the model's parameters were trainable: the layout is built over them, so a change
+        # of requires_grad later is an error at the next step (see _check_update).
+        self._trainable_at_build = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
 
         _checks.check_dtypes(self._names, self._params, plan.param_dtype)
         self.unit_plan: Optional[UnitPlan] = (
@@ -256,10 +259,18 @@ class ZeroAdam(torch.optim.Optimizer):
 
     def _check_update(self) -> None:
         """The last checks before an update, on every rank before the step's agreement, so that a
-        failure here applies nothing anywhere ([Note: the step's agreement] in zerofast/grads.py):
-        the hyper-parameters as a scheduler or user code may have left them."""
+        failure here applies nothing anywhere ([Note: the step's agreement] in zerofast/optim/grads.py):
+        the hyper-parameters as a scheduler or user code may have left them, and which parameters
+        are trainable."""
         for g, group in enumerate(self.param_groups):
             check_hyper(f".param_groups[{g}]", group)
+        for name, param, trainable in self._trainable_at_build:
+            if param.requires_grad != trainable:
+                raise RuntimeError(
+                    f"ZeroAdam: {name}.requires_grad changed from {trainable} to {param.requires_grad} after "
+                    f"ZeroAdam was built; its buffers and optimizer state are laid out over the parameters "
+                    f"trainable at construction, so {'its gradient would be ignored' if param.requires_grad else 'it would silently stop training'}. "
+                    f"Set requires_grad before building ZeroAdam (or build a new one)")
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients' global norm to max_norm, as torch.nn.utils.clip_grad_norm_ on the
