@@ -11,7 +11,10 @@
   sees what it would in a new process; the process group and imported modules carry over.
 - Results travel through files (torch.save), never through a pipe: a large result sent through a
   multiprocessing queue can deadlock when the pipe fills before the parent reads.
-- A rank that raises: its traceback is raised in the test (RankFailed), every rank's shown.
+- A rank that raises: its traceback is raised in the test (RankFailed), every rank's shown. The
+  rank's process then exits, so that the ranks waiting for it in a collective fail at once (the
+  connection closes) and report too: the test waits until every rank has written its outcome or
+  died, with no grace period to guess.
 - A rank still running after `timeout` seconds, or one that died: all ranks of that pool are killed
   (the next call starts a new pool) and the test fails naming the ranks that did not finish,
   instead of hanging the suite.
@@ -42,14 +45,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_one(rank, world_size, path, fn, args) -> None:
+def _run_one(rank, world_size, path, fn, args) -> bool:
+    """Run the function and write its outcome to `path` (complete when the name appears); True if
+    it returned."""
     try:
         torch.manual_seed(_FRESH_SEED)
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, path + ".tmp")
+        ok = True
     except BaseException:  # noqa: BLE001 (every failure must reach the parent)
         torch.save({"ok": False, "error": traceback.format_exc()}, path + ".tmp")
+        ok = False
     os.replace(path + ".tmp", path)
+    return ok
 
 
 def _init(rank, world_size, port, timeout, backend):
@@ -76,7 +84,12 @@ def _pool_main(rank, world_size, port, commands):
         job = commands.get()
         if job is None:
             return
-        _run_one(rank, world_size, *job)
+        if not _run_one(rank, world_size, *job):
+            # The pool is discarded after a failure anyway. Leaving now closes this rank's
+            # connections, so a peer blocked in a collective with it raises at once and writes its
+            # own outcome, for which the parent then waits. os._exit: an orderly exit can block on
+            # the process group's threads.
+            os._exit(1)
 
 
 def _fresh_main(rank, world_size, port, path, fn, args, timeout, backend):
@@ -167,15 +180,14 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0, bac
 
 
 def _collect(procs, paths, timeout):
+    """Wait until every rank has written its outcome or died, at most `timeout` seconds. A rank that
+    raised has written its outcome and left (see _pool_main), and one that died has closed its
+    connections: the ranks blocked in a collective with either fail at once and write theirs, so
+    this returns promptly after a failure; only a rank stuck outside any collective runs into the
+    timeout."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if all(os.path.exists(p) for p in paths):
-            break
-        # A rank that failed writes its file at once, and one that died writes none: don't wait
-        # for the others to time out.
-        if any(_failed(p) for p in paths) or any(
-                not proc.is_alive() and not os.path.exists(path) for proc, path in zip(procs, paths)):
-            time.sleep(0.5)
+        if all(os.path.exists(path) or not proc.is_alive() for proc, path in zip(procs, paths)):
             break
         time.sleep(0.02)
     hung = [r for r, path in enumerate(paths) if not os.path.exists(path) and procs[r].is_alive()]
@@ -184,11 +196,3 @@ def _collect(procs, paths, timeout):
     outcomes = [torch.load(p, weights_only=False) if os.path.exists(p) else None for p in paths]
     return hung, died, outcomes
 
-
-def _failed(path: str) -> bool:
-    if not os.path.exists(path):
-        return False
-    try:
-        return not torch.load(path, weights_only=False)["ok"]
-    except Exception:  # noqa: BLE001 (being written)
-        return False

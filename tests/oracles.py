@@ -78,6 +78,36 @@ def global_batch(model, step: int, world: int):
     return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
 
 
+def train_steps(model, opt, rank: int, steps: int, *, start: int = 0, forward=None, backward=None,
+                before_step=None, after_step=None) -> list[float]:
+    """The multi-rank tests' training loop, written once. For each step in range(start, start +
+    steps): rank `rank`'s batch (rank_batch, moved to the model's device), its loss, backward,
+    opt.step(), opt.zero_grad(). What a test does in between goes in the hooks:
+    - forward(model, x, y, step) -> loss; default model_loss (our GPT-shaped models, a Hugging Face LM);
+    - backward(loss); default loss.backward() (pass opt.backward for fp16's loss scaling);
+    - before_step(step): after backward, before opt.step() (clip_grad_norm_, a snapshot);
+    - after_step(step): after opt.step(), before opt.zero_grad() (memory while the step's state
+      exists, an LR scheduler).
+    Returns each step's loss."""
+    device = next(model.parameters()).device
+    losses = []
+    for step in range(start, start + steps):
+        x, y = (t.to(device) for t in rank_batch(model, step, rank))
+        loss = forward(model, x, y, step) if forward is not None else model_loss(model, x, y)
+        if backward is not None:
+            backward(loss)
+        else:
+            loss.backward()
+        if before_step is not None:
+            before_step(step)
+        opt.step()
+        if after_step is not None:
+            after_step(step)
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def single_process_adamw(world: int, steps: int, size: str = "tiny", hyper=HYPER) -> dict[str, torch.Tensor]:
     """torch.optim.AdamW on one process over the concatenation of every rank's batch."""
     model = make_gpt(size)

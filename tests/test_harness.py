@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import harness
 from harness import RankFailed, run_ranks
 
 
@@ -17,6 +18,13 @@ def _sum_of_ranks(rank, world):
 def _raise_on_rank_1(rank, world):
     if rank == 1:
         raise ValueError("planted failure on rank 1")
+    return rank
+
+
+def _raise_while_rank_0_waits(rank, world):
+    if rank == 1:
+        raise ValueError("planted failure on rank 1")
+    dist.all_reduce(torch.zeros(1))  # rank 1 never joins
     return rank
 
 
@@ -39,8 +47,22 @@ def test_exception_surfaces_with_traceback():
         run_ranks(_raise_on_rank_1, 2)
 
 
+def test_a_failure_releases_the_ranks_waiting_for_it():
+    # Rank 1 raises and leaves; rank 0, waiting for it in a collective, fails on the closed
+    # connection and reports too, long before the timeout (60 s here, 600 s in the pool's group).
+    with pytest.raises(RankFailed, match="(?s)2 of 2 ranks failed.*rank 0 raised.*rank 1 raised.*planted failure"):
+        run_ranks(_raise_while_rank_0_waits, 2, timeout=60)
+
+
 def test_hang_fails_with_clear_message():
+    # A warm pool first: the 5 s must not include starting the ranks (seconds on a loaded machine),
+    # or rank 1 would be reported too.
+    run_ranks(_sum_of_ranks, 2)
+    pool = harness._POOLS[2]
     start = time.monotonic()
     with pytest.raises(RankFailed, match=r"ranks \[0\] of 2 did not finish within 5 s"):
         run_ranks(_hang_on_rank_0, 2, timeout=5)
-    assert time.monotonic() - start < 30
+    # The harness gave up at its timeout instead of waiting for the sleeping rank (60 s), and killed
+    # that pool's ranks: the next call starts a new one.
+    assert time.monotonic() - start < 55
+    assert not any(p.is_alive() for p in pool.procs) and 2 not in harness._POOLS

@@ -1,4 +1,4 @@
-"""The main job under torchrun (issue 14): a worker killed mid-run and restarted by torchrun's agent
+"""The main job under torchrun: a worker killed mid-run and restarted by torchrun's agent
 resumes from the newest checkpoint and ends bitwise equal to an uninterrupted run; a relaunch on
 fewer ranks continues resharded; a stuck worker ends the job after --timeout with one message; and
 two torchrun launches of 2 ranks each (two "machines" on this one, c10d rendezvous) run every stage
@@ -6,7 +6,7 @@ and equal the same job on 4 local ranks. Slow (real launches); run in `make test
 from __future__ import annotations
 
 import os
-import random
+import re
 import signal
 import subprocess
 import sys
@@ -42,6 +42,15 @@ def _workers(pid: int) -> list[int]:
     return kids
 
 
+def _worker(pid: int, rank: int) -> int:
+    """The launcher's worker of global rank `rank` (torchrun puts RANK in each worker's environment)."""
+    for kid in _workers(pid):
+        with open(f"/proc/{kid}/environ", "rb") as f:
+            if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                return kid
+    raise AssertionError(f"no worker of rank {rank} among {_workers(pid)}")
+
+
 def _wait_for(path: str, proc, limit: float = 120.0) -> None:
     t0 = time.monotonic()
     while not os.path.exists(path):
@@ -62,10 +71,11 @@ def test_a_killed_worker_is_restarted_and_resumes_bitwise(tmp_path):
     out = _train("--nproc", "2", *JOB, *steps, "--save-dir", whole)
     assert out.returncode == 0, out.stdout + out.stderr
     proc = _start("--nproc", "2", *JOB, *steps, "--save-dir", faulty, "--max-restarts", "1")
+    # The kill point: as soon as the checkpoint of step 3 is complete (it appears under its final
+    # name only then), rank 1's worker is killed, three steps and a save before the next checkpoint.
+    # The same worker, right after the same event, every run: no sleep, no random choice.
     _wait_for(os.path.join(faulty, "step-000003"), proc)
-    time.sleep(random.uniform(0.0, 0.3))  # somewhere between the saves at steps 3 and 6
-    victim = random.choice(_workers(proc.pid))
-    os.kill(victim, signal.SIGKILL)
+    os.kill(_worker(proc.pid, rank=1), signal.SIGKILL)
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, log
     assert "resumed from" in log, log  # the restarted workers loaded the newest checkpoint
@@ -89,7 +99,7 @@ def test_a_stuck_worker_ends_the_job_after_the_timeout(tmp_path):
     d = str(tmp_path / "ckpt")
     proc = _start("--nproc", "2", *JOB, "--steps", "200", "--save-every", "2", "--save-dir", d, "--timeout", "3")
     _wait_for(os.path.join(d, "step-000002"), proc)
-    victim = _workers(proc.pid)[-1]
+    victim = _worker(proc.pid, rank=1)
     os.kill(victim, signal.SIGSTOP)
     t0 = time.monotonic()
     try:
@@ -99,15 +109,16 @@ def test_a_stuck_worker_ends_the_job_after_the_timeout(tmp_path):
             os.kill(victim, signal.SIGKILL)
         except ProcessLookupError:  # torchrun ended it
             pass
-    elapsed = time.monotonic() - t0
-    print(f"job ended {elapsed:.1f} s after the worker was stopped")
+    # For the record (`pytest -s`), not asserted: the survivor leaves after --timeout, then torchrun
+    # gives the stopped worker its 30-second grace for SIGTERM before SIGKILL. communicate()'s limit
+    # above only guards against a job that never ends.
+    print(f"job ended {time.monotonic() - t0:.1f} s after the worker was stopped")
     assert proc.returncode != 0, log
-    # The survivor's one line: where it was, then the backend's words.
-    lines = [line for line in log.splitlines() if line.startswith("zerofast.train rank")]
+    # The survivor's one line: where it was, then the backend's words, which say that the wait ended
+    # through the timeout (a dead peer would read "Connection reset/closed by peer" instead).
+    lines = [line for line in log.splitlines() if line.startswith("zerofast.train rank 0")]
     assert len(lines) == 1 and "failed at step" in lines[0] and "timeout, 3 s" in lines[0], log
-    # Its wait ends after --timeout; torchrun then stops the other workers, giving the stopped one
-    # its 30-second grace for SIGTERM before SIGKILL.
-    assert elapsed < 3 + 30 + 30, elapsed
+    assert re.search(r"Backend: .*(Timed out waiting 3000ms|Application timeout caused pair closure)", lines[0]), log
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -1,4 +1,4 @@
-"""Issue 6 on real gloo ranks: mixed precision (bf16, fp16) against single-process mixed-precision
+"""Mixed precision on real gloo ranks: bf16 and fp16 against single-process mixed-precision
 AdamW with an fp32 master copy, fp16 dynamic loss scaling against torch.amp.GradScaler, global
 gradient clipping against torch.nn.utils.clip_grad_norm_, gradient accumulation under no_sync()
 against single-process AdamW on the combined batch; every stage, 2 and 3 ranks."""
@@ -9,7 +9,7 @@ import torch
 
 from harness import run_ranks
 from oracles import (zero_options, HYPER, ULP_REL, Quirky, fp32_tol, full_master, low_precision_tol, lp_param_tol, max_abs_diff,
-                     norm_rel_tol, rank_batch, single_process_adamw, single_process_mixed)
+                     norm_rel_tol, rank_batch, single_process_adamw, single_process_mixed, train_steps)
 from zerofast import ZeroAdam
 from zerofast.tools.models import make_gpt
 
@@ -29,14 +29,14 @@ def _train_mixed(rank, world, stage, precision, reduce_dtype, scaler, max_norm, 
                    max_grad_norm=None if clip_call else max_norm, **HYPER)
     assert all(p.dtype == DTYPES[precision] for p in model.parameters())
     history = []
-    for step in range(steps):
-        scale = opt.loss_scale
-        _, loss = model(*rank_batch(model, step, rank))
-        opt.backward(loss)
-        norm = float(opt.clip_grad_norm_(max_norm)) if clip_call else None
-        opt.step()
-        opt.zero_grad()
-        history.append((scale, opt.step_was_skipped, norm))
+
+    def before_step(step):  # the scale this step's backward used (step() changes it), the norm clipped
+        history.append([opt.loss_scale, None, float(opt.clip_grad_norm_(max_norm)) if clip_call else None])
+
+    def after_step(step):
+        history[-1][1] = opt.step_was_skipped
+    train_steps(model, opt, rank, steps, backward=opt.backward, before_step=before_step, after_step=after_step)
+    history = [tuple(h) for h in history]
     with opt.gathered_params():
         params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     return params, opt.master_shard(), history
@@ -142,13 +142,8 @@ def _train_clipped(rank, world, max_norm, steps):
                 model = make_gpt("tiny")
                 opt = ZeroAdam(model, **zero_options(stage, partition=partition, bucket_mb=0.01), max_grad_norm=None if clip_call else max_norm, **HYPER)
                 norms = []
-                for step in range(steps):
-                    _, loss = model(*rank_batch(model, step, rank))
-                    loss.backward()
-                    if clip_call:
-                        norms.append(float(opt.clip_grad_norm_(max_norm)))
-                    opt.step()
-                    opt.zero_grad()
+                clip = (lambda _: norms.append(float(opt.clip_grad_norm_(max_norm)))) if clip_call else None
+                train_steps(model, opt, rank, steps, before_step=clip)
                 with opt.gathered_params():
                     out[(stage, partition, clip_call)] = ({n: p.detach().clone() for n, p in model.named_parameters()},
                                                           norms)
@@ -281,7 +276,7 @@ def test_inf_in_one_ranks_gradient_skips_the_step_everywhere(world, stage):
                 assert new_scale == scale
 
 
-# --- memory follows the seed's mixed-precision table ------------------------------------------------
+# --- memory follows the ZeRO paper's mixed-precision table ----------------------------------------
 
 def _memory_mixed(rank, world, stage):
     model = make_gpt("tiny")
@@ -299,7 +294,7 @@ def _memory_mixed(rank, world, stage):
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("stage", STAGES)
-def test_bf16_memory_follows_the_seeds_table(world, stage):
+def test_bf16_memory_follows_the_papers_table(world, stage):
     """2Φ parameters, 2Φ gradients, 12Φ optimizer state (fp32 master, m, v), each sharded as the
     stage says; a shard is this rank's owned elements plus padding ([Note: padding])."""
     for rank, m in enumerate(run_ranks(_memory_mixed, world, args=(stage,))):

@@ -1,9 +1,10 @@
-"""The reference stages (the seed's algorithm) against single-process AdamW, and their memory."""
+"""The reference stages (zerofast.reference: the ZeRO textbook chapter's algorithm) against
+single-process AdamW, and their memory."""
 import pytest
 import torch
 
 from harness import run_ranks
-from oracles import HYPER, fp32_tol, max_abs_diff, rank_batch, single_process_adamw
+from oracles import HYPER, fp32_tol, max_abs_diff, single_process_adamw, train_steps
 from zerofast.tools.models import make_gpt
 from zerofast.reference import ReferenceZero, round_robin_owners
 
@@ -16,18 +17,13 @@ def _train_reference(rank, world, stages, steps):
     for stage in stages:
         model = make_gpt("tiny")
         opt = ReferenceZero(model, stage=stage, **HYPER)
-        for step in range(steps):
-            x, y = rank_batch(model, step, rank)
-            _, loss = model(x, y)
-            loss.backward()
-            opt.step()
-            held = opt.memory_held()  # after step(), before zero_grad()
-            opt.zero_grad()
+        held = []
+        train_steps(model, opt, rank, steps, after_step=lambda _: held.append(opt.memory_held()))
         if stage == 3:  # gather once more to read the full parameters
             with torch.no_grad():
                 opt._gather_params()
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
-        out[stage] = {"params": params, "held": held}
+        out[stage] = {"params": params, "held": held[-1]}  # after the last step(), before zero_grad()
     return out
 
 
@@ -45,7 +41,7 @@ def test_reference_equals_single_process_adamw(world):
             got = out[stage]
             diff = max_abs_diff(got["params"], expected)
             assert diff <= fp32_tol(STEPS), f"stage {stage} rank {rank}/{world}: max abs diff {diff:.3g}"
-            # The seed's table in fp32 form: 4 B parameter, 4 B gradient, 8 B Adam moments per
+            # The ZeRO paper's memory table in fp32 form: 4 B parameter, 4 B gradient, 8 B Adam moments per
             # element, each times the part the stage keeps on this rank.
             owned = sum(numel[n] for n in names if owners[n] == rank)
             want = {

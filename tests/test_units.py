@@ -1,4 +1,4 @@
-"""Stage 3 on models shaped like real ones (issue 11): which units are chosen by default and by
+"""Stage 3 on models shaped like real ones: which units are chosen by default and by
 each form of `units=`, and, on real gloo ranks, the parameter storage alive inside every block's
 forward and backward (at most this rank's shard + the root's unit + two block units), with the
 parameters equal to single-process AdamW's."""
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from oracles import zero_options, HYPER, fp32_tol, Nested, TwiceMLP, hf_gpt2, max_abs_diff, model_loss, rank_batch, single_process
+from oracles import zero_options, HYPER, fp32_tol, Nested, TwiceMLP, hf_gpt2, max_abs_diff, single_process, train_steps
 from zerofast import ZeroAdam
 from zerofast.tools.models import Block, make_gpt
 from zerofast.stage3.units import find_units, hook_needs
@@ -144,10 +144,7 @@ def _peak_inside_blocks(rank, world, name):
         block.register_forward_hook(sample)
         block.register_full_backward_pre_hook(sample)
         block.register_full_backward_hook(sample)
-    for step in range(STEPS):
-        model_loss(model, *rank_batch(model, step, rank)).backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(model, opt, rank, STEPS)
     with opt.gathered_params():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
     shard = opt.layout.shard_numel(rank) * 4

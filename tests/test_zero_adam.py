@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from harness import run_ranks
 from oracles import (zero_options, HYPER, fp32_tol, held_tensor_bytes, Quirky, make_scheduler, max_abs_diff, rank_batch, single_process_adamw,
-                     single_process_quirky, two_groups)
+                     single_process_quirky, train_steps, two_groups)
 from zerofast import ZeroAdam
 from zerofast.tools.models import make_gpt
 from zerofast.partition import imbalance
@@ -28,11 +28,7 @@ def _train_gpt(rank, engine, stage, partition="flat", bucket_mb=0.01, steps=STEP
         opt = ZeroAdam(model, **zero_options(stage, partition=partition, bucket_mb=bucket_mb, overlap=overlap), **HYPER)
     else:
         opt = ReferenceZero(model, stage=stage, **HYPER)
-    for step in range(steps):
-        _, loss = model(*rank_batch(model, step, rank))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(model, opt, rank, steps)
     return _params(model)
 
 
@@ -75,12 +71,8 @@ def _train_quirky(rank, world, stage, partition, groups, scheduler, bucket_mb, s
     opt = ZeroAdam(model, **zero_options(stage, partition=partition, bucket_mb=bucket_mb), **HYPER, **params)
     sched = make_scheduler(opt) if scheduler else None
     frozen_before = model.frozen.detach().clone()
-    for step in range(steps):
-        model(*rank_batch(model, step, rank), step, rank).backward()
-        opt.step()
-        opt.zero_grad()
-        if sched:
-            sched.step()
+    train_steps(model, opt, rank, steps, forward=lambda m, x, y, step: m(x, y, step, rank),
+                after_step=lambda _: sched.step() if sched else None)
     assert torch.equal(model.frozen, frozen_before), "a frozen parameter must never change"
     return _params(model)
 
@@ -104,9 +96,8 @@ def _unused_everywhere(rank, world):
     model = Quirky()
     opt = ZeroAdam(model, stage=2, **HYPER)
     before = model.sometimes.weight.detach().clone()
-    model(*rank_batch(model, 1, rank), 1, rank).backward()  # step 1: odd, `sometimes` unused
-    opt.step()
-    opt.zero_grad()
+    # Step 1 alone: odd, so `sometimes` is unused.
+    train_steps(model, opt, rank, 1, start=1, forward=lambda m, x, y, step: m(x, y, step, rank))
     counts = opt.step_counts()
     return torch.equal(before, model.sometimes.weight), counts["sometimes.weight"], counts["gpt.wte.weight"]
 
