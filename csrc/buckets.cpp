@@ -138,7 +138,7 @@ void BucketComm::check_bucket(int64_t bucket, const char* what) const {
 // every parameter's .grad is a view of its slot, as DDP's gradient_as_bucket_view: autograd
 // accumulates into the bucket, the reduce runs in place, and Adam reads its owned range where the
 // reduce left it. No second gradient copy exists (before: .grad, a bucket buffer in flight, and a
-// reduced shard); a rank holds the seed's stage-1 row, parameters + gradients + 1/N of Adam.
+// reduced shard); a rank holds the ZeRO paper's stage-1 row, parameters + gradients + 1/N of Adam.
 // The gradient path (csrc/grad_path.cpp) re-points .grad at its view when autograd handed over a
 // fresh tensor or user code replaced it (zero_grad with set_to_none, or an assignment), copying
 // the values over.

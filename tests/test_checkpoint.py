@@ -1,4 +1,4 @@
-"""Sharded checkpoints (zerofast.checkpoint, issue 13) on real gloo ranks: resume in the same
+"""Sharded checkpoints (zerofast.checkpoint) on real gloo ranks: resume in the same
 configuration bitwise; load into another world size, stage, partition or precision with the full
 parameters and optimizer state bitwise as saved; a plain model loads the model entry with DCP
 alone; incomplete checkpoints are never taken; bad input gets a clear error on every rank."""
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from harness import run_ranks
-from oracles import HYPER, Quirky, fp32_tol, full_master, global_batch, max_abs_diff, rank_batch, zero_options
+from oracles import train_steps, HYPER, Quirky, fp32_tol, full_master, global_batch, max_abs_diff, rank_batch, zero_options
 from zerofast import ZeroAdam
 from zerofast import checkpoint as ck
 from zerofast.tools.models import make_gpt
@@ -32,11 +32,7 @@ def _shapes():
 
 
 def _train(model, opt, rank, start, steps):
-    for step in range(start, start + steps):
-        _, loss = model(*rank_batch(model, step, rank))
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
+    train_steps(model, opt, rank, steps, start=start, backward=opt.backward)
 
 
 def _snapshot(model, opt) -> dict:

@@ -1,4 +1,4 @@
-"""ZeroAdam under torch.compile, on 2 gloo ranks (issue 11): the whole model compiled
+"""ZeroAdam under torch.compile, on 2 gloo ranks: the whole model compiled
 (torch.compile(model)) and each block compiled (block.compile()), the two ways FSDP2 users
 compile. Stages 1 and 2 against compiled DDP + torch AdamW, stage 3 against eager ZeroAdam stage 3
 (its oracle tests are eager); graph breaks counted (torch._dynamo.utils.counters) per case."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from oracles import HYPER, max_abs_diff, rank_batch
+from oracles import train_steps, HYPER, max_abs_diff, rank_batch
 from zerofast import CommPolicy, ZeroAdam
 from zerofast.tools.models import make_gpt
 
@@ -72,11 +72,7 @@ def _cases(rank, world):
 def _eager(rank):
     model = make_gpt("tiny")
     opt = ZeroAdam(model, stage=3, **HYPER)
-    for step in range(STEPS):
-        _, loss = model(*rank_batch(model, step, rank))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(model, opt, rank, STEPS)
     with opt.gathered_params():
         return {n: p.detach().clone() for n, p in model.named_parameters()}, {}
 

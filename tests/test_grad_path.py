@@ -1,4 +1,4 @@
-"""The compiled per-gradient path (issue 16; csrc/grad_path.cpp) against Python's path for the same
+"""The compiled per-gradient path (csrc/grad_path.cpp) against Python's path for the same
 gradients: bitwise the same results on the awkward model (tied embeddings, a frozen parameter, one
 used only in even steps, one used only on rank 0), every stage and partition, with the compiled
 path taking all but the first gradient of each backward; and the single-process oracle. Also: a

@@ -1,12 +1,12 @@
 """ZeroAdam stage 3 on real gloo ranks: parameters sharded and gathered unit by unit with prefetch,
-against both oracles; peak gathered memory; communication against the seed's 2Φ / 3Φ."""
+against both oracles; peak gathered memory; communication against the ZeRO paper's 2Φ / 3Φ."""
 import re
 
 import pytest
 import torch
 
 from harness import run_ranks
-from oracles import (zero_options, HYPER, fp32_tol, Quirky, TwiceMLP, make_scheduler, max_abs_diff, rank_batch, single_process,
+from oracles import (train_steps, zero_options, HYPER, fp32_tol, Quirky, TwiceMLP, make_scheduler, max_abs_diff, rank_batch, single_process,
                      single_process_adamw, single_process_quirky, two_groups)
 from zerofast import ZeroAdam
 from zerofast.optim.grads import AgreementLayout
@@ -28,21 +28,13 @@ def _gpt_matrix(rank, world):
     for partition in PARTITIONS:
         model = make_gpt("tiny")
         opt = ZeroAdam(model, **zero_options(3, partition=partition), **HYPER)
-        for step in range(STEPS):
-            _, loss = model(*rank_batch(model, step, rank))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+        train_steps(model, opt, rank, STEPS)
         out[partition] = _full_params(opt, model)
         # Outside forward and backward, only the shard exists.
         out[partition + " held"] = (opt.materialized_param_bytes(), opt.layout.shard_numel(rank) * 4)
     model = make_gpt("tiny")
     ref = ReferenceZero(model, stage=3, **HYPER)
-    for step in range(STEPS):
-        _, loss = model(*rank_batch(model, step, rank))
-        loss.backward()
-        ref.step()
-        ref.zero_grad()
+    train_steps(model, ref, rank, STEPS)
     ref._gather_params()
     out["reference"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
@@ -96,11 +88,7 @@ def _twice(rank, world, partition):
         m.register_forward_pre_hook(lambda *a: sample())
         m.register_forward_hook(lambda *a: sample())
         m.register_full_backward_hook(lambda *a: sample())
-    for step in range(STEPS):
-        _, loss = model(*rank_batch(model, step, rank))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(model, opt, rank, STEPS)
     unit_bytes = sorted((b.numel * 4 for b in opt.layout.buckets), reverse=True)
     return dict(params=_full_params(opt, model), peak=max(samples), shard=opt.layout.shard_numel(rank) * 4,
                 two_largest=sum(unit_bytes[:2]), comm=opt.comm_stats(),
@@ -117,7 +105,7 @@ def test_module_called_twice_peak_memory_and_3phi(world, partition):
         # At most two units gathered at any moment (the current one and the prefetched one).
         assert r["peak"] <= r["shard"] + r["two_largest"], (r["peak"], r["shard"], r["two_largest"])
         assert r["peak"] > r["shard"], "the hooks must have seen gathered parameters"
-        # The seed's 3Φ: gathered in forward and again in backward, reduced once. The block runs
+        # The paper's 3Φ: gathered in forward and again in backward, reduced once. The block runs
         # twice in a row and stays gathered from its first call to its second (the unit is handed
         # over, [Note: merging small units]), so each unit is gathered once per direction.
         gathered = sum(v for k, v in r["comm"].items() if k in ("all_gather", "broadcast"))
@@ -173,11 +161,7 @@ def test_gathered_params_gives_full_model_and_reshards():
 def _custom_units(rank, world):
     model = make_gpt("tiny")
     opt = ZeroAdam(model, stage=3, units=[model.blocks[0], model.blocks[1]], **HYPER)
-    for step in range(STEPS):
-        _, loss = model(*rank_batch(model, step, rank))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(model, opt, rank, STEPS)
     errors = []
     for kwargs, pattern in [(dict(stage=2, units=[model.blocks[0]]), "units apply to stage 3 only"),
                             (dict(stage=3, units=[torch.nn.Linear(2, 2)]), r"units\[0\] must be a submodule")]:

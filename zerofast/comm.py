@@ -1,7 +1,7 @@
 """The thin Python face of the compiled bucket communication (csrc/buckets.cpp), counting bytes.
 
 Every collective the engine issues goes through here, so `stats` is the whole step's traffic: the
-payload bytes of each collective (the size of the data it reduces or gathers, the seed's unit: a
+payload bytes of each collective (the size of the data it reduces or gathers, the unit of the ZeRO paper's 2Φ/3Φ: a
 reduce of a Φ-byte gradient counts Φ), by collective, for the last step.
 
 [Note: faults]

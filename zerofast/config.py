@@ -37,7 +37,7 @@ DEFAULT_BUCKET_MB = {1: 25.0, 2: 8.0}
 DEFAULT_BUCKET_BUFFERS = 2
 
 # Stage 3's default units smaller than this are merged with their neighbours ([Note: merging small
-# units] in zerofast/stage3/units.py). Chosen by measurement: see README, "Merging small units".
+# units] in zerofast/stage3/units.py). Chosen by measurement: see README, "Stage 3 units: what is gathered together".
 DEFAULT_MIN_UNIT_MB = 2.0
 
 # The first bucket (in backward order) holds at most this, so its reduce starts early in backward;

@@ -328,7 +328,7 @@ class ZeroAdam(torch.optim.Optimizer):
         """Stage 3: what each unit gathers together, in unit order (unit 0 is the root's remaining
         parameters, when there are any): its module's name ("" for the root), class, how many
         parameter tensors and elements it holds, and their bytes in the parameters' dtype. See
-        [Note: choosing units] in zerofast/stage3.py. Empty for stages 1 and 2, which gather by bucket."""
+        [Note: choosing units] in zerofast/stage3/units.py. Empty for stages 1 and 2, which gather by bucket."""
         if not self.plan.params_sharded:
             return []
         size = torch.empty(0, dtype=self.plan.param_dtype).element_size()
