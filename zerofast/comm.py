@@ -128,6 +128,12 @@ class BucketComm:
         self.check = check_collectives
         self._checked = {id(self.group): 0, id(self.gather_group): 0}  # descriptions per group, in order
 
+    def share_bookkeeping(self, main: "BucketComm") -> None:
+        """A second BucketComm gathering on `main`'s gather group (stage 3's frozen parameters): one
+        `where` for error messages and one check sequence per group, shared with `main`."""
+        self.where = main.where
+        self._checked = main._checked
+
     def new_step(self) -> None:
         self._agreements = Counter()
         self._impl.reset_counts()

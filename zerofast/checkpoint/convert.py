@@ -78,7 +78,10 @@ def from_torch(model_state_dict: dict[str, torch.Tensor], optim_state_dict: Opti
     with torch.no_grad():
         for key, value in model.state_dict(keep_vars=True).items():
             i = opt.param_index(value)
-            if i is None:
+            j = opt.frozen_index(value) if i is None else None
+            if j is not None:  # stage 3's frozen parameters: this rank's shard ([Note: frozen parameters in stage 3])
+                opt.frozen.load_pieces({j: model_state_dict[key]})
+            elif i is None:
                 value.copy_(model_state_dict[key])
             else:
                 full.setdefault(i, model_state_dict[key])

@@ -4,8 +4,9 @@ the live state; and binding them to a ZeroAdam (ZeroAdam.state_dict / load_state
 
 What the DCP state dict holds:
   "model": every key of model.state_dict(): trainable parameters from the fp32 master (the source of
-      truth; in mixed precision the model's own parameters are its rounding), frozen parameters and
-      buffers as the model holds them, a tied weight under each of its names. A plain model loads
+      truth; in mixed precision the model's own parameters are its rounding), stage 3's frozen
+      parameters from their shard, as chunks too ([Note: frozen parameters in stage 3]), other
+      frozen parameters and buffers as the model holds them, a tied weight under each of its names. A plain model loads
       it with dcp.load({"model": model.state_dict()}, checkpoint_id=path, no_dist=True).
   "optim": per trainable parameter name, exp_avg and exp_avg_sq (fp32, the parameter's shape).
 small_state() is the rest, the same on every rank and small: per-parameter step counts, the
@@ -13,7 +14,7 @@ param_groups' hyper-parameters by parameter name, the fp16 loss scaler's state.
 
 The optimizer is read only through its typed accessors (named_params, param_index, quiesce,
 sync_params_from_master, loss_scaler_state, the ShardState accessors of opt.shard, the layout and
-param_groups) and its configuration through facts(), never through underscored attributes.
+param_groups; stage 3's frozen_named_params, frozen_index and the FrozenShard opt.frozen) and its configuration through facts(), never through underscored attributes.
 
 [Note: flat slices as chunks]
 A rank owns 1-D ranges of the flattened parameters (layout.pieces). DCP describes a shard as a
@@ -95,25 +96,35 @@ def _exact(view: torch.Tensor) -> torch.Tensor:
     write the whole storage); our boxes are views into the flat buffers, so every box would be
     copied, and the freed copies stay resident: +333 MiB per rank measured saving a 100M-parameter
     model in stage 2. Aliasing through numpy (float32 here: master and moments) avoids the copy."""
-    if view.device.type != "cpu" or not view.is_contiguous():
+    if view.device.type != "cpu" or not view.is_contiguous() or view.dtype == torch.bfloat16:  # numpy has no bf16
         return view
     return torch.from_numpy(view.detach().numpy())
 
 
 class _Chunks:
-    """For every trainable parameter, every rank's boxes under the optimizer's layout."""
+    """For every trainable parameter, every rank's boxes under the optimizer's layout; with
+    frozen=True, the same for stage 3's sharded frozen parameters under their own layout, whose
+    values are their shard in the parameters' dtype ([Note: frozen parameters in stage 3])."""
 
-    def __init__(self, opt: ZeroAdam):
-        self.shard, self.facts = opt.shard, facts(opt)
+    def __init__(self, opt: ZeroAdam, frozen: bool = False):
+        self.facts = facts(opt)
         rank, world, group = self.facts.rank, self.facts.world_size, self.facts.group
-        self.shapes = [tuple(p.shape) for _, p in opt.named_params]
+        named = opt.frozen_named_params if frozen else opt.named_params
+        self.shapes = [tuple(p.shape) for _, p in named]
+        if frozen:
+            fz = opt.frozen
+            layout, self.dtype, self.device = fz.layout, fz.dtype, fz.device
+            self.view = lambda pc, kind: fz.piece_view(pc)
+        else:
+            layout, self.dtype, self.device = opt.layout, torch.float32, opt.shard.device
+            self.view = opt.shard.piece_view
         self.global_ranks = [dist.get_global_rank(group, r) if group is not dist.group.WORLD else r
                              for r in range(world)]
         # per parameter: [(rank, offsets, sizes)] over every rank; this rank's: [(piece, offsets, sizes, start)]
         self.all: list[list[tuple[int, tuple, tuple]]] = [[] for _ in self.shapes]
         self.mine: list[list[tuple]] = [[] for _ in self.shapes]
         for r in range(world):
-            for pc in opt.layout.pieces(r):
+            for pc in layout.pieces(r):
                 for offsets, sizes, start in boxes(self.shapes[pc.param], pc.param_offset, pc.param_offset + pc.numel):
                     self.all[pc.param].append((r, offsets, sizes))
                     if r == rank:
@@ -121,19 +132,20 @@ class _Chunks:
 
     def sharded(self, i: int, kind: str) -> ShardedTensor:
         """Parameter i's `kind` ("master", "exp_avg", "exp_avg_sq"; fp32) as a ShardedTensor of its
-        shape whose local shards are this rank's boxes, views of the live state (ShardState.piece_view)."""
+        shape whose local shards are this rank's boxes, views of the live state (ShardState.piece_view;
+        a frozen parameter's: its shard, whatever `kind`)."""
         local = []
         for pc, offsets, sizes, start in self.mine[i]:
-            flat = self.shard.piece_view(pc, kind)
+            flat = self.view(pc, kind)
             lo = start - pc.param_offset
             n = 1
             for s in sizes:
                 n *= s
             box = _exact(flat[lo:lo + n].view(sizes))
             local.append(Shard(box, self._meta(offsets, sizes, self.facts.rank, flat.device)))
-        dev = local[0].tensor.device if local else self.shard.device
+        dev = local[0].tensor.device if local else self.device
         metas = [self._meta(o, z, r, dev) for r, o, z in self.all[i]]
-        props = TensorProperties(dtype=torch.float32, layout=torch.strided, requires_grad=False,
+        props = TensorProperties(dtype=self.dtype, layout=torch.strided, requires_grad=False,
                                  memory_format=torch.contiguous_format, pin_memory=False)
         meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size(self.shapes[i]), tensor_properties=props)
         return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta, process_group=self.facts.group)
@@ -148,11 +160,19 @@ class _Chunks:
 
 def _model_entries(model: nn.Module, opt: ZeroAdam, chunks: _Chunks) -> dict[str, Any]:
     """Every key of model.state_dict(): managed parameters from the fp32 master, in their shape;
-    frozen parameters and buffers as the model holds them (replicated on every rank)."""
-    master = {}
+    stage 3's frozen parameters from their shard, as chunks too; other frozen parameters and buffers
+    as the model holds them (replicated on every rank)."""
+    master, frozen = {}, {}
+    frozen_chunks = _Chunks(opt, frozen=True) if opt.frozen_named_params else None
     out = {}
     for key, value in model.state_dict(keep_vars=True).items():
         i = opt.param_index(value)
+        j = opt.frozen_index(value) if i is None else None
+        if j is not None:  # tied: one ShardedTensor under each name
+            if j not in frozen:
+                frozen[j] = frozen_chunks.sharded(j, "master")
+            out[key] = frozen[j]
+            continue
         if i is None:
             out[key] = value.detach()
             continue

@@ -44,10 +44,11 @@ from ..comm import BucketComm, group_timeout
 from ..config import Plan, check_hyper, reject_moved, resolve_plan
 from .gather import ParamGather
 from .grads import GradReducer
-from ..layout import Layout, build_layout, layout_from_groups
+from ..layout import Layout, build_layout
 from ..partition import imbalance, owners_for
 from .precision import InputCast, LossScaler, cast_unmanaged
-from ..stage3.runtime import UnitBuffers, UnitTracker
+from ..stage3.frozen import FrozenShard, placeholder_grad_shard, split_units, unit_layout
+from ..stage3.runtime import UnitBuffers, UnitPart, UnitTracker
 from ..stage3.units import UnitPlan, find_units, hook_needs
 from .state import ShardState
 
@@ -58,8 +59,10 @@ class ZeroAdam(torch.optim.Optimizer):
     """Adam/AdamW whose state (stage 1), gradients (stage 2) and parameters (stage 3) are sharded
     across the ranks of `process_group` (default: the whole world).
 
-    model: the nn.Module whose trainable parameters it manages (frozen ones are left alone; a tied
-      parameter is one parameter). Its parameters become views into zerofast's flat buffers.
+    model: the nn.Module whose trainable parameters it manages (a tied parameter is one parameter).
+      Its parameters become views into zerofast's flat buffers. Frozen ones get no gradient or
+      optimizer state; stage 3 shards them too, gathered with their unit ([Note: frozen
+      parameters in stage 3] in zerofast/stage3/frozen.py), stages 1 and 2 leave them alone.
     stage: 1 shards the Adam state, 2 also the gradients, 3 also the parameters.
     lr, betas, eps, weight_decay: as torch.optim.AdamW's.
     adamw: decoupled weight decay (torch.optim.AdamW); False: torch.optim.Adam's L2 term.
@@ -120,17 +123,27 @@ class ZeroAdam(torch.optim.Optimizer):
         self._trainable_at_build = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
 
         _checks.check_dtypes(self._names, self._params, plan.param_dtype)
-        self.unit_plan: Optional[UnitPlan] = (
-            find_units(model, self._params, plan.unit_modules, plan.min_unit_bytes,
-                       torch.empty(0, dtype=plan.param_dtype).element_size())
-            if plan.params_sharded else None)
-        self.layout: Layout = self._build_layout()
-        self.shard = ShardState(self.layout, self.rank, self._names, self._params, plan)
         self._hooks = []
-        if plan.separate_master:  # see [Note: mixed precision]
+        if plan.separate_master:  # see [Note: mixed precision]; before stage 3 lays out the frozen parameters
             cast_unmanaged(model, plan.param_dtype)
             self._hooks.append(model.register_forward_pre_hook(InputCast(plan.param_dtype), prepend=True,
                                                                with_kwargs=True))
+        # Stage 3 shards the frozen parameters too: [Note: frozen parameters in stage 3].
+        device = self._params[0].device
+        self._frozen_named = [(n, p) for n, p in model.named_parameters() if not p.requires_grad
+                              and p.dtype == plan.param_dtype and p.device == device] if plan.params_sharded else []
+        self._unit_params: list[nn.Parameter] = []  # the unit plan's parameters, in model order
+        self.unit_plan: Optional[UnitPlan] = None
+        if plan.params_sharded:
+            sharded = {id(p) for p in self._params} | {id(p) for _, p in self._frozen_named}
+            self._unit_params = [p for p in model.parameters() if id(p) in sharded]
+            self.unit_plan = find_units(model, self._unit_params, plan.unit_modules, plan.min_unit_bytes,
+                                        torch.empty(0, dtype=plan.param_dtype).element_size())
+        self._unit_buckets: Optional[list[Optional[int]]] = None  # stage 3: each unit's trainable bucket
+        self.layout: Layout = self._build_layout()
+        self.shard = ShardState(self.layout, self.rank, self._names, self._params, plan)
+        self.frozen: Optional[FrozenShard] = self._build_frozen() if self._frozen_named else None
+        self._frozen_comm: Optional[BucketComm] = None  # the frozen part's gathers (_shard_params)
         self.comm = BucketComm(self.group, self.layout, self.rank, self.shard.grad_shard,
                                self._gather_group() if plan.params_sharded else None, self.shard.grad_buckets,
                                plan.bucket_buffers, plan.check_collectives)
@@ -164,12 +177,26 @@ class ZeroAdam(torch.optim.Optimizer):
         reduce_size = torch.empty(0, dtype=plan.reduce_dtype).element_size()
         numels = [p.numel() for p in self._params]
         owners = owners_for(plan.partition, numels, self.world_size)
-        if plan.params_sharded:  # one bucket per unit, in backward order: see [Note: bucket order]
-            return layout_from_groups(numels, self.unit_plan.groups[::-1], self.world_size, owners)
+        if plan.params_sharded:  # one bucket per unit with trainable parameters, in backward order
+            trainable_index = {id(p): i for i, p in enumerate(self._params)}
+            parts, _ = split_units(self.unit_plan.groups, [id(p) in trainable_index for p in self._unit_params])
+            parts = [[trainable_index[id(self._unit_params[i])] for i in part] for part in parts]
+            layout, self._unit_buckets = unit_layout(parts, numels, self.world_size, plan.partition)
+            return layout
         bucket_numel = max(1, plan.bucket_bytes // reduce_size)
         order = list(reversed(range(len(numels))))  # backward order: see [Note: bucket order]
         first_bucket_numel = min(bucket_numel, plan.first_bucket_bytes // reduce_size)
         return build_layout(numels, order, self.world_size, bucket_numel, owners, first_bucket_numel)
+
+    def _build_frozen(self) -> FrozenShard:
+        """Stage 3's frozen parameters, one bucket per unit that has any: [Note: frozen parameters in stage 3]."""
+        frozen_index = {id(p): j for j, (_, p) in enumerate(self._frozen_named)}
+        _, parts = split_units(self.unit_plan.groups, [id(p) not in frozen_index for p in self._unit_params])
+        parts = [[frozen_index[id(self._unit_params[i])] for i in part] for part in parts]
+        numels = [p.numel() for _, p in self._frozen_named]
+        layout, bucket_of = unit_layout(parts, numels, self.world_size, self.plan.partition)
+        return FrozenShard(layout, self.rank, [n for n, _ in self._frozen_named],
+                           [p for _, p in self._frozen_named], bucket_of)
 
     def _gather_group(self) -> dist.ProcessGroup:
         """Stage 3 gathers on a second group: see [Note: two process groups] in csrc/buckets.cpp."""
@@ -179,9 +206,19 @@ class ZeroAdam(torch.optim.Optimizer):
 
     def _shard_params(self) -> UnitTracker:
         """Copy this rank's shards out, release every unit, and install the hooks."""
-        buffers = UnitBuffers(self.shard.param_buffers, self.shard.param_shard, self.layout, self.rank, self.comm)
+        frozen = None
+        if self.frozen is not None:  # gathers only, on the same gather group: no reduce, no gradient shard
+            fz = self.frozen
+            self._frozen_comm = BucketComm(
+                self.group, fz.layout, self.rank,
+                placeholder_grad_shard(fz.layout.shard_numel(self.rank), self.plan.reduce_dtype, fz.device),
+                self.comm.gather_group, None, 0, self.plan.check_collectives)
+            self._frozen_comm.share_bookkeeping(self.comm)
+            frozen = UnitPart(fz.buffers, fz.shard, fz.layout, self._frozen_comm, fz.bucket_of)
+        buffers = UnitBuffers(self.shard.param_buffers, self.shard.param_shard, self.layout, self.rank, self.comm,
+                              self._unit_buckets, frozen)
         buffers.shard_out()
-        return UnitTracker(self.model, hook_needs(self.model, self._params, self.unit_plan), buffers)
+        return UnitTracker(self.model, hook_needs(self.model, self._unit_params, self.unit_plan), buffers)
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_constructed", False):
@@ -253,6 +290,10 @@ class ZeroAdam(torch.optim.Optimizer):
             self._scaler.update(prep.found_inf)
         self._step_skipped = prep.found_inf
         self._last_comm = dict(self.comm.stats)
+        if self._frozen_comm is not None:  # the frozen parameters' gathers: [Note: frozen parameters in stage 3]
+            for name, nbytes in self._frozen_comm.stats.items():
+                self._last_comm[name] = self._last_comm.get(name, 0) + nbytes
+            self._frozen_comm.new_step()
         where.step += 1
         where.phase = "forward"
         self._grads.begin_step()
@@ -327,24 +368,31 @@ class ZeroAdam(torch.optim.Optimizer):
     def units_report(self) -> list[dict]:
         """Stage 3: what each unit gathers together, in unit order (unit 0 is the root's remaining
         parameters, when there are any): its module's name ("" for the root), class, how many
-        parameter tensors and elements it holds, and their bytes in the parameters' dtype. See
+        parameter tensors and elements it holds, and their bytes in the parameters' dtype, frozen
+        ones included (stage 3 shards them too), and how many of the tensors and elements are frozen
+        ("frozen_tensors", "frozen_numel": [Note: frozen parameters in stage 3]). See
         [Note: choosing units] in zerofast/stage3/units.py. Empty for stages 1 and 2, which gather by bucket."""
         if not self.plan.params_sharded:
             return []
         size = torch.empty(0, dtype=self.plan.param_dtype).element_size()
         report = []
         for u, (group, name) in enumerate(zip(self.unit_plan.groups, self.unit_plan.names)):
-            numel = sum(self._params[i].numel() for i in group)
+            params = [self._unit_params[i] for i in group]
+            numel = sum(p.numel() for p in params)
+            frozen = [p for p in params if not p.requires_grad]
             report.append({"unit": u, "module": name, "class": type(self.unit_plan.modules[u]).__name__,
                            "modules": len(self.unit_plan.members[u]), "tensors": len(group), "numel": numel,
-                           "bytes": numel * size})
+                           "bytes": numel * size, "frozen_tensors": len(frozen),
+                           "frozen_numel": sum(p.numel() for p in frozen)})
         return report
 
     def memory_report(self) -> dict:
         """Bytes this rank holds now, by kind, counted from the tensors: "grads" is the full local
         gradients (stage 1: its gradient buckets, which .grad are views of; otherwise whatever
         .grad holds), "grad_shard" the reduced owned gradients of stages 2 and 3 (and of stage 1
-        when it reduces in another dtype), "bucket_buffers" the pooled buffers in use now."""
+        when it reduces in another dtype), "bucket_buffers" the pooled buffers in use now,
+        "frozen_params" stage 3's frozen parameters (their shard and gathered buffers; 0 in stages 1
+        and 2, whose frozen parameters are the model's own tensors)."""
         nbytes = self.shard.nbytes()
         grad_buckets = nbytes.pop("grad_buckets")
         local = sum(p.grad.numel() * p.grad.element_size() for p in self._params if p.grad is not None)
@@ -354,6 +402,7 @@ class ZeroAdam(torch.optim.Optimizer):
             "bucket_buffers": self.comm.buffer_bytes,
             "bucket_buffers_peak": self.comm.peak_buffer_bytes,
             "bucket_pool": self.comm.pooled_bytes,  # released buffers kept for reuse (<= the peak)
+            "frozen_params": self.units.buffers.materialized_bytes(first=1) if self.frozen is not None else 0,
         }
 
     def buffer_counts(self) -> dict[str, int]:
@@ -365,8 +414,11 @@ class ZeroAdam(torch.optim.Optimizer):
 
     def materialized_param_bytes(self) -> int:
         """Bytes of parameter storage that exist now: gathered unit buffers (stage 3: only those
-        gathered at this moment; stages 1 and 2: always all) plus stage 3's own shard."""
-        return self.shard.materialized_param_bytes()
+        gathered at this moment; stages 1 and 2: always all) plus stage 3's own shard; stage 3's
+        frozen parameters alike (their gathered buffers and shard). Stages 1 and 2 count the
+        trainable parameters only (their frozen parameters are the model's own tensors)."""
+        frozen = self.units.buffers.materialized_bytes(first=1) if self.frozen is not None else 0
+        return self.shard.materialized_param_bytes() + frozen
 
     def master_shard(self) -> list[tuple[str, int, torch.Tensor]]:
         """This rank's part of the fp32 master copy, as (parameter name, offset into the flattened
@@ -427,6 +479,20 @@ class ZeroAdam(torch.optim.Optimizer):
     @functools.cached_property
     def _index_of(self) -> dict[int, int]:
         return {id(p): i for i, p in enumerate(self._params)}
+
+    @property
+    def frozen_named_params(self) -> tuple[tuple[str, nn.Parameter], ...]:
+        """Stage 3's sharded frozen parameters and their names (index j is parameter j of
+        self.frozen.layout); empty in stages 1 and 2 ([Note: frozen parameters in stage 3])."""
+        return tuple(self._frozen_named)
+
+    def frozen_index(self, param: torch.Tensor) -> Optional[int]:
+        """The index of a sharded frozen parameter in frozen_named_params (by identity), or None."""
+        return self._frozen_index_of.get(id(param))
+
+    @functools.cached_property
+    def _frozen_index_of(self) -> dict[int, int]:
+        return {id(p): j for j, (_, p) in enumerate(self._frozen_named)}
 
     def quiesce(self) -> None:
         """Bring the state to rest, so that the shard alone is the state and nothing writes it:

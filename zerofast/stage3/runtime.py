@@ -103,43 +103,79 @@ class UnitState(enum.Enum):
 
 # --- the unit buffers --------------------------------------------------------------------------------
 
+@dataclass
+class UnitPart:
+    """One kind of parameter storage of the units (trainable or frozen: [Note: frozen parameters in
+    stage 3]): its flat buffers (one per bucket; the model's parameters are views of them), this
+    rank's shard, the layout addressing both, the BucketComm that gathers its buckets, and which
+    bucket holds each unit's part (None: the unit has no parameter of this kind)."""
+    buffers: list[torch.Tensor]
+    shard: torch.Tensor
+    layout: Layout
+    comm: object
+    bucket_of: list[Optional[int]]
+
+
 class UnitBuffers:
     """Stage 3's parameter memory: one flat buffer per unit (bucket), whose storage exists only while
-    the unit is gathered, and this rank's shard of every unit, which the optimizer updates. Unit u
-    is bucket num_units - 1 - u: buckets follow backward order ([Note: bucket order])."""
+    the unit is gathered, and this rank's shard of every unit, which the optimizer updates. With
+    unit_buckets None, unit u is bucket num_units - 1 - u: buckets follow backward order ([Note:
+    bucket order]). `frozen`: a second UnitPart for the frozen parameters, gathered and released
+    with their unit ([Note: frozen parameters in stage 3]); then unit_buckets maps each unit to its
+    trainable bucket (None: the unit is frozen only)."""
 
-    def __init__(self, buffers: list[torch.Tensor], shard: torch.Tensor, layout: Layout, rank: int, comm):
+    def __init__(self, buffers: list[torch.Tensor], shard: torch.Tensor, layout: Layout, rank: int, comm,
+                 unit_buckets: Optional[list[Optional[int]]] = None, frozen: Optional[UnitPart] = None):
         self.buffers = buffers           # per bucket, 1D; the model's parameters are views of them
         self.shard = shard               # 1D, layout.shard_numel(rank): this rank's owned ranges
         self.layout, self.rank, self.comm = layout, rank, comm
-        self.offsets = layout.shard_offsets(rank)  # where each bucket's owned range sits in the shard
-        self.num_units = len(buffers)
+        if unit_buckets is None:
+            unit_buckets = [len(buffers) - 1 - u for u in range(len(buffers))]
+        self.num_units = len(unit_buckets)
+        self.parts = [UnitPart(buffers, shard, layout, comm, list(unit_buckets))]
+        if frozen is not None:
+            self.parts.append(frozen)
+        self._offsets = [part.layout.shard_offsets(rank) for part in self.parts]
 
-    def bucket(self, unit: int) -> int:
-        return self.num_units - 1 - unit
+    def bucket(self, unit: int) -> Optional[int]:
+        """The trainable bucket of unit `unit` (None: it holds frozen parameters only)."""
+        return self.parts[0].bucket_of[unit]
 
     def shard_out(self) -> None:
         """Copy this rank's owned ranges into the shard, then free every unit buffer."""
-        for b in range(self.num_units):
-            lo, hi = self.layout.owned_range(b, self.rank)
-            self.shard[self.offsets[b]:self.offsets[b] + hi - lo].copy_(self.buffers[b][lo:hi])
+        for part, offsets in zip(self.parts, self._offsets):
+            for b in range(len(part.buffers)):
+                lo, hi = part.layout.owned_range(b, self.rank)
+                part.shard[offsets[b]:offsets[b] + hi - lo].copy_(part.buffers[b][lo:hi])
         for u in range(self.num_units):
             self.release(u)
 
     def gather_start(self, unit: int) -> None:
-        b = self.bucket(unit)
-        buf = self.buffers[b]
-        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-        lo, hi = self.layout.owned_range(b, self.rank)
-        buf[lo:hi].copy_(self.shard[self.offsets[b]:self.offsets[b] + hi - lo])
-        self.comm.gather_start(b, buf)
+        for part, offsets in zip(self.parts, self._offsets):
+            b = part.bucket_of[unit]
+            if b is None:
+                continue
+            buf = part.buffers[b]
+            buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+            lo, hi = part.layout.owned_range(b, self.rank)
+            buf[lo:hi].copy_(part.shard[offsets[b]:offsets[b] + hi - lo])
+            part.comm.gather_start(b, buf)
 
     def gather_wait(self, unit: int) -> None:
-        self.comm.gather_wait(self.bucket(unit))
+        for part in self.parts:
+            if part.bucket_of[unit] is not None:
+                part.comm.gather_wait(part.bucket_of[unit])
 
     def release(self, unit: int) -> None:
-        self.buffers[self.bucket(unit)].untyped_storage().resize_(0)
+        for part in self.parts:
+            if part.bucket_of[unit] is not None:
+                part.buffers[part.bucket_of[unit]].untyped_storage().resize_(0)
 
+    def materialized_bytes(self, first: int = 0) -> int:
+        """Bytes of the parts from `first` on (1: the frozen part) that exist now: their gathered
+        buffers and their shards."""
+        return sum(sum(b.untyped_storage().nbytes() for b in part.buffers) + part.shard.numel() * part.shard.element_size()
+                   for part in self.parts[first:])
 
 
 # --- the hooks ---------------------------------------------------------------------------------------

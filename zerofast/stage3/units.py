@@ -11,7 +11,9 @@ way. `units=` on ZeroAdam takes
   - a list of submodules, as given (a parameter in two of them belongs to the first);
   - a module class or a set of classes (FSDP's transformer auto-wrap policy), or a callable
     module -> bool: every matching module, outermost only (a match inside a match joins it).
-Every managed parameter that no unit module holds joins one more unit, the root's: embeddings, the
+The units are planned over every parameter stage 3 shards, trainable and frozen alike ([Note:
+frozen parameters in stage 3] in zerofast/stage3/frozen.py), so a unit's size is what it gathers.
+Every such parameter that no unit module holds joins one more unit, the root's: embeddings, the
 final norm, an output head. It is unit 0, the last in backward order, because a tied embedding's
 gradient is complete only at the very end of backward ([Note: bucket order]).
 `opt.units_report()` lists what each unit holds.

@@ -58,13 +58,17 @@ def estimate_memory(model_or_param_count, world: int, stage: int, mixed_precisio
     """Per-rank bytes of parameters, gradients and optimizer state for DDP (stage 0) or a ZeRO stage,
     by the paper's formulas, plus the buffers ZeroAdam adds. mixed_precision, comm and units as
     ZeroAdam takes them (stage 0 checks them alone). Stage 3's buckets are its units, whose size
-    the estimate cannot know from a count: it takes stage 2's default bucket for each."""
+    the estimate cannot know from a count: it takes stage 2's default bucket for each. A count is
+    of trainable parameters; a module's frozen parameters are counted apart, as parameter bytes
+    only (in the parameters' dtype; sharded in stage 3, whole in stages 0-2)."""
     for name in moved:
         if name in _MOVED:
             raise TypeError(f"estimate_memory: the keyword {name}= is now {_MOVED[name]}")
         raise TypeError(f"estimate_memory got an unexpected keyword argument {name!r}")
+    frozen = 0  # frozen parameters: their bytes only, sharded in stage 3 ([Note: frozen parameters in stage 3])
     if isinstance(model_or_param_count, nn.Module):
         numel = sum(p.numel() for p in model_or_param_count.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in model_or_param_count.parameters() if not p.requires_grad)
     elif isinstance(model_or_param_count, int) and not isinstance(model_or_param_count, bool) \
             and model_or_param_count >= 0:
         numel = model_or_param_count
@@ -89,6 +93,7 @@ def estimate_memory(model_or_param_count, world: int, stage: int, mixed_precisio
     o_bytes = 8 + (4 if param_dtype != torch.float32 else 0)  # m, v and a separate fp32 master
     shard = -(-numel // world)  # ceil: this rank's part
     params = p_bytes * (shard if stage == 3 else numel)
+    params += p_bytes * (-(-frozen // world) if stage == 3 else frozen)
     grads = g_bytes * (shard if stage >= 2 else numel)
     optimizer = o_bytes * (shard if stage >= 1 else numel)
     extra = 0

@@ -190,7 +190,7 @@ def _measure(kind: str, model, opt) -> dict[str, int]:
     """Bytes this rank holds now, counted from the tensors."""
     if isinstance(opt, ZeroAdam):
         r = opt.memory_report()
-        return {"params": r["params"], "grads": r["grads"] + r["grad_shard"],
+        return {"params": r["params"] + r["frozen_params"], "grads": r["grads"] + r["grad_shard"],
                 "optimizer": r["optimizer"] + r["master_copy"],
                 "buckets": r["bucket_buffers"] + r["bucket_pool"]}
     if hasattr(opt, "memory_held"):  # the reference stage counts its own

@@ -1,0 +1,105 @@
+"""Stage 3's frozen parameters: sharded and gathered with their unit, never given a gradient or
+optimizer state.
+
+[Note: frozen parameters in stage 3]
+Fine-tuning a large base with few trainable parameters (LoRA, adapters, a new head) is where stage 3
+matters most, and the base is frozen: kept whole on every rank, it would hold the whole model per
+rank. So stage 3 shards every parameter. The unit plan is computed over all the parameters (so a
+unit's size, and merging small units, counts what is gathered), and each unit's group is split into
+its trainable and its frozen parameters:
+  - the trainable parts form the optimizer's Layout, one bucket per unit that has any (a frozen-only
+    unit has no bucket there: UnitBuffers keeps a unit -> bucket map with None), reduced, updated
+    and checkpointed as before;
+  - the frozen parts form a second, parameter-only Layout, one bucket per unit that has any, with
+    its own flat buffers (the frozen parameters are views of them, in the parameters' dtype: mixed
+    precision has converted them first) and this rank's shard of them (FrozenShard below). It has
+    no gradient shard, no reduce and no Adam state: its BucketComm gathers only, on the same gather
+    process group as the trainable part ([Note: two process groups] in csrc/buckets.cpp), so the
+    collectives of both pair up in the same order on every rank.
+UnitBuffers gathers and releases both parts of a unit together; the hooks see units only.
+Why not one layout with the frozen parameters inside the trainable buckets: every bucket's gradient
+buffer, reduce, gradient shard, Adam moments and fp32 master are laid out over the whole bucket,
+so frozen elements would cost 14 bytes each of state they never use (and 2x in the reduce), which
+is what this is for avoiding; keeping them apart costs one more gather per unit that has both.
+Only frozen parameters of the managed parameters' dtype and device are sharded (a frozen int8 or
+bf16 tensor beside fp32 training stays whole on every rank, as in stages 1 and 2).
+Checkpoints save a frozen parameter from its shard as DCP chunks, like the trainable ones
+([Note: flat slices as chunks] in zerofast/checkpoint/dcp.py), so DCP reshards it on load into any
+world size or stage.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+
+from ..layout import Layout, Piece, layout_from_groups
+from ..partition import owners_for
+
+
+def split_units(groups: list[list[int]], trainable: list[bool]) -> tuple[list[list[int]], list[list[int]]]:
+    """Each unit's group (indices into the unit plan's parameter list) split into its trainable and
+    frozen members (still indices into that list), in the group's order."""
+    return ([[i for i in g if trainable[i]] for g in groups], [[i for i in g if not trainable[i]] for g in groups])
+
+
+def unit_layout(parts: list[list[int]], numels: list[int], world: int, partition: str
+                ) -> tuple[Layout, list[Optional[int]]]:
+    """A Layout with one bucket per non-empty part, in backward order (the last unit first: [Note:
+    bucket order]); parts[u] indexes into `numels`. Returns it and each unit's bucket (None: empty)."""
+    order = [u for u in reversed(range(len(parts))) if parts[u]]
+    bucket_of: list[Optional[int]] = [None] * len(parts)
+    for b, u in enumerate(order):
+        bucket_of[u] = b
+    layout = layout_from_groups(numels, [parts[u] for u in order], world, owners_for(partition, numels, world))
+    return layout, bucket_of
+
+
+class FrozenShard:
+    """The frozen parameters' flat buffers (one per bucket of `layout`; the parameters become views of
+    them) and this rank's shard. Built with every buffer full; UnitBuffers.shard_out copies the owned
+    ranges out and releases them."""
+
+    def __init__(self, layout: Layout, rank: int, names: list[str], params: list[torch.nn.Parameter],
+                 bucket_of: list[Optional[int]]):
+        self.layout, self.rank, self.names, self.bucket_of = layout, rank, names, bucket_of
+        dtype, device = params[0].dtype, params[0].device
+        self.buffers = [torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buckets]
+        self.shard = torch.zeros(layout.shard_numel(rank), dtype=dtype, device=device)
+        self.pieces: list[Piece] = layout.pieces(rank)
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                s = layout.slots[i]
+                view = self.buffers[s.bucket].narrow(0, s.offset, s.numel).view_as(p)
+                view.copy_(p)
+                p.data = view
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.shard.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.shard.device
+
+    def piece_view(self, pc: Piece) -> torch.Tensor:
+        """The live 1-D values of one of this rank's pieces, a view into the shard (a checkpoint's
+        save reads it, its load writes it, with the units released)."""
+        return self.shard[pc.state_offset:pc.state_offset + pc.numel]
+
+    def load_pieces(self, full: Mapping[int, torch.Tensor]) -> None:
+        """Write this rank's pieces from whole tensors, by frozen parameter index."""
+        with torch.no_grad():
+            for pc in self.pieces:
+                if pc.param in full:
+                    src = full[pc.param].reshape(-1)[pc.param_offset:pc.param_offset + pc.numel]
+                    self.piece_view(pc).copy_(src)
+
+
+def placeholder_grad_shard(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The frozen part's BucketComm never reduces, but the compiled BucketComm checks that every
+    bucket's owned range fits its gradient shard: a tensor of that length whose storage is freed
+    (0 bytes; never read or written)."""
+    t = torch.empty(numel, dtype=dtype, device=device)
+    t.untyped_storage().resize_(0)
+    return t
