@@ -11,8 +11,12 @@ TORCH_SPEC  ?= torch==2.14.1
 ZEROFAST_CUDA ?= auto
 export ZEROFAST_CUDA
 
-# Third-party packages (transformers: the tests' Hugging Face model, built from a config, no download).
-PIP_DEPS := "$(TORCH_SPEC)" ninja setuptools wheel pytest pytest-benchmark numpy matplotlib transformers
+# Third-party packages. The Hugging Face stack is pinned to the versions zerofast.integrations.hf was
+# written and tested against (it hooks the Trainer's and the Accelerator's methods named there):
+# transformers (also the tests' models, built from a config, no download), accelerate, peft (LoRA),
+# trl (SFTTrainer) and datasets (trl's).
+HF_DEPS  := "transformers==5.24.0" "accelerate==1.15.0" "peft==0.21.2" "trl==1.16.0" "datasets==5.2.0"
+PIP_DEPS := "$(TORCH_SPEC)" ninja setuptools wheel pytest pytest-benchmark numpy matplotlib $(HF_DEPS)
 
 PY      := $(VENV)/bin/python
 # The marker names the package list, so a venv made before a package was added gets it.

@@ -360,6 +360,35 @@ class ZeroAdam(torch.optim.Optimizer):
         finally:
             self.units.release_all()
 
+    def full_state_dict(self, keep: bool = True, device="cpu") -> Optional[dict[str, torch.Tensor]]:
+        """model.state_dict() with every tensor whole, copied to `device` (default the CPU): what a
+        consolidated save (Hugging Face's save_pretrained, safetensors) writes. Stage 3 gathers one
+        unit at a time, so no rank holds more than the copies plus one gathered unit. Every rank must
+        call it (the gathers are collectives); ranks passing keep=False take part, copy nothing and
+        get None. Tied tensors keep one copy under each of their names, as state_dict() has them."""
+        self.quiesce()
+        entries = self.model.state_dict(keep_vars=True)
+        out: dict[str, torch.Tensor] = {}
+        copies: dict[int, torch.Tensor] = {}  # a tied tensor is copied once
+
+        def take_present() -> None:
+            """Copy every entry whose storage exists now (stage 3: the unit gathered at the moment)."""
+            for key, t in entries.items():
+                if key not in out and (t.numel() == 0 or t.untyped_storage().nbytes() > 0):
+                    if keep and id(t) not in copies:
+                        copies[id(t)] = t.detach().to(device, copy=True)
+                    out[key] = copies.get(id(t))
+
+        if self.plan.params_sharded:
+            for u in range(len(self.units.state)):
+                self.units.acquire((u,))
+                try:
+                    take_present()
+                finally:
+                    self.units.release((u,))
+        take_present()
+        return out if keep else None
+
     def partition_report(self) -> dict:
         """Elements each rank owns (real parameters, not padding) and the imbalance max/mean."""
         owned = [self.layout.owned_numel(r) for r in range(self.world_size)]

@@ -1,0 +1,167 @@
+"""zerofast.integrations.hf: ZeroTrainer (transformers.Trainer with ZeroAdam) in real launches,
+2 CPU ranks under torchrun (gloo), against the framework's own path, Trainer + DDP with its AdamW,
+on the same arguments: accumulation 2, clipping 1.0, warmup + linear schedule, weight decay
+(tests/hf_job.py runs the jobs). Also: resuming checkpoint-2 in a fresh launch, at another stage
+and at another world size; save_model() loaded by from_pretrained; LoRA (peft) in stage 3 with
+gradient checkpointing; TRL's SFTTrainer with the mixin; the clear errors."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from oracles import fp32_tol
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = os.path.join(ROOT, "tests", "hf_job.py")
+STEPS = 4  # hf_job.STEPS
+# Parameters: fp32_tol (tests/oracles.py): the same argument as every multi-rank test. Logged loss
+# and grad_norm: computed from parameters that differ by at most fp32_tol(step) relative to their
+# scale; in these 2-layer models a relative parameter change reaches the loss through at most 8
+# chained products (2 layers x (attention: 2, MLP: 2)), each carrying it once: 8 x fp32_tol(STEPS)
+# relative, plus the norm's own reordering (a sum of squares in another order, norm_rel_tol(numel)).
+LOG_REL = 8 * fp32_tol(STEPS) + 40_000 * 2.0**-24
+
+
+def _launch(nproc, *args, timeout=600):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.pop("WORLD_SIZE", None)
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+           if nproc > 1 else [sys.executable])
+    out = subprocess.run(cmd + [JOB, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """One training launch, then two resume launches (stage 2 on 2 ranks, stage 1 on 1 rank)."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("peft")
+    out = str(tmp_path_factory.mktemp("hf"))
+    _launch(2, "train", out)
+    _launch(2, "resume", out, "2")
+    _launch(1, "resume", out, "1")
+    return out
+
+
+def _load(out, name):
+    return torch.load(os.path.join(out, name), weights_only=True)
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _close_logs(mine, theirs, where):
+    assert len(mine) == len(theirs) == STEPS, where
+    for (loss, norm, lr), (loss0, norm0, lr0) in zip(mine, theirs):
+        assert lr == lr0, f"{where}: the schedule differs ({lr} vs {lr0})"
+        assert abs(loss - loss0) <= LOG_REL * abs(loss0), f"{where}: loss {loss} vs DDP {loss0}"
+        assert abs(norm - norm0) <= LOG_REL * abs(norm0), f"{where}: grad_norm {norm} vs DDP {norm0}"
+
+
+def test_zero_trainer_stages_equal_trainer_with_ddp(jobs):
+    with open(os.path.join(jobs, "train.json")) as f:
+        res = json.load(f)
+    assert res["ddp"]["wrapped"] == "DistributedDataParallel"  # the oracle ran DDP
+    ddp = _load(jobs, "train-ddp.pt")
+    for stage in ("1", "2", "3"):
+        r = res[stage]
+        assert r["wrapped"] == "GPT2LMHeadModel" and r["optimizer"] == "ZeroAdam", r  # never DDP
+        _close_logs(r["logs"], res["ddp"]["logs"], f"stage {stage}")
+        d = _max_diff(_load(jobs, f"train-stage{stage}.pt"), ddp)
+        assert d <= fp32_tol(STEPS), f"stage {stage}: parameters {d:.3g} from Trainer + DDP"
+    evals = [res[s]["eval_loss"] for s in ("1", "2", "3")]
+    assert max(evals) - min(evals) <= LOG_REL * max(evals), evals
+    assert res["3"]["predictions"] == [4, 16, 96]
+
+
+def test_checkpoint_holds_zerofast_shards_beside_the_trainers_files(jobs):
+    with open(os.path.join(jobs, "train.json")) as f:
+        files = json.load(f)["3"]["checkpoint"]
+    assert {"zerofast", "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth"} <= set(files)
+    assert "optimizer.pt" not in files
+    assert {"manifest.json", "__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(os.path.join(jobs, "stage3",
+                                                                                          "checkpoint-2", "zerofast")))
+
+
+def test_resume_in_a_fresh_launch_at_another_stage_and_world_size(jobs):
+    """checkpoint-2 of the stage-3 run, resumed to the end: at stage 2 on 2 ranks and at stage 1 on
+    one process, each equal to the uninterrupted run."""
+    uninterrupted = _load(jobs, "train-stage3.pt")
+    for name in ("resume-stage2-world2.pt", "resume-stage1-world1.pt"):
+        d = _max_diff(_load(jobs, name), uninterrupted)
+        assert d <= fp32_tol(STEPS), f"{name}: {d:.3g} from the uninterrupted run"
+
+
+def test_save_model_loads_with_from_pretrained(jobs):
+    from transformers import GPT2LMHeadModel
+    model = GPT2LMHeadModel.from_pretrained(os.path.join(jobs, "final"))
+    trained = _load(jobs, "train-stage3.pt")
+    assert _max_diff({n: p.detach() for n, p in model.named_parameters()}, trained) == 0.0
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()  # still tied
+
+
+def test_lora_stage3_equals_ddp_and_saves_the_trained_adapter(jobs):
+    with open(os.path.join(jobs, "train.json")) as f:
+        res = json.load(f)["lora"]
+    _close_logs(res["zero"], res["ddp"], "LoRA stage 3 with gradient checkpointing")
+    mine, ddp = _load(jobs, "train-lora-zero.pt"), _load(jobs, "train-lora-ddp.pt")
+    assert mine and all("lora_" in n for n in mine)
+    assert _max_diff(mine, ddp) <= fp32_tol(STEPS)
+    from safetensors.torch import load_file
+    saved = load_file(os.path.join(jobs, "lora-adapter", "adapter_model.safetensors"))
+    assert len(saved) == len(mine)
+    for name, value in saved.items():  # PEFT's names drop the adapter name: match by suffix
+        key = next(k for k in mine if k.replace(".default", "").endswith(name.removeprefix("base_model.model.")))
+        assert value.numel() > 0 and torch.equal(value.float(), mine[key]), name  # not an empty stage-3 tensor
+
+
+def test_trl_sft_trainer_with_the_mixin_trains():
+    if importlib.util.find_spec("trl") is None:
+        pytest.skip("trl is not installed (the Makefile pins it; it installs from the registry)")
+    import tempfile
+    with tempfile.TemporaryDirectory() as out:
+        _launch(2, "sft", out)
+        with open(os.path.join(out, "sft.json")) as f:
+            res = json.load(f)
+    assert res["optimizer"] == "ZeroAdam" and len(res["logs"]) == 3
+    assert all(torch.isfinite(torch.tensor(entry[:2])).all() for entry in res["logs"])
+
+
+def test_clear_errors():
+    """Bad combinations are named before any training (one process, a group of one)."""
+    code = r"""
+import torch, torch.distributed as dist
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+from zerofast.integrations.hf import ZeroTrainer
+m = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+def args(**kw):
+    return TrainingArguments(output_dir="/tmp/zf-hf-errors", use_cpu=True, report_to=[], **kw)
+cases = [
+    (lambda: ZeroTrainer(model=m, args=args(), optimizers=(torch.optim.AdamW(m.parameters()), None), zero={}),
+     "optimizers=(AdamW, ...) next to zero="),
+    (lambda: ZeroTrainer(model=m, args=args(), zero={"lr": 1.0}), "is set by TrainingArguments (learning_rate)"),
+    (lambda: ZeroTrainer(model=m, args=args(optim="sgd"), zero={}), "optim='sgd'"),
+    (lambda: ZeroTrainer(model=m, args=args(fsdp="full_shard"), zero={}), "FSDP are exclusive"),
+    (lambda: ZeroTrainer(model=m, args=args(bf16=True), zero={"mixed_precision": "fp16"}), "disagrees"),
+    (lambda: ZeroTrainer(model=m, args=args(), zero=3), "zero must be a dict"),
+]
+for make, message in cases:
+    try:
+        make()
+        raise SystemExit(f"no error: {message}")
+    except (ValueError, TypeError) as e:
+        assert message in str(e), (message, str(e))
+print("ok")
+"""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]

@@ -1,0 +1,289 @@
+"""ZeroAdam inside the Hugging Face Trainer: `ZeroTrainer`, `ZeroTrainerMixin`, and `ZeroSFTTrainer`
+(TRL's SFTTrainer, where trl is installed).
+
+    trainer = ZeroTrainer(model=model, args=TrainingArguments(...), train_dataset=...,
+                          zero={"stage": 3})            # any ZeroAdam option but those the arguments own
+    trainer.train()
+
+    class MyTrainer(ZeroTrainerMixin, SomeTrainerSubclass): ...
+
+Written against transformers 5.24.0 and accelerate 1.15.0 (pinned in the Makefile's HF_DEPS); the
+methods overridden below are named after those versions' sources, and a change of either may move
+them. What maps to what:
+  - the optimizer: built by the trainer (create_optimizer, after PEFT wrapping and device
+    placement) as ZeroAdam from learning_rate, adam_beta1/2, adam_epsilon and weight_decay, with the
+    Trainer's own decay / no-decay groups (get_decay_parameter_names); the Trainer's LR scheduler
+    drives its param_groups;
+  - no DDP: the Trainer's Accelerator gets a class of its own ([Note: the Trainer's accelerator]):
+    prepare_model never wraps, prepare_optimizer leaves ZeroAdam as it is, no_sync is ZeroAdam's
+    (gradient_accumulation_steps), backward is ZeroAdam's (fp16's loss scale);
+  - max_grad_norm: opt.clip_grad_norm_, the global norm across shards, which is the logged grad_norm;
+  - bf16=True / fp16=True: ZeroAdam's mixed precision (the model in that dtype, an fp32 master
+    shard; fp16 with ZeroAdam's loss scaling), no autocast and no GradScaler on top;
+  - checkpoints: checkpoint-N/zerofast/ is a zerofast checkpoint (every rank its shard), beside the
+    Trainer's scheduler, RNG and trainer_state files; resuming loads it at any world size or stage;
+  - save_model(): a consolidated model (config + safetensors, or a PEFT adapter) from
+    opt.full_state_dict(), gathered unit by unit.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from transformers import Trainer
+from transformers.trainer import SCHEDULER_NAME
+from transformers.training_args import OptimizerNames
+
+from .. import checkpoint as zckpt
+from ..config import MixedPrecisionPolicy
+from ..optim.zero_adam import ZeroAdam
+
+__all__ = ["ZeroTrainer", "ZeroTrainerMixin", "ZeroSFTTrainer"]
+
+ZERO_DIR = "zerofast"  # checkpoint-N/zerofast: the sharded zerofast checkpoint
+_ADAMW = {OptimizerNames.ADAMW_TORCH, OptimizerNames.ADAMW_TORCH_FUSED}
+# ZeroAdam options that TrainingArguments owns: zero= must not repeat them.
+_FROM_ARGS = {"lr": "learning_rate", "betas": "adam_beta1 / adam_beta2", "eps": "adam_epsilon",
+              "weight_decay": "weight_decay", "max_grad_norm": "max_grad_norm",
+              "param_groups": "the Trainer's decay / no-decay groups", "adamw": "optim"}
+
+
+class _ZeroAccelerator(Accelerator):
+    """[Note: the Trainer's accelerator]
+    Trainer 5.24 calls four things on its Accelerator inline, with no Trainer method around them:
+    prepare (trainer.py, _prepare_for_training), no_sync (the accumulation loop), backward
+    (training_step) and optimizer_step_was_skipped. So the trainer's accelerator is moved into this
+    subclass (it adds no state beyond `_zero`, the optimizer once it exists): prepare_model never
+    adds DDP (evaluation_mode=True: Accelerate 1.15's prepare_model then only places the model) and
+    never moves a model ZeroAdam manages; prepare_optimizer keeps ZeroAdam as it is (Accelerate's
+    AcceleratedOptimizer would round-trip its state_dict, a DCP dict of shards, through
+    move_to_device); no_sync, backward and clip_grad_norm_ are ZeroAdam's."""
+    _zero: Optional[ZeroAdam] = None
+
+    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+        if self._zero is not None:
+            device_placement = False
+        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+
+    def prepare_optimizer(self, optimizer, device_placement=None):
+        if isinstance(optimizer, ZeroAdam):
+            optimizer._is_accelerate_prepared = True  # Accelerate's own mark: returned as it is
+        return super().prepare_optimizer(optimizer, device_placement=device_placement)
+
+    @contextlib.contextmanager
+    def no_sync(self, model):
+        if self._zero is None:
+            with super().no_sync(model):
+                yield
+            return
+        with self._zero.no_sync():
+            yield
+
+    def backward(self, loss, **kwargs):
+        if self._zero is None:
+            return super().backward(loss, **kwargs)
+        kwargs.pop("scale_wrt_gas", None)
+        # Accelerate divides by its own gradient_accumulation_steps (1 under the Trainer, which
+        # divides the loss itself), as its backward does.
+        self._zero.backward(loss / self.gradient_accumulation_steps, **kwargs)
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        if self._zero is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        if norm_type != 2:
+            raise ValueError(f"ZeroTrainer: clip_grad_norm_ supports the 2-norm only; got norm_type={norm_type!r}")
+        return self._zero.clip_grad_norm_(max_norm)
+
+
+def _ensure_process_group(device: torch.device) -> None:
+    """ZeroAdam needs a process group; a plain `python train.py` (no launcher) has none: one of one rank."""
+    if dist.is_initialized():
+        return
+    backend = "gloo" if device.type == "cpu" else f"cpu:gloo,{device.type}:nccl"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+class ZeroTrainerMixin:
+    """Put before a transformers.Trainer subclass: `class ZeroSFTTrainer(ZeroTrainerMixin, SFTTrainer)`.
+    zero: ZeroAdam's options ({"stage": 3, "units": ..., "comm": CommPolicy(...), ...}), except those
+    TrainingArguments owns (learning_rate, adam_beta1/2, adam_epsilon, weight_decay, max_grad_norm,
+    bf16 / fp16: mixed_precision may be given only to refine them, e.g. a MixedPrecisionPolicy with
+    reduce_dtype=torch.float32)."""
+
+    def __init__(self, *args, zero: Optional[dict] = None, **kwargs):
+        if zero is not None and not isinstance(zero, dict):
+            raise TypeError(f"ZeroTrainer: zero must be a dict of ZeroAdam options; got {type(zero).__name__}")
+        zero = dict(zero or {})
+        for key, arg in _FROM_ARGS.items():
+            if key in zero:
+                raise ValueError(f"ZeroTrainer: zero={{'{key}': ...}} is set by TrainingArguments ({arg}); "
+                                 f"set it there")
+        self.zero = zero
+        optimizers = kwargs.get("optimizers", (None, None))
+        if optimizers[0] is not None and not isinstance(optimizers[0], ZeroAdam):
+            raise ValueError(f"ZeroTrainer: optimizers=({type(optimizers[0]).__name__}, ...) next to zero=; the "
+                             f"trainer builds its ZeroAdam (pass optimizers=(None, scheduler), or a ZeroAdam)")
+        if kwargs.get("optimizer_cls_and_kwargs") is not None:
+            raise ValueError("ZeroTrainer: optimizer_cls_and_kwargs= next to zero=; the trainer builds ZeroAdam")
+        super().__init__(*args, **kwargs)
+        self._check_arguments()
+
+    def _check_arguments(self) -> None:
+        a = self.args
+        if a.n_gpu > 1:
+            raise ValueError(f"ZeroTrainer: one process per GPU (torchrun), not nn.DataParallel over {a.n_gpu}")
+        if a.fp16_full_eval or a.bf16_full_eval:
+            raise ValueError("ZeroTrainer: fp16_full_eval / bf16_full_eval cast the model, whose parameters "
+                             "ZeroAdam owns; use bf16= / fp16=")
+        if a.auto_find_batch_size:
+            raise ValueError("ZeroTrainer: auto_find_batch_size retries a step after running out of memory, "
+                             "which leaves ZeroAdam's collectives in flight; set the batch size")
+        if a.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"ZeroTrainer: the device is {a.device.type!r}; zerofast runs on CPU and CUDA")
+        ga = a.accelerator_config.gradient_accumulation_kwargs or {}
+        if ga.get("sync_each_batch") and a.gradient_accumulation_steps > 1:
+            raise ValueError("ZeroTrainer: gradient_accumulation_kwargs sync_each_batch: ZeroAdam's no_sync "
+                             "decides what each micro-batch communicates")
+        if getattr(self.model, "is_loaded_in_4bit", False) or getattr(self.model, "is_loaded_in_8bit", False):
+            raise ValueError("ZeroTrainer: quantized (bitsandbytes) models are not supported")
+        if a.optim not in _ADAMW:
+            raise ValueError(f"ZeroTrainer: optim={str(getattr(a.optim, 'value', a.optim))!r}; ZeroAdam is AdamW (optim='adamw_torch')")
+        self._mixed_precision()  # a disagreement between zero= and bf16= / fp16= is named now
+
+    # --- the accelerator: no DDP, no autocast, no GradScaler -------------------------------------
+
+    def _build_accelerator_args(self, **kwargs):
+        if self.args.deepspeed or self.args.deepspeed_plugin is not None:
+            raise ValueError("ZeroTrainer: zero= and DeepSpeed are exclusive: unset deepspeed=")
+        if self.args.fsdp or self.args.fsdp_plugin_args is not None:
+            raise ValueError("ZeroTrainer: zero= and FSDP are exclusive: unset fsdp=")
+        args = super()._build_accelerator_args(**kwargs)
+        args["mixed_precision"] = "no"  # ZeroAdam's own bf16 / fp16: the model runs in that dtype
+        return args
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:  # from `accelerate launch`'s config or env
+            raise ValueError("ZeroTrainer: zero= with DeepSpeed or FSDP enabled in Accelerate's configuration")
+        self.accelerator.__class__ = _ZeroAccelerator  # see [Note: the Trainer's accelerator]
+
+    # --- the optimizer ---------------------------------------------------------------------------
+
+    def _mixed_precision(self):
+        """bf16= / fp16= (or ACCELERATE_MIXED_PRECISION) as ZeroAdam's mixed_precision; zero= may
+        refine it with a MixedPrecisionPolicy of the same parameter dtype."""
+        mode = self.args.mixed_precision
+        if mode not in ("no", "bf16", "fp16"):
+            raise ValueError(f"ZeroTrainer: mixed precision {mode!r} is not supported (bf16, fp16 or none)")
+        wanted = None if mode == "no" else mode
+        given = self.zero.get("mixed_precision")
+        if given is None:
+            return wanted
+        dtype = given.param_dtype if isinstance(given, MixedPrecisionPolicy) else {
+            "bf16": torch.bfloat16, "fp16": torch.float16}.get(given)
+        if {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype) != wanted:
+            raise ValueError(f"ZeroTrainer: zero={{'mixed_precision': {given!r}}} disagrees with the arguments' "
+                             f"bf16={self.args.bf16}, fp16={self.args.fp16}")
+        return given
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is not None:  # given as optimizers=(ZeroAdam, ...)
+            self.accelerator._zero = self.optimizer
+            return self.optimizer
+        opt_model = self.model if model is None else model
+        _ensure_process_group(self.args.device)
+        decay = set(self.get_decay_parameter_names(opt_model))
+        named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        options = dict(self.zero, mixed_precision=self._mixed_precision())
+        self.optimizer = ZeroAdam(opt_model, lr=self.args.learning_rate,
+                                  betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon,
+                                  weight_decay=self.args.weight_decay, param_groups=[g for g in groups if g["params"]],
+                                  **options)
+        self.accelerator._zero = self.optimizer
+        return self.optimizer
+
+    # --- clipping and the logged grad_norm -------------------------------------------------------
+
+    def _clip_grad_norm(self, model):
+        return self.optimizer.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return self.optimizer.clip_grad_norm_(float("inf")) if grad_norm is None else grad_norm
+
+    # --- saving ----------------------------------------------------------------------------------
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False):
+        """A consolidated model that from_pretrained loads (with PEFT: the adapter), written by the
+        ranks that save (args.should_save) from opt.full_state_dict(): gathered unit by unit, so no
+        rank holds more than the model on the CPU plus one unit. Every rank must call it."""
+        if not isinstance(self.optimizer, ZeroAdam):
+            return super().save_model(output_dir, _internal_call)
+        output_dir = self.args.output_dir if output_dir is None else output_dir
+        state_dict = self.optimizer.full_state_dict(keep=self.args.should_save)
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        if not isinstance(self.optimizer, ZeroAdam):
+            return super()._save_optimizer_and_scheduler(output_dir)
+        path = os.path.join(output_dir, ZERO_DIR)
+        if self.args.process_index == 0 and os.path.exists(path):
+            shutil.rmtree(path)  # checkpoint-N written again at the same step; zerofast never overwrites
+        zckpt.save(path, self.model, self.optimizer)  # every rank its shard; barriers inside
+        if self.args.should_save:
+            with warnings.catch_warnings(record=True):
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    # --- resuming --------------------------------------------------------------------------------
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # The Trainer loads weights here, before the optimizer exists; a zerofast checkpoint holds them
+        # and is loaded with the optimizer (_load_optimizer_and_scheduler), at any world size or stage.
+        if os.path.isdir(os.path.join(resume_from_checkpoint, ZERO_DIR)):
+            return None
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, ZERO_DIR)
+        if not os.path.isdir(path):
+            if os.path.isfile(os.path.join(checkpoint, "optimizer.pt")):
+                raise ValueError(f"ZeroTrainer: {checkpoint} was written by a plain Trainer (optimizer.pt, no "
+                                 f"{ZERO_DIR}/); convert it with zerofast.checkpoint.from_torch")
+            return
+        zckpt.load(path, self.model, self.optimizer)
+        with warnings.catch_warnings(record=True):
+            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+    def _load_best_model(self):
+        if not isinstance(self.optimizer, ZeroAdam):
+            return super()._load_best_model()
+        zckpt.load(os.path.join(self.state.best_model_checkpoint, ZERO_DIR), self.model, self.optimizer)
+
+
+class ZeroTrainer(ZeroTrainerMixin, Trainer):
+    """transformers.Trainer with ZeroAdam: ZeroTrainer(..., zero={"stage": 3, ...})."""
+
+
+def __getattr__(name: str):
+    if name == "ZeroSFTTrainer":  # TRL's SFTTrainer with ZeroAdam, made where trl imports
+        try:
+            from trl import SFTTrainer
+        except ImportError as e:
+            raise AttributeError(f"zerofast.integrations.hf.ZeroSFTTrainer needs trl ({e})") from e
+        cls = type("ZeroSFTTrainer", (ZeroTrainerMixin, SFTTrainer), {
+            "__module__": __name__, "__doc__": "trl.SFTTrainer with ZeroAdam: ZeroSFTTrainer(..., zero={...})."})
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
