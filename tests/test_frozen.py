@@ -21,6 +21,7 @@ from zerofast.layout import ALIGN
 from zerofast.tools.models import make_gpt
 
 STEPS = 3
+DEEP = 4  # blocks of the mostly frozen GPT: more than the two a rank may hold gathered at once
 TOL = fp32_tol(STEPS)  # see the tolerances in tests/oracles.py
 
 
@@ -39,12 +40,12 @@ class LoRA(nn.Module):
         return self.base(x) + self.up(self.down(x))
 
 
-def lora_gpt(keep_wpe: bool = False, checkpointing=None):
+def lora_gpt(keep_wpe: bool = False, checkpointing=None, n_layer: int = 2):
     """The tiny GPT, every parameter frozen (the tied embedding too), LoRA on each block's fc. With
     keep_wpe the position embedding trains too (so the blocks' inputs need a gradient, as reentrant
     checkpointing wants); checkpointing: None, or use_reentrant for torch.utils.checkpoint around
     each block."""
-    model = make_gpt("tiny")
+    model = make_gpt("tiny", n_layer=n_layer)
     for p in model.parameters():
         p.requires_grad_(False)
     torch.manual_seed(5)
@@ -127,10 +128,24 @@ def _params(opt, model) -> dict[str, torch.Tensor]:
 def _mostly_frozen(rank, world):
     out = {}
     for partition in ("flat", "greedy"):
-        model = lora_gpt()
+        model = lora_gpt(n_layer=DEEP)
         opt = ZeroAdam(model, **zero_options(3, partition=partition, min_unit_mb=0), **HYPER)
+        samples = []
+
+        def sample(*_):
+            samples.append(opt.materialized_param_bytes())
+        for block in model.blocks:  # inside every block's forward and backward, at both ends
+            block.register_forward_pre_hook(sample)
+            block.register_forward_hook(sample)
+            block.register_full_backward_pre_hook(sample)
+            block.register_full_backward_hook(sample)
         train_steps(model, opt, rank, STEPS)
-        r = dict(after=opt.materialized_param_bytes(), report=opt.units_report(),
+        # Each unit gathered at its padded size, trainable and frozen parts together.
+        parts = opt.units.buffers.parts
+        unit_bytes = [sum(p.layout.buckets[p.bucket_of[u]].numel * 4 for p in parts if p.bucket_of[u] is not None)
+                      for u in range(len(opt.units_report()))]
+        r = dict(after=opt.materialized_param_bytes(), report=opt.units_report(), peak=max(samples),
+                 samples=len(samples), root=unit_bytes[0], blocks=sorted(unit_bytes[1:], reverse=True),
                  memory=opt.memory_report(), comm=opt.comm_stats(),
                  buckets=len(opt.layout.buckets) + len(opt.frozen.layout.buckets),
                  grad_numel=opt.layout.shard_numel(rank), frozen_numel=opt.frozen.layout.shard_numel(rank),
@@ -138,7 +153,7 @@ def _mostly_frozen(rank, world):
         r["params"] = _params(opt, model)
         r["after_gathered"] = opt.materialized_param_bytes()
         out[partition] = r
-    model = lora_gpt()
+    model = lora_gpt(n_layer=DEEP)
     opt = ZeroAdam(model, stage=2, **HYPER)
     train_steps(model, opt, rank, STEPS)
     out["stage 2"] = _params(opt, model)
@@ -146,11 +161,11 @@ def _mostly_frozen(rank, world):
 
 
 def test_mostly_frozen_model_holds_a_shard_and_trains_exactly():
-    model = lora_gpt()
+    model = lora_gpt(n_layer=DEEP)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert trainable < 0.05 * total
-    expected = single_process(lora_gpt, 2, STEPS)
+    expected = single_process(lambda: lora_gpt(n_layer=DEEP), 2, STEPS)
     for rank, out in enumerate(run_ranks(_mostly_frozen, 2)):
         for partition in ("flat", "greedy"):
             r = out[partition]
@@ -167,6 +182,10 @@ def test_mostly_frozen_model_holds_a_shard_and_trains_exactly():
             assert r["after"] == (r["grad_numel"] + r["frozen_numel"]) * 4
             assert r["after"] <= bound and r["after"] < 0.6 * total * 4, (r["after"], bound, total * 4)
             assert r["after_gathered"] == r["after"], "gathered_params() must release the frozen parts too"
+            # Inside a block: the shard, the root's unit and at most two blocks' units (the current one
+            # and the prefetched one), frozen parts included; nothing else stays gathered.
+            assert r["samples"] >= 2 * STEPS
+            assert r["after"] < r["peak"] <= r["after"] + r["root"] + sum(r["blocks"][:2]), (r["peak"], r["after"])
             # No gradient or optimizer bytes for the frozen parameters: only the trainable shard's.
             assert r["memory"]["grad_shard"] == r["grad_numel"] * 4
             assert r["memory"]["optimizer"] == r["grad_numel"] * 8
@@ -196,6 +215,7 @@ def _mixed(rank, world):
     opt = ZeroAdam(model, **zero_options(2, mixed_precision="bf16"), **HYPER)
     train_steps(model, opt, rank, STEPS)
     out["bf16 stage 2"] = {k: v.float() for k, v in _params(opt, model).items()}
+    out["stage 2 shards no frozen"] = opt.frozen_named_params == () and opt.frozen is None
     return out
 
 
@@ -213,6 +233,7 @@ def test_tied_frozen_embedding_mixed_modules_and_one_kind_units():
             assert [b is None for b in r["buckets"]] == [True, False, True, False, False]
         # bf16: the frozen parameters converted and sharded too; the same training as stage 2's.
         assert max_abs_diff(out["bf16"], out["bf16 stage 2"]) == 0.0
+        assert out["stage 2 shards no frozen"]
 
 
 # --- checkpoints: frozen parameters saved from their shards, loaded into another stage ---------------
