@@ -44,7 +44,7 @@ from .. import checkpoint as zckpt
 from ..config import MixedPrecisionPolicy
 from ..optim.zero_adam import ZeroAdam
 
-__all__ = ["ZeroTrainer", "ZeroTrainerMixin", "ZeroSFTTrainer"]
+__all__ = ["ZeroTrainer", "ZeroTrainerMixin"]  # and ZeroSFTTrainer, made on first use where trl imports
 
 ZERO_DIR = "zerofast"  # checkpoint-N/zerofast: the sharded zerofast checkpoint
 _ADAMW = {OptimizerNames.ADAMW_TORCH, OptimizerNames.ADAMW_TORCH_FUSED}
@@ -153,7 +153,8 @@ class ZeroTrainerMixin:
         if getattr(self.model, "is_loaded_in_4bit", False) or getattr(self.model, "is_loaded_in_8bit", False):
             raise ValueError("ZeroTrainer: quantized (bitsandbytes) models are not supported")
         if a.optim not in _ADAMW:
-            raise ValueError(f"ZeroTrainer: optim={str(getattr(a.optim, 'value', a.optim))!r}; ZeroAdam is AdamW (optim='adamw_torch')")
+            optim = str(getattr(a.optim, "value", a.optim))
+            raise ValueError(f"ZeroTrainer: optim={optim!r}; ZeroAdam is AdamW (optim='adamw_torch')")
         self._mixed_precision()  # a disagreement between zero= and bf16= / fp16= is named now
 
     # --- the accelerator: no DDP, no autocast, no GradScaler -------------------------------------
