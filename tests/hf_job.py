@@ -95,6 +95,7 @@ def train():
             if RANK == 0:
                 res[stage]["checkpoint"] = sorted(os.listdir(os.path.join(OUT, "stage3", "checkpoint-2")))
     res["lora"] = lora()
+    res["precision"] = precision()
     if RANK == 0:
         with open(os.path.join(OUT, "train.json"), "w") as f:
             json.dump(res, f)
@@ -119,8 +120,26 @@ def lora():
                           train_dataset=TinyLM(), zero={"stage": 3})
     trainer.train()
     out["zero"] = logs(trainer)
+    # Stage 3 shards the frozen base too: the parameter storage alive on this rank after training.
+    out["param_bytes"] = trainer.optimizer.materialized_param_bytes()
+    out["all_bytes"] = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    out["units"] = len(trainer.optimizer.units_report())
     save("lora-zero", params(trainer, only_trainable=True))
     trainer.save_model(os.path.join(OUT, "lora-adapter"))
+    return out
+
+
+def precision():
+    """bf16=True and fp16=True map to ZeroAdam's mixed precision (stage 2): the model in that dtype,
+    no autocast and no GradScaler from Accelerate, fp16 with ZeroAdam's loss scale."""
+    out = {}
+    for flag in ("bf16", "fp16"):
+        trainer = ZeroTrainer(model=gpt2(), args=arguments(os.path.join(OUT, flag), **{flag: True}),
+                              train_dataset=TinyLM(), zero={"stage": 2})
+        trainer.train()
+        out[flag] = {"logs": logs(trainer), "dtype": str(next(trainer.model.parameters()).dtype),
+                     "accelerate": [trainer.accelerator.mixed_precision, trainer.accelerator.native_amp],
+                     "mixed_precision": trainer.optimizer.mixed_precision, "loss_scale": trainer.optimizer.loss_scale}
     return out
 
 

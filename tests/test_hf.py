@@ -82,6 +82,21 @@ def test_zero_trainer_stages_equal_trainer_with_ddp(jobs):
     assert res["3"]["predictions"] == [4, 16, 96]
 
 
+def test_bf16_and_fp16_are_zero_adams_mixed_precision(jobs):
+    with open(os.path.join(jobs, "train.json")) as f:
+        res = json.load(f)
+    fp32 = res["2"]["logs"]
+    for flag, dtype, ulp in (("bf16", "torch.bfloat16", 2.0**-7), ("fp16", "torch.float16", 2.0**-10)):
+        r = res["precision"][flag]
+        assert r["dtype"] == dtype and r["mixed_precision"] == flag, r
+        assert r["accelerate"] == ["no", False], r  # no autocast, no GradScaler from Accelerate
+        assert (r["loss_scale"] > 1.0) == (flag == "fp16"), r  # ZeroAdam's own loss scaling, fp16 only
+        # The same training in that dtype: each loss within 8 ulps of the dtype (LOG_REL's 8 chained
+        # products, each rounding once in the low-precision forward) of the fp32 run's.
+        for (loss, _, lr), (loss0, _, lr0) in zip(r["logs"], fp32):
+            assert lr == lr0 and abs(loss - loss0) <= 8 * ulp * abs(loss0), (flag, loss, loss0)
+
+
 def test_checkpoint_holds_zerofast_shards_beside_the_trainers_files(jobs):
     with open(os.path.join(jobs, "train.json")) as f:
         files = json.load(f)["3"]["checkpoint"]
@@ -112,6 +127,9 @@ def test_lora_stage3_equals_ddp_and_saves_the_trained_adapter(jobs):
     with open(os.path.join(jobs, "train.json")) as f:
         res = json.load(f)["lora"]
     _close_logs(res["zero"], res["ddp"], "LoRA stage 3 with gradient checkpointing")
+    # The frozen base is sharded: after a step a rank holds about (all parameters) / 2, plus padding
+    # (each unit's trainable and frozen buckets padded to world x ALIGN = 8 elements of 4 bytes).
+    assert res["param_bytes"] <= res["all_bytes"] / 2 + res["units"] * 2 * 8 * 4, res
     mine, ddp = _load(jobs, "train-lora-zero.pt"), _load(jobs, "train-lora-ddp.pt")
     assert mine and all("lora_" in n for n in mine)
     assert _max_diff(mine, ddp) <= fp32_tol(STEPS)
