@@ -7,7 +7,6 @@ A GPT-2-small-shaped model (124M parameters, from its config, random weights), f
 warm-up steps, and per rank the parameter storage alive after a step and the peak RSS.
 """
 import json
-import os
 import statistics
 import sys
 import tempfile
