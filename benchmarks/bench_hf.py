@@ -1,5 +1,6 @@
 """The Hugging Face Trainer with ZeroAdam (ZeroTrainer stages 1-3) next to transformers.Trainer +
-DDP and Trainer + FSDP2 (Accelerate's FSDP plugin), full fine-tuning and LoRA, on a
+DDP and Trainer + FSDP2 (Accelerate's FSDP plugin), and ZeroAdam in a hand-written loop on the
+same model and batches (loop1-3: what the Trainer adds), full fine-tuning and LoRA, on a
 GPT-2-small-shaped model (124M parameters, from its config), 2 gloo ranks x 1 thread, one torchrun
 launch per case (benchmarks/hf_bench_job.py). Each case: the median step time after two warm-up
 steps, and per rank the parameter storage alive after a step and the peak RSS; one run, the
@@ -18,7 +19,7 @@ pytest.importorskip("peft")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "benchmarks", "hf_bench_job.py")
-SYSTEMS = ["ddp", "fsdp2", "zero1", "zero2", "zero3"]
+SYSTEMS = ["ddp", "fsdp2", "zero1", "zero2", "zero3", "loop1", "loop2", "loop3"]
 _RESULTS = {}
 
 

@@ -1,7 +1,8 @@
 """One case of benchmarks/bench_hf.py, under torchrun: `python -m torch.distributed.run --standalone
 --nproc-per-node 2 benchmarks/hf_bench_job.py SYSTEM TUNING OUT`. SYSTEM: ddp (transformers.Trainer,
 which wraps the model in DDP), fsdp2 (Trainer with Accelerate's FSDP plugin, version 2), zero1,
-zero2, zero3 (ZeroTrainer). TUNING: full or lora (peft, r=8 on the attention projections).
+zero2, zero3 (ZeroTrainer), loop1-3 (a hand-written loop with
+ZeroAdam at that stage, no Trainer). TUNING: full or lora (peft, r=8 on the attention projections).
 A GPT-2-small-shaped model (124M parameters, from its config, random weights), fp32, sequences of
 128 tokens, 1 per rank, accumulation 1. Rank 0 writes OUT.json: the median step time after two
 warm-up steps, and per rank the parameter storage alive after a step and the peak RSS.
@@ -68,8 +69,44 @@ def model():
     return m
 
 
+def own_loop(stage: int, clock: Clock) -> None:
+    """The same model, data and batch in a hand-written loop with ZeroAdam: what ZeroTrainer adds."""
+    from zerofast import ZeroAdam
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    m = model()
+    opt = ZeroAdam(m, stage=stage, lr=1e-4, weight_decay=0.0)
+    data = Tokens()
+    for step in range(STEPS):
+        x = data.x[step * world + rank:step * world + rank + 1]
+        clock.t0 = time.perf_counter()
+        m(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        clock.times.append(time.perf_counter() - clock.t0)
+    clock.param_bytes = parameter_bytes(m, opt)
+
+
 def main():
     clock = Clock()
+    if SYSTEM.startswith("loop"):
+        own_loop(int(SYSTEM[-1]), clock)
+        wrapped, sharded_by_fsdp = "none", False
+    else:
+        wrapped, sharded_by_fsdp = trainer_run(clock)
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    mine = {"param_bytes": clock.param_bytes, "peak_rss": peak}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() == 0:
+        with open(OUT + ".json", "w") as f:
+            json.dump({"step_s": statistics.median(clock.times[WARMUP:]), "ranks": everyone, "wrapped": wrapped,
+                       "fsdp_dtensors": sharded_by_fsdp,
+                       "params": sum(p.numel() for p in model().parameters())}, f)
+
+
+def trainer_run(clock: Clock):
     with tempfile.TemporaryDirectory() as out:
         kw = dict(output_dir=out, use_cpu=True, ddp_backend="gloo", per_device_train_batch_size=1,
                   max_steps=STEPS, learning_rate=1e-4, report_to=[], save_strategy="no", disable_tqdm=True,
@@ -85,18 +122,7 @@ def main():
         else:
             trainer = Trainer(model=model(), args=args, train_dataset=Tokens(), callbacks=[clock])
         trainer.train()
-        wrapped = type(trainer.model_wrapped).__name__
-        sharded_by_fsdp = any(hasattr(p, "to_local") for p in trainer.model.parameters())
-    with open("/proc/self/status") as f:
-        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    mine = {"param_bytes": clock.param_bytes, "peak_rss": peak}
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    if dist.get_rank() == 0:
-        with open(OUT + ".json", "w") as f:
-            json.dump({"step_s": statistics.median(clock.times[WARMUP:]), "ranks": everyone, "wrapped": wrapped,
-                       "fsdp_dtensors": sharded_by_fsdp,
-                       "params": sum(p.numel() for p in model().parameters())}, f)
+        return type(trainer.model_wrapped).__name__, any(hasattr(p, "to_local") for p in trainer.model.parameters())
 
 
 main()
