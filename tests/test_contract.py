@@ -142,3 +142,13 @@ def test_errors_are_exported():
     assert GradientError is zerofast._C.GradientError and issubclass(GradientError, RuntimeError)
     assert {"CollectiveError", "OutOfStepError", "StepNotAppliedError", "GradientError",
             "CommPolicy"} <= set(zerofast.__all__)
+
+
+def test_estimator_command_line_rejects_what_zero_adam_rejects(capsys):
+    """--bucket-mb with --stage 3 alone is ZeroAdam's error (stage 3's buckets are its units); in the
+    table of every stage it sets stages 1 and 2's; --bucket-buffers 0 (no bound) is accepted."""
+    with pytest.raises(SystemExit) as exit_info:
+        estimate_main(["--params", "1B", "--world", "8", "--stage", "3", "--bucket-mb", "8"])
+    assert exit_info.value.code == 2 and "bucket_mb sets stages 1 and 2's buckets" in capsys.readouterr().err
+    assert estimate_main(["--params", "1B", "--world", "8", "--bucket-mb", "8", "--bucket-buffers", "0"]) == 0
+    assert "stage 3" in capsys.readouterr().out

@@ -181,9 +181,13 @@ def main(argv=None) -> int:
     stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
     rows = []
     for s in stages:
-        # stage 3 takes no bucket size (its buckets are its units): the option applies to the others
-        stage_comm = CommPolicy(bucket_buffers=comm.bucket_buffers) if s == 3 else comm
-        rows.append(estimate_memory(args.params, args.world, s, precisions[args.precision], stage_comm))
+        # Stage 3 takes no bucket size (its buckets are its units): in the table of every stage the
+        # option applies to the others; asked for stage 3 alone, it is ZeroAdam's error.
+        stage_comm = CommPolicy(bucket_buffers=comm.bucket_buffers) if s == 3 and args.stage is None else comm
+        try:
+            rows.append(estimate_memory(args.params, args.world, s, precisions[args.precision], stage_comm))
+        except ValueError as e:
+            p.error(str(e))
     print(f"Φ = {args.params:,} parameters, N = {args.world} ranks, {args.precision} Adam; bytes per rank")
     print(format_table(rows))
     return 0
