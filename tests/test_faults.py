@@ -91,7 +91,11 @@ def _rank_main(rank, world, port, stage, point, sig_name, out_dir):
     from zerofast.tools.train import exit_on_fault
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
+    # The rendezvous waits up to a minute for a peer that starts late (five cases start at once on a
+    # loaded machine: a 4 s rendezvous failed here once before any fault); the collectives, what the
+    # test is about, wait TIMEOUT_S.
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
     model = make_gpt("tiny", n_layer=4)
     opt = ZeroAdam(model, **zero_options(stage, bucket_mb=0.002, min_unit_mb=0), **HYPER)
     state = {"step": 0}
