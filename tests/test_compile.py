@@ -80,11 +80,7 @@ def _eager(rank):
 def _train_stage3(model, run, rank):
     """ZeroAdam stage 3 built over `model` now, trained STEPS steps through `run`."""
     opt = ZeroAdam(model, stage=3, **HYPER)
-    for step in range(STEPS):
-        _, loss = run(*rank_batch(model, step, rank))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(model, opt, rank, STEPS, forward=lambda m, x, y, step: run(x, y)[1])
     with opt.gathered_params():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return params, opt
@@ -128,11 +124,7 @@ def _compiled_before(rank, world):
             run(*rank_batch(model, 0, rank))[1].backward()
             model.zero_grad(set_to_none=True)
         opt = ZeroAdam(model, stage=2, comm=CommPolicy(overlap_param_gather=True), **HYPER)
-        for step in range(STEPS):
-            _, loss = run(*rank_batch(model, step, rank))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+        train_steps(model, opt, rank, STEPS, forward=lambda m, x, y, step, run=run: run(x, y)[1])
         with opt.gathered_params():
             out["overlapped gather", how] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out

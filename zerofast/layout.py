@@ -157,3 +157,15 @@ def layout_from_groups(numels: list[int], groups: list[list[int]], world: int,
             bounds = tuple(bounds)
         buckets.append(Bucket(index, tuple(members), total, bounds))
     return Layout(world, owners is None, tuple(buckets), tuple(slots[i] for i in range(len(numels))))
+
+
+def bind_views(params: list, layout: Layout, buffers: list) -> None:
+    """Make each parameter a view of its slot in `buffers` (one flat buffer per bucket of `layout`),
+    its values copied in first: what the optimizer's and stage 3's frozen flat buffers both do."""
+    import torch
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            s = layout.slots[i]
+            view = buffers[s.bucket].narrow(0, s.offset, s.numel).view_as(p)
+            view.copy_(p)
+            p.data = view

@@ -17,7 +17,7 @@ import torch
 
 from .. import _ops
 from ..config import Plan
-from ..layout import Layout, Piece
+from ..layout import Layout, Piece, bind_views
 
 
 @dataclass(frozen=True)
@@ -61,12 +61,8 @@ class ShardState:
         self.pieces: list[Piece] = layout.pieces(rank)
         self.steps = [0] * len(params)  # per parameter, as torch.optim keeps it
         originals = [p.detach() for p in params]
+        bind_views(params, layout, self.param_buffers)
         with torch.no_grad():
-            for i, p in enumerate(params):
-                s = layout.slots[i]
-                view = self.param_buffers[s.bucket].narrow(0, s.offset, s.numel).view_as(p)
-                view.copy_(p)
-                p.data = view
             for pc in (self.pieces if mixed else []):
                 src = originals[pc.param].reshape(-1)[pc.param_offset:pc.param_offset + pc.numel]
                 self.master[pc.state_offset:pc.state_offset + pc.numel].copy_(src)

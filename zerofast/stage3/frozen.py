@@ -33,7 +33,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from ..layout import Layout, Piece, layout_from_groups
+from ..layout import Layout, Piece, bind_views, layout_from_groups
 from ..partition import owners_for
 
 
@@ -67,12 +67,7 @@ class FrozenShard:
         self.buffers = [torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buckets]
         self.shard = torch.zeros(layout.shard_numel(rank), dtype=dtype, device=device)
         self.pieces: list[Piece] = layout.pieces(rank)
-        with torch.no_grad():
-            for i, p in enumerate(params):
-                s = layout.slots[i]
-                view = self.buffers[s.bucket].narrow(0, s.offset, s.numel).view_as(p)
-                view.copy_(p)
-                p.data = view
+        bind_views(params, layout, self.buffers)
 
     @property
     def dtype(self) -> torch.dtype:
