@@ -108,6 +108,21 @@ def train_steps(model, opt, rank: int, steps: int, *, start: int = 0, forward=No
     return losses
 
 
+def single_process_clipped(world: int, max_norms: list[float]) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """AdamW on one process over the global batch, with torch.nn.utils.clip_grad_norm_ at step k's
+    max_norms[k] (inf: measure only) before each step; the parameters and the norms it returned."""
+    model = make_gpt("tiny")
+    opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+    norms = []
+    for step, max_norm in enumerate(max_norms):
+        total = sum(model(*rank_batch(model, step, r))[1] for r in range(world)) / world
+        total.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
 def single_process_adamw(world: int, steps: int, size: str = "tiny", hyper=HYPER) -> dict[str, torch.Tensor]:
     """torch.optim.AdamW on one process over the concatenation of every rank's batch."""
     model = make_gpt(size)

@@ -8,26 +8,13 @@ import math
 import torch
 
 from harness import run_ranks
-from oracles import HYPER, fp32_tol, max_abs_diff, norm_rel_tol, rank_batch
+from oracles import HYPER, fp32_tol, max_abs_diff, norm_rel_tol, rank_batch, single_process_clipped
 from zerofast import LossScalePolicy, MixedPrecisionPolicy, ZeroAdam
 from zerofast.tools.models import make_gpt
 
 # Per step: the max_norm given to clip_grad_norm_ (inf: measure only), as trainers log the norm
 # every step and clip in some.
 CLIPS = [math.inf, 0.3, math.inf, 0.3]
-
-
-def single_process(world):
-    model = make_gpt("tiny")
-    opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
-    norms = []
-    for step, max_norm in enumerate(CLIPS):
-        total = sum(model(*rank_batch(model, step, r))[1] for r in range(world)) / world
-        total.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
-        opt.step()
-        opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
 def _trainer_loop(rank, world):
@@ -57,7 +44,7 @@ def _trainer_loop(rank, world):
 
 def test_trainer_calls_match_adamw_with_clip_grad_norm():
     world = 2
-    want, want_norms = single_process(world)
+    want, want_norms = single_process_clipped(world, CLIPS)
     assert want_norms[1] > 0.3 and want_norms[3] > 0.3, f"clipping must act in the clipped steps: {want_norms}"
     numel = sum(p.numel() for p in want.values())
     for rank, out in enumerate(run_ranks(_trainer_loop, world)):
