@@ -23,7 +23,6 @@ on the rank where it happened, and never says that a peer failed.
 """
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
@@ -72,10 +71,6 @@ def group_timeout(group: dist.ProcessGroup) -> Optional[timedelta]:
         except (RuntimeError, AttributeError, ValueError):
             continue
     return None
-
-
-def debug_from_env() -> bool:
-    return os.environ.get("ZEROFAST_DEBUG", "0") not in ("", "0")
 
 
 _KINDS = ("reduce", "gather", "agree_used", "agree_stats", "forward")
