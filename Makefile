@@ -16,7 +16,10 @@ export ZEROFAST_CUDA
 # transformers (also the tests' models, built from a config, no download), accelerate, peft (LoRA),
 # trl (SFTTrainer) and datasets (trl's).
 HF_DEPS  := "transformers==5.24.0" "accelerate==1.15.0" "peft==0.21.2" "trl==1.16.0" "datasets==5.2.0"
-PIP_DEPS := "$(TORCH_SPEC)" ninja setuptools wheel pytest pytest-benchmark numpy matplotlib $(HF_DEPS)
+# Lightning, both packages, for zerofast.integrations.lightning / .pytorch_lightning (ZeroStrategy
+# subclasses their DDPStrategy and Precision, written against these versions).
+LIGHTNING_DEPS := "lightning==2.6.6" "pytorch-lightning==2.6.6"
+PIP_DEPS := "$(TORCH_SPEC)" ninja setuptools wheel pytest pytest-benchmark numpy matplotlib $(HF_DEPS) $(LIGHTNING_DEPS)
 
 PY      := $(VENV)/bin/python
 # The marker names the package list, so a venv made before a package was added gets it.

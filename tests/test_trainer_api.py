@@ -1,8 +1,8 @@
-"""What trainers (transformers.Trainer, Accelerate, Lightning) call on an optimizer, on 2 gloo ranks
+"""What trainers (transformers.Trainer, Accelerate, Lightning) call on an optimizer, on gloo ranks
 in every stage, against single-process torch.optim.AdamW with torch.nn.utils.clip_grad_norm_ on the
 global batch: clip_grad_norm_(inf) only measuring, clip_grad_norm_(max_norm) clipping, an external
 model.zero_grad() after step() (and before a backward), zero_grad(set_to_none=False),
-optimizer.train()/eval(), and step_was_skipped on an fp16 overflow."""
+optimizer.train()/eval(), step_was_skipped on an fp16 overflow, and clip_grad_value_ (3 ranks)."""
 import math
 
 import torch
@@ -55,6 +55,59 @@ def test_trainer_calls_match_adamw_with_clip_grad_norm():
             for got, n0 in zip(norms, want_norms):  # a norm summed in another order: norm_rel_tol
                 assert math.isclose(got, n0, rel_tol=norm_rel_tol(numel)), f"{where}: norm {got} vs torch {n0}"
             assert skipped == [False] * len(CLIPS), where
+
+
+# Per step: clip_grad_value_'s bound (None: none), then clip_grad_norm_'s max_norm (None: none), as
+# Lightning's gradient_clip_algorithm="value" and a user clipping both ways would call them.
+VALUE_CLIPS = [(0.002, None), (None, None), (0.002, 0.01), (0.002, None)]
+
+
+def _value_clip_loop(rank, world):
+    out = {}
+    for stage in (1, 2, 3):
+        model = make_gpt("tiny")
+        opt = ZeroAdam(model, stage=stage, **HYPER)
+        norms = []
+        for step, (value, max_norm) in enumerate(VALUE_CLIPS):
+            _, loss = model(*rank_batch(model, step, rank))
+            loss.backward()
+            if value is not None:
+                opt.clip_grad_value_(value)
+            if max_norm is not None:  # the norm of the clamped gradient
+                norms.append(float(opt.clip_grad_norm_(max_norm)))
+            opt.step()
+            opt.zero_grad()
+        with opt.gathered_params():
+            out[stage] = ({n: p.detach().clone() for n, p in model.named_parameters()}, norms)
+    return out
+
+
+def test_clip_grad_value_matches_adamw_with_clip_grad_value():
+    """clip_grad_value_ clamps each rank's reduced shard: on 3 ranks (a bound carried through a
+    non-power-of-two average) in every stage, against torch.nn.utils.clip_grad_value_ (and then
+    clip_grad_norm_) on the averaged gradient of the global batch."""
+    world = 3
+    model = make_gpt("tiny")
+    opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+    want_norms, clamped = [], []
+    for step, (value, max_norm) in enumerate(VALUE_CLIPS):
+        total = sum(model(*rank_batch(model, step, r))[1] for r in range(world)) / world
+        total.backward()
+        if value is not None:
+            clamped.append(sum(int((p.grad.abs() > value).sum()) for p in model.parameters()))
+            torch.nn.utils.clip_grad_value_(model.parameters(), value)
+        if max_norm is not None:
+            want_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        opt.zero_grad()
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert min(clamped) > 0 and want_norms[0] > 0.01, f"both clips must act: {clamped}, {want_norms}"
+    numel = sum(p.numel() for p in want.values())
+    for rank, out in enumerate(run_ranks(_value_clip_loop, world)):
+        for stage, (params, norms) in out.items():
+            where = f"stage {stage} rank {rank}"
+            assert max_abs_diff(params, want) <= fp32_tol(len(VALUE_CLIPS)), where  # as every multi-rank test
+            assert math.isclose(norms[0], want_norms[0], rel_tol=norm_rel_tol(numel)), where
 
 
 def _fp16_overflow(rank, world):

@@ -51,10 +51,12 @@ def to_torch(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
 
 def from_torch(model_state_dict: dict[str, torch.Tensor], optim_state_dict: Optional[dict], model: nn.Module,
-               opt: ZeroAdam) -> None:
+               opt: ZeroAdam, param_order: Optional[list[torch.Tensor]] = None) -> None:
     """Continue a plain-torch run in ZeroAdam: `model_state_dict` (model.state_dict() of the same
-    architecture) and, optionally, the state dict of torch.optim.AdamW over model.parameters() (or
-    over the trainable ones), in full on every rank; each rank keeps what it owns."""
+    architecture) and, optionally, the state dict of torch.optim.AdamW, in full on every rank; each
+    rank keeps what it owns. param_order: the model's parameters in the order of that state dict's
+    indices (its param_groups' lists, one after another: [p for g in adamw.param_groups for p in
+    g["params"]] of an AdamW built the same way); default model.parameters(), or the trainable ones."""
     missing = [k for k in model.state_dict(keep_vars=True) if k not in model_state_dict]
     if missing:
         raise ValueError(f"zerofast.checkpoint.from_torch: model_state_dict has no {missing[0]} "
@@ -67,7 +69,7 @@ def from_torch(model_state_dict: dict[str, torch.Tensor], optim_state_dict: Opti
     names = [n for n, _ in opt.named_params]
     moments, groups = {}, groups_by_name(opt)  # without an AdamW state dict: zero moments, our hyper-parameters
     if optim_state_dict is not None:
-        order = _adamw_param_order(optim_state_dict, model, opt)
+        order = _adamw_param_order(optim_state_dict, model, opt, param_order)
         moments = {order[k]: v for k, v in optim_state_dict["state"].items() if order[k] is not None}
         keys = ("lr", "betas", "eps", "weight_decay")
         groups = [{**{k: g[k] for k in keys if k in g}, "params": [names[order[k]] for k in g["params"]
@@ -92,9 +94,15 @@ def from_torch(model_state_dict: dict[str, torch.Tensor], optim_state_dict: Opti
                       "param_groups": groups, "loss_scaler": None})
 
 
-def _adamw_param_order(optim_state_dict: dict, model: nn.Module, opt: ZeroAdam) -> list[Optional[int]]:
+def _adamw_param_order(optim_state_dict: dict, model: nn.Module, opt: ZeroAdam,
+                       param_order: Optional[list[torch.Tensor]]) -> list[Optional[int]]:
     """Index k of the AdamW state dict -> ZeroAdam's parameter index (None: not managed)."""
     count = sum(len(g["params"]) for g in optim_state_dict["param_groups"])
+    if param_order is not None:
+        if len(param_order) != count:
+            raise ValueError(f"zerofast.checkpoint.from_torch: the optimizer state dict holds {count} parameters; "
+                             f"param_order has {len(param_order)}")
+        return [opt.param_index(p) for p in param_order]
     everything = list(model.parameters())
     trainable = [p for p in everything if p.requires_grad]
     params = everything if count == len(everything) else trainable if count == len(trainable) else None

@@ -344,7 +344,12 @@ class GradReducer:
         before the update ([Note: the step's agreement]), and, where loss scaling or clipping needs
         them, on whether any gradient overflowed and on the global gradient norm. check: this rank's
         last checks before the update; what it raises makes every rank raise, nothing applied."""
-        if self.phase is StepPhase.PREPARED:  # clip_grad_norm_() ran it; it computed the norm
+        if self.phase is StepPhase.PREPARED:  # clip_grad_norm_() or clip_grad_value_() ran it
+            if need_norm and self._prepared.norm is None:  # clip_grad_value_(): the norm of the clamped gradient
+                sumsq = torch.zeros(1, dtype=torch.float32, device=self.shard.grad_shard.device)
+                sumsq[0] = sum(torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in self.shard.owned_grads())
+                self.comm.all_reduce_sum(sumsq)
+                self._prepared.norm = sumsq[0].sqrt() / (world_size * self.scaler.scale)
             return self._prepared
         failure = None
         try:
@@ -423,6 +428,15 @@ class GradReducer:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         prep.grad_factor *= float(coef)
         return norm
+
+    def clamp(self, prep: Prepared, max_abs: float, world_size: int) -> None:
+        """torch.nn.utils.clip_grad_value_ on the averaged, unscaled gradient (after any clip so far,
+        prep.grad_factor): elementwise, so each rank clamping its own reduced shard clamps the
+        whole gradient, with no communication. The shard holds the gradient summed over the ranks
+        and scaled (its padding is zero), so the bound is carried into those units."""
+        bound = max_abs * world_size * self.scaler.scale / prep.grad_factor
+        for g in self.shard.owned_grads():
+            g.clamp_(-bound, bound)
 
     def remove(self) -> None:
         self.path.remove_hooks()

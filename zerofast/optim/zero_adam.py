@@ -329,6 +329,20 @@ class ZeroAdam(torch.optim.Optimizer):
         return self._grads.clip(self._grads.prepare(True, self.world_size, check=self._check_update),
                                 float(max_norm))
 
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every element of the step's gradient to [-clip_value, clip_value], as
+        torch.nn.utils.clip_grad_value_ on the whole model after DDP's average would (the averaged,
+        unscaled gradient). Call it after the last backward of a step and before step(); each rank
+        clamps its own reduced shard, elementwise, so it costs no communication beyond the step's."""
+        if not (isinstance(clip_value, (int, float)) and not isinstance(clip_value, bool) and clip_value > 0):
+            raise ValueError(f"ZeroAdam.clip_grad_value_: clip_value must be a number > 0; got {clip_value!r}")
+        if self._grads.phase.in_no_sync:
+            raise RuntimeError("ZeroAdam.clip_grad_value_() was called inside `with opt.no_sync():`; clip after "
+                               "the last backward of the step, outside it")
+        self.comm.where.phase = "clip_grad_value_() (the reduces and the agreement)"
+        prep = self._grads.prepare(False, self.world_size, check=self._check_update)
+        self._grads.clamp(prep, float(clip_value), self.world_size)
+
     @property
     def step_was_skipped(self) -> bool:
         """Whether the last step() applied nothing because some rank's fp16 gradients held an inf

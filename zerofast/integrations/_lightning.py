@@ -1,0 +1,414 @@
+"""ZeroAdam as a Lightning strategy: the code shared by `zerofast.integrations.lightning` (the
+`lightning` package, `lightning.pytorch`) and `zerofast.integrations.pytorch_lightning` (the
+`pytorch_lightning` package). The two packages hold the same classes under different names, and
+Lightning checks a strategy with isinstance against its own, so each module puts these mixins in
+front of its package's DDPStrategy and Precision; nothing here imports either package.
+
+Written against Lightning 2.6.6 (lightning and pytorch_lightning, pinned in the Makefile). The
+methods overridden are named after its sources (lightning/pytorch/strategies/ddp.py and
+strategy.py, plugins/precision/precision.py); a change there may move them. What maps to what:
+  - the launch, the process group, the samplers, reduce / barrier / broadcast: DDPStrategy's,
+    unchanged (Lightning's own launcher for `python script.py`, or torchrun's environment);
+  - the model is never wrapped in DDP: configure_optimizers' AdamW / Adam becomes a ZeroAdam over the
+    LightningModule with the same parameter groups and hyper-parameters (a ZeroAdam built there is
+    taken as it is), and its LR schedulers are pointed at the ZeroAdam's param_groups;
+  - accumulate_grad_batches: Lightning's block_backward_sync is ZeroAdam's no_sync;
+  - gradient_clip_val: ZeroAdam's clip_grad_norm_ (the global norm across shards) or, with
+    gradient_clip_algorithm="value", its clip_grad_value_ (elementwise on each rank's shard);
+  - precision: ZeroPrecision (below) maps the flag to ZeroAdam's mixed precision;
+  - checkpoints: a folder per checkpoint, `zerofast/` (a zerofast checkpoint, every rank its shard,
+    resharded on load at any world size or stage) beside `lightning.ckpt` (the loops', callbacks' and
+    schedulers' state, written by rank 0 through Lightning's CheckpointIO); the module's whole
+    state_dict only with save_full_weights=True.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import weakref
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from lightning_utilities.core.apply_func import apply_to_collection
+
+from .. import checkpoint as zckpt
+from ..config import MixedPrecisionPolicy, check_stage, resolve_plan
+from ..optim.zero_adam import ZeroAdam
+
+ZERO_DIR = "zerofast"             # <checkpoint>/zerofast: the sharded zerofast checkpoint
+LIGHTNING_FILE = "lightning.ckpt"  # <checkpoint>/lightning.ckpt: Lightning's own state, by rank 0
+WRITING = ".writing"              # the folder while it is written; renamed when complete
+
+# Lightning's precision flag -> ZeroAdam's mixed_precision ("-mixed" and "-true" alike: the model runs
+# in that dtype over an fp32 master shard, as DeepSpeed's bf16 / fp16 do; fp16 with loss scaling).
+PRECISIONS = {"32-true": None, "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16", "16-true": "fp16"}
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# The precision plugins Lightning's connector builds from a flag alone; any other plugin is the user's.
+_FLAG_PLUGINS = {"Precision", "MixedPrecision", "HalfPrecision", "DoublePrecision"}
+# Keys of torch.optim.Adam(W)'s param groups that choose its implementation, not its mathematics.
+_TORCH_ADAM_KEYS = {"foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay", "amsgrad",
+                    "maximize"}
+_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
+# The LightningModules a ZeroAdam built here manages: a second strategy must not lay out another.
+_MANAGED: "weakref.WeakKeyDictionary[nn.Module, ZeroAdam]" = weakref.WeakKeyDictionary()
+
+
+def _zero_dtype(precision: str) -> Optional[torch.dtype]:
+    return _DTYPES.get(PRECISIONS[precision])
+
+
+class ZeroPrecisionMixin:
+    """Lightning's precision flag as ZeroAdam's mixed precision: no autocast and no GradScaler. The
+    model runs in the parameters' dtype (ZeroAdam converts it when built), the floating-point tensors
+    of each batch are cast to it (convert_input, as Lightning's HalfPrecision and DeepSpeedPrecision
+    do), fp16's loss scaling is ZeroAdam's (backward goes through opt.backward), and clipping is
+    ZeroAdam's, across the shards."""
+
+    def __init__(self, precision: str = "32-true") -> None:
+        super().__init__()
+        if precision not in PRECISIONS:
+            raise ValueError(f"ZeroStrategy: precision={precision!r} is not supported; choose one of "
+                             f"{', '.join(PRECISIONS)} (zerofast keeps an fp32 master and Adam state)")
+        self.precision = precision
+        self.zero: Optional[ZeroAdam] = None  # set by the strategy once the optimizer exists
+
+    @property
+    def dtype(self) -> Optional[torch.dtype]:
+        return _zero_dtype(self.precision)
+
+    def convert_input(self, data: Any) -> Any:
+        dtype = self.dtype
+        if dtype is None:
+            return data
+        return apply_to_collection(data, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module  # ZeroAdam converts it when built (its fp32 master from the fp32 initial values)
+
+    def backward(self, tensor: torch.Tensor, model, optimizer, *args: Any, **kwargs: Any) -> None:
+        if self.zero is not None and self.zero.plan.scales_loss:
+            if args:
+                raise TypeError(f"ZeroStrategy: backward takes keyword arguments only under fp16; got {args!r}")
+            self.zero.backward(tensor, **kwargs)  # scaled by the loss scale, as ZeroAdam requires
+            return
+        model.backward(tensor, *args, **kwargs)
+
+    def clip_grad_by_norm(self, optimizer, clip_val) -> None:
+        self._require_zero("gradient_clip_val").clip_grad_norm_(float(clip_val))
+
+    def clip_grad_by_value(self, optimizer, clip_val) -> None:
+        self._require_zero("gradient_clip_val").clip_grad_value_(float(clip_val))
+
+    def _require_zero(self, what: str) -> ZeroAdam:
+        if self.zero is None:
+            raise RuntimeError(f"ZeroStrategy: {what} needs the ZeroAdam, which the strategy builds in fit()")
+        return self.zero
+
+
+def _track_step(opt: torch.optim.Optimizer) -> None:
+    """What torch's LRScheduler does to the optimizer it is built with (lr_scheduler.py,
+    patch_track_step_called): mark step() so that the scheduler can tell whether it ran, and so
+    does not warn wrongly that lr_scheduler.step() came first."""
+    if hasattr(opt.step, "_wrapped_by_lr_sched"):
+        return
+    ref, func = weakref.ref(opt), type(opt).step
+
+    @functools.wraps(func)
+    def step(*args, **kwargs):
+        me = ref()
+        me._opt_called = True
+        return func(me, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True
+    opt.step = step
+
+
+def _schedulers(scheduler) -> list:
+    """A scheduler and those it drives (SequentialLR, ChainedScheduler)."""
+    found = [scheduler]
+    for child in getattr(scheduler, "_schedulers", []):
+        found += _schedulers(child)
+    return found
+
+
+def zero_from(optimizer, module: nn.Module, stage: Optional[int], options: dict) -> ZeroAdam:
+    """The ZeroAdam that trains `module`: `optimizer` itself if it is one built on it, else one with
+    torch.optim.AdamW's / Adam's parameter groups and hyper-parameters (frozen parameters left out,
+    the groups' other keys, a scheduler's initial_lr, carried over)."""
+    if isinstance(optimizer, ZeroAdam):
+        if optimizer.model is not module:
+            raise ValueError(f"ZeroStrategy: configure_optimizers returned a ZeroAdam built on "
+                             f"{type(optimizer.model).__name__}, not on the LightningModule; build it as "
+                             f"ZeroAdam(self, ...)")
+        given = [k for k, v in dict(options, stage=stage).items() if v is not None]
+        if given:
+            raise ValueError(f"ZeroStrategy: {', '.join(sorted(given))} given to ZeroStrategy and a ZeroAdam "
+                             f"returned by configure_optimizers; set them in one place (the ZeroAdam's)")
+        return optimizer
+    kind = type(optimizer)
+    if kind not in (torch.optim.AdamW, torch.optim.Adam):
+        raise TypeError(f"ZeroStrategy: configure_optimizers returned {kind.__module__}.{kind.__qualname__}; "
+                        f"ZeroStrategy trains with ZeroAdam, converted from torch.optim.AdamW or torch.optim.Adam "
+                        f"(their parameter groups and hyper-parameters), or a ZeroAdam built on the "
+                        f"LightningModule (ZeroAdam(self, ...))")
+    for g, group in enumerate(optimizer.param_groups):
+        for flag in ("amsgrad", "maximize"):
+            if group.get(flag):
+                raise ValueError(f"ZeroStrategy: {kind.__name__}.param_groups[{g}] has {flag}=True, which ZeroAdam "
+                                 f"does not implement")
+    adamw = kind is torch.optim.AdamW or bool(optimizer.defaults.get("decoupled_weight_decay", False))
+    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    left_out = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in in_optimizer]
+    if left_out:
+        raise ValueError(f"ZeroStrategy: {left_out[0]} is trainable (requires_grad=True) but in no parameter group "
+                         f"of the {kind.__name__} ({len(left_out)} such); ZeroAdam trains every trainable parameter "
+                         f"of the module: set requires_grad=False on those it should not train")
+
+    def hyper(group: dict) -> dict:
+        lr = group["lr"]
+        return dict(lr=float(lr.item() if isinstance(lr, torch.Tensor) else lr),
+                    betas=tuple(float(b.item() if isinstance(b, torch.Tensor) else b) for b in group["betas"]),
+                    eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
+
+    # Frozen parameters are in no ZeroAdam group (torch.optim skips them: they get no gradient); an
+    # emptied group stays, so group i is still the scheduler's group i.
+    groups = [dict(hyper(group), params=[p for p in group["params"] if p.requires_grad])
+              for group in optimizer.param_groups]
+    first = groups[0]
+    zero = ZeroAdam(module, stage=2 if stage is None else stage, adamw=adamw, param_groups=groups,
+                    **{k: first[k] for k in _HYPER_KEYS}, **{k: v for k, v in options.items() if v is not None})
+    for mine, theirs in zip(zero.param_groups, optimizer.param_groups):
+        for key, value in theirs.items():  # a scheduler's keys (initial_lr, max_lr, ...), the user's own
+            if key not in mine and key not in _TORCH_ADAM_KEYS:
+                mine[key] = value
+    return zero
+
+
+class ZeroStrategyMixin:
+    """ZeroAdam's sharding in Lightning: put before the package's DDPStrategy (see the two modules).
+
+    stage: 1 shards the Adam state, 2 also the gradients, 3 also the parameters (and frozen ones);
+      None: 2, or the stage of a ZeroAdam configure_optimizers returns.
+    mixed_precision: only to refine the Trainer's precision flag (a MixedPrecisionPolicy of the same
+      parameter dtype, e.g. with reduce_dtype=torch.float32); the flag decides the dtype.
+    units, comm: ZeroAdam's (a UnitPolicy or the unit modules; a CommPolicy).
+    save_full_weights: also put the module's whole state_dict in lightning.ckpt (gathered; stage 3
+      one unit at a time), for tools that read a plain Lightning checkpoint. Off: the sharded
+      zerofast/ folder holds the weights, and zerofast.checkpoint.export makes a safetensors file.
+    The rest are DDPStrategy's: accelerator, parallel_devices, cluster_environment, checkpoint_io,
+    precision_plugin (a ZeroPrecision), process_group_backend, timeout, start_method.
+    """
+    strategy_name = "zero"
+
+    def __init__(self, stage: Optional[int] = None, *, mixed_precision=None, units=None, comm=None,
+                 save_full_weights: bool = False, **ddp_arguments: Any) -> None:
+        allowed = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
+                   "process_group_backend", "timeout", "start_method"}
+        unknown = sorted(set(ddp_arguments) - allowed)
+        if unknown:
+            raise TypeError(f"ZeroStrategy: unexpected argument {unknown[0]!r}: ZeroStrategy takes stage, "
+                            f"mixed_precision, units, comm, save_full_weights and DDPStrategy's "
+                            f"{', '.join(sorted(allowed))} (the model is never wrapped in DDP, so DDP's own "
+                            f"arguments do not apply)")
+        if stage is not None:
+            check_stage(stage)
+        # Every combination ZeroAdam rejects is named now, not at fit().
+        resolve_plan(2 if stage is None else stage, adamw=True, max_grad_norm=None, mixed_precision=mixed_precision,
+                     comm=comm, units=units)
+        if not isinstance(save_full_weights, bool):
+            raise TypeError(f"ZeroStrategy: save_full_weights must be a bool; got {save_full_weights!r}")
+        self.zero_stage = stage
+        self.zero_options = dict(mixed_precision=mixed_precision, units=units, comm=comm)
+        self.save_full_weights = save_full_weights
+        self.zero: Optional[ZeroAdam] = None
+        self._restored_zero = False  # load_checkpoint loaded the sharded state: nothing left for Lightning
+        self._torch_order: Optional[list] = None
+        super().__init__(**ddp_arguments)
+
+    # --- precision: whatever the connector builds from the flag becomes a ZeroPrecision -----------
+
+    @property
+    def precision_plugin(self):
+        return self._precision_plugin if self._precision_plugin is not None else self._precision_class()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin) -> None:
+        if plugin is None or isinstance(plugin, self._precision_class):
+            self._precision_plugin = plugin
+            return
+        name = type(plugin).__name__
+        if name not in _FLAG_PLUGINS:
+            raise ValueError(f"ZeroStrategy: the precision plugin {name} is not supported; pass precision= one of "
+                             f"{', '.join(PRECISIONS)} (ZeroAdam's mixed precision)")
+        self._precision_plugin = self._precision_class(getattr(plugin, "precision", "32-true"))
+
+    def _mixed_precision(self):
+        dtype = self.precision_plugin.dtype
+        given = self.zero_options["mixed_precision"]
+        wanted = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+        if given is None:
+            return wanted
+        given_dtype = given.param_dtype if isinstance(given, MixedPrecisionPolicy) else _DTYPES.get(given)
+        if given_dtype != dtype:
+            raise ValueError(f"ZeroStrategy: mixed_precision={given!r} disagrees with the Trainer's "
+                             f"precision={self.precision_plugin.precision!r}; the flag sets the dtype")
+        return given
+
+    # --- setup: no DDP; the optimizer becomes ZeroAdam --------------------------------------------
+
+    def setup(self, trainer) -> None:
+        if self._layer_sync is not None:
+            raise ValueError("ZeroStrategy: sync_batchnorm=True is not supported (ZeroAdam lays out the module's "
+                             "parameters when built; the conversion would replace modules under it)")
+        fitting = trainer.state.fn == "fit"
+        if self.zero is not None:  # this strategy trained the module: ZeroAdam's state is the model's
+            if fitting:
+                raise RuntimeError("ZeroStrategy: fit() was called again on a strategy whose ZeroAdam trained "
+                                   "this module; make a new Trainer (and resume with ckpt_path=...)")
+            self.accelerator.setup(trainer)
+            self.setup_precision_plugin()
+            return
+        if not fitting:  # evaluation only: the plain module on every rank, in the precision's dtype
+            super().setup(trainer)
+            if self.precision_plugin.dtype is not None:
+                self.model.to(self.precision_plugin.dtype)
+            return
+        self.accelerator.setup(trainer)
+        self.model_to_device()
+        self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def setup_optimizers(self, trainer) -> None:
+        super().setup_optimizers(trainer)
+        module = self.lightning_module
+        if len(self.optimizers) != 1:
+            raise ValueError(f"ZeroStrategy: configure_optimizers returned {len(self.optimizers)} optimizers; "
+                             f"ZeroStrategy trains the module with one ZeroAdam")
+        if module in _MANAGED:
+            raise RuntimeError("ZeroStrategy: this LightningModule is already managed by a ZeroAdam (an earlier "
+                               "fit); make a new module and resume from a checkpoint")
+        given = self.optimizers[0]
+        # The order of a plain checkpoint's AdamW state (load_model_state_dict): this optimizer's.
+        self._torch_order = [p for group in given.param_groups for p in group["params"]]
+        if isinstance(given, ZeroAdam):
+            wanted = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.precision_plugin.dtype)
+            if given.plan.mixed_precision != wanted:
+                raise ValueError(f"ZeroStrategy: the ZeroAdam's mixed_precision={given.plan.mixed_precision!r} "
+                                 f"disagrees with the Trainer's precision={self.precision_plugin.precision!r}")
+            zero = zero_from(given, module, self.zero_stage, self.zero_options)
+        else:
+            zero = zero_from(given, module, self.zero_stage,
+                             dict(self.zero_options, mixed_precision=self._mixed_precision()))
+        for config in self.lr_scheduler_configs:
+            for scheduler in _schedulers(config.scheduler):
+                if getattr(scheduler, "optimizer", None) is given:
+                    scheduler.optimizer = zero
+                    _track_step(zero)
+        _MANAGED[module] = zero
+        self.zero = zero
+        self.precision_plugin.zero = zero
+        self.optimizers = [zero]
+
+    @contextlib.contextmanager
+    def block_backward_sync(self):
+        if self.zero is None:
+            yield
+            return
+        with self.zero.no_sync():
+            yield
+
+    def teardown(self) -> None:
+        if self.zero is None:
+            return super().teardown()
+        # Not Strategy.teardown's lightning_module.cpu(): the parameters are views of ZeroAdam's flat
+        # buffers (stage 3: shards), which must stay where ZeroAdam put them for later validate /
+        # test / predict calls and checkpoints.
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    # --- checkpoints ------------------------------------------------------------------------------
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the sharded state loads into the ZeroAdam that setup() builds
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.zero is None:
+            return super().lightning_module_state_dict()
+        if not self.save_full_weights:
+            return {}
+        return self.zero.full_state_dict(keep=self.is_global_zero)  # every rank takes part in the gathers
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        if self.zero is None:
+            return super().optimizer_state(optimizer)
+        return {}  # in the sharded zerofast/ folder
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        """Every rank calls it (Trainer.save_checkpoint, ModelCheckpoint). The folder `filepath` is
+        written as `filepath.writing` and renamed when complete; one already there (ModelCheckpoint's
+        last.ckpt, saved again) is replaced only then."""
+        if self.zero is None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError("ZeroStrategy: storage_options is not supported (the shards are written with "
+                            "torch.distributed.checkpoint)")
+        path = os.path.abspath(self.broadcast(os.fspath(filepath)))  # rank 0's path on every rank
+        tmp = path + WRITING
+        if self.is_global_zero:
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)  # what a killed save left behind
+            os.makedirs(tmp)
+        self.barrier("ZeroStrategy.save_checkpoint")
+        zckpt.save(os.path.join(tmp, ZERO_DIR), self.lightning_module, self.zero)  # every rank its shard
+        if self.is_global_zero:
+            rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            if self.save_full_weights:
+                rest["state_dict"] = checkpoint["state_dict"]
+            self.checkpoint_io.save_checkpoint(rest, os.path.join(tmp, LIGHTNING_FILE))
+            old = path + ".replaced"
+            if os.path.lexists(path):
+                if os.path.isdir(path) and not os.path.islink(path):
+                    os.replace(path, old)
+                else:
+                    os.remove(path)
+            os.replace(tmp, path)
+            if os.path.exists(old):
+                shutil.rmtree(old)
+        self.barrier("ZeroStrategy.save_checkpoint")
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = os.fspath(checkpoint_path)
+        zero_dir = os.path.join(path, ZERO_DIR)
+        if not os.path.isdir(zero_dir):  # a plain Lightning checkpoint (DDP's ...): load_model_state_dict converts
+            return super().load_checkpoint(path, weights_only=weights_only)
+        loaded = self.checkpoint_io.load_checkpoint(os.path.join(path, LIGHTNING_FILE), weights_only=weights_only)
+        loaded.setdefault("optimizer_states", [])  # Lightning asks for the key; the state is in zerofast/
+        if self.zero is not None:
+            zckpt.load(zero_dir, self.lightning_module, self.zero)  # any world size, stage or precision
+            self._restored_zero = True
+        else:  # validate / test / predict: the whole model on each rank, from the shards
+            loaded["state_dict"], _ = zckpt.to_torch(zero_dir)
+        return loaded
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        if self._restored_zero:
+            return
+        if self.zero is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        # A plain Lightning checkpoint (DDPStrategy's): weights and, when fitting, AdamW's state.
+        states = checkpoint.get("optimizer_states") or [None]
+        if len(states) != 1:
+            raise ValueError(f"ZeroStrategy: the checkpoint holds {len(states)} optimizers' states; ZeroAdam is one")
+        fitting = self.lightning_module.trainer.state.fn == "fit"
+        zckpt.from_torch(checkpoint["state_dict"], states[0] if fitting else None, self.lightning_module, self.zero,
+                         param_order=self._torch_order)
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        if self.zero is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        # The sharded state came with the weights (load_checkpoint or load_model_state_dict).

@@ -1,0 +1,25 @@
+"""ZeroAdam as a strategy of Lightning (the `lightning` package, `lightning.pytorch`):
+
+    import lightning.pytorch as pl
+    from zerofast.integrations.lightning import ZeroStrategy
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=3), precision="bf16-mixed")
+    trainer.fit(module)     # configure_optimizers returns torch.optim.AdamW / Adam, or ZeroAdam(self, ...)
+
+For the `pytorch_lightning` package the same classes are in zerofast.integrations.pytorch_lightning.
+What maps to what, and the version it is written against: zerofast/integrations/_lightning.py.
+"""
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+
+from ._lightning import LIGHTNING_FILE, PRECISIONS, ZERO_DIR, ZeroPrecisionMixin, ZeroStrategyMixin
+
+__all__ = ["ZeroStrategy", "ZeroPrecision", "ZERO_DIR", "LIGHTNING_FILE", "PRECISIONS"]
+
+
+class ZeroPrecision(ZeroPrecisionMixin, Precision):
+    __doc__ = ZeroPrecisionMixin.__doc__
+
+
+class ZeroStrategy(ZeroStrategyMixin, DDPStrategy):
+    __doc__ = ZeroStrategyMixin.__doc__
+    _precision_class = ZeroPrecision

@@ -1,0 +1,25 @@
+"""ZeroAdam as a strategy of Lightning (the `pytorch_lightning` package):
+
+    import pytorch_lightning as pl
+    from zerofast.integrations.pytorch_lightning import ZeroStrategy
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=3), precision="bf16-mixed")
+    trainer.fit(module)     # configure_optimizers returns torch.optim.AdamW / Adam, or ZeroAdam(self, ...)
+
+For the `lightning` package (lightning.pytorch) the same classes are in zerofast.integrations.lightning.
+What maps to what, and the version it is written against: zerofast/integrations/_lightning.py.
+"""
+from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.strategies import DDPStrategy
+
+from ._lightning import LIGHTNING_FILE, PRECISIONS, ZERO_DIR, ZeroPrecisionMixin, ZeroStrategyMixin
+
+__all__ = ["ZeroStrategy", "ZeroPrecision", "ZERO_DIR", "LIGHTNING_FILE", "PRECISIONS"]
+
+
+class ZeroPrecision(ZeroPrecisionMixin, Precision):
+    __doc__ = ZeroPrecisionMixin.__doc__
+
+
+class ZeroStrategy(ZeroStrategyMixin, DDPStrategy):
+    __doc__ = ZeroStrategyMixin.__doc__
+    _precision_class = ZeroPrecision
