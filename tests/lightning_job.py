@@ -106,7 +106,7 @@ class Lit(pl.LightningModule):
 
 
 def trainer(strategy, epochs=EPOCHS, ckpt_dir=None, **kw):
-    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1)] if ckpt_dir else []
+    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1, save_last=True)] if ckpt_dir else []
     base = dict(accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=epochs, accumulate_grad_batches=2,
                 gradient_clip_val=1.0, logger=False, enable_progress_bar=False, enable_model_summary=False,
                 enable_checkpointing=bool(ckpt_dir), callbacks=callbacks, num_sanity_val_steps=2)
@@ -159,6 +159,8 @@ def train():
             res["stage3"]["validate"] = t.validate(module, loader(12, 1), verbose=False)[0]["val_loss"]
             res["stage3"]["predict"] = [p.tolist() for p in t.predict(module, loader(6, 2))]
             t.save_checkpoint(os.path.join(OUT, "by-hand.ckpt"))
+            t.strategy.save_full_weights = True  # the module's whole state_dict in lightning.ckpt too
+            t.save_checkpoint(os.path.join(OUT, "full.ckpt"))
             if dist.get_rank() == 0:
                 res["stage3"]["files"] = sorted(os.listdir(os.path.join(OUT, "by-hand.ckpt")))
                 res["stage3"]["ckpts"] = sorted(os.listdir(os.path.join(OUT, "ckpt-stage3")))

@@ -121,7 +121,8 @@ def test_validation_predict_and_checkpoint_files_in_stage3(jobs):
     assert res["validate"] == res["val_loss"]
     assert len(res["predict"]) == 1 and len(res["predict"][0]) == 3  # one batch of 3 sequences on rank 0
     assert res["files"] == [core.LIGHTNING_FILE, core.ZERO_DIR]
-    assert res["ckpts"] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt"]
+    # ModelCheckpoint's last.ckpt, replaced at every save; nothing left of the writes
+    assert res["ckpts"] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt", "last.ckpt"]
     ckpt = os.path.join(jobs, "ckpt-stage3", "epoch=2-step=12.ckpt")
     # Lightning's state beside the shards, without the module's weights (not materialised whole)
     state = torch.load(os.path.join(ckpt, core.LIGHTNING_FILE), weights_only=False)
@@ -131,6 +132,11 @@ def test_validation_predict_and_checkpoint_files_in_stage3(jobs):
     model, _ = to_torch(os.path.join(ckpt, core.ZERO_DIR))
     trained = _params(jobs, "train-stage3")
     assert _max_diff({k: model[k].float() for k in trained}, trained) == 0.0
+    last, _ = to_torch(os.path.join(jobs, "ckpt-stage3", "last.ckpt", core.ZERO_DIR))
+    assert _max_diff({k: last[k].float() for k in trained}, trained) == 0.0
+    # save_full_weights=True: the whole state_dict (gathered unit by unit) in lightning.ckpt as well
+    full = torch.load(os.path.join(jobs, "full.ckpt", core.LIGHTNING_FILE), weights_only=False)["state_dict"]
+    assert _max_diff({k: full[k].float() for k in trained}, trained) == 0.0
 
 
 def test_resume_in_a_fresh_launch_equals_the_uninterrupted_run(jobs):

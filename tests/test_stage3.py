@@ -181,3 +181,28 @@ def test_units_are_configurable():
         assert buckets == 3  # two blocks, and the root's remaining parameters
         assert max_abs_diff(params, expected) <= TOL
         assert errors == []
+
+
+def _evaluate_between_steps(rank, world):
+    """Lightning and Hugging Face evaluate under torch.inference_mode() (torch.no_grad() on gloo) in the
+    middle of training: stage 3 gathers there too, and training goes on afterwards."""
+    from oracles import Nested
+    model = Nested()
+    opt = ZeroAdam(model, stage=3, **HYPER)
+    evals = []
+    for step in range(4):
+        for mode in (torch.inference_mode, torch.no_grad):
+            with mode():
+                evals.append(model(*rank_batch(model, 100, rank))[1].item())
+        train_steps(model, opt, rank, 1, start=step)
+    return _full_params(opt, model), evals, opt.materialized_param_bytes(), opt.layout.shard_numel(rank) * 4
+
+
+def test_stage3_evaluates_under_inference_mode_between_steps():
+    from oracles import Nested
+    world = 2
+    want = single_process(Nested, world, 4)
+    for rank, (params, evals, held, shard_bytes) in enumerate(run_ranks(_evaluate_between_steps, world)):
+        assert max_abs_diff(params, want) <= fp32_tol(4), f"rank {rank}"
+        assert held == shard_bytes, f"rank {rank}: {held} bytes of parameters left gathered after evaluation"
+        assert evals[0::2] == evals[1::2], f"rank {rank}: inference_mode and no_grad disagree"
