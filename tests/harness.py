@@ -18,7 +18,8 @@
 - A rank still running after `timeout` seconds, or one that died: all ranks of that pool are killed
   (the next call starts a new pool) and the test fails naming the ranks that did not finish,
   instead of hanging the suite.
-- backend="nccl" (rank r on GPU r) spawns fresh processes every call, as each test needs its GPUs.
+- backend="nccl" (rank r on GPU r) spawns fresh processes every call, as each test needs its GPUs;
+  so does fresh=True on gloo.
 """
 from __future__ import annotations
 
@@ -137,12 +138,15 @@ def _close_pools() -> None:
     _POOLS.clear()
 
 
-def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0, backend: str = "gloo") -> list:
+def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0, backend: str = "gloo",
+              fresh: bool = False) -> list:
     """Run fn(rank, world_size, *args) on `world_size` ranks (gloo unless told; nccl puts rank r on
-    GPU r); return their results by rank."""
+    GPU r); return their results by rank. fresh=True: new processes for this call (gloo too), for
+    a test about what a process has accumulated (Dynamo's caches), which the pool carries over."""
+    pooled = backend == "gloo" and not fresh
     with tempfile.TemporaryDirectory(prefix="zerofast-ranks-") as outdir:
         paths = [os.path.join(outdir, f"rank{r}") for r in range(world_size)]
-        if backend == "gloo":
+        if pooled:
             pool = _POOLS.get(world_size)
             if pool is None or not all(p.is_alive() for p in pool.procs):
                 if pool is not None:
@@ -160,9 +164,9 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0, bac
                 p.start()
         hung, died, outcomes = _collect(procs, paths, timeout)
         broken = bool(hung or died or any(o is not None and not o["ok"] for o in outcomes))
-        if backend == "gloo" and broken:  # a rank may be stuck in a collective: start afresh next time
+        if pooled and broken:  # a rank may be stuck in a collective: start afresh next time
             _POOLS.pop(world_size).close(kill=True)
-        elif backend != "gloo":
+        elif not pooled:
             for p in procs:
                 p.join(timeout=5)
                 if p.is_alive():

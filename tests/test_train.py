@@ -146,7 +146,8 @@ def test_train_command_loss_goes_down(extra):
     (["--partition", "zigzag"], "--partition must be one of flat, round_robin, greedy; got 'zigzag'"),
     (["--mixed-precision", "fp8"], "--mixed-precision must be bf16 or fp16; got 'fp8'"),
     (["--max-grad-norm", "0"], "--max-grad-norm must be positive; got 0.0"),
-    (["--resume"], "--save-every, --keep and --resume need --save-dir"),
+    (["--resume"], "--save-every, --keep, --save-async and --resume need --save-dir"),
+    (["--save-async"], "--save-every, --keep, --save-async and --resume need --save-dir"),
     (["--save-dir", "d", "--keep", "1"], "--keep must be at least 2; got 1"),
     (["--save-dir", "d", "--save-every", "-1"], "--save-every must be 0 or more; got -1"),
     (["--timeout", "0"], "--timeout must be positive; got 0.0"),
@@ -172,14 +173,15 @@ def test_cli_exit_codes():
 
 def test_resume_continues_the_interrupted_run_bitwise(tmp_path):
     """8 steps in one go against 4 steps, a stop, and --resume to 8: the same final checkpoint, bitwise
-    (the data position is the step, and the RNG state travels in the checkpoint); then a resume on
-    3 ranks at stage 2 continues from the 2-rank stage-3 checkpoint."""
+    (the data position is the step, and the RNG state travels in the checkpoint); the interrupted
+    run saves asynchronously (--save-async), the whole one blocking; then a resume on 3 ranks at
+    stage 2 continues from the 2-rank stage-3 checkpoint."""
     from zerofast import checkpoint
     common = ["zerofast.train", "--nproc", "2", "--model", "tiny", "--stage", "3", "--batch", "4", "--lr", "1e-2"]
     whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
     for argv in ([*common, "--steps", "8", "--save-dir", whole],
-                 [*common, "--steps", "4", "--save-dir", split, "--save-every", "2", "--keep", "2"],
-                 [*common, "--steps", "8", "--save-dir", split, "--resume", "--keep", "2"]):
+                 [*common, "--steps", "4", "--save-dir", split, "--save-every", "2", "--keep", "2", "--save-async"],
+                 [*common, "--steps", "8", "--save-dir", split, "--resume", "--keep", "2", "--save-async"]):
         out = _run(*argv)
         assert out.returncode == 0, out.stdout + out.stderr
     assert "resumed from" in out.stdout + out.stderr and "at step 4" in out.stdout + out.stderr

@@ -7,14 +7,17 @@ configuration (world size, stage, partition, bucket size, units, precision).
     path = zerofast.checkpoint.latest(root)                             # latest complete, or None
 
 A checkpoint is a folder: DCP's files (the tensors: dcp.py, [Note: flat slices as chunks]), and
-beside them zerofast.pt (written by rank 0; the same on every rank and small: per-parameter step
+beside them zerofast.json (written by rank 0; the same on every rank and small: per-parameter step
 counts, the param_groups' hyper-parameters by parameter name, the fp16 loss scaler's state, and the
 caller's `extra`, returned by load() as saved) and manifest.json (io.py, [Note: atomic checkpoints]).
+Opening one runs no code from it (safe.py, [Note: safe checkpoints]).
 
 The package, by concern:
   dcp.py      flat ranges as boxes (ShardedTensor chunks), the DCP state dict of a rank's pieces,
               binding to the optimizer (ZeroAdam.state_dict / load_state_dict)
-  io.py       save / load in atomic folders, the manifest, latest(), keep=K's purge, info()
+  io.py       save / load in atomic folders, the manifest, latest(), keep=K's purge, info(), upgrade()
+  safe.py     reading without running code: the small state as tagged JSON, DCP's metadata through
+              an allowlist, byte records with weights_only=True
   convert.py  to_torch / from_torch: plain torch.optim.AdamW state, both ways
   export.py   the model as one safetensors file, streamed ([Note: streaming export])
   __main__.py `python -m zerofast.checkpoint info|export`
@@ -27,10 +30,12 @@ from __future__ import annotations
 from .convert import from_torch, to_torch
 from .dcp import boxes, load_state_dict, state_dict
 from .export import export
-from .io import INCOMPLETE, MANIFEST, SMALL, info, latest, load, save
+from .io import INCOMPLETE, MANIFEST, SMALL, info, latest, load, save, upgrade
+from .safe import SafeLoadPlanner, SafeReader, UnsafeCheckpoint
 
-__all__ = ["save", "load", "latest", "to_torch", "from_torch", "export", "info", "state_dict", "load_state_dict",
-           "boxes", "main", "MANIFEST", "SMALL", "INCOMPLETE"]
+__all__ = ["save", "load", "latest", "to_torch", "from_torch", "export", "info", "upgrade", "state_dict",
+           "load_state_dict", "boxes", "main", "SafeReader", "SafeLoadPlanner", "UnsafeCheckpoint", "MANIFEST", "SMALL",
+           "INCOMPLETE"]
 
 
 def main(argv=None) -> int:

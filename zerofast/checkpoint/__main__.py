@@ -1,5 +1,6 @@
-"""`python -m zerofast.checkpoint info|export ...`: inspect a checkpoint, or export its model as one
-safetensors file, in one process without a process group."""
+"""`python -m zerofast.checkpoint info|export|upgrade ...`: inspect a checkpoint, export its model as
+one safetensors file, in one process without a process group (neither runs code from the checkpoint:
+[Note: safe checkpoints]); or convert a trusted checkpoint of an older zerofast (upgrade)."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +8,7 @@ import os
 import sys
 
 from .export import export
-from .io import MANIFEST, info, latest
+from .io import MANIFEST, info, latest, upgrade
 
 
 def main(argv=None) -> int:
@@ -19,11 +20,19 @@ def main(argv=None) -> int:
     e.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     i = sub.add_parser("info", help="how the checkpoint was saved and what it holds")
     i.add_argument("path", help="a checkpoint, or a folder of them (its latest complete one)")
+    u = sub.add_parser("upgrade", help="convert a checkpoint of an older zerofast (its small state a pickle) to "
+                                       "JSON; reading the pickle can run code: only for a checkpoint you trust")
+    u.add_argument("path")
+    u.add_argument("--trust-pickle", action="store_true", help="say that you trust the checkpoint's origin")
     args = p.parse_args(argv)
     path = args.path
-    if not os.path.isfile(os.path.join(path, MANIFEST)) and latest(path) is not None:
-        path = latest(path)  # a folder of checkpoints: its latest complete one
     try:
+        if args.command == "upgrade":
+            upgrade(path, trust_pickle=args.trust_pickle)
+            print(f"upgraded {path}")
+            return 0
+        if not os.path.isfile(os.path.join(path, MANIFEST)) and latest(path) is not None:
+            path = latest(path)  # a folder of checkpoints: its latest complete one
         if args.command == "export":
             export(path, args.out, args.dtype)
             print(f"wrote {args.out}")

@@ -10,8 +10,9 @@ import torch
 import torch.distributed.checkpoint as torch_dcp
 import torch.nn as nn
 
+from . import safe
 from .dcp import finish_load, groups_by_name, sharded_tensors
-from .io import SMALL, read_manifest
+from .io import read_manifest, read_small
 
 if TYPE_CHECKING:
     from ..optim.zero_adam import ZeroAdam
@@ -31,16 +32,17 @@ def to_torch(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     parameters) and a torch.optim.AdamW state dict, read in this process without a process group.
     The optimizer's parameter indices follow the saved param_groups, each listing its parameters
     in model order: AdamW(model.parameters()) for one group."""
-    read_manifest(path)
-    small = torch.load(os.path.join(path, SMALL), weights_only=False)
-    meta = torch_dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    read_manifest(path)  # every file checked, the metadata through the allowlist: [Note: safe checkpoints]
+    small = read_small(path)
+    meta = safe.read_metadata(os.path.join(path, ".metadata")).state_dict_metadata
     model_sd = {k[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
                 for k, md in meta.items() if k.startswith("model.") and hasattr(md, "size")}
     names = [n for g in small["param_groups"] for n in g["params"]]
     moments = {n: {"exp_avg": torch.empty(model_sd[n].shape), "exp_avg_sq": torch.empty(model_sd[n].shape)}
                for n in names}
     with sharded_tensors():
-        torch_dcp.load({"model": model_sd, "optim": moments}, checkpoint_id=path, no_dist=True)
+        torch_dcp.load({"model": model_sd, "optim": moments}, storage_reader=safe.SafeReader(path),
+                       planner=safe.SafeLoadPlanner(), no_dist=True)
     defaults = _adamw_defaults()
     index = {n: i for i, n in enumerate(names)}
     groups = [{**defaults, **{k: (tuple(v) if k == "betas" else v) for k, v in g.items() if k != "params"},

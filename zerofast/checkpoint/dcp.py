@@ -28,9 +28,8 @@ chunks overlap them: any world size, stage or partition on either side.
 from __future__ import annotations
 
 import contextlib
-import pickle
 import warnings
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,7 +42,7 @@ if TYPE_CHECKING:  # annotations only: the optimizer imports this package, not t
     from ..optim.zero_adam import ZeroAdam
 
 __all__ = ["boxes", "facts", "tensors", "small_state", "finish_load", "groups_by_name", "state_dict",
-           "load_state_dict", "sharded_tensors"]
+           "load_state_dict", "sharded_tensors", "Staging"]
 
 
 class Facts(NamedTuple):
@@ -104,9 +103,10 @@ def _exact(view: torch.Tensor) -> torch.Tensor:
 class _Chunks:
     """For every trainable parameter, every rank's boxes under the optimizer's layout; with
     frozen=True, the same for stage 3's sharded frozen parameters under their own layout, whose
-    values are their shard in the parameters' dtype ([Note: frozen parameters in stage 3])."""
+    values are their shard in the parameters' dtype ([Note: frozen parameters in stage 3]). With
+    `staged`, the trainable values are views of its copy instead of the live state."""
 
-    def __init__(self, opt: ZeroAdam, frozen: bool = False):
+    def __init__(self, opt: ZeroAdam, frozen: bool = False, staged: Optional[Staging] = None):
         self.facts = facts(opt)
         rank, world, group = self.facts.rank, self.facts.world_size, self.facts.group
         named = opt.frozen_named_params if frozen else opt.named_params
@@ -117,7 +117,7 @@ class _Chunks:
             self.view = lambda pc, kind: fz.piece_view(pc)
         else:
             layout, self.dtype, self.device = opt.layout, torch.float32, opt.shard.device
-            self.view = opt.shard.piece_view
+            self.view = opt.shard.piece_view if staged is None else staged.piece_view
         self.global_ranks = [dist.get_global_rank(group, r) if group is not dist.group.WORLD else r
                              for r in range(world)]
         # per parameter: [(rank, offsets, sizes)] over every rank; this rank's: [(piece, offsets, sizes, start)]
@@ -158,10 +158,10 @@ class _Chunks:
 
 # --- the state dict: views into the live state (save reads them, load writes them) -----------------
 
-def _model_entries(model: nn.Module, opt: ZeroAdam, chunks: _Chunks) -> dict[str, Any]:
+def _model_entries(model: nn.Module, opt: ZeroAdam, chunks: _Chunks, staged: Optional[Staging] = None) -> dict[str, Any]:
     """Every key of model.state_dict(): managed parameters from the fp32 master, in their shape;
     stage 3's frozen parameters from their shard, as chunks too; other frozen parameters and buffers
-    as the model holds them (replicated on every rank)."""
+    as the model holds them (replicated on every rank; with `staged`, buffers from its copy)."""
     master, frozen = {}, {}
     frozen_chunks = _Chunks(opt, frozen=True) if opt.frozen_named_params else None
     out = {}
@@ -174,7 +174,7 @@ def _model_entries(model: nn.Module, opt: ZeroAdam, chunks: _Chunks) -> dict[str
             out[key] = frozen[j]
             continue
         if i is None:
-            out[key] = value.detach()
+            out[key] = value.detach() if staged is None or isinstance(value, nn.Parameter) else staged.buffer(key, value)
             continue
         if i not in master:  # a tied weight: one ShardedTensor under each of its names
             master[i] = chunks.sharded(i, "master")
@@ -187,12 +187,72 @@ def _optim_entries(opt: ZeroAdam, chunks: _Chunks) -> dict[str, Any]:
             for i, (name, _) in enumerate(opt.named_params)}
 
 
-def tensors(model: nn.Module, opt: ZeroAdam) -> dict[str, Any]:
+def tensors(model: nn.Module, opt: ZeroAdam, staged: Optional[Staging] = None) -> dict[str, Any]:
     """The checkpoint's tensors as a DCP state dict ({"model": ..., "optim": ...}), views into the
-    live state: dcp.save reads them, dcp.load writes into them. See the module docstring."""
+    live state: dcp.save reads them, dcp.load writes into them. See the module docstring. With
+    `staged` (an asynchronous save): the state is copied into it first, and the trainable values and
+    buffers are views of the copy, which the next step() does not touch."""
     opt.quiesce()  # stage 3: only the shard is the state
-    chunks = _Chunks(opt)
-    return {"model": _model_entries(model, opt, chunks), "optim": _optim_entries(opt, chunks)}
+    if staged is not None:
+        staged.copy_from(opt)
+    chunks = _Chunks(opt, staged=staged)
+    return {"model": _model_entries(model, opt, chunks, staged), "optim": _optim_entries(opt, chunks)}
+
+
+class Staging:
+    """An asynchronous save's copy of one rank's state, reused by every save of the optimizer (the
+    buffers are made by the first and refilled by the next, never reallocated): the fp32 master,
+    exp_avg and exp_avg_sq of this rank's shard, one flat tensor each, at the shard's own offsets
+    (so a piece's view is the same slice as in the live state), and the model's buffers (which
+    forwards may change: BatchNorm's statistics). Parameters that are not trained (frozen ones,
+    sharded or not) are written from the live state: step() never changes them. On a GPU the copy
+    lives in pinned host memory, so that the device-to-host copies run at full speed and the
+    writer thread reads host memory. Its size is the shard: 3 x 4 bytes per owned element, plus
+    the buffers (nbytes())."""
+
+    KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+    def __init__(self):
+        self.flat: dict[str, torch.Tensor] = {}
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def _host(self, like: torch.Tensor, shape, dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=like.device.type == "cuda")
+
+    def copy_from(self, opt: ZeroAdam) -> None:
+        """Copy the shard's state in (the caller has quiesced the optimizer); returns when the copy
+        is complete, so the live state may change at once."""
+        numel = opt.layout.shard_numel(opt.rank)
+        device = opt.shard.device
+        with torch.no_grad():
+            for kind in self.KINDS:
+                out = self.flat.get(kind)
+                if out is None or out.numel() != numel:
+                    out = self.flat[kind] = self._host(opt.shard.exp_avg, (numel,), torch.float32)
+                for pc in opt.shard.pieces:
+                    out[pc.state_offset:pc.state_offset + pc.numel].copy_(opt.shard.piece_view(pc, kind),
+                                                                          non_blocking=True)
+        self._device = device
+
+    def buffer(self, key: str, live: torch.Tensor) -> torch.Tensor:
+        """The copy of the model's buffer `key` (made or refilled now)."""
+        out = self.buffers.get(key)
+        if out is None or out.shape != live.shape or out.dtype != live.dtype:
+            out = self.buffers[key] = self._host(live, live.shape, live.dtype)
+        with torch.no_grad():
+            out.copy_(live.detach(), non_blocking=True)
+        return out
+
+    def synchronize(self) -> None:
+        """Wait for the device-to-host copies (no-op on the CPU)."""
+        if getattr(self, "_device", torch.device("cpu")).type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()
+
+    def piece_view(self, pc, kind: str) -> torch.Tensor:
+        return self.flat[kind][pc.state_offset:pc.state_offset + pc.numel]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [*self.flat.values(), *self.buffers.values()])
 
 
 def groups_by_name(opt: ZeroAdam) -> list[dict]:
@@ -204,7 +264,7 @@ def groups_by_name(opt: ZeroAdam) -> list[dict]:
 
 def small_state(opt: ZeroAdam) -> dict[str, Any]:
     """What is the same on every rank and small: step counts, param_groups by parameter name, the
-    loss scaler. Rank 0 writes it beside DCP's files (zerofast.pt), with the caller's `extra`."""
+    loss scaler. Rank 0 writes it beside DCP's files (zerofast.json, as JSON), with the caller's `extra`."""
     return {"steps": opt.shard.step_counts(), "param_groups": groups_by_name(opt),
             "loss_scaler": dict(opt.loss_scaler_state())}
 
@@ -241,8 +301,10 @@ def sharded_tensors():
 
 def state_dict(opt: ZeroAdam) -> dict[str, Any]:
     """ZeroAdam.state_dict(): tensors() (model and optimizer tensors, this rank's pieces, views of
-    the live state) and "zerofast": small_state() as pickled bytes, one opaque item for DCP."""
-    return {**tensors(opt.model, opt), "zerofast": pickle.dumps(small_state(opt))}
+    the live state) and "zerofast": small_state() as JSON bytes ([Note: safe checkpoints]), one
+    opaque item for DCP."""
+    from . import safe
+    return {**tensors(opt.model, opt), "zerofast": safe.dumps(small_state(opt), "ZeroAdam.state_dict()")}
 
 
 def load_state_dict(opt: ZeroAdam, loaded: dict[str, Any]) -> None:
@@ -250,4 +312,5 @@ def load_state_dict(opt: ZeroAdam, loaded: dict[str, Any]) -> None:
     if not isinstance(loaded, dict) or not isinstance(loaded.get("zerofast"), bytes) or "optim" not in loaded:
         raise ValueError("ZeroAdam.load_state_dict: pass the dict from this optimizer's state_dict() after "
                          "torch.distributed.checkpoint.load filled it (or use zerofast.checkpoint.load)")
-    finish_load(opt, pickle.loads(loaded["zerofast"]))
+    from . import safe
+    finish_load(opt, safe.loads(loaded["zerofast"], "ZeroAdam.load_state_dict: the state dict's 'zerofast' entry"))

@@ -11,8 +11,8 @@ import zlib
 from io import RawIOBase
 
 import torch
-import torch.distributed.checkpoint as torch_dcp
 
+from . import safe
 from .io import read_manifest
 
 __all__ = ["export"]
@@ -30,9 +30,9 @@ def export(path: str, out: str, dtype: str = "fp32") -> None:
     dtype: "fp32" or "bf16" for the floating-point tensors."""
     if dtype not in ("fp32", "bf16"):
         raise ValueError(f"zerofast.checkpoint.export: dtype must be fp32 or bf16; got {dtype!r}")
-    read_manifest(path)
+    read_manifest(path)  # every file checked, the metadata through the allowlist: [Note: safe checkpoints]
     want = torch.float32 if dtype == "fp32" else torch.bfloat16
-    metadata = torch_dcp.FileSystemReader(path).read_metadata()
+    metadata = safe.read_metadata(os.path.join(path, ".metadata"))
     where = {(index.fqn, tuple(index.offset)): info for index, info in metadata.storage_data.items()}
     entries = [(k, md) for k, md in metadata.state_dict_metadata.items() if k.startswith("model.") and hasattr(md, "size")]
     header, starts, offset = {}, {}, 0

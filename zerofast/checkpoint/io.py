@@ -3,7 +3,8 @@ purge, and reading a checkpoint's description without a process group (info).
 
 [Note: atomic checkpoints]
 DCP writes into `path + ".incomplete"`; when every rank's data and DCP's .metadata are written, rank
-0 adds zerofast.pt (small_state() and the caller's `extra`) and manifest.json (world size, stage,
+0 adds zerofast.json (small_state() and the caller's `extra`, as JSON: [Note: safe checkpoints] in
+safe.py) and manifest.json (world size, stage,
 partition, precision, versions, parameter names, shapes, dtypes, the optimizer's step and a save
 counter) and renames the folder to `path`. A run killed during a save leaves only the ".incomplete"
 folder, which latest() and load() never take.
@@ -22,67 +23,123 @@ import json
 import os
 import shutil
 import time
-from typing import TYPE_CHECKING, Optional
+import weakref
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as torch_dcp
 import torch.nn as nn
 
-from .dcp import facts, finish_load, sharded_tensors, small_state, tensors
+from . import background, safe
+from .background import AsyncSave
+from .dcp import Staging, facts, finish_load, sharded_tensors, small_state, tensors
 
 if TYPE_CHECKING:
     from ..optim.zero_adam import ZeroAdam
 
-__all__ = ["save", "load", "latest", "info", "read_manifest", "MANIFEST", "SMALL", "INCOMPLETE"]
+__all__ = ["save", "load", "latest", "info", "read_manifest", "read_small", "upgrade", "MANIFEST", "SMALL",
+           "INCOMPLETE"]
 
 MANIFEST = "manifest.json"
-SMALL = "zerofast.pt"
+SMALL = "zerofast.json"
+LEGACY_SMALL = "zerofast.pt"  # format 1: the small state as a pickle (upgrade() converts it)
 INCOMPLETE = ".incomplete"
+FORMAT = "zerofast-checkpoint-2"
 
 
 def save(path: str, model: nn.Module, opt: ZeroAdam, *, extra: Optional[dict] = None,
-         keep: Optional[int] = None) -> str:
+         keep: Optional[int] = None, blocking: bool = True) -> Union[str, AsyncSave]:
     """Write a checkpoint of `model` and its ZeroAdam `opt` to the folder `path` (every rank calls
-    it; each writes only what it owns). `extra` (LR scheduler state, data position, RNG: anything
-    picklable) comes back from load(). The folder appears only when complete: [Note: atomic
-    checkpoints]. keep=K (K >= 2): afterwards, delete all but the K latest complete checkpoints
-    beside it ([Note: which checkpoint is the latest]), never this one. Returns path."""
+    it; each writes only what it owns). `extra` (LR scheduler state, data position, RNG: plain
+    values, tensors, numpy arrays; stored as JSON, [Note: safe checkpoints]) comes back from load().
+    The folder appears only when complete: [Note: atomic checkpoints]. keep=K (K >= 2): afterwards,
+    delete all but the K latest complete checkpoints beside it ([Note: which checkpoint is the
+    latest]), never this one. Returns path.
+
+    blocking=False: copy this rank's shard (into memory reused by every such save: dcp.Staging) and
+    return an AsyncSave handle (.wait(), .done()) while a background thread writes the copy; the
+    next step() may run at once. A second save, load() and the process's exit wait for it; its
+    error is raised by .wait() or by the next save / load ([Note: asynchronous save])."""
+    background.settle()
     path = os.fspath(path)
     if keep is not None and not (isinstance(keep, int) and not isinstance(keep, bool) and keep >= 2):
         raise ValueError(f"zerofast.checkpoint.save: keep must be None or an integer >= 2; got {keep!r}")
+    if not isinstance(blocking, bool):
+        raise TypeError(f"zerofast.checkpoint.save: blocking must be True or False; got {blocking!r}")
     if os.path.exists(path):
         raise FileExistsError(f"zerofast.checkpoint.save: {path} exists; a checkpoint is never overwritten "
                               f"(choose a new folder per save, e.g. step-000100)")
+    small = safe.dumps({**small_state(opt), "extra": extra})  # every rank: a bad `extra` fails on all alike
+    steps = opt.step_counts()
+    manifest = _manifest(opt, step=max(steps.values(), default=0))
     f = facts(opt)
-    tmp = path + INCOMPLETE
-    if f.rank == 0 and os.path.exists(tmp):
-        shutil.rmtree(tmp)  # what a killed save left behind
-    dist.barrier(group=f.group)
+    if f.rank == 0 and os.path.exists(path + INCOMPLETE):
+        shutil.rmtree(path + INCOMPLETE)  # what a killed save left behind
+    if blocking:
+        dist.barrier(group=f.group)
+        with sharded_tensors():
+            state = tensors(model, opt)
+        _write(path, state, f.group, f.rank, small, manifest, keep)
+        return path
+    group = background.checkpoint_group(f.group, f.world_size)  # every rank, here: also the barrier above's role
+    staged = _STAGING.get(opt)
+    if staged is None:
+        staged = _STAGING[opt] = Staging()
     with sharded_tensors():
-        torch_dcp.save(tensors(model, opt), checkpoint_id=tmp, process_group=f.group)
-    dist.barrier(group=f.group)
-    if f.rank == 0:
-        root = os.path.dirname(os.path.abspath(path))
-        torch.save({**small_state(opt), "extra": extra}, os.path.join(tmp, SMALL))
-        with open(os.path.join(tmp, MANIFEST), "w") as out:
-            json.dump(_manifest(opt, _next_save_counter(root)), out, indent=1)
-        os.replace(tmp, path)
-        if keep is not None:
-            _purge(root, keep, path)
-    dist.barrier(group=f.group)
-    return path
+        state = tensors(model, opt, staged)
+    staged.synchronize()
+    dist.barrier(group=f.group)  # the stale ".incomplete" is gone on every rank's view before any writes
+    return background.submit(path, lambda: _write(path, state, group, f.rank, small, manifest, keep))
+
+
+_STAGING: "weakref.WeakKeyDictionary[ZeroAdam, Staging]" = weakref.WeakKeyDictionary()
+
+
+def staging_bytes(opt: ZeroAdam) -> int:
+    """Host memory held for `opt`'s asynchronous saves (0 before the first)."""
+    staged = _STAGING.get(opt)
+    return 0 if staged is None else staged.nbytes()
+
+
+def _write(path: str, state: dict, group, rank: int, small: bytes, manifest: dict, keep: Optional[int]) -> None:
+    """Write `state` (live views, or a staged copy) as the checkpoint `path`, every rank of `group`
+    calling: DCP into path + ".incomplete", then rank 0 adds the small state and the manifest,
+    renames the folder and purges ([Note: atomic checkpoints]). A failure: rank 0 removes the
+    unfinished folder (best effort) and every rank raises (DCP reports one rank's failure to all)."""
+    tmp = path + INCOMPLETE
+    try:
+        with sharded_tensors():
+            torch_dcp.save(state, checkpoint_id=tmp, process_group=group)
+        dist.barrier(group=group)
+        if rank == 0:
+            root = os.path.dirname(os.path.abspath(path))
+            with open(os.path.join(tmp, SMALL), "wb") as out:
+                out.write(small)
+            with open(os.path.join(tmp, MANIFEST), "w") as out:
+                json.dump({**manifest, "save_counter": _next_save_counter(root)}, out, indent=1)
+            os.replace(tmp, path)
+            if keep is not None:
+                _purge(root, keep, path)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dist.barrier(group=group)
 
 
 def load(path: str, model: nn.Module, opt: ZeroAdam) -> dict:
     """Load the checkpoint at `path` into `model` and its ZeroAdam `opt`, whatever world size,
     stage, partition, bucket size, units or precision either side uses; returns the `extra` saved
-    with it. Every rank calls it."""
+    with it. Every rank calls it (after this process's asynchronous save in flight, if any, ends).
+    Nothing in the checkpoint is run as code: [Note: safe checkpoints]."""
+    background.settle()
     path = os.fspath(path)
     _check_manifest(path, opt)
-    small = torch.load(os.path.join(path, SMALL), weights_only=False)
+    small = read_small(path)
     with sharded_tensors():
-        torch_dcp.load(tensors(model, opt), checkpoint_id=path, process_group=facts(opt).group)
+        torch_dcp.load(tensors(model, opt), storage_reader=safe.SafeReader(path), planner=safe.SafeLoadPlanner(),
+                       process_group=facts(opt).group)
     finish_load(opt, small)
     return small["extra"]
 
@@ -110,8 +167,7 @@ def _complete(root: str) -> list[tuple[tuple, str]]:
         manifest = os.path.join(folder, MANIFEST)
         if name.endswith(INCOMPLETE) or not os.path.isfile(manifest):
             continue
-        with open(manifest) as f:
-            found.append((_order(json.load(f), name), folder))
+        found.append((_order(_manifest_fields(manifest), name), folder))
     return sorted(found)
 
 
@@ -127,15 +183,15 @@ def _purge(root: str, keep: int, written: str) -> None:
             shutil.rmtree(folder)
 
 
-def _manifest(opt: ZeroAdam, save_counter: int) -> dict:
+def _manifest(opt: ZeroAdam, step: int) -> dict:
+    """The manifest but its save counter (rank 0 adds it when the folder is complete)."""
     from .. import __version__
     f = facts(opt)
-    steps = opt.step_counts()
     return {
-        "format": "zerofast-checkpoint-1", "created": time.time(), "world_size": f.world_size,
+        "format": FORMAT, "created": time.time(), "world_size": f.world_size,
         "stage": f.stage, "partition": f.partition, "precision": f.precision,
         "zerofast": __version__, "torch": torch.__version__,
-        "step": max(steps.values(), default=0), "save_counter": save_counter,
+        "step": step,
         "params": [{"name": n, "shape": list(p.shape), "dtype": str(p.dtype)} for n, p in opt.named_params],
     }
 
@@ -162,17 +218,25 @@ def _check_manifest(path: str, opt: ZeroAdam) -> None:
 # --- looking inside without a process group -------------------------------------------------------
 
 def read_manifest(path: str) -> dict:
-    """The manifest, after checking that every file the checkpoint's metadata points into exists
-    and is long enough: a missing or truncated file is an error naming it, raised by every rank
-    alike (each reads the metadata itself), before any collective."""
+    """The manifest, after checking every file the checkpoint is made of: the manifest's fields,
+    the small state (read_small), DCP's .metadata (through the allowlist: [Note: safe checkpoints]),
+    and that every data file the metadata points into exists and is long enough. A missing, damaged
+    or crafted file is an error naming it, raised by every rank alike (each reads the files itself),
+    before any collective and before anything else is read."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"zerofast.checkpoint: no checkpoint at {path}")
     manifest_path = os.path.join(path, MANIFEST)
-    for needed in (manifest_path, os.path.join(path, SMALL), os.path.join(path, ".metadata")):
+    if not os.path.isfile(manifest_path):
+        raise FileNotFoundError(f"zerofast.checkpoint: {manifest_path} is missing: not a complete zerofast checkpoint")
+    manifest = _manifest_fields(manifest_path)
+    if manifest["format"] != FORMAT or os.path.exists(os.path.join(path, LEGACY_SMALL)):
+        _refuse_legacy(path, manifest["format"])
+    for needed in (os.path.join(path, SMALL), os.path.join(path, ".metadata")):
         if not os.path.isfile(needed):
             raise FileNotFoundError(f"zerofast.checkpoint: {needed} is missing: not a complete zerofast checkpoint")
+    read_small(path)
     ends: dict[str, int] = {}
-    for item in torch_dcp.FileSystemReader(path).read_metadata().storage_data.values():
+    for item in safe.read_metadata(os.path.join(path, ".metadata")).storage_data.values():
         ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
     for name, end in sorted(ends.items()):
         data = os.path.join(path, name)
@@ -181,8 +245,79 @@ def read_manifest(path: str) -> dict:
         if os.path.getsize(data) < end:
             raise ValueError(f"zerofast.checkpoint: {data} is truncated: {os.path.getsize(data):,} bytes, the "
                              f"metadata needs {end:,}")
-    with open(manifest_path) as f:
-        return json.load(f)
+    return manifest
+
+
+def _manifest_fields(manifest_path: str) -> dict:
+    """manifest.json as JSON, its fields checked (format, step, save counter, parameters)."""
+    m = safe.read_json(manifest_path)
+    ok = isinstance(m, dict) and isinstance(m.get("format"), str)
+    if ok and m["format"] == FORMAT:
+        ok = (all(isinstance(m.get(k), int) and not isinstance(m.get(k), bool)
+                  for k in ("world_size", "stage", "step", "save_counter"))
+              and all(isinstance(m.get(k), str) for k in ("partition", "precision", "zerofast", "torch"))
+              and isinstance(m.get("params"), list)
+              and all(isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("dtype"), str)
+                      and isinstance(e.get("shape"), list) and all(isinstance(d, int) for d in e["shape"])
+                      for e in m["params"]))
+    if not ok:
+        raise ValueError(f"zerofast.checkpoint: {manifest_path} is not a zerofast manifest (its fields are missing "
+                         f"or of the wrong type): the file is damaged or was altered")
+    return m
+
+
+def read_small(path: str) -> dict:
+    """zerofast.json of the checkpoint at `path`: the small state and the caller's `extra`, decoded
+    from JSON ([Note: safe checkpoints]), its fields checked."""
+    where = os.path.join(path, SMALL)
+    with open(where, "rb") as f:
+        small = safe.loads(f.read(), where)
+    ok = (isinstance(small, dict) and {"steps", "param_groups", "loss_scaler", "extra"} <= small.keys()
+          and isinstance(small["steps"], dict)
+          and all(isinstance(k, str) and isinstance(v, int) for k, v in small["steps"].items())
+          and isinstance(small["param_groups"], list)
+          and all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                  and all(isinstance(n, str) for n in g["params"]) for g in small["param_groups"])
+          and (small["loss_scaler"] is None or isinstance(small["loss_scaler"], dict)))
+    if not ok:
+        raise ValueError(f"zerofast.checkpoint: {where} is not a zerofast small state (its fields are missing or "
+                         f"of the wrong type): the file is damaged or was altered")
+    return small
+
+
+def _refuse_legacy(path: str, fmt: str) -> None:
+    if fmt == "zerofast-checkpoint-1" and os.path.isfile(os.path.join(path, LEGACY_SMALL)):
+        raise ValueError(f"zerofast.checkpoint: {path} was written by an older zerofast, whose small state "
+                         f"({LEGACY_SMALL}) is a pickle, which can run code when opened. If you trust where it came "
+                         f"from, convert it once: python -m zerofast.checkpoint upgrade {path} --trust-pickle")
+    raise ValueError(f"zerofast.checkpoint: {path} has format {fmt!r}; this zerofast reads {FORMAT!r}")
+
+
+def upgrade(path: str, trust_pickle: bool = False) -> None:
+    """Convert a checkpoint written by an older zerofast (format 1: the small state as a pickle,
+    zerofast.pt) to this format (zerofast.json): only for a checkpoint whose origin you trust, as
+    reading the pickle can run code (trust_pickle=True says so). The tensors are not touched."""
+    manifest_path = os.path.join(path, MANIFEST)
+    manifest = _manifest_fields(manifest_path)
+    legacy = os.path.join(path, LEGACY_SMALL)
+    if manifest["format"] == FORMAT and not os.path.exists(legacy):
+        return
+    if manifest["format"] != "zerofast-checkpoint-1" or not os.path.isfile(legacy):
+        raise ValueError(f"zerofast.checkpoint.upgrade: {path} is not a format-1 zerofast checkpoint "
+                         f"(format {manifest['format']!r})")
+    if not trust_pickle:
+        raise ValueError(f"zerofast.checkpoint.upgrade: reading {legacy} unpickles it, which runs whatever code it "
+                         f"names; pass trust_pickle=True (--trust-pickle) only for a checkpoint you trust")
+    small = torch.load(legacy, weights_only=False)
+    data = safe.dumps(small, where=legacy)
+    with open(os.path.join(path, SMALL + ".tmp"), "wb") as out:
+        out.write(data)
+    os.replace(os.path.join(path, SMALL + ".tmp"), os.path.join(path, SMALL))
+    manifest.update(format=FORMAT, step=manifest.get("step", 0), save_counter=manifest.get("save_counter", 0))
+    with open(manifest_path + ".tmp", "w") as out:
+        json.dump(manifest, out, indent=1)
+    os.replace(manifest_path + ".tmp", manifest_path)
+    os.remove(legacy)
 
 
 def info(path: str) -> str:

@@ -61,6 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "steps and after the last step")
     p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (default: only at the end)")
     p.add_argument("--keep", type=int, default=None, help="keep only the newest K checkpoints (K >= 2)")
+    p.add_argument("--save-async", action="store_true",
+                   help="save in the background: each rank copies its shard and training goes on while a thread "
+                        "writes it (zerofast.checkpoint.save(blocking=False)); the job waits for the last one")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in --save-dir (model, optimizer, step, data "
                         "position, RNG), at any world size or stage; start afresh if there is none")
@@ -101,8 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--compare trains DDP and the reference stage from step 0 beside this run; use it without --resume")
     if args.save_every < 0:
         p.error(f"--save-every must be 0 or more; got {args.save_every}")
-    if (args.save_every or args.resume or args.keep is not None) and args.save_dir is None:
-        p.error("--save-every, --keep and --resume need --save-dir")
+    if (args.save_every or args.resume or args.keep is not None or args.save_async) and args.save_dir is None:
+        p.error("--save-every, --keep, --save-async and --resume need --save-dir")
     if args.keep is not None and args.keep < 2:
         p.error(f"--keep must be at least 2; got {args.keep}")
     if args.plot is not None:
@@ -245,8 +248,11 @@ def run(kind: str, args, device, steps: int, progress: bool, stage: Optional[int
         losses.append(mean_loss.item() / world)
         bar.update(step, losses[-1], args.batch * seq * world / times[-1])
         if checkpoints and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps):
-            save(os.path.join(args.save_dir, f"step-{step + 1:06d}"), model, opt, keep=args.keep,
-                 extra={"step": step + 1, "rng": torch.get_rng_state(), "losses": losses})
+            written = save(os.path.join(args.save_dir, f"step-{step + 1:06d}"), model, opt, keep=args.keep,
+                           extra={"step": step + 1, "rng": torch.get_rng_state(), "losses": losses},
+                           blocking=not args.save_async)
+            if step + 1 == steps and args.save_async:
+                written.wait()  # the last one: complete before the job reports and exits
     comm = opt.comm_stats() if isinstance(opt, ZeroAdam) else {}
     numel = sum(p.numel() for p in model.parameters())
     if isinstance(opt, ZeroAdam):

@@ -1,0 +1,107 @@
+"""Asynchronous saves: the writer thread, the checkpoint process group it talks on, and the handle a
+save(..., blocking=False) returns.
+
+[Note: asynchronous save]
+save(blocking=False) does on the caller's thread what must see the live state: it waits for the
+previous asynchronous save, checks its arguments, encodes the small state, and copies the rank's
+shard into the optimizer's Staging (dcp.py; reused, never reallocated). Then it returns, and the
+next step() may change the live state at once. The writer thread writes the staged copy exactly as
+a blocking save writes the live state (io._write: DCP into path + ".incomplete", rank 0 adds
+zerofast.json and manifest.json and renames it), so the folder still appears only when every rank's
+data and the metadata are written, and a rank killed meanwhile leaves the previous checkpoint the
+latest. keep=K's purge runs after the rename, over complete checkpoints only, so it never deletes
+the one being written, nor the newest complete one.
+- The writer's collectives (DCP's plan and result exchange, the barriers) run on a gloo group of
+  their own over the same ranks, made once per optimizer group: on the training group they could
+  interleave with the training thread's collectives in a different order on different ranks.
+- One save at a time per process: a second save, load(), and the interpreter's exit (the writer
+  thread is joined before atexit runs) wait for the one in flight. Its error, if any, is raised by
+  wait(), or else by the next save() / load(), naming the path; it is raised once.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+__all__ = ["AsyncSave", "submit", "settle", "checkpoint_group"]
+
+_EXECUTOR: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_IN_FLIGHT: Optional["AsyncSave"] = None
+_GROUPS: dict[tuple[int, ...], tuple[object, dist.ProcessGroup]] = {}  # ranks: (the default group then, group)
+_LOCK = threading.Lock()
+
+
+class AsyncSave:
+    """What save(..., blocking=False) returns: the checkpoint being written in the background."""
+
+    def __init__(self, path: str, future: concurrent.futures.Future):
+        self.path = path
+        self._future = future
+        self._reported = False
+
+    def done(self) -> bool:
+        """Whether the write has ended (written, or failed: wait() says which)."""
+        return self._future.done()
+
+    def wait(self, timeout: Optional[float] = None) -> str:
+        """Block until the checkpoint is complete (its folder exists); return its path. A failed
+        write raises RuntimeError naming the path (and the cause)."""
+        try:
+            self._future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"zerofast.checkpoint: the asynchronous save of {self.path} is still being written "
+                               f"after {timeout} s") from None
+        except BaseException as err:  # noqa: BLE001 (the writer's error, whatever it is, is the save's)
+            self._reported = True
+            raise RuntimeError(f"zerofast.checkpoint: the asynchronous save of {self.path} failed: "
+                               f"{type(err).__name__}: {err}") from err
+        return self.path
+
+    def add_done_callback(self, fn: Callable[["AsyncSave"], None]) -> None:
+        """Call fn(self) when the write ends (on the writer thread, or now if it has ended)."""
+        self._future.add_done_callback(lambda _: fn(self))
+
+    def __repr__(self) -> str:
+        state = "written" if self.done() and self._future.exception() is None else (
+            "failed" if self.done() else "writing")
+        return f"AsyncSave({self.path!r}, {state})"
+
+
+def settle() -> None:
+    """Wait for this process's asynchronous save in flight, if any; raise its error unless wait()
+    already did (a save that failed unobserved surfaces here, at the next save or load)."""
+    global _IN_FLIGHT
+    pending, _IN_FLIGHT = _IN_FLIGHT, None
+    if pending is None:
+        return
+    already = pending._reported
+    try:
+        pending.wait()
+    except RuntimeError:
+        if not already:  # else wait() raised it to the caller already: not again
+            raise
+
+
+def submit(path: str, write: Callable[[], None]) -> AsyncSave:
+    """Run `write` on the writer thread; the handle. The caller settled the previous one."""
+    global _EXECUTOR, _IN_FLIGHT
+    with _LOCK:
+        if _EXECUTOR is None:
+            _EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerofast-ckpt")
+    handle = AsyncSave(path, _EXECUTOR.submit(write))
+    _IN_FLIGHT = handle
+    return handle
+
+
+def checkpoint_group(group: dist.ProcessGroup, world_size: int) -> dist.ProcessGroup:
+    """A gloo group over the ranks of `group`, for the writer thread's collectives (made once per
+    set of ranks; every rank of `group` calls this at the same point of its save)."""
+    ranks = tuple(dist.get_global_rank(group, r) if group is not dist.group.WORLD else r for r in range(world_size))
+    world, made = _GROUPS.get(ranks, (None, None))
+    if made is None or world is not dist.group.WORLD:  # none yet, or the default group was made again
+        made = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        _GROUPS[ranks] = (dist.group.WORLD, made)
+    return made
