@@ -70,7 +70,7 @@ def save(path: str, model: nn.Module, opt: ZeroAdam, *, extra: Optional[dict] = 
     if os.path.exists(path):
         raise FileExistsError(f"zerofast.checkpoint.save: {path} exists; a checkpoint is never overwritten "
                               f"(choose a new folder per save, e.g. step-000100)")
-    small = safe.dumps({**small_state(opt), "extra": extra})  # every rank: a bad `extra` fails on all alike
+    small = safe.dumps_small(small_state(opt), extra)  # every rank: a bad `extra` fails on all alike
     steps = opt.step_counts()
     manifest = _manifest(opt, step=max(steps.values(), default=0))
     f = facts(opt)

@@ -156,6 +156,12 @@ def dumps(obj: Any, where: str = "extra") -> bytes:
     return json.dumps(encode(obj, where), separators=(",", ":"), allow_nan=False).encode()
 
 
+def dumps_small(small: dict, extra: Any) -> bytes:
+    """zerofast.json's bytes: the small state with the caller's `extra` (errors name extra[...])."""
+    return json.dumps({**encode(small, "the small state"), "extra": encode(extra, "extra")},
+                      separators=(",", ":"), allow_nan=False).encode()
+
+
 def loads(data: bytes, where: str) -> Any:
     return decode(_parse_json(data, where), where)
 
@@ -258,8 +264,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as err:
-            raise UnsafeCheckpoint(f"refusing to load the checkpoint's entry {read_item.dest_index.fqn!r}: "
-                                   f"{str(err).splitlines()[0]}") from None
+            raise UnsafeCheckpoint(f"refusing to load the checkpoint's entry {read_item.dest_index.fqn!r}: its pickle "
+                                   f"names something torch.load(weights_only=True) does not build; nothing from it "
+                                   f"was run") from err
         if self.flatten_state_dict:
             from torch.distributed.checkpoint import default_planner  # the helper DefaultLoadPlanner uses
             default_planner.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
