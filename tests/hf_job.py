@@ -80,13 +80,18 @@ def train():
     res["ddp"] = {"logs": logs(trainer), "wrapped": type(trainer.model_wrapped).__name__}
     save("ddp", params(trainer))
     for stage in (1, 2, 3):
-        extra = dict(save_strategy="steps", save_steps=2) if stage == 3 else {}
+        # Stage 3 saves checkpoint-2 and checkpoint-4, in the background (save_async), with the
+        # Trainer's rotation (save_total_limit) run after each is complete.
+        extra = dict(save_strategy="steps", save_steps=2, save_total_limit=2) if stage == 3 else {}
         trainer = ZeroTrainer(model=gpt2(), args=arguments(os.path.join(OUT, f"stage{stage}"), **extra),
-                              train_dataset=TinyLM(), zero={"stage": stage})
+                              train_dataset=TinyLM(), zero={"stage": stage}, save_async=stage == 3)
         trainer.train()
+        last = os.path.join(OUT, "stage3", f"checkpoint-{STEPS}", "zerofast", "manifest.json")
+        complete_at_return = os.path.isfile(last)
         res[stage] = {"logs": logs(trainer), "wrapped": type(trainer.model_wrapped).__name__,
                       "optimizer": type(trainer.optimizer).__name__,
-                      "eval_loss": trainer.evaluate(TinyLM(n=8, seed=1))["eval_loss"]}
+                      "eval_loss": trainer.evaluate(TinyLM(n=8, seed=1))["eval_loss"],
+                      "last checkpoint complete when train() returned": complete_at_return}
         save(f"stage{stage}", params(trainer))
         if stage == 3:
             predictions = trainer.predict(TinyLM(n=4, seed=2)).predictions  # the logits, or a tuple with them

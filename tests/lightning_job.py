@@ -153,7 +153,8 @@ def train():
     res = {}
     fit("ddp", ddp(), res, ckpt_dir=os.path.join(OUT, "ckpt-ddp"))
     for stage in (1, 2, 3):
-        t, module = fit(f"stage{stage}", ZeroStrategy(stage=stage), res,
+        # stage 3 saves asynchronously (ModelCheckpoint's and the saves by hand)
+        t, module = fit(f"stage{stage}", ZeroStrategy(stage=stage, save_async=stage == 3), res,
                         ckpt_dir=os.path.join(OUT, f"ckpt-stage{stage}") if stage > 1 else None)
         if stage == 3:  # evaluation after fit, on the sharded module; and a save by hand
             res["stage3"]["validate"] = t.validate(module, loader(12, 1), verbose=False)[0]["val_loss"]

@@ -63,9 +63,13 @@ def _async_equals_blocking(rank, world, root):
             model.seen.fill_(3.0)
             train_steps(model, opt, rank, 2, start=2)
             assert not handle.done()  # the steps ran while it was being written
+            seen = []
+            handle.then(lambda: seen.append(os.path.isdir(handle.path)))  # runs once the folder exists
             staged = ck_io._STAGING[opt]
             pointers = {k: t.data_ptr() for k, t in staged.flat.items()}
-            assert handle.wait() == os.path.join(root, f"async{tag}") and handle.done()
+            assert handle.wait() == os.path.join(root, f"async{tag}") and handle.done() and seen == [True]
+            handle.then(lambda: seen.append("now"))  # after the end: at once, on this thread
+            assert seen == [True, "now"]
         finally:
             filesystem._write_item = real
         # A second asynchronous save reuses the staging memory; load() waits for it.
@@ -114,8 +118,9 @@ def _write_error(rank, world, root):
             ck.save(os.path.join(root, "step-3"), model, opt)
         except RuntimeError as err:
             out["next save"] = str(err)
-        # Noticed by wait(): raised there once, not again by the next save.
+        # Noticed by wait(): raised there once, not again by the next save; then() never runs.
         handle = ck.save(os.path.join(root, "step-4"), model, opt, blocking=False)
+        handle.then(lambda: out.setdefault("then ran", True))
         try:
             handle.wait()
         except RuntimeError as err:
@@ -131,7 +136,7 @@ def test_a_write_error_is_raised_later_naming_the_path_on_every_rank(root):
     for rank, out in enumerate(run_ranks(_write_error, 2, args=(root,), timeout=120)):
         assert "asynchronous save of " + os.path.join(root, "step-2") + " failed" in out.get("next save", ""), (rank, out)
         assert "step-4" in out.get("wait", "") and "No space left" in str(out), (rank, out)
-        assert out["latest"] == os.path.join(root, "step-5"), (rank, out)
+        assert out["latest"] == os.path.join(root, "step-5") and "then ran" not in out, (rank, out)
     assert sorted(os.listdir(root)) == ["step-1", "step-5"]  # the failed ones left nothing behind
 
 

@@ -98,8 +98,11 @@ def test_bf16_and_fp16_are_zero_adams_mixed_precision(jobs):
 
 
 def test_checkpoint_holds_zerofast_shards_beside_the_trainers_files(jobs):
+    """Written in the background (save_async=True): complete when train() returns."""
     with open(os.path.join(jobs, "train.json")) as f:
-        files = json.load(f)["3"]["checkpoint"]
+        stage3 = json.load(f)["3"]
+    files = stage3["checkpoint"]
+    assert stage3["last checkpoint complete when train() returned"]
     assert {"zerofast", "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth"} <= set(files)
     assert "optimizer.pt" not in files
     assert {"manifest.json", "__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(os.path.join(jobs, "stage3",
@@ -170,6 +173,7 @@ cases = [
     (lambda: ZeroTrainer(model=m, args=args(fsdp="full_shard"), zero={}), "FSDP are exclusive"),
     (lambda: ZeroTrainer(model=m, args=args(bf16=True), zero={"mixed_precision": "fp16"}), "disagrees"),
     (lambda: ZeroTrainer(model=m, args=args(), zero=3), "zero must be a dict"),
+    (lambda: ZeroTrainer(model=m, args=args(), zero={}, save_async=1), "save_async must be True or False; got 1"),
 ]
 for make, message in cases:
     try:

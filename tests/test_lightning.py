@@ -175,6 +175,8 @@ def test_unsupported_optimizers_get_named_errors(jobs):
 def test_strategy_argument_errors():
     with pytest.raises(TypeError, match="unexpected argument 'find_unused_parameters'"):
         ZeroStrategy(stage=2, find_unused_parameters=True)
+    with pytest.raises(TypeError, match="save_async must be a bool; got 'yes'"):
+        ZeroStrategy(stage=2, save_async="yes")
     with pytest.raises(ValueError, match="stage"):
         ZeroStrategy(stage=4)
     with pytest.raises(ValueError, match="units"):

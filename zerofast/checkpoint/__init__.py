@@ -5,6 +5,8 @@ configuration (world size, stage, partition, bucket size, units, precision).
     zerofast.checkpoint.save(path, model, opt, extra={"step": step})   # every rank calls it
     extra = zerofast.checkpoint.load(path, model, opt)                  # any configuration
     path = zerofast.checkpoint.latest(root)                             # latest complete, or None
+    handle = zerofast.checkpoint.save(path, model, opt, blocking=False) # copy, write in the background
+    zerofast.checkpoint.wait()                                          # the save in flight, if any
 
 A checkpoint is a folder: DCP's files (the tensors: dcp.py, [Note: flat slices as chunks]), and
 beside them zerofast.json (written by rank 0; the same on every rank and small: per-parameter step
@@ -16,6 +18,7 @@ The package, by concern:
   dcp.py      flat ranges as boxes (ShardedTensor chunks), the DCP state dict of a rank's pieces,
               binding to the optimizer (ZeroAdam.state_dict / load_state_dict)
   io.py       save / load in atomic folders, the manifest, latest(), keep=K's purge, info(), upgrade()
+  background.py  asynchronous saves: the writer thread, its gloo group, the AsyncSave handle
   safe.py     reading without running code: the small state as tagged JSON, DCP's metadata through
               an allowlist, byte records with weights_only=True
   convert.py  to_torch / from_torch: plain torch.optim.AdamW state, both ways
@@ -30,10 +33,12 @@ from __future__ import annotations
 from .convert import from_torch, to_torch
 from .dcp import boxes, load_state_dict, state_dict
 from .export import export
-from .io import INCOMPLETE, MANIFEST, SMALL, info, latest, load, save, upgrade
+from .background import AsyncSave, in_flight
+from .background import settle as wait
+from .io import INCOMPLETE, MANIFEST, SMALL, info, latest, load, save, staging_bytes, upgrade
 from .safe import SafeLoadPlanner, SafeReader, UnsafeCheckpoint
 
-__all__ = ["save", "load", "latest", "to_torch", "from_torch", "export", "info", "upgrade", "state_dict",
+__all__ = ["save", "load", "latest", "wait", "in_flight", "AsyncSave", "staging_bytes", "to_torch", "from_torch", "export", "info", "upgrade", "state_dict",
            "load_state_dict", "boxes", "main", "SafeReader", "SafeLoadPlanner", "UnsafeCheckpoint", "MANIFEST", "SMALL",
            "INCOMPLETE"]
 

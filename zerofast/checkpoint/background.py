@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-__all__ = ["AsyncSave", "submit", "settle", "checkpoint_group"]
+__all__ = ["AsyncSave", "submit", "settle", "in_flight", "checkpoint_group"]
 
 _EXECUTOR: Optional[concurrent.futures.ThreadPoolExecutor] = None
 _IN_FLIGHT: Optional["AsyncSave"] = None
@@ -37,10 +37,37 @@ _LOCK = threading.Lock()
 class AsyncSave:
     """What save(..., blocking=False) returns: the checkpoint being written in the background."""
 
-    def __init__(self, path: str, future: concurrent.futures.Future):
+    def __init__(self, path: str):
         self.path = path
-        self._future = future
+        self._future: Optional[concurrent.futures.Future] = None
         self._reported = False
+        self._lock = threading.Lock()
+        self._then: list[Callable[[], None]] = []
+        self._finished = False  # written, and every then() callback run
+
+    def _job(self, write: Callable[[], None]) -> None:
+        """On the writer thread: the write, then the then() callbacks, one by one, as part of it
+        (so a wait() returns after them)."""
+        write()
+        while True:
+            with self._lock:
+                if not self._then:
+                    self._finished = True
+                    return
+                fn = self._then.pop(0)
+            fn()
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run fn() once the checkpoint is complete, on the writer thread as part of the save (now,
+        on this thread, if it is complete already); never if the write fails. For what must wait
+        for the folder: a rename around it, deleting older checkpoints (a trainer's rotation), so
+        that the newest complete checkpoint is never deleted while this one is being written."""
+        with self._lock:
+            if not self._finished and not self.done():
+                self._then.append(fn)
+                return
+        if self._future.exception() is None:
+            fn()
 
     def done(self) -> bool:
         """Whether the write has ended (written, or failed: wait() says which)."""
@@ -59,10 +86,6 @@ class AsyncSave:
             raise RuntimeError(f"zerofast.checkpoint: the asynchronous save of {self.path} failed: "
                                f"{type(err).__name__}: {err}") from err
         return self.path
-
-    def add_done_callback(self, fn: Callable[["AsyncSave"], None]) -> None:
-        """Call fn(self) when the write ends (on the writer thread, or now if it has ended)."""
-        self._future.add_done_callback(lambda _: fn(self))
 
     def __repr__(self) -> str:
         state = "written" if self.done() and self._future.exception() is None else (
@@ -91,9 +114,15 @@ def submit(path: str, write: Callable[[], None]) -> AsyncSave:
     with _LOCK:
         if _EXECUTOR is None:
             _EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerofast-ckpt")
-    handle = AsyncSave(path, _EXECUTOR.submit(write))
+    handle = AsyncSave(path)
+    handle._future = _EXECUTOR.submit(handle._job, write)
     _IN_FLIGHT = handle
     return handle
+
+
+def in_flight() -> Optional[AsyncSave]:
+    """This process's asynchronous save not yet waited for, if any."""
+    return _IN_FLIGHT
 
 
 def checkpoint_group(group: dist.ProcessGroup, world_size: int) -> dist.ProcessGroup:

@@ -187,6 +187,19 @@ def zero_from(optimizer, module: nn.Module, stage: Optional[int], options: dict)
     return zero
 
 
+def _into_place(tmp: str, path: str) -> None:
+    """Rename the complete folder `tmp` to `path`, replacing what is there (a folder: only after)."""
+    old = path + ".replaced"
+    if os.path.lexists(path):
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.replace(path, old)
+        else:
+            os.remove(path)
+    os.replace(tmp, path)
+    if os.path.exists(old):
+        shutil.rmtree(old)
+
+
 class ZeroStrategyMixin:
     """ZeroAdam's sharding in Lightning: put before the package's DDPStrategy (see the two modules).
 
@@ -198,19 +211,22 @@ class ZeroStrategyMixin:
     save_full_weights: also put the module's whole state_dict in lightning.ckpt (gathered; stage 3
       one unit at a time), for tools that read a plain Lightning checkpoint. Off: the sharded
       zerofast/ folder holds the weights, and zerofast.checkpoint.export makes a safetensors file.
+    save_async: write the zerofast/ folder in the background (zerofast.checkpoint.save(blocking=
+      False)): each rank copies its shard and training goes on; the checkpoint's folder is renamed
+      into place, and ModelCheckpoint's removals of older ones run, once it is complete.
     The rest are DDPStrategy's: accelerator, parallel_devices, cluster_environment, checkpoint_io,
     precision_plugin (a ZeroPrecision), process_group_backend, timeout, start_method.
     """
     strategy_name = "zero"
 
     def __init__(self, stage: Optional[int] = None, *, mixed_precision=None, units=None, comm=None,
-                 save_full_weights: bool = False, **ddp_arguments: Any) -> None:
+                 save_full_weights: bool = False, save_async: bool = False, **ddp_arguments: Any) -> None:
         allowed = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
                    "process_group_backend", "timeout", "start_method"}
         unknown = sorted(set(ddp_arguments) - allowed)
         if unknown:
             raise TypeError(f"ZeroStrategy: unexpected argument {unknown[0]!r}: ZeroStrategy takes stage, "
-                            f"mixed_precision, units, comm, save_full_weights and DDPStrategy's "
+                            f"mixed_precision, units, comm, save_full_weights, save_async and DDPStrategy's "
                             f"{', '.join(sorted(allowed))} (the model is never wrapped in DDP, so DDP's own "
                             f"arguments do not apply)")
         if stage is not None:
@@ -220,6 +236,9 @@ class ZeroStrategyMixin:
                      comm=comm, units=units)
         if not isinstance(save_full_weights, bool):
             raise TypeError(f"ZeroStrategy: save_full_weights must be a bool; got {save_full_weights!r}")
+        if not isinstance(save_async, bool):
+            raise TypeError(f"ZeroStrategy: save_async must be a bool; got {save_async!r}")
+        self.save_async = save_async
         self.zero_stage = stage
         self.zero_options = dict(mixed_precision=mixed_precision, units=units, comm=comm)
         self.save_full_weights = save_full_weights
@@ -362,6 +381,7 @@ class ZeroStrategyMixin:
     def teardown(self) -> None:
         if self.zero is None:
             return super().teardown()
+        zckpt.wait()  # the last asynchronous save is complete when fit / validate returns
         # Not Strategy.teardown's lightning_module.cpu(): the parameters are views of ZeroAdam's flat
         # buffers (stage 3: shards), which must stay where ZeroAdam put them for later validate /
         # test / predict calls and checkpoints.
@@ -389,13 +409,15 @@ class ZeroStrategyMixin:
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
         """Every rank calls it (Trainer.save_checkpoint, ModelCheckpoint). The folder `filepath` is
-        written as `filepath.writing` and renamed when complete; one already there (ModelCheckpoint's
-        last.ckpt, saved again) is replaced only then."""
+        written as `filepath.writing` and renamed when complete (with save_async: by the writer
+        thread, once the shards are written); one already there (ModelCheckpoint's last.ckpt, saved
+        again) is replaced only then."""
         if self.zero is None:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
             raise TypeError("ZeroStrategy: storage_options is not supported (the shards are written with "
                             "torch.distributed.checkpoint)")
+        zckpt.wait()  # the previous asynchronous save (it may be this path's) first
         path = os.path.abspath(self.broadcast(os.fspath(filepath)))  # rank 0's path on every rank
         tmp = path + WRITING
         if self.is_global_zero:
@@ -403,22 +425,28 @@ class ZeroStrategyMixin:
                 shutil.rmtree(tmp)  # what a killed save left behind
             os.makedirs(tmp)
         self.barrier("ZeroStrategy.save_checkpoint")
-        zckpt.save(os.path.join(tmp, ZERO_DIR), self.lightning_module, self.zero)  # every rank its shard
+        # every rank its shard (save_async: copied now, written by the writer thread)
+        written = zckpt.save(os.path.join(tmp, ZERO_DIR), self.lightning_module, self.zero,
+                             blocking=not self.save_async)
         if self.is_global_zero:
             rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             if self.save_full_weights:
                 rest["state_dict"] = checkpoint["state_dict"]
             self.checkpoint_io.save_checkpoint(rest, os.path.join(tmp, LIGHTNING_FILE))
-            old = path + ".replaced"
-            if os.path.lexists(path):
-                if os.path.isdir(path) and not os.path.islink(path):
-                    os.replace(path, old)
-                else:
-                    os.remove(path)
-            os.replace(tmp, path)
-            if os.path.exists(old):
-                shutil.rmtree(old)
+            if self.save_async:
+                written.then(lambda: _into_place(tmp, path))
+            else:
+                _into_place(tmp, path)
         self.barrier("ZeroStrategy.save_checkpoint")
+
+    def remove_checkpoint(self, filepath) -> None:
+        """ModelCheckpoint deleting an older checkpoint: with an asynchronous save in flight, once
+        that one is complete (never leave no complete checkpoint)."""
+        pending = zckpt.in_flight() if self.zero is not None else None
+        if pending is not None and not pending.done():
+            pending.then(lambda: super(ZeroStrategyMixin, self).remove_checkpoint(filepath))
+            return
+        super().remove_checkpoint(filepath)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = os.fspath(checkpoint_path)

@@ -22,6 +22,8 @@ them. What maps to what:
     shard; fp16 with ZeroAdam's loss scaling), no autocast and no GradScaler on top;
   - checkpoints: checkpoint-N/zerofast/ is a zerofast checkpoint (every rank its shard), beside the
     Trainer's scheduler, RNG and trainer_state files; resuming loads it at any world size or stage;
+    ZeroTrainer(save_async=True) writes it in the background (zerofast.checkpoint.save(blocking=
+    False)), the rotation of save_total_limit running once it is complete;
   - save_model(): a consolidated model (config + safetensors, or a PEFT adapter) from
     opt.full_state_dict(), gathered unit by unit.
 """
@@ -116,7 +118,10 @@ class ZeroTrainerMixin:
     bf16 / fp16: mixed_precision may be given only to refine them, e.g. a MixedPrecisionPolicy with
     reduce_dtype=torch.float32)."""
 
-    def __init__(self, *args, zero: Optional[dict] = None, **kwargs):
+    def __init__(self, *args, zero: Optional[dict] = None, save_async: bool = False, **kwargs):
+        if not isinstance(save_async, bool):
+            raise TypeError(f"ZeroTrainer: save_async must be True or False; got {save_async!r}")
+        self.save_async = save_async
         if zero is not None and not isinstance(zero, dict):
             raise TypeError(f"ZeroTrainer: zero must be a dict of ZeroAdam options; got {type(zero).__name__}")
         zero = dict(zero or {})
@@ -234,13 +239,40 @@ class ZeroTrainerMixin:
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
+    def train(self, *args, **kwargs):
+        out = super().train(*args, **kwargs)
+        zckpt.wait()  # the last asynchronous save (save_async=True) is complete when train() returns
+        return out
+
+    def _save_checkpoint(self, model, trial):
+        """With save_async, the Trainer's rotation (save_total_limit) waits for the zerofast save:
+        run now, it would delete the newest complete checkpoint while this one is being written
+        (transformers 5.24 calls trainer_utils.rotate_checkpoints inline at the end of this method;
+        it is run from AsyncSave.then instead, with the same arguments)."""
+        limit = self.args.save_total_limit
+        if not (self.save_async and isinstance(self.optimizer, ZeroAdam) and limit):
+            return super()._save_checkpoint(model, trial)
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        handle = zckpt.in_flight()
+        if self.args.should_save and handle is not None:
+            from transformers.trainer_utils import rotate_checkpoints
+            run_dir, best = self._get_output_dir(trial=trial), self.state.best_model_checkpoint
+            handle.then(lambda: rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                                                   best_model_checkpoint=best, use_mtime=True))
+
     def _save_optimizer_and_scheduler(self, output_dir):
         if not isinstance(self.optimizer, ZeroAdam):
             return super()._save_optimizer_and_scheduler(output_dir)
         path = os.path.join(output_dir, ZERO_DIR)
+        zckpt.wait()  # the previous asynchronous save first (it may be this folder's)
         if self.args.process_index == 0 and os.path.exists(path):
             shutil.rmtree(path)  # checkpoint-N written again at the same step; zerofast never overwrites
-        zckpt.save(path, self.model, self.optimizer)  # every rank its shard; barriers inside
+        # every rank its shard; barriers inside; with save_async, written in the background
+        zckpt.save(path, self.model, self.optimizer, blocking=not self.save_async)
         if self.args.should_save:
             with warnings.catch_warnings(record=True):
                 torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
@@ -258,7 +290,7 @@ class ZeroTrainerMixin:
         if checkpoint is None:
             return
         path = os.path.join(checkpoint, ZERO_DIR)
-        if not os.path.isdir(path):
+        if not os.path.isdir(path) and not os.path.isdir(path + zckpt.INCOMPLETE):  # (load names an unfinished one)
             if os.path.isfile(os.path.join(checkpoint, "optimizer.pt")):
                 raise ValueError(f"ZeroTrainer: {checkpoint} was written by a plain Trainer (optimizer.pt, no "
                                  f"{ZERO_DIR}/); convert it with zerofast.checkpoint.from_torch")
