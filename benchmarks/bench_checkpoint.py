@@ -123,3 +123,100 @@ def test_checkpoint(benchmark, record, case):
         pool.close()
         shutil.rmtree(root, ignore_errors=True)
     record(benchmark, f"checkpoint {case.split()[-1]}: 2 gloo ranks x 1 thread", case)
+
+
+# --- the stall a save adds to the step it happens in -----------------------------------------------
+
+def build_stall(case, root, rank, world):
+    """Runs in each rank: the 100M model after one step, and a round that times a plain training step,
+    then a step with a save at its start (blocking, or asynchronous: ZeroAdam's save(blocking=False),
+    FSDP2's dcp.async_save with a gloo group of its own as DCP recommends), then waits for the
+    write. The stall is the second less the first; the staging copy is what save() itself took."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from zerofast import ZeroAdam
+    from zerofast import checkpoint as ck
+    from zerofast.tools.models import make_gpt, random_batch
+
+    system, mode = case.split()
+    model = make_gpt("small", **MODELS["gpt-100M"])
+    if system == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), **HYPER)
+        ckpt_group = dist.new_group(backend="gloo")
+    else:
+        opt = ZeroAdam(model, stage=int(system[-1]), **HYPER)
+    x, y = random_batch(model.cfg, 1, 16, seed=rank)
+
+    def train_step():
+        model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+
+    def save(path):
+        """The save as the training loop calls it; returns what to wait for (None: written)."""
+        if system == "fsdp2":
+            msd, osd = get_state_dict(model, opt)
+            if mode == "async":
+                return dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=path, process_group=ckpt_group)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+            return None
+        handle = ck.save(path, model, opt, blocking=mode == "blocking")
+        return None if mode == "blocking" else handle
+
+    train_step()
+    state = {"round": 0, "stall": [], "call": [], "written": []}
+
+    def step():
+        path = os.path.join(root, f"round-{state['round']}")
+        dist.barrier()
+        t0 = time.perf_counter()
+        train_step()
+        plain = time.perf_counter() - t0
+        dist.barrier()
+        t0 = time.perf_counter()
+        pending = save(path)
+        call = time.perf_counter() - t0
+        train_step()
+        with_save = time.perf_counter() - t0
+        if pending is not None:
+            pending.result() if hasattr(pending, "result") else pending.wait()
+        written = time.perf_counter() - t0
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path)
+        state["stall"].append(with_save - plain)
+        state["call"].append(call)
+        state["written"].append(written)
+        state["round"] += 1
+    step.info = lambda: {k: sorted(v)[len(v) // 2] for k, v in state.items() if k != "round"}
+    return step
+
+
+STALL_CASES = [f"{system} {mode}" for system in ("zerofast-1", "zerofast-2", "zerofast-3", "fsdp2")
+               for mode in ("blocking", "async")]
+
+
+@pytest.mark.parametrize("case", STALL_CASES)
+def test_save_stall(benchmark, record, case):
+    root = tempfile.mkdtemp(prefix="zerofast-bench-stall-")
+    pool = RankPool(functools.partial(build_stall, case, root), world=WORLD, timeout=900)
+    try:
+        benchmark.pedantic(pool.step, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
+        info = pool.info()[0]  # rank 0's medians
+        benchmark.extra_info.update(stall_ms=info["stall"] * 1e3, call_ms=info["call"] * 1e3,
+                                    written_ms=info["written"] * 1e3)
+    finally:
+        pool.close()
+        shutil.rmtree(root, ignore_errors=True)
+    record(benchmark, "save stall, gpt-100M: 2 gloo ranks x 1 thread (round = a plain step + a step with a save)", case)

@@ -38,6 +38,9 @@ def pytest_terminal_summary(terminalreporter):
             mem = f"  {extra['rank_mib']:8.1f} MiB/rank" if "rank_mib" in extra else ""
             if "backward_ms" in extra:
                 mem += f"  backward {extra['backward_ms']:7.2f} ms"
+            if "stall_ms" in extra:
+                mem += (f"  stall {extra['stall_ms']:7.1f} ms  in save() {extra['call_ms']:7.1f} ms  "
+                        f"written after {extra['written_ms']:7.1f} ms")
             if "param_peak_mib" in extra:
                 mem += f"  parameters at peak {extra['param_peak_mib']:6.2f} MiB (rank 0, inside blocks)"
             tr.write_line(f"{name:44s} {t * 1e3:10.2f} {gbs} {pct} {t / base:8.2f}x{mem}")
