@@ -177,3 +177,30 @@ def test_a_rank_killed_during_an_asynchronous_write_leaves_the_previous_checkpoi
     assert {"step-1", "step-2"} <= set(os.listdir(root))  # keep=2 ran only after a complete save
     for path, steps in run_ranks(_load_latest, 2, args=(root,)):
         assert path == os.path.join(root, "step-2") and set(steps.values()) == {2}
+
+
+_EXIT_SCRIPT = r"""
+import os, sys, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1)
+from zerofast import ZeroAdam, checkpoint
+from zerofast.tools.models import make_gpt
+model = make_gpt("tiny")
+opt = ZeroAdam(model, stage=2, lr=1e-3)
+checkpoint.save(sys.argv[1], model, opt, blocking=False)
+print("returned before written:", not os.path.isdir(sys.argv[1]), flush=True)
+"""  # and the interpreter exits at once, with the write in flight
+
+
+def test_the_process_exit_waits_for_the_write(root):
+    """A script that ends right after an asynchronous save leaves the complete checkpoint: the
+    writer thread is joined at the interpreter's exit."""
+    import subprocess
+    import sys
+
+    from harness import free_port
+    path = os.path.join(root, "at-exit")
+    out = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, path, str(free_port())], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "zerofast checkpoint" in ck.info(path)

@@ -320,28 +320,27 @@ class ZeroAdam(torch.optim.Optimizer):
         kernel, through its grad_scale ([Note: global gradient clipping] in zerofast/optim/grads.py).
         max_norm=float("inf") only measures: the norm is returned and nothing is clipped (what
         trainers call to log the norm)."""
-        if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and max_norm > 0):
-            raise ValueError(f"ZeroAdam.clip_grad_norm_: max_norm must be a number > 0; got {max_norm!r}")
-        if self._grads.phase.in_no_sync:
-            raise RuntimeError("ZeroAdam.clip_grad_norm_() was called inside `with opt.no_sync():`; clip after "
-                               "the last backward of the step, outside it")
-        self.comm.where.phase = "clip_grad_norm_() (the reduces and the agreement)"
-        return self._grads.clip(self._grads.prepare(True, self.world_size, check=self._check_update),
-                                float(max_norm))
+        prep = self._prepare_to_clip("clip_grad_norm_", "max_norm", max_norm, norm=True)
+        return self._grads.clip(prep, float(max_norm))
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every element of the step's gradient to [-clip_value, clip_value], as
         torch.nn.utils.clip_grad_value_ on the whole model after DDP's average would (the averaged,
         unscaled gradient). Call it after the last backward of a step and before step(); each rank
         clamps its own reduced shard, elementwise, so it costs no communication beyond the step's."""
-        if not (isinstance(clip_value, (int, float)) and not isinstance(clip_value, bool) and clip_value > 0):
-            raise ValueError(f"ZeroAdam.clip_grad_value_: clip_value must be a number > 0; got {clip_value!r}")
-        if self._grads.phase.in_no_sync:
-            raise RuntimeError("ZeroAdam.clip_grad_value_() was called inside `with opt.no_sync():`; clip after "
-                               "the last backward of the step, outside it")
-        self.comm.where.phase = "clip_grad_value_() (the reduces and the agreement)"
-        prep = self._grads.prepare(False, self.world_size, check=self._check_update)
+        prep = self._prepare_to_clip("clip_grad_value_", "clip_value", clip_value, norm=False)
         self._grads.clamp(prep, float(clip_value), self.world_size)
+
+    def _prepare_to_clip(self, method: str, arg: str, value, norm: bool):
+        """What both clip methods do first: check their bound and where they are called, then finish
+        the step's reduces (and the norm, with norm=True)."""
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+            raise ValueError(f"ZeroAdam.{method}: {arg} must be a number > 0; got {value!r}")
+        if self._grads.phase.in_no_sync:
+            raise RuntimeError(f"ZeroAdam.{method}() was called inside `with opt.no_sync():`; clip after "
+                               f"the last backward of the step, outside it")
+        self.comm.where.phase = f"{method}() (the reduces and the agreement)"
+        return self._grads.prepare(norm, self.world_size, check=self._check_update)
 
     @property
     def step_was_skipped(self) -> bool:
