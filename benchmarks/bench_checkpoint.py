@@ -41,29 +41,37 @@ def _extra_peak(fn) -> int:
     return _status_bytes("VmHWM") - before
 
 
+def _model_and_optimizer(system, size, world):
+    """The GPT of `size` with its optimizer: FSDP2 (fully_shard per block, then the root) + AdamW,
+    or ZeroAdam at the stage `system` ends with."""
+    import torch
+
+    from zerofast import ZeroAdam
+    from zerofast.tools.models import make_gpt
+    model = make_gpt("small", **MODELS[size])
+    if system != "fsdp2":
+        return model, ZeroAdam(model, stage=int(system[-1]), **HYPER)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), **HYPER)
+
+
 def build(case, root, rank, world):
     """Runs in each rank: a model after one step, and a function doing one save (or load)."""
-    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from zerofast import ZeroAdam
     from zerofast import checkpoint as ck
-    from zerofast.tools.models import make_gpt, random_batch
+    from zerofast.tools.models import random_batch
 
     system, action, size = case.split()
-    model = make_gpt("small", **MODELS[size])
+    model, opt = _model_and_optimizer(system, size, world)
     if system == "fsdp2":
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (world,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters(), **HYPER)
-    else:
-        opt = ZeroAdam(model, stage=int(system[-1]), **HYPER)
     x, y = random_batch(model.cfg, 1, 16, seed=rank)
     model(x, y)[1].backward()
     opt.step()
@@ -134,28 +142,17 @@ def build_stall(case, root, rank, world):
     write. The stall is the second less the first; the staging copy is what save() itself took."""
     import time
 
-    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from zerofast import ZeroAdam
     from zerofast import checkpoint as ck
-    from zerofast.tools.models import make_gpt, random_batch
+    from zerofast.tools.models import random_batch
 
     system, mode = case.split()
-    model = make_gpt("small", **MODELS["gpt-100M"])
+    model, opt = _model_and_optimizer(system, "gpt-100M", world)
     if system == "fsdp2":
         from torch.distributed.checkpoint.state_dict import get_state_dict
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (world,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters(), **HYPER)
         ckpt_group = dist.new_group(backend="gloo")
-    else:
-        opt = ZeroAdam(model, stage=int(system[-1]), **HYPER)
     x, y = random_batch(model.cfg, 1, 16, seed=rank)
 
     def train_step():

@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from harness import run_ranks
-from oracles import HYPER, rank_batch, train_steps
+from oracles import HYPER, train_steps
 from zerofast import ZeroAdam
 from zerofast import checkpoint as ck
 from zerofast.checkpoint import io as ck_io
