@@ -156,6 +156,28 @@ def test_trl_sft_trainer_with_the_mixin_trains():
     assert all(torch.isfinite(torch.tensor(entry[:2])).all() for entry in res["logs"])
 
 
+def test_resume_true_skips_a_checkpoint_whose_shards_were_never_completed(tmp_path):
+    """train(resume_from_checkpoint=True) takes the highest checkpoint-N that is complete: not one
+    whose zerofast/ is still .incomplete (a run killed during an asynchronous save), nor one killed
+    before the Trainer wrote its state; a plain Trainer's (no zerofast/) counts."""
+    from zerofast.integrations.hf import last_complete_checkpoint
+
+    def make(step, *files):
+        for f in files:
+            path = tmp_path / f"checkpoint-{step}" / f
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("{}")
+    make(2, "trainer_state.json", "zerofast/manifest.json")
+    make(4, "trainer_state.json", "zerofast.incomplete/__0_0.distcp")
+    make(6, "model.safetensors")
+    with pytest.warns(UserWarning) as seen:
+        assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
+    assert [str(w.message).split()[1].rsplit("/", 1)[-1] for w in seen] == ["checkpoint-6", "checkpoint-4"]
+    make(8, "trainer_state.json", "optimizer.pt")  # a plain Trainer's
+    assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-8")
+    assert last_complete_checkpoint(str(tmp_path / "nothing")) is None
+
+
 def test_clear_errors():
     """Bad combinations are named before any training (one process, a group of one)."""
     code = r"""

@@ -39,14 +39,14 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from transformers import Trainer
-from transformers.trainer import SCHEDULER_NAME
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.training_args import OptimizerNames
 
 from .. import checkpoint as zckpt
 from ..config import MixedPrecisionPolicy
 from ..optim.zero_adam import ZeroAdam
 
-__all__ = ["ZeroTrainer", "ZeroTrainerMixin"]  # and ZeroSFTTrainer, made on first use where trl imports
+__all__ = ["ZeroTrainer", "ZeroTrainerMixin", "last_complete_checkpoint"]  # and ZeroSFTTrainer, made on first use where trl imports
 
 ZERO_DIR = "zerofast"  # checkpoint-N/zerofast: the sharded zerofast checkpoint
 _ADAMW = {OptimizerNames.ADAMW_TORCH, OptimizerNames.ADAMW_TORCH_FUSED}
@@ -239,8 +239,10 @@ class ZeroTrainerMixin:
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
-    def train(self, *args, **kwargs):
-        out = super().train(*args, **kwargs)
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if resume_from_checkpoint is True:  # the Trainer would take the highest checkpoint-N, complete or not
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir) or True
+        out = super().train(resume_from_checkpoint, *args, **kwargs)
         zckpt.wait()  # the last asynchronous save (save_async=True) is complete when train() returns
         return out
 
@@ -303,6 +305,31 @@ class ZeroTrainerMixin:
         if not isinstance(self.optimizer, ZeroAdam):
             return super()._load_best_model()
         zckpt.load(os.path.join(self.state.best_model_checkpoint, ZERO_DIR), self.model, self.optimizer)
+
+
+def last_complete_checkpoint(output_dir: str) -> Optional[str]:
+    """The highest checkpoint-N under output_dir with its trainer_state.json and whose zerofast/
+    folder is complete (or that has none: a plain Trainer's), or None. train(resume_from_checkpoint=True) resumes from it: a run killed
+    while checkpoint-N's shards were still being written (save_async, or a blocking save cut short)
+    leaves checkpoint-N with only zerofast.incomplete, which the Trainer's get_last_checkpoint
+    (transformers 5.24) would pick."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+    found = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        step = name[len(PREFIX_CHECKPOINT_DIR) + 1:]
+        folder = os.path.join(output_dir, name)
+        if name.startswith(PREFIX_CHECKPOINT_DIR + "-") and step.isdigit() and os.path.isdir(folder):
+            found.append((int(step), folder))
+    for _, folder in sorted(found, reverse=True):
+        zero = os.path.join(folder, ZERO_DIR)
+        shards_done = os.path.isfile(os.path.join(zero, zckpt.MANIFEST)) or not (
+            os.path.exists(zero) or os.path.exists(zero + zckpt.INCOMPLETE))  # none: a plain Trainer's
+        if shards_done and os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME)):
+            return folder
+        warnings.warn(f"ZeroTrainer: {folder} was never completed (no {TRAINER_STATE_NAME}, or its {ZERO_DIR}/ "
+                      f"unfinished); "
+                      f"resuming from an earlier checkpoint", stacklevel=3)
+    return None
 
 
 class ZeroTrainer(ZeroTrainerMixin, Trainer):
