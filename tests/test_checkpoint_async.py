@@ -129,6 +129,18 @@ def _write_error(rank, world, root):
         filesystem._write_item = real
     ck.save(os.path.join(root, "step-5"), model, opt, keep=2)
     out["latest"] = ck.latest(root)
+    # Rank 0 failing after the data is written (its manifest): every rank raises, none waits.
+    real_counter = ck_io._next_save_counter
+    try:
+        if rank == 0:
+            def no_manifest(root):
+                raise OSError(5, "Input/output error (injected)")
+            ck_io._next_save_counter = no_manifest
+        ck.save(os.path.join(root, "step-6"), model, opt)
+    except (OSError, RuntimeError) as err:
+        out["rank 0 failing"] = str(err)
+    finally:
+        ck_io._next_save_counter = real_counter
     return out
 
 
@@ -137,6 +149,9 @@ def test_a_write_error_is_raised_later_naming_the_path_on_every_rank(root):
         assert "asynchronous save of " + os.path.join(root, "step-2") + " failed" in out.get("next save", ""), (rank, out)
         assert "step-4" in out.get("wait", "") and "No space left" in str(out), (rank, out)
         assert out["latest"] == os.path.join(root, "step-5") and "then ran" not in out, (rank, out)
+        assert "Input/output error (injected)" in out.get("rank 0 failing", ""), (rank, out)
+        if rank == 1:
+            assert "rank 0 could not complete " + os.path.join(root, "step-6") in out["rank 0 failing"], out
     assert sorted(os.listdir(root)) == ["step-1", "step-5"]  # the failed ones left nothing behind
 
 

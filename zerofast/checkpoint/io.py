@@ -105,14 +105,22 @@ def staging_bytes(opt: ZeroAdam) -> int:
 def _write(path: str, state: dict, group, rank: int, small: bytes, manifest: dict, keep: Optional[int]) -> None:
     """Write `state` (live views, or a staged copy) as the checkpoint `path`, every rank of `group`
     calling: DCP into path + ".incomplete", then rank 0 adds the small state and the manifest,
-    renames the folder and purges ([Note: atomic checkpoints]). A failure: rank 0 removes the
-    unfinished folder (best effort) and every rank raises (DCP reports one rank's failure to all)."""
+    renames the folder and purges ([Note: atomic checkpoints]). A failure is raised by every rank:
+    DCP reports one rank's failure to all, and rank 0 sends the outcome of its part to the others
+    (a barrier there would leave them waiting on a rank that raised); rank 0 removes the unfinished
+    folder (best effort)."""
     tmp = path + INCOMPLETE
     try:
         with sharded_tensors():
             torch_dcp.save(state, checkpoint_id=tmp, process_group=group)
-        dist.barrier(group=group)
+    except BaseException:
         if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dist.barrier(group=group)
+    failed: Optional[BaseException] = None
+    if rank == 0:
+        try:
             root = os.path.dirname(os.path.abspath(path))
             with open(os.path.join(tmp, SMALL), "wb") as out:
                 out.write(small)
@@ -121,11 +129,15 @@ def _write(path: str, state: dict, group, rank: int, small: bytes, manifest: dic
             os.replace(tmp, path)
             if keep is not None:
                 _purge(root, keep, path)
-    except BaseException:
-        if rank == 0:
+        except Exception as err:  # noqa: BLE001 (every rank must hear of it)
+            failed = err
             shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    dist.barrier(group=group)
+    outcome = [None if failed is None else f"{type(failed).__name__}: {failed}"]
+    dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0), group=group)
+    if failed is not None:
+        raise failed
+    if outcome[0] is not None:
+        raise RuntimeError(f"zerofast.checkpoint.save: rank 0 could not complete {path}: {outcome[0]}")
 
 
 def load(path: str, model: nn.Module, opt: ZeroAdam) -> dict:
