@@ -76,6 +76,11 @@ def _async_equals_blocking(rank, world, root):
         again = ck.save(os.path.join(root, f"again{tag}"), model, opt, blocking=False)
         assert {k: t.data_ptr() for k, t in staged.flat.items()} == pointers
         ck.load(again.path, model, opt)  # waits for `again`, which exists afterwards
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:  # a failing then(): a warning, not the save's error
+            warnings.simplefilter("always")
+            again.then(lambda: 1 / 0)
+        assert any(again.path in str(w.message) and "ZeroDivisionError" in str(w.message) for w in caught)
         out[tag] = dict(blocking=blocking, shard_numel=opt.layout.shard_numel(rank),
                         buffer_bytes=model.seen.numel() * model.seen.element_size(),  # bf16: the buffer too
                         staging_bytes=ck_io.staging_bytes(opt), steps=opt.step_counts())

@@ -77,6 +77,8 @@ def _crafted(path: str, marker: str) -> dict[str, tuple[str, bytes]]:
         "metadata, truncated": (".metadata", metadata[:len(metadata) // 2]),
         "metadata, garbage": (".metadata", b"\x00not a pickle at all" * 8),
         "metadata, wrong object": (".metadata", pickle.dumps({"state_dict_metadata": {}})),
+        # No code named, but BUILD on an allowed class: Path.exists replaced for the whole process
+        "metadata, BUILD on a class": (".metadata", b"\x80\x04cpathlib\nPosixPath\nN}X\x06\x00\x00\x00existsctorch\nSize\ns\x86b."),
     }
 
 
@@ -121,6 +123,7 @@ def test_a_crafted_file_runs_no_code_in_one_process(damaged, saved, capsys):
         assert ck.main(["info", path]) == 1 and os.path.join(path, name) in capsys.readouterr().err, case
         assert ck.main(["export", path, path + ".st"]) == 1, case
         assert not os.path.exists(marker), f"{case}: code from the checkpoint ran"
+        assert os.path.exists(path), f"{case}: pathlib was altered"
     # Named in the message: what the allowlist refused.
     path, _ = cases["metadata, pickle"]
     with pytest.raises(ck.UnsafeCheckpoint, match="refusing to load builtins.exec"):

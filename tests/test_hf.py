@@ -169,10 +169,12 @@ def test_resume_true_skips_a_checkpoint_whose_shards_were_never_completed(tmp_pa
             path.write_text("{}")
     make(2, "trainer_state.json", "zerofast/manifest.json")
     make(4, "trainer_state.json", "zerofast.incomplete/__0_0.distcp")
+    make(5, "trainer_state.json", "scheduler.pt")  # the shards' folder removed after a failed write
     make(6, "model.safetensors")
     with pytest.warns(UserWarning) as seen:
         assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
-    assert [str(w.message).split()[1].rsplit("/", 1)[-1] for w in seen] == ["checkpoint-6", "checkpoint-4"]
+    assert [str(w.message).split()[1].rsplit("/", 1)[-1] for w in seen] == ["checkpoint-6", "checkpoint-5",
+                                                                              "checkpoint-4"]
     make(8, "trainer_state.json", "optimizer.pt")  # a plain Trainer's
     assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-8")
     assert last_complete_checkpoint(str(tmp_path / "nothing")) is None

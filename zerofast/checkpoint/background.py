@@ -16,13 +16,18 @@ the one being written, nor the newest complete one.
   interleave with the training thread's collectives in a different order on different ranks.
 - One save at a time per process: a second save, load(), and the interpreter's exit (the writer
   thread is joined before atexit runs) wait for the one in flight. Its error, if any, is raised by
-  wait(), or else by the next save() / load(), naming the path; it is raised once.
+  wait(), or else by the next save() / load(), naming the path; it is raised once (one nothing
+  waited for is printed at exit). A then() callback's failure is a warning: the checkpoint is
+  written, and callbacks run on some ranks only.
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import os
+import sys
 import threading
+import warnings
 from typing import Callable, Optional
 
 import torch.distributed as dist
@@ -57,7 +62,17 @@ class AsyncSave:
                     self._finished = True
                     return
                 fn = self._then.pop(0)
+            self._run(fn)
+
+    def _run(self, fn: Callable[[], None]) -> None:
+        """A then() callback. Its failure is a warning naming the checkpoint, not the save's error:
+        the checkpoint is written, and callbacks run on some ranks only (a rename on rank 0), so
+        raising it from the next save on those ranks alone would leave the others waiting."""
+        try:
             fn()
+        except Exception as err:  # noqa: BLE001
+            warnings.warn(f"zerofast.checkpoint: after the asynchronous save of {self.path} was written, "
+                          f"{getattr(fn, '__qualname__', fn)} failed: {type(err).__name__}: {err}", stacklevel=2)
 
     def then(self, fn: Callable[[], None]) -> None:
         """Run fn() once the checkpoint is complete, on the writer thread as part of the save (now,
@@ -69,7 +84,7 @@ class AsyncSave:
                 self._then.append(fn)
                 return
         if self._future.exception() is None:
-            fn()
+            self._run(fn)
 
     def done(self) -> bool:
         """Whether the write has ended (written, or failed: wait() says which)."""
@@ -83,7 +98,9 @@ class AsyncSave:
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"zerofast.checkpoint: the asynchronous save of {self.path} is still being written "
                                f"after {timeout} s") from None
-        except BaseException as err:  # noqa: BLE001 (the writer's error, whatever it is, is the save's)
+        except BaseException as err:  # noqa: BLE001 (DCP's CheckpointException is a BaseException)
+            if not self._future.done() or self._future.exception() is not err:
+                raise  # an interrupt of this wait (KeyboardInterrupt), not the writer's error
             self._reported = True
             raise RuntimeError(f"zerofast.checkpoint: the asynchronous save of {self.path} failed: "
                                f"{type(err).__name__}: {err}") from err
@@ -117,15 +134,18 @@ def settle() -> None:
     """Wait for this process's asynchronous save in flight, if any; raise its error unless wait()
     already did (a save that failed unobserved surfaces here, at the next save or load)."""
     global _IN_FLIGHT
-    pending, _IN_FLIGHT = _IN_FLIGHT, None
+    pending = _IN_FLIGHT
     if pending is None:
         return
     already = pending._reported
     try:
-        pending.wait()
+        pending.wait()  # interrupted (KeyboardInterrupt): it stays in flight, and the next call waits again
     except RuntimeError:
+        _IN_FLIGHT = None
         if not already:  # else wait() raised it to the caller already: not again
             raise
+        return
+    _IN_FLIGHT = None
 
 
 def submit(path: str, write: Callable[[], None]) -> AsyncSave:
@@ -138,6 +158,17 @@ def submit(path: str, write: Callable[[], None]) -> AsyncSave:
     handle._future = _EXECUTOR.submit(handle._job, write)
     _IN_FLIGHT = handle
     return handle
+
+
+@atexit.register
+def _report_at_exit() -> None:
+    """At the interpreter's exit (the writer thread has been joined by then): a last save that failed
+    and that nothing waited for is said on stderr, not lost."""
+    pending = _IN_FLIGHT
+    if pending is not None and pending.done() and not pending._reported and pending._future.exception() is not None:
+        err = pending._future.exception()
+        print(f"zerofast.checkpoint: the asynchronous save of {pending.path} failed and nothing waited for it: "
+              f"{type(err).__name__}: {err}", file=sys.stderr)
 
 
 def in_flight() -> Optional[AsyncSave]:

@@ -38,6 +38,10 @@ def to_torch(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     model_sd = {k[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
                 for k, md in meta.items() if k.startswith("model.") and hasattr(md, "size")}
     names = [n for g in small["param_groups"] for n in g["params"]]
+    missing = [n for n in names if n not in model_sd]
+    if missing:
+        raise ValueError(f"zerofast.checkpoint.to_torch: {os.path.join(path, '.metadata')} has no entry for "
+                         f"{missing[0]!r}, which the small state names: the checkpoint is damaged")
     moments = {n: {"exp_avg": torch.empty(model_sd[n].shape), "exp_avg_sq": torch.empty(model_sd[n].shape)}
                for n in names}
     with sharded_tensors():

@@ -50,11 +50,15 @@ def export(path: str, out: str, dtype: str = "fp32") -> None:
         f.write(len(text).to_bytes(8, "little"))
         f.write(text)
         base = f.tell()
-        for key, md in entries:
-            kept = want if md.properties.dtype.is_floating_point else md.properties.dtype
-            for chunk in md.chunks:
-                info = where[(key, tuple(chunk.offsets))]
-                _copy_chunk(path, info, md, chunk, kept, f, base + starts[key])
+        try:
+            for key, md in entries:
+                kept = want if md.properties.dtype.is_floating_point else md.properties.dtype
+                for chunk in md.chunks:
+                    info = where[(key, tuple(chunk.offsets))]
+                    _copy_chunk(path, info, md, chunk, kept, f, base + starts[key])
+        except (KeyError, StopIteration, IndexError, zipfile.BadZipFile) as err:  # metadata and data disagree
+            raise ValueError(f"zerofast.checkpoint.export: {os.path.join(path, '.metadata')} and the data files "
+                             f"disagree ({type(err).__name__}: {err}): the checkpoint is damaged") from None
     os.replace(tmp, out)
 
 

@@ -76,6 +76,8 @@ def save(path: str, model: nn.Module, opt: ZeroAdam, *, extra: Optional[dict] = 
     f = facts(opt)
     if f.rank == 0 and os.path.exists(path + INCOMPLETE):
         shutil.rmtree(path + INCOMPLETE)  # what a killed save left behind
+    if f.rank == 0 and not blocking:
+        os.makedirs(path + INCOMPLETE)  # visible at once: a trainer's folder never looks finished without it
     if blocking:
         dist.barrier(group=f.group)
         with sharded_tensors():
@@ -246,7 +248,11 @@ def read_manifest(path: str) -> dict:
     for needed in (os.path.join(path, SMALL), os.path.join(path, ".metadata")):
         if not os.path.isfile(needed):
             raise FileNotFoundError(f"zerofast.checkpoint: {needed} is missing: not a complete zerofast checkpoint")
-    read_small(path)
+    small = read_small(path)
+    names = {e["name"] for e in manifest["params"]}
+    if set(small["steps"]) != names or not {n for g in small["param_groups"] for n in g["params"]} <= names:
+        raise ValueError(f"zerofast.checkpoint: {os.path.join(path, SMALL)} does not match {manifest_path} (other "
+                         f"parameter names): the files are from different checkpoints, or were altered")
     ends: dict[str, int] = {}
     for item in safe.read_metadata(os.path.join(path, ".metadata")).storage_data.values():
         ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
@@ -263,7 +269,8 @@ def read_manifest(path: str) -> dict:
 def _manifest_fields(manifest_path: str) -> dict:
     """manifest.json as JSON, its fields checked (format, step, save counter, parameters)."""
     m = safe.read_json(manifest_path)
-    ok = isinstance(m, dict) and isinstance(m.get("format"), str)
+    ok = (isinstance(m, dict) and isinstance(m.get("format"), str)
+          and all(isinstance(m.get(k, 0), int) and not isinstance(m.get(k, 0), bool) for k in ("step", "save_counter")))
     if ok and m["format"] == FORMAT:
         ok = (all(isinstance(m.get(k), int) and not isinstance(m.get(k), bool)
                   for k in ("world_size", "stage", "step", "save_counter"))

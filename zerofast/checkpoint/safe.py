@@ -16,7 +16,8 @@ parsed by something that cannot call into code the file names:
                    returns only DCP's metadata classes, torch.Size, dtypes, layouts and paths: a
                    pickle naming anything else raises UnsafeCheckpoint, naming the file and the
                    class, before any of it is built. (Every way pickle reaches a callable goes
-                   through find_class; the classes allowed only store what they are given.)
+                   through find_class; the classes allowed only store what they are given; BUILD,
+                   which sets attributes, is refused on anything but DCP's metadata objects.)
   DCP data files   tensor records: DCP's reader already uses torch.load(weights_only=True); byte
                    records (a non-tensor entry of a model's state_dict, as `_extra_state`):
                    DCP's DefaultLoadPlanner uses weights_only=False, SafeLoadPlanner True.
@@ -203,11 +204,17 @@ def _allowed() -> dict[tuple[str, str], Any]:
     return out
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(pickle._Unpickler):  # noqa: SLF001 (the pure-Python one: its opcodes can be overridden)
+    """find_class: only the allowlist. BUILD (which sets attributes, or calls __setstate__): only on
+    instances of DCP's metadata classes, never on a class, function or module the pickle named (a
+    crafted BUILD on pathlib.PosixPath would otherwise replace its methods for the whole process)."""
+
     def __init__(self, f, path: str):
         super().__init__(f)
         self.path = path
         self.allowed = _allowed()
+        self.buildable = tuple(c for c in self.allowed.values() if isinstance(c, type) and c.__module__.startswith(
+            "torch.distributed.checkpoint"))
 
     def find_class(self, module: str, name: str):
         got = self.allowed.get((module, name))
@@ -221,6 +228,17 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid):
         raise UnsafeCheckpoint(f"{self.path}: refusing a persistent id in DCP metadata")
+
+    def load_build(self):
+        inst = self.stack[-2]
+        if type(inst) not in self.buildable:
+            raise UnsafeCheckpoint(f"{self.path}: refusing to set the state of a {type(inst).__name__} "
+                                   f"({getattr(inst, '__qualname__', inst)!r}) in DCP metadata: only DCP's metadata "
+                                   f"objects have state there; nothing from it was run")
+        super().load_build()
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # noqa: SLF001
+    dispatch[pickle.BUILD[0]] = load_build
 
 
 def read_metadata(path: str) -> dcp_meta.Metadata:

@@ -441,9 +441,9 @@ class ZeroStrategyMixin:
 
     def remove_checkpoint(self, filepath) -> None:
         """ModelCheckpoint deleting an older checkpoint: with an asynchronous save in flight, once
-        that one is complete (never leave no complete checkpoint)."""
+        that one is complete, and not at all if it failed (never leave no complete checkpoint)."""
         pending = zckpt.in_flight() if self.zero is not None else None
-        if pending is not None and not pending.done():
+        if pending is not None:  # then(): now if it is written, never if it failed
             pending.then(lambda: super(ZeroStrategyMixin, self).remove_checkpoint(filepath))
             return
         super().remove_checkpoint(filepath)

@@ -247,24 +247,29 @@ class ZeroTrainerMixin:
         return out
 
     def _save_checkpoint(self, model, trial):
-        """With save_async, the Trainer's rotation (save_total_limit) waits for the zerofast save:
-        run now, it would delete the newest complete checkpoint while this one is being written
+        """With save_async: the previous save (and its rotation) completes before this checkpoint's
+        folder is made, and the Trainer's rotation (save_total_limit) runs once this one is written
         (transformers 5.24 calls trainer_utils.rotate_checkpoints inline at the end of this method;
-        it is run from AsyncSave.then instead, with the same arguments)."""
-        limit = self.args.save_total_limit
-        if not (self.save_async and isinstance(self.optimizer, ZeroAdam) and limit):
+        it is run from AsyncSave.then instead, with the same arguments): run now, it could delete
+        the newest complete checkpoint while this one is being written. The last step's save is
+        waited for here, before the Trainer's end-of-training cleanup may delete checkpoints."""
+        if not (self.save_async and isinstance(self.optimizer, ZeroAdam)):
             return super()._save_checkpoint(model, trial)
+        zckpt.wait()
+        limit = self.args.save_total_limit
         self.args.save_total_limit = None
         try:
             super()._save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit = limit
         handle = zckpt.in_flight()
-        if self.args.should_save and handle is not None:
+        if limit and self.args.should_save and handle is not None:
             from transformers.trainer_utils import rotate_checkpoints
             run_dir, best = self._get_output_dir(trial=trial), self.state.best_model_checkpoint
             handle.then(lambda: rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
                                                    best_model_checkpoint=best, use_mtime=True))
+        if self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps:
+            zckpt.wait()
 
     def _save_optimizer_and_scheduler(self, output_dir):
         if not isinstance(self.optimizer, ZeroAdam):
@@ -296,7 +301,9 @@ class ZeroTrainerMixin:
             if os.path.isfile(os.path.join(checkpoint, "optimizer.pt")):
                 raise ValueError(f"ZeroTrainer: {checkpoint} was written by a plain Trainer (optimizer.pt, no "
                                  f"{ZERO_DIR}/); convert it with zerofast.checkpoint.from_torch")
-            return
+            # Not silently on with fresh Adam moments and schedule (what the Trainer would do).
+            raise ValueError(f"ZeroTrainer: {checkpoint} holds no optimizer state (no {ZERO_DIR}/): it was saved with "
+                             f"save_only_model, or its save never completed; resume from a complete checkpoint")
         zckpt.load(path, self.model, self.optimizer)
         with warnings.catch_warnings(record=True):
             self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
@@ -308,8 +315,8 @@ class ZeroTrainerMixin:
 
 
 def last_complete_checkpoint(output_dir: str) -> Optional[str]:
-    """The highest checkpoint-N under output_dir with its trainer_state.json and whose zerofast/
-    folder is complete (or that has none: a plain Trainer's), or None. train(resume_from_checkpoint=True) resumes from it: a run killed
+    """The highest checkpoint-N under output_dir with its trainer_state.json and a complete zerofast/
+    folder (or a plain Trainer's optimizer.pt, which resuming then names), or None. train(resume_from_checkpoint=True) resumes from it: a run killed
     while checkpoint-N's shards were still being written (save_async, or a blocking save cut short)
     leaves checkpoint-N with only zerofast.incomplete, which the Trainer's get_last_checkpoint
     (transformers 5.24) would pick."""
@@ -322,9 +329,9 @@ def last_complete_checkpoint(output_dir: str) -> Optional[str]:
             found.append((int(step), folder))
     for _, folder in sorted(found, reverse=True):
         zero = os.path.join(folder, ZERO_DIR)
-        shards_done = os.path.isfile(os.path.join(zero, zckpt.MANIFEST)) or not (
-            os.path.exists(zero) or os.path.exists(zero + zckpt.INCOMPLETE))  # none: a plain Trainer's
-        if shards_done and os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME)):
+        optimizer_saved = (os.path.isfile(os.path.join(zero, zckpt.MANIFEST))
+                           or os.path.isfile(os.path.join(folder, "optimizer.pt")))  # a plain Trainer's: named later
+        if optimizer_saved and os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME)):
             return folder
         warnings.warn(f"ZeroTrainer: {folder} was never completed (no {TRAINER_STATE_NAME}, or its {ZERO_DIR}/ "
                       f"unfinished); "
