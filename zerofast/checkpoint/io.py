@@ -254,7 +254,7 @@ def read_manifest(path: str) -> dict:
         raise ValueError(f"zerofast.checkpoint: {os.path.join(path, SMALL)} does not match {manifest_path} (other "
                          f"parameter names): the files are from different checkpoints, or were altered")
     ends: dict[str, int] = {}
-    for item in safe.read_metadata(os.path.join(path, ".metadata")).storage_data.values():
+    for item in safe.read_metadata(os.path.join(path, ".metadata"), keep=True).storage_data.values():
         ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
     for name, end in sorted(ends.items()):
         data = os.path.join(path, name)
