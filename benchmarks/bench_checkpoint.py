@@ -41,23 +41,32 @@ def _extra_peak(fn) -> int:
     return _status_bytes("VmHWM") - before
 
 
-def _model_and_optimizer(system, size, world):
-    """The GPT of `size` with its optimizer: FSDP2 (fully_shard per block, then the root) + AdamW,
-    or ZeroAdam at the stage `system` ends with."""
+def _model_and_optimizer(system, size, rank, world):
+    """The GPT of `size` with its optimizer (FSDP2, fully_shard per block then the root, + AdamW; or
+    ZeroAdam at the stage `system` ends with), and a function doing one training step on this
+    rank's batch."""
     import torch
 
     from zerofast import ZeroAdam
-    from zerofast.tools.models import make_gpt
+    from zerofast.tools.models import make_gpt, random_batch
     model = make_gpt("small", **MODELS[size])
     if system != "fsdp2":
-        return model, ZeroAdam(model, stage=int(system[-1]), **HYPER)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    mesh = init_device_mesh("cpu", (world,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), **HYPER)
+        opt = ZeroAdam(model, stage=int(system[-1]), **HYPER)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), **HYPER)
+    x, y = random_batch(model.cfg, 1, 16, seed=rank)
+
+    def train_step():
+        model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt, train_step
 
 
 def build(case, root, rank, world):
@@ -66,16 +75,12 @@ def build(case, root, rank, world):
     import torch.distributed.checkpoint as dcp
 
     from zerofast import checkpoint as ck
-    from zerofast.tools.models import random_batch
 
     system, action, size = case.split()
-    model, opt = _model_and_optimizer(system, size, world)
+    model, opt, train_step = _model_and_optimizer(system, size, rank, world)
     if system == "fsdp2":
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    x, y = random_batch(model.cfg, 1, 16, seed=rank)
-    model(x, y)[1].backward()
-    opt.step()
-    opt.zero_grad()
+    train_step()
 
     def save(path):
         if system == "fsdp2":
@@ -146,19 +151,12 @@ def build_stall(case, root, rank, world):
     import torch.distributed.checkpoint as dcp
 
     from zerofast import checkpoint as ck
-    from zerofast.tools.models import random_batch
 
     system, mode = case.split()
-    model, opt = _model_and_optimizer(system, "gpt-100M", world)
+    model, opt, train_step = _model_and_optimizer(system, "gpt-100M", rank, world)
     if system == "fsdp2":
         from torch.distributed.checkpoint.state_dict import get_state_dict
         ckpt_group = dist.new_group(backend="gloo")
-    x, y = random_batch(model.cfg, 1, 16, seed=rank)
-
-    def train_step():
-        model(x, y)[1].backward()
-        opt.step()
-        opt.zero_grad()
 
     def save(path):
         """The save as the training loop calls it; returns what to wait for (None: written)."""

@@ -209,17 +209,22 @@ def test_the_small_state_round_trips_through_json():
 def _save_bad_extra(rank, world, path):
     model = make_gpt("tiny")
     opt = ZeroAdam(model, stage=1, **HYPER)
-    try:
-        ck.save(path, model, opt, extra={"fn": lambda: 0})
-    except TypeError as err:
-        return str(err)
-    return None
+    messages = []
+    for kwargs in ({"extra": {"fn": lambda: 0}}, {"blocking": "no"}):
+        try:
+            ck.save(path, model, opt, **kwargs)
+            messages.append(None)
+        except TypeError as err:
+            messages.append(str(err))
+    return messages
 
 
 def test_extra_that_json_cannot_hold_is_refused_on_every_rank(tmp_path):
+    """And a `blocking` that is not a bool: named too."""
     path = str(tmp_path / "c")
-    for message in run_ranks(_save_bad_extra, 2, args=(path,)):
-        assert message is not None and "extra['fn'] is a builtins.function" in message, message
+    for extra, blocking in run_ranks(_save_bad_extra, 2, args=(path,)):
+        assert extra is not None and "extra['fn'] is a builtins.function" in extra, extra
+        assert blocking is not None and "blocking must be True or False; got 'no'" in blocking, blocking
     assert not os.path.exists(path) and not os.path.exists(path + ck.INCOMPLETE)
 
 
