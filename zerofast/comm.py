@@ -2,7 +2,10 @@
 
 Every collective the engine issues goes through here, so `stats` is the whole step's traffic: the
 payload bytes of each collective (the size of the data it reduces or gathers, the unit of the ZeRO paper's 2Φ/3Φ: a
-reduce of a Φ-byte gradient counts Φ), by collective, for the last step.
+reduce of a Φ-byte gradient counts Φ), by group and collective, for the last step: "shard/<collective>"
+within the ranks that share the state, "replicate/<collective>" across the replicas of hybrid
+sharding ([Note: hybrid sharding] in zerofast/topology.py), the traffic that crosses machines. A
+group of one rank moves nothing and is not counted.
 
 [Note: faults]
 Every wait on a collective is bounded by the process group's timeout (gloo: the `timeout` given to
@@ -73,7 +76,7 @@ def group_timeout(group: dist.ProcessGroup) -> Optional[timedelta]:
     return None
 
 
-_KINDS = ("reduce", "gather", "agree_used", "agree_stats", "forward")
+_KINDS = ("reduce", "gather", "agree_used", "agree_stats", "forward", "replicate")
 
 
 def collectives_for(backend: str, flat: bool) -> tuple[_C.Collective, _C.Collective]:
@@ -91,10 +94,12 @@ def collectives_for(backend: str, flat: bool) -> tuple[_C.Collective, _C.Collect
 class BucketComm:
     def __init__(self, group: dist.ProcessGroup, layout: Layout, rank: int, grad_shard: torch.Tensor,
                  gather_group: dist.ProcessGroup | None = None, grad_buckets: list[torch.Tensor] | None = None,
-                 max_buffers: int = 0, check_collectives: bool = False):
-        """grad_buckets: stage 1's persistent buckets, which .grad are views of (else buffers come
-        from a pool); max_buffers: at most this many pooled buffers alive at once, 0 for no bound
-        ([Note: buffers in flight] in csrc/buckets.cpp)."""
+                 max_buffers: int = 0, check_collectives: bool = False,
+                 replicate_group: dist.ProcessGroup | None = None):
+        """group: the shard group (the ranks `layout` is cut for); grad_buckets: stage 1's persistent
+        buckets, which .grad are views of (else buffers come from a pool); max_buffers: at most this
+        many pooled buffers alive at once, 0 for no bound ([Note: buffers in flight] in
+        csrc/buckets.cpp); replicate_group: hybrid sharding's replicas of this rank's shard (None: none)."""
         self.layout = layout
         self.flat = layout.flat
         reduce_op, gather_op = collectives_for(dist.get_backend(group), self.flat)
@@ -115,13 +120,14 @@ class BucketComm:
         )
         self.group = group
         self.gather_group = group if gather_group is None else gather_group
+        self.replicate_group = replicate_group
         self.rank, self.world = rank, dist.get_world_size(group)
         self.device = grad_shard.device
         self._agreements: Counter = Counter()  # payload bytes of the step's small all_reduces
         self.where = Where()             # see [Note: faults]
         self.timeout = group_timeout(group)
         self.check = check_collectives
-        self._checked = {id(self.group): 0, id(self.gather_group): 0}  # descriptions per group, in order
+        self._checked = {id(self.group): 0, id(self.gather_group): 0, id(replicate_group): 0}  # per group, in order
 
     def share_bookkeeping(self, main: "BucketComm") -> None:
         """A second BucketComm gathering on `main`'s gather group (stage 3's frozen parameters): one
@@ -135,12 +141,16 @@ class BucketComm:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Payload bytes by collective, this step (the reduces and gathers counted in C++, where
-        they are issued: the C++ gradient path launches reduces without Python)."""
+        """Payload bytes by group and collective ("shard/reduce", "replicate/all_reduce", ...), this
+        step (the reduces and gathers counted in C++, where they are issued: the C++ gradient path
+        launches reduces without Python). A shard group of one rank moves nothing: not counted."""
         out = dict(self._agreements)
-        for name, nbytes in ((self.reduce_name, self._impl.reduce_bytes), (self.gather_name, self._impl.gather_bytes)):
-            if nbytes:
-                out[name] = out.get(name, 0) + nbytes
+        if self.world > 1:
+            for name, nbytes in ((self.reduce_name, self._impl.reduce_bytes), (self.gather_name, self._impl.gather_bytes)):
+                if nbytes:
+                    out["shard/" + name] = out.get("shard/" + name, 0) + nbytes
+        else:
+            out = {k: v for k, v in out.items() if not k.startswith("shard/")}
         return out
 
     def order_hashes(self) -> tuple[int, int]:
@@ -231,20 +241,47 @@ class BucketComm:
 
     def all_reduce_max(self, t: torch.Tensor) -> None:
         """A small agreement (which parameters got a gradient, the step and micro-batch counts, a
-        failure before the update), counted too."""
+        failure before the update), counted too: a MAX over the shard group, then over the
+        replicate group, which is a MAX over every rank ([Note: hybrid sharding])."""
         if self.check:
             self._verify("agree_used", 0, t.numel(), self.group)
-        self._agreements["all_reduce_flags"] += t.numel() * t.element_size()
+        self._agreements["shard/all_reduce_flags"] += t.numel() * t.element_size()
         self._collective("the step's agreement (all_reduce of flags and counters)", dist.all_reduce, t,
                          dist.ReduceOp.MAX, self.group)
+        if self.replicate_group is not None:
+            if self.check:
+                self._verify("agree_used", 0, t.numel(), self.replicate_group)
+            self._agreements["replicate/all_reduce_flags"] += t.numel() * t.element_size()
+            self._collective("the step's agreement across replicas (all_reduce of flags and counters)",
+                             dist.all_reduce, t, dist.ReduceOp.MAX, self.replicate_group)
 
     def all_reduce_sum(self, t: torch.Tensor) -> None:
-        """A small agreement (overflow flag and squared gradient norm), counted too."""
+        """A small agreement (overflow flag and squared gradient norm), counted too: over the shard
+        group only, where each gradient element sits in exactly one rank's shard."""
         if self.check:
             self._verify("agree_stats", 0, t.numel(), self.group)
-        self._agreements["all_reduce_stats"] += t.numel() * t.element_size()
+        self._agreements["shard/all_reduce_stats"] += t.numel() * t.element_size()
         self._collective("the step's agreement on overflow and gradient norm (all_reduce)", dist.all_reduce, t,
                          dist.ReduceOp.SUM, self.group)
+
+    def all_reduce_replicas(self, shards: list[torch.Tensor]) -> None:
+        """Hybrid sharding: sum this rank's reduced gradient shard over its replicas, once per step
+        ([Note: hybrid sharding] in zerofast/topology.py). One collective per tensor given (the
+        gradient shard; stage 1 reducing in place: the owned range of each bucket), issued
+        together and then waited for."""
+        if self.replicate_group is None:
+            return
+        works = []
+        for i, t in enumerate(shards):
+            if t.numel() == 0:
+                continue
+            if self.check:
+                self._verify("replicate", i, t.numel(), self.replicate_group)
+            self._agreements["replicate/all_reduce"] += t.numel() * t.element_size()
+            works.append(self._collective("the all_reduce of the gradient shard across replicas", dist.all_reduce,
+                                          t, dist.ReduceOp.SUM, self.replicate_group, True))
+        for w in works:
+            self._collective("the all_reduce of the gradient shard across replicas", w.wait)
 
     @property
     def buffer_bytes(self) -> int:

@@ -47,18 +47,23 @@ __all__ = ["boxes", "facts", "tensors", "small_state", "finish_load", "groups_by
 
 class Facts(NamedTuple):
     """The optimizer's configuration as a checkpoint needs it."""
-    rank: int
+    rank: int                  # among every data-parallel rank (the save's and load's group)
     world_size: int
     group: dist.ProcessGroup
     stage: int
     partition: str
     precision: str  # "fp32", "bf16" or "fp16"
+    shard_rank: int            # among the ranks sharing the state, which its layout is cut for
+    shard_size: int            # ([Note: hybrid sharding] in zerofast/topology.py; the world when flat)
+    shard_group: dist.ProcessGroup
 
 
 def facts(opt: ZeroAdam) -> Facts:
     """The one place the checkpoint reads the optimizer's configuration: its resolved plan."""
     plan = opt.plan
-    return Facts(opt.rank, opt.world_size, opt.group, plan.stage, plan.partition, plan.mixed_precision or "fp32")
+    topo = opt.topology
+    return Facts(opt.rank, opt.world_size, opt.group, plan.stage, plan.partition, plan.mixed_precision or "fp32",
+                 topo.shard_rank, topo.shard_size, topo.shard_group)
 
 
 # --- flat ranges as rectangular chunks: see [Note: flat slices as chunks] --------------------------
@@ -108,7 +113,10 @@ class _Chunks:
 
     def __init__(self, opt: ZeroAdam, frozen: bool = False, staged: Optional[Staging] = None):
         self.facts = facts(opt)
-        rank, world, group = self.facts.rank, self.facts.world_size, self.facts.group
+        # The boxes of every rank of this rank's shard group. Under hybrid sharding each replica
+        # describes the same boxes, and DCP's planner writes each box once, the replicas splitting
+        # the writing between them (its dedup of replicated writes, balanced by size).
+        rank, world, group = self.facts.shard_rank, self.facts.shard_size, self.facts.shard_group
         named = opt.frozen_named_params if frozen else opt.named_params
         self.shapes = [tuple(p.shape) for _, p in named]
         if frozen:
@@ -142,7 +150,7 @@ class _Chunks:
             for s in sizes:
                 n *= s
             box = _exact(flat[lo:lo + n].view(sizes))
-            local.append(Shard(box, self._meta(offsets, sizes, self.facts.rank, flat.device)))
+            local.append(Shard(box, self._meta(offsets, sizes, self.facts.shard_rank, flat.device)))
         dev = local[0].tensor.device if local else self.device
         metas = [self._meta(o, z, r, dev) for r, o, z in self.all[i]]
         props = TensorProperties(dtype=self.dtype, layout=torch.strided, requires_grad=False,
@@ -222,7 +230,7 @@ class Staging:
     def copy_from(self, opt: ZeroAdam) -> None:
         """Copy the shard's state in (the caller has quiesced the optimizer); returns when the copy
         is complete, so the live state may change at once."""
-        numel = opt.layout.shard_numel(opt.rank)
+        numel = opt.layout.shard_numel(opt.shard_rank)
         device = opt.shard.device
         with torch.no_grad():
             for kind in self.KINDS:

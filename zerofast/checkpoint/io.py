@@ -202,7 +202,7 @@ def _manifest(opt: ZeroAdam, step: int) -> dict:
     from .. import __version__
     f = facts(opt)
     return {
-        "format": FORMAT, "created": time.time(), "world_size": f.world_size,
+        "format": FORMAT, "created": time.time(), "world_size": f.world_size, "shard_size": f.shard_size,
         "stage": f.stage, "partition": f.partition, "precision": f.precision,
         "zerofast": __version__, "torch": torch.__version__,
         "step": step,
@@ -264,6 +264,12 @@ def read_manifest(path: str) -> dict:
             raise ValueError(f"zerofast.checkpoint: {data} is truncated: {os.path.getsize(data):,} bytes, the "
                              f"metadata needs {end:,}")
     return manifest
+
+
+def _sharded_by(m: dict) -> str:
+    """", sharded in groups of K" for a hybrid-sharded save (a manifest without the field: flat)."""
+    k = m.get("shard_size", m["world_size"])
+    return f" (sharded in groups of {k}, replicated across {m['world_size'] // k})" if k != m["world_size"] else ""
 
 
 def _manifest_fields(manifest_path: str) -> dict:
@@ -348,6 +354,7 @@ def info(path: str) -> str:
     step = f", optimizer step {m['step']} (save {m['save_counter']} in its folder)" if "step" in m else ""
     return "\n".join([
         f"{path}: zerofast checkpoint ({m['format']}), zerofast {m['zerofast']}, torch {m['torch']}",
-        f"saved by {m['world_size']} ranks, stage {m['stage']}, {m['partition']} partition, {m['precision']}{step}",
+        f"saved by {m['world_size']} ranks{_sharded_by(m)}, stage {m['stage']}, {m['partition']} partition, "
+        f"{m['precision']}{step}",
         f"{len(m['params'])} trainable parameters, {numel:,} elements; {len(files)} files, {size:,} bytes",
     ])

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..config import check_hyper
+from ..topology import check_shard_size, mesh_groups
 
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 
@@ -77,9 +78,26 @@ def _signature(model: nn.Module) -> list[tuple]:
             + [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in model.named_buffers()])
 
 
-def check_same_across_ranks(model: nn.Module, group) -> None:
-    """Every rank raises the same error (naming the first mismatch) instead of hanging later."""
-    mine = _signature(model)
+def data_parallel_group(process_group, shard_size, mesh) -> tuple[dist.ProcessGroup, int]:
+    """The group of every data-parallel rank, and the shard size ([Note: hybrid sharding] in
+    zerofast/topology.py): from process_group (None: the world) and shard_size, or from a 2-D mesh."""
+    if mesh is None:
+        group = process_group if process_group is not None else dist.group.WORLD
+        return group, check_shard_size(shard_size, dist.get_world_size(group))
+    if process_group is not None or shard_size is not None:
+        raise ValueError(f"ZeroAdam: mesh= gives the groups itself; pass it alone, without process_group= or "
+                         f"shard_size= (got shard_size={shard_size!r}, process_group={process_group!r})")
+    _replicas, k = mesh_groups(mesh)
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    if sorted(ranks) == list(range(dist.get_world_size())):
+        return dist.group.WORLD, k
+    return dist.new_group(sorted(ranks), use_local_synchronization=True), k
+
+
+def check_same_across_ranks(model: nn.Module, group, shard_size: int | None = None) -> None:
+    """Every rank raises the same error (naming the first mismatch) instead of hanging later: the
+    model, and the options every rank must share (shard_size)."""
+    mine = [("option", "shard_size", shard_size, "", False)] + _signature(model)
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     reference = everyone[0]
@@ -87,6 +105,9 @@ def check_same_across_ranks(model: nn.Module, group) -> None:
         if sig == reference:
             continue
         for a, b in zip(reference, sig):
+            if a != b and a[0] == "option":
+                raise ValueError(f"ZeroAdam: ranks were given different options: rank 0 has {a[1]}={a[2]!r}, "
+                                 f"rank {rank} has {b[1]}={b[2]!r}")
             if a != b:
                 raise ValueError(f"ZeroAdam: ranks hold different models: rank 0 has {a[0]} {a[1]} "
                                  f"{a[2]} {a[3]} (requires_grad={a[4]}), rank {rank} has {b[0]} {b[1]} "

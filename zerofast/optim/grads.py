@@ -395,6 +395,8 @@ class GradReducer:
                 failure.add_note(note)
                 raise failure
             raise StepNotAppliedError(note + " (see that rank's error)")
+        with torch.profiler.record_function("zerofast::replicate"):  # [Note: hybrid sharding] in zerofast/topology.py
+            self.comm.all_reduce_replicas(self.shard.owned_grads())
         found_inf, sumsq = False, None
         if self.scaler.enabled or need_norm:
             stats = torch.zeros(2, dtype=torch.float32, device=device)

@@ -44,13 +44,15 @@ from ..comm import BucketComm, group_timeout
 from ..config import Plan, check_hyper, reject_moved, resolve_plan
 from .gather import ParamGather
 from .grads import GradReducer
-from ..layout import Layout, build_layout
-from ..partition import imbalance, owners_for
+from ..layout import Layout
+from .layouts import plan_layouts
+from ..partition import imbalance
 from .precision import InputCast, LossScaler, cast_unmanaged
-from ..stage3.frozen import FrozenShard, placeholder_grad_shard, split_units, unit_layout
+from ..stage3.frozen import FrozenShard, placeholder_grad_shard
 from ..stage3.runtime import UnitBuffers, UnitPart, UnitTracker
-from ..stage3.units import UnitPlan, find_units, hook_needs
+from ..stage3.units import UnitPlan, hook_needs
 from .state import ShardState
+from ..topology import Topology, resolve_topology
 
 __all__ = ["ZeroAdam"]
 
@@ -89,7 +91,8 @@ class ZeroAdam(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, adamw: bool = True,
                  param_groups: Optional[list[dict]] = None, *, max_grad_norm: Optional[float] = None,
                  mixed_precision=None, units=None, comm=None,
-                 process_group: Optional[dist.ProcessGroup] = None, **moved):
+                 process_group: Optional[dist.ProcessGroup] = None, shard_size: Optional[int] = None,
+                 mesh=None, **moved):
         reject_moved("ZeroAdam", moved)
         if not isinstance(model, nn.Module):
             raise TypeError(f"ZeroAdam: model must be an nn.Module; got {type(model).__name__}")
@@ -99,7 +102,8 @@ class ZeroAdam(torch.optim.Optimizer):
         _checks.check_process_group(process_group)
         self.plan: Plan = plan
         self.model = model
-        self.group = process_group if process_group is not None else dist.group.WORLD
+        group, shard_size = _checks.data_parallel_group(process_group, shard_size, mesh)
+        self.group = group  # every data-parallel rank: [Note: hybrid sharding] in zerofast/topology.py
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
 
@@ -108,8 +112,11 @@ class ZeroAdam(torch.optim.Optimizer):
             raise ValueError("ZeroAdam: the model has no trainable parameters")
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        _checks.check_same_across_ranks(model, self.group)
+        _checks.check_same_across_ranks(model, self.group, shard_size=shard_size)
         _checks.broadcast_from_rank0(model, self.group)
+        self.topology: Topology = resolve_topology(self.group, shard_size, group_timeout(self.group), mesh)
+        # The layout's ranks: this rank's place in its shard group (the whole group when flat).
+        self.shard_rank, self.shard_size = self.topology.shard_rank, self.topology.shard_size
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(_checks.build_groups(param_groups, named, defaults), defaults)
         index_of = {id(p): i for i, p in enumerate(self._params)}
@@ -128,25 +135,23 @@ class ZeroAdam(torch.optim.Optimizer):
             cast_unmanaged(model, plan.param_dtype)
             self._hooks.append(model.register_forward_pre_hook(InputCast(plan.param_dtype), prepend=True,
                                                                with_kwargs=True))
+        layouts = plan_layouts(model, plan, self.shard_size)
         # Stage 3 shards the frozen parameters too: [Note: frozen parameters in stage 3].
-        device = self._params[0].device
-        self._frozen_named = [(n, p) for n, p in model.named_parameters() if not p.requires_grad
-                              and p.dtype == plan.param_dtype and p.device == device] if plan.params_sharded else []
-        self._unit_params: list[nn.Parameter] = []  # the unit plan's parameters, in model order
-        self.unit_plan: Optional[UnitPlan] = None
-        if plan.params_sharded:
-            sharded = {id(p) for p in self._params} | {id(p) for _, p in self._frozen_named}
-            self._unit_params = [p for p in model.parameters() if id(p) in sharded]
-            self.unit_plan = find_units(model, self._unit_params, plan.unit_modules, plan.min_unit_bytes,
-                                        torch.empty(0, dtype=plan.param_dtype).element_size())
-        self._unit_buckets: Optional[list[Optional[int]]] = None  # stage 3: each unit's trainable bucket
-        self.layout: Layout = self._build_layout()
-        self.shard = ShardState(self.layout, self.rank, self._names, self._params, plan)
-        self.frozen: Optional[FrozenShard] = self._build_frozen() if self._frozen_named else None
+        self._frozen_named = layouts.frozen_named
+        self._unit_params: list[nn.Parameter] = layouts.unit_params  # the unit plan's parameters, in model order
+        self.unit_plan: Optional[UnitPlan] = layouts.unit_plan
+        self._unit_buckets = layouts.unit_buckets  # stage 3: each unit's trainable bucket
+        self.layout: Layout = layouts.layout
+        self.shard = ShardState(self.layout, self.shard_rank, self._names, self._params, plan)
+        self.frozen: Optional[FrozenShard] = None
+        if layouts.frozen_layout is not None:
+            self.frozen = FrozenShard(layouts.frozen_layout, self.shard_rank, [n for n, _ in self._frozen_named],
+                                      [p for _, p in self._frozen_named], layouts.frozen_bucket_of)
         self._frozen_comm: Optional[BucketComm] = None  # the frozen part's gathers (_shard_params)
-        self.comm = BucketComm(self.group, self.layout, self.rank, self.shard.grad_shard,
+        topo = self.topology
+        self.comm = BucketComm(topo.shard_group, self.layout, self.shard_rank, self.shard.grad_shard,
                                self._gather_group() if plan.params_sharded else None, self.shard.grad_buckets,
-                               plan.bucket_buffers, plan.check_collectives)
+                               plan.bucket_buffers, plan.check_collectives, replicate_group=topo.replicate_group)
         self._scaler = LossScaler(plan.loss_scale)
         self._gather = ParamGather(self.comm, self.layout, self.shard.param_buffers)
         if plan.overlap_param_gather:
@@ -172,35 +177,10 @@ class ZeroAdam(torch.optim.Optimizer):
 
     # --- construction ---------------------------------------------------------------------------
 
-    def _build_layout(self) -> Layout:
-        plan = self.plan
-        reduce_size = torch.empty(0, dtype=plan.reduce_dtype).element_size()
-        numels = [p.numel() for p in self._params]
-        owners = owners_for(plan.partition, numels, self.world_size)
-        if plan.params_sharded:  # one bucket per unit with trainable parameters, in backward order
-            trainable_index = {id(p): i for i, p in enumerate(self._params)}
-            parts, _ = split_units(self.unit_plan.groups, [id(p) in trainable_index for p in self._unit_params])
-            parts = [[trainable_index[id(self._unit_params[i])] for i in part] for part in parts]
-            layout, self._unit_buckets = unit_layout(parts, numels, self.world_size, plan.partition)
-            return layout
-        bucket_numel = max(1, plan.bucket_bytes // reduce_size)
-        order = list(reversed(range(len(numels))))  # backward order: see [Note: bucket order]
-        first_bucket_numel = min(bucket_numel, plan.first_bucket_bytes // reduce_size)
-        return build_layout(numels, order, self.world_size, bucket_numel, owners, first_bucket_numel)
-
-    def _build_frozen(self) -> FrozenShard:
-        """Stage 3's frozen parameters, one bucket per unit that has any: [Note: frozen parameters in stage 3]."""
-        frozen_index = {id(p): j for j, (_, p) in enumerate(self._frozen_named)}
-        _, parts = split_units(self.unit_plan.groups, [id(p) not in frozen_index for p in self._unit_params])
-        parts = [[frozen_index[id(self._unit_params[i])] for i in part] for part in parts]
-        numels = [p.numel() for _, p in self._frozen_named]
-        layout, bucket_of = unit_layout(parts, numels, self.world_size, self.plan.partition)
-        return FrozenShard(layout, self.rank, [n for n, _ in self._frozen_named],
-                           [p for _, p in self._frozen_named], bucket_of)
-
     def _gather_group(self) -> dist.ProcessGroup:
         """Stage 3 gathers on a second group: see [Note: two process groups] in csrc/buckets.cpp."""
-        ranks = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
+        shard_group = self.topology.shard_group  # only a rank's own shard group gathers its parameters
+        ranks = [dist.get_global_rank(shard_group, r) for r in range(self.shard_size)]
         # With the same timeout as the group given: new_group's default is 30 minutes ([Note: faults]).
         return dist.new_group(ranks, timeout=group_timeout(self.group), use_local_synchronization=True)
 
@@ -210,12 +190,12 @@ class ZeroAdam(torch.optim.Optimizer):
         if self.frozen is not None:  # gathers only, on the same gather group: no reduce, no gradient shard
             fz = self.frozen
             self._frozen_comm = BucketComm(
-                self.group, fz.layout, self.rank,
-                placeholder_grad_shard(fz.layout.shard_numel(self.rank), self.plan.reduce_dtype, fz.device),
+                self.topology.shard_group, fz.layout, self.shard_rank,
+                placeholder_grad_shard(fz.layout.shard_numel(self.shard_rank), self.plan.reduce_dtype, fz.device),
                 self.comm.gather_group, None, 0, self.plan.check_collectives)
             self._frozen_comm.share_bookkeeping(self.comm)
             frozen = UnitPart(fz.buffers, fz.shard, fz.layout, self._frozen_comm, fz.bucket_of)
-        buffers = UnitBuffers(self.shard.param_buffers, self.shard.param_shard, self.layout, self.rank, self.comm,
+        buffers = UnitBuffers(self.shard.param_buffers, self.shard.param_shard, self.layout, self.shard_rank, self.comm,
                               self._unit_buckets, frozen)
         buffers.shard_out()
         return UnitTracker(self.model, hook_needs(self.model, self._unit_params, self.unit_plan), buffers)
@@ -404,7 +384,7 @@ class ZeroAdam(torch.optim.Optimizer):
 
     def partition_report(self) -> dict:
         """Elements each rank owns (real parameters, not padding) and the imbalance max/mean."""
-        owned = [self.layout.owned_numel(r) for r in range(self.world_size)]
+        owned = [self.layout.owned_numel(r) for r in range(self.shard_size)]
         return {"owned_numel": owned, "imbalance": imbalance(owned)}
 
     def units_report(self) -> list[dict]:

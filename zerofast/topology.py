@@ -1,0 +1,105 @@
+"""Which ranks share the state and which replicate it: flat ZeRO over every rank, or hybrid sharding.
+
+[Note: hybrid sharding]
+Flat ZeRO shards over all W data-parallel ranks, so each step's reduces and gathers cross the
+slowest links. With shard_size=K the ranks form W/K shard groups of K consecutive ranks (one
+machine under torchrun, whose ranks are numbered node by node); optimizer state, gradients and
+(stage 3) parameters are sharded within a shard group, exactly as flat ZeRO over K ranks, and the
+groups are replicas of each other. The replicate group of a rank is the ranks holding the same shard
+in every shard group (rank r, r + K, r + 2K, ...). A step then adds one collective across machines:
+after the shard group's reduce, each rank all_reduces its owned gradient shard (1/K of the
+gradients) over its replicate group, once per step (under no_sync, never per micro-batch), so every
+replica applies the same update to the same state. The step's agreement (which parameters got a
+gradient, the counters, a failure) is a MAX over the shard group, then over the replicate group; the
+overflow flag and the squared gradient norm are summed over the shard group only, where each element
+sits in exactly one rank's shard (summing over every rank would count each element W/K times). The
+average divides by W. Only a rank's own shard group gathers its parameters: stage 3's gathers never
+leave the machine. K = W (the default) builds no group: today's flat run, bitwise. K = 1 is plain
+replication (DDP's traffic, with the fused step). FSDP2's HSDP is the same arrangement (a 2-D mesh,
+"replicate" outer, "shard" inner); a DeviceMesh with those dims is accepted instead of shard_size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+__all__ = ["Topology", "resolve_topology"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    group: dist.ProcessGroup            # every data-parallel rank (the average divides by its size)
+    rank: int                           # in `group`
+    world: int
+    shard_group: dist.ProcessGroup      # the ranks sharing one copy of the state (== group when flat)
+    shard_rank: int
+    shard_size: int
+    replicate_group: Optional[dist.ProcessGroup]  # the ranks holding this rank's shard (None: no replica)
+    replicas: int
+
+    @property
+    def hybrid(self) -> bool:
+        return self.replicas > 1
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_shard_size(shard_size, world: int, who: str = "ZeroAdam") -> int:
+    """shard_size as ZeroAdam takes it (None: world), checked against the number of ranks."""
+    if shard_size is None:
+        return world
+    if not (_is_int(shard_size) and shard_size >= 1):
+        raise ValueError(f"{who}: shard_size must be None or an integer >= 1; got {shard_size!r}")
+    if shard_size > world or world % shard_size:
+        raise ValueError(f"{who}: shard_size={shard_size} must divide the number of ranks, {world} (the ranks form "
+                         f"{world}/shard_size groups of shard_size consecutive ranks)")
+    return shard_size
+
+
+def _global(group: dist.ProcessGroup, r: int) -> int:
+    return r if group is dist.group.WORLD else dist.get_global_rank(group, r)
+
+
+def mesh_groups(mesh, who: str = "ZeroAdam") -> tuple[int, int]:
+    """A DeviceMesh as ZeroAdam takes it: 2-D, dims named ("replicate", "shard"). Returns its (replicas, shard size)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{who}: mesh must be a torch.distributed.device_mesh.DeviceMesh or None; got "
+                        f"{type(mesh).__name__}")
+    if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != ("replicate", "shard"):
+        raise ValueError(f"{who}: mesh must be 2-D with mesh_dim_names=('replicate', 'shard') (replicate across the "
+                         f"outer dim, shard within the inner one, as FSDP2's HSDP); got a {mesh.ndim}-D mesh of shape "
+                         f"{tuple(mesh.shape)} with mesh_dim_names={mesh.mesh_dim_names}")
+    return mesh.size(0), mesh.size(1)
+
+
+def resolve_topology(group: dist.ProcessGroup, shard_size: int, timeout: Optional[timedelta], mesh=None) -> Topology:
+    """The groups of `group`'s ranks for shard_size (already checked: check_shard_size), or those of
+    `mesh`. Every rank of `group` calls it (new_group is collective)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if mesh is not None:
+        replicas, k = mesh_groups(mesh)
+        shard_group, replicate_group = mesh.get_group("shard"), mesh.get_group("replicate")
+        return Topology(group, rank, world, shard_group, dist.get_rank(shard_group), k,
+                        replicate_group if replicas > 1 else None, replicas)
+    if shard_size == world:
+        return Topology(group, rank, world, group, rank, world, None, 1)
+    replicas = world // shard_size
+    shard_group = replicate_group = None
+    # new_group is called for every group on every rank, in the same order, as torch requires
+    for g in range(replicas):
+        ranks = [_global(group, g * shard_size + i) for i in range(shard_size)]
+        made = dist.new_group(ranks, timeout=timeout)
+        if rank // shard_size == g:
+            shard_group = made
+    for i in range(shard_size):
+        ranks = [_global(group, g * shard_size + i) for g in range(replicas)]
+        made = dist.new_group(ranks, timeout=timeout)
+        if rank % shard_size == i:
+            replicate_group = made
+    return Topology(group, rank, world, shard_group, rank % shard_size, shard_size, replicate_group, replicas)
