@@ -54,13 +54,15 @@ _MOVED = {"precision": "mixed_precision= (None, 'bf16', 'fp16' or a MixedPrecisi
 
 
 def estimate_memory(model_or_param_count, world: int, stage: int, mixed_precision=None, comm=None, units=None,
-                    **moved) -> MemoryEstimate:
+                    shard_size=None, **moved) -> MemoryEstimate:
     """Per-rank bytes of parameters, gradients and optimizer state for DDP (stage 0) or a ZeRO stage,
     by the paper's formulas, plus the buffers ZeroAdam adds. mixed_precision, comm and units as
     ZeroAdam takes them (stage 0 checks them alone). Stage 3's buckets are its units, whose size
     the estimate cannot know from a count: it takes stage 2's default bucket for each. A count is
     of trainable parameters; a module's frozen parameters are counted apart, as parameter bytes
-    only (in the parameters' dtype; sharded in stage 3, whole in stages 0-2)."""
+    only (in the parameters' dtype; sharded in stage 3, whole in stages 0-2). shard_size=K (hybrid
+    sharding, ZeroAdam's shard_size): the state is sharded over K ranks and replicated W/K times,
+    so each sharded part is divided by K instead of W (None: K = world, flat ZeRO)."""
     for name in moved:
         if name in _MOVED:
             raise TypeError(f"estimate_memory: the keyword {name}= is now {_MOVED[name]}")
@@ -78,6 +80,7 @@ def estimate_memory(model_or_param_count, world: int, stage: int, mixed_precisio
     if not (isinstance(world, int) and not isinstance(world, bool) and world >= 1):
         raise ValueError(f"estimate_memory: world must be an integer >= 1; got {world!r}")
     check_stage(stage, "estimate_memory", stages=(0, 1, 2, 3))
+    shards = check_shard_size(shard_size, world, "estimate_memory")
     if stage == 0:  # DDP: the options are checked all the same, so a typo is not silently ignored
         precision, comm_p = precision_policy(mixed_precision), comm_policy(comm)
         unit_policy(units)
@@ -91,9 +94,9 @@ def estimate_memory(model_or_param_count, world: int, stage: int, mixed_precisio
     p_bytes, r_bytes = _itemsize(param_dtype), _itemsize(reduce_dtype)
     g_bytes = p_bytes if stage < 2 else r_bytes      # full gradients in the parameters' dtype
     o_bytes = 8 + (4 if param_dtype != torch.float32 else 0)  # m, v and a separate fp32 master
-    shard = -(-numel // world)  # ceil: this rank's part
+    shard = -(-numel // shards)  # ceil: this rank's part
     params = p_bytes * (shard if stage == 3 else numel)
-    params += p_bytes * (-(-frozen // world) if stage == 3 else frozen)
+    params += p_bytes * (-(-frozen // shards) if stage == 3 else frozen)
     grads = g_bytes * (shard if stage >= 2 else numel)
     optimizer = o_bytes * (shard if stage >= 1 else numel)
     extra = 0
@@ -103,9 +106,262 @@ def estimate_memory(model_or_param_count, world: int, stage: int, mixed_precisio
         pooled = min(buffers * bucket_bytes, all_grads) if buffers else all_grads
         extra += pooled if copied else 0
         extra += r_bytes * shard if stage == 1 and not views else 0  # stage 1's reduced shard in reduce_dtype
-        padding_elements = ALIGN * world * max(1, -(-r_bytes * numel // bucket_bytes))
+        padding_elements = ALIGN * shards * max(1, -(-r_bytes * numel // bucket_bytes))
         extra += padding_elements * (p_bytes + r_bytes + o_bytes)
     return MemoryEstimate(stage, world, params, grads, optimizer, extra)
+
+
+# --- traffic: the bytes comm_stats() reports, without running a step ---------------------------------
+
+def check_shard_size(shard_size, world: int, who: str) -> int:
+    """shard_size as ZeroAdam takes it (None: world, flat ZeRO): an integer K >= 1 dividing world."""
+    if shard_size is None:
+        return world
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+        raise ValueError(f"{who}: shard_size must be None or an integer >= 1; got {shard_size!r}")
+    if shard_size > world or world % shard_size:
+        raise ValueError(f"{who}: shard_size={shard_size} must divide world={world} (the ranks form world/shard_size "
+                         f"groups of shard_size consecutive ranks)")
+    return shard_size
+
+
+# The int64 message of the step's agreement: a flag per trainable parameter tensor, then each of
+# AgreementLayout.COUNTERS (4) twice, then the failure flag (zerofast/optim/grads.py, which imports
+# the compiled extension, so its numel is restated here; tests/test_estimate.py checks the two agree).
+AGREEMENT_EXTRA = 2 * 4 + 1
+
+
+@dataclass(frozen=True)
+class Op:
+    """The collectives of one kind a rank issues in one step, for the traffic and the time model."""
+    group: str    # "shard" (the K ranks sharing the state) or "replicate" (the W/K holding the same shard)
+    name: str     # the collective, as comm_stats() names it
+    nbytes: int   # payload bytes per step, counted as comm_stats() counts them
+    calls: int    # collective calls per step (each pays the latency term)
+    phase: str    # the compute it can hide behind: "forward", "backward", or "step" (none)
+    ranks: int    # ranks in the group
+
+    @property
+    def key(self) -> str:
+        return f"{self.group}/{self.name}"
+
+
+def collective_names(backend: str, flat: bool) -> tuple[str, str]:
+    """(reduce, gather) collective names of a layout on a backend: zerofast/comm.py collectives_for's
+    choice, restated without its compiled enum (tests/test_estimate.py checks they agree)."""
+    if not flat:
+        return "reduce", "broadcast"
+    return ("all_reduce", "broadcast") if backend == "gloo" else ("reduce_scatter", "all_gather")
+
+
+def _gather_calls(backend: str, flat: bool, owners: int, ranks: int) -> int:
+    """Collective calls of one bucket's gather: NCCL's flat all_gather is one call; gloo's flat
+    gather is one broadcast per rank's slice; an owner layout broadcasts from each owner that has a part."""
+    if flat:
+        return 1 if backend != "gloo" else ranks
+    return owners
+
+
+def _owners(bucket) -> int:
+    return sum(1 for r in range(len(bucket.bounds) - 1) if bucket.bounds[r + 1] > bucket.bounds[r])
+
+
+def stage3_gathers(model: nn.Module, layouts) -> tuple[list[int], list[int]]:
+    """The units stage 3 gathers in one micro-batch's forward and in its backward, in order, from the
+    second step on: zerofast/stage3/runtime.py's hooks played over the module tree ([Note: stage 3
+    lifecycle], [Note: who gathers what]). Assumes each module that gathers runs once per forward,
+    in registration order, inside its parent's call, and that every call's output reaches backward.
+    The first step gathers more: with no previous order to go by, a merged unit is gathered again by
+    each of its modules (nothing is carried)."""
+    from ..stage3.units import hook_needs
+    needs = hook_needs(model, layouts.unit_params, layouts.unit_plan)
+    calls: list[tuple[int, ...]] = []       # the gathering calls, in forward order
+    events: list[tuple[str, int]] = []      # ("pre" | "post", call), nested as the calls run
+    seen: set[int] = set()
+
+    def walk(module: nn.Module, held: frozenset) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        k = None
+        units = needs.get(module)
+        if units is not None and (module is model or not set(units) <= held):
+            k = len(calls)
+            calls.append(units)
+            events.append(("pre", k))
+            held = held | set(units)
+        for child in module.children():
+            walk(child, held)
+        if k is not None:
+            events.append(("post", k))
+
+    walk(model, frozenset())
+
+    def next_other(k: int, step: int) -> tuple[int, ...]:
+        j = k + step
+        while 0 <= j < len(calls):
+            if calls[j] != calls[k]:
+                return calls[j]
+            j += step
+        return ()
+
+    n_units = len(layouts.unit_plan.groups)
+    gathered = [False] * n_units
+    refs, carried = [0] * n_units, [False] * n_units
+    out: list[int] = []
+
+    def gather(u):
+        if not gathered[u]:
+            gathered[u] = True
+            out.append(u)
+
+    def acquire(units):
+        for u in units:
+            refs[u] += 1
+            carried[u] = False
+            gather(u)
+
+    def release(units):
+        for u in units:
+            refs[u] = max(0, refs[u] - 1)
+            if refs[u] == 0 and not carried[u]:
+                gathered[u] = False
+
+    def release_all():
+        for u in range(n_units):
+            refs[u], carried[u], gathered[u] = 0, False, False
+
+    def carry(k, following):
+        for u in set(calls[k]) & set(calls[following]):
+            carried[u] = True
+
+    for kind, k in events:  # forward: pre-hook acquires and prefetches the next call's units
+        if kind == "pre":
+            acquire(calls[k])
+            for u in next_other(k, +1):
+                gather(u)
+        else:
+            if k + 1 < len(calls):
+                carry(k, k + 1)
+            release(calls[k])
+            if k == 0:
+                release_all()
+    forward, out = out, []
+    for kind, k in reversed(events):  # backward: the forward's events reversed, pre and post swapped
+        if kind == "post":
+            acquire(calls[k])
+            for u in next_other(k, -1):
+                gather(u)
+        elif k > 0:  # the root's inputs need no gradient: its post-backward never runs
+            carry(k, k - 1)
+            release(calls[k])
+    release_all()
+    return forward, out
+
+
+def traffic_ops(model_or_param_count, world: int, stage: int, shard_size=None, mixed_precision=None, comm=None,
+                units=None, backend: str = "nccl", rank: int = 0, micro_batches: int = 1,
+                max_grad_norm=None) -> list[Op]:
+    """The collectives behind estimate_traffic, with their call counts and the phase each can overlap."""
+    who = "estimate_traffic"
+    is_module = isinstance(model_or_param_count, nn.Module)
+    if not is_module and not (isinstance(model_or_param_count, int) and not isinstance(model_or_param_count, bool)
+                              and model_or_param_count >= 1):
+        raise ValueError(f"{who}: model_or_param_count must be an nn.Module or a count >= 1; "
+                         f"got {model_or_param_count!r}")
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"{who}: world must be an integer >= 1; got {world!r}")
+    check_stage(stage, who, stages=(1, 2, 3))
+    shards = check_shard_size(shard_size, world, who)
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"{who}: backend must be 'nccl' or 'gloo'; got {backend!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"{who}: rank must be an integer in [0, {world}); got {rank!r}")
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"{who}: micro_batches must be an integer >= 1; got {micro_batches!r}")
+    plan = resolve_plan(stage, max_grad_norm=max_grad_norm, mixed_precision=mixed_precision, comm=comm, units=units)
+    replicas, shard_rank = world // shards, rank % shards
+    r_bytes, p_bytes = _itemsize(plan.reduce_dtype), _itemsize(plan.param_dtype)
+    reduces = 1 if plan.accumulates_locally else micro_batches  # [Note: accumulation] in zerofast/optim/grads.py
+    flat = plan.partition == "flat"
+    reduce_name, gather_name = collective_names(backend, flat)
+    gather_step: list[tuple[int, int]] = []             # stages 1, 2: (bytes, calls) after the update
+    gather_fwd: list[tuple[int, int]] = []              # stage 3: per micro-batch
+    gather_bwd: list[tuple[int, int]] = []
+    if is_module:
+        from ..optim.layouts import plan_layouts
+        model = model_or_param_count
+        layouts = plan_layouts(model, plan, shards)
+        layout = layouts.layout
+        tensors = len(layouts.params)
+        reduce_numel = sum(b.numel for b in layout.buckets)
+        reduce_calls = sum(1 if flat else _owners(b) for b in layout.buckets)
+        shard_numel = layout.shard_numel(shard_rank)
+        replicate_calls = len(layout.buckets) if plan.grads_as_bucket_views else 1
+        if stage < 3:
+            gather_step = [(b.numel * p_bytes, _gather_calls(backend, flat, _owners(b), shards)) for b in layout.buckets]
+        else:
+            def unit_cost(u: int) -> tuple[int, int]:
+                nbytes = calls = 0
+                for lay, bucket_of in ((layout, layouts.unit_buckets), (layouts.frozen_layout, layouts.frozen_bucket_of)):
+                    if lay is not None and bucket_of[u] is not None:
+                        b = lay.buckets[bucket_of[u]]
+                        nbytes += b.numel * p_bytes
+                        calls += _gather_calls(backend, flat, _owners(b), shards)
+                return nbytes, calls
+            fwd, bwd = stage3_gathers(model, layouts)
+            gather_fwd, gather_bwd = [unit_cost(u) for u in fwd], [unit_cost(u) for u in bwd]
+    else:  # a count: no tensors, no padding; buckets of the plan's size (stage 3: estimate_memory's stand-in)
+        numel = model_or_param_count
+        tensors = 0
+        bucket_bytes = plan.bucket_bytes or int(DEFAULT_BUCKET_MB[2] * 2**20)
+        buckets = max(1, -(-numel * r_bytes // bucket_bytes))
+        reduce_numel, shard_numel = numel, -(-numel // shards)
+        reduce_calls = buckets * (1 if flat else shards)
+        replicate_calls = buckets if plan.grads_as_bucket_views else 1
+        every_bucket = [(numel * p_bytes, buckets * _gather_calls(backend, flat, shards, shards))]
+        if stage < 3:
+            gather_step = every_bucket
+        else:
+            gather_fwd = gather_bwd = every_bucket
+    flags = 8 * (tensors + AGREEMENT_EXTRA)
+    ops: list[Op] = []
+    if shards > 1:  # a group of one moves nothing
+        ops.append(Op("shard", reduce_name, reduces * reduce_numel * r_bytes, reduces * reduce_calls, "backward", shards))
+        for phase, parts, times in (("step", gather_step, 1), ("forward", gather_fwd, micro_batches),
+                                    ("backward", gather_bwd, micro_batches)):
+            if parts:
+                ops.append(Op("shard", gather_name, times * sum(b for b, _ in parts), times * sum(c for _, c in parts),
+                              phase, shards))
+        ops.append(Op("shard", "all_reduce_flags", flags, 1, "step", shards))
+        if plan.scales_loss or plan.max_grad_norm is not None:  # overflow flag and squared norm: 2 x fp32
+            ops.append(Op("shard", "all_reduce_stats", 8, 1, "step", shards))
+    if replicas > 1:
+        ops.append(Op("replicate", "all_reduce", shard_numel * r_bytes, replicate_calls, "step", replicas))
+        ops.append(Op("replicate", "all_reduce_flags", flags, 1, "step", replicas))
+    return ops
+
+
+def estimate_traffic(model_or_param_count, world: int, stage: int, shard_size=None, mixed_precision=None,
+                     comm=None, units=None, backend: str = "nccl", rank: int = 0, micro_batches: int = 1,
+                     max_grad_norm=None) -> dict[str, int]:
+    """The payload bytes per collective that `opt.comm_stats()` reports on rank `rank` after a step
+    of ZeroAdam(model, stage, shard_size=..., mixed_precision=..., comm=..., units=...,
+    max_grad_norm=...) on `world` ranks of `backend`, with `micro_batches` backwards per step
+    (all but the last under no_sync()). Keys "shard/<collective>" (the K ranks sharing the state)
+    and "replicate/<collective>" (the W/K copies of each shard, when shard_size < world).
+
+    For an nn.Module it is exact: the same layouts ZeroAdam builds (zerofast.optim.layouts), the
+    padding and the agreement message included. Stage 3's gathers are those of the second step on,
+    with each gathering module run once per forward in registration order (see stage3_gathers); a
+    step whose fp16 gradients overflowed skips its update and (stages 1, 2) its gather.
+    For a parameter count it is an approximation: no padding, no per-tensor agreement flags (it
+    knows no tensors), and stage 3's units taken as stage 2's default bucket size."""
+    totals: dict[str, int] = {}
+    for op in traffic_ops(model_or_param_count, world, stage, shard_size, mixed_precision, comm, units, backend,
+                          rank, micro_batches, max_grad_norm):
+        totals[op.key] = totals.get(op.key, 0) + op.nbytes
+    return totals
 
 
 def _itemsize(dtype: torch.dtype) -> int:
