@@ -61,7 +61,7 @@ def _install_fault(model, opt, point: str, sig: int, state: dict) -> None:
         state["on_logits"] = lambda logits: logits.register_hook(lambda g: fire())
     elif point == "reduce":  # at the first gradient after a bucket's reduce was launched, mid-backward
         def after_a_launch(_):
-            if opt.comm.stats.get(opt.comm.reduce_name):  # some reduce of this step is in flight
+            if opt.comm.stats.get("shard/" + opt.comm.reduce_name):  # some reduce of this step is in flight
                 fire()
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(after_a_launch)

@@ -193,7 +193,7 @@ def _train_accumulated(rank, world, steps):
                 opt.step()
                 opt.zero_grad()
                 stats = opt.comm_stats()
-                reduced.append(sum(v for k, v in stats.items() if k in ("all_reduce", "reduce", "reduce_scatter")))
+                reduced.append(sum(v for k, v in stats.items() if k in ("shard/all_reduce", "shard/reduce", "shard/reduce_scatter")))
             with opt.gathered_params():
                 out[(stage, local, partition)] = ({n: p.detach().clone() for n, p in model.named_parameters()},
                                                   reduced, sum(b.numel for b in opt.layout.buckets) * 4)

@@ -108,8 +108,8 @@ def test_module_called_twice_peak_memory_and_3phi(world, partition):
         # The paper's 3Φ: gathered in forward and again in backward, reduced once. The block runs
         # twice in a row and stays gathered from its first call to its second (the unit is handed
         # over, [Note: merging small units]), so each unit is gathered once per direction.
-        gathered = sum(v for k, v in r["comm"].items() if k in ("all_gather", "broadcast"))
-        reduced = sum(v for k, v in r["comm"].items() if k in ("reduce_scatter", "reduce", "all_reduce"))
+        gathered = sum(v for k, v in r["comm"].items() if k in ("shard/all_gather", "shard/broadcast"))
+        reduced = sum(v for k, v in r["comm"].items() if k in ("shard/reduce_scatter", "shard/reduce", "shard/all_reduce"))
         padding = r["padded"] - r["phi"]
         assert reduced == r["phi"] + padding
         assert gathered == 2 * (r["phi"] + padding)
@@ -128,13 +128,13 @@ def _comm_gpt(rank, world, stage):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_stages_1_2_move_2phi(stage):
     for stats, phi, padded, tensors in run_ranks(_comm_gpt, 2, args=(stage,)):
-        reduced = sum(v for k, v in stats.items() if k in ("reduce_scatter", "reduce", "all_reduce"))
-        gathered = sum(v for k, v in stats.items() if k in ("all_gather", "broadcast"))
+        reduced = sum(v for k, v in stats.items() if k in ("shard/reduce_scatter", "shard/reduce", "shard/all_reduce"))
+        gathered = sum(v for k, v in stats.items() if k in ("shard/all_gather", "shard/broadcast"))
         assert reduced == gathered == padded
         assert phi <= padded <= phi * 1.01  # 2Φ, up to the padding ([Note: padding])
         # One small agreement per step: an int64 message laid out as AgreementLayout says (a flag
         # per parameter tensor, the step's counters, each also negated, and the failure flag).
-        assert stats["all_reduce_flags"] == 8 * AgreementLayout(tensors).numel
+        assert stats["shard/all_reduce_flags"] == 8 * AgreementLayout(tensors).numel
 
 
 def _gathered_params_and_eval(rank, world):

@@ -152,7 +152,7 @@ def _peak_inside_blocks(rank, world, name):
     unit_bytes = [opt.layout.buckets[opt.units.buffers.bucket(u["unit"])].numel * 4 for u in report]
     root = unit_bytes[0] if report[0]["module"] == "" else 0
     block_bytes = sorted((b for u, b in zip(report, unit_bytes) if u["module"]), reverse=True)
-    gathered = sum(v for k, v in opt.comm_stats().items() if k in ("all_gather", "broadcast"))
+    gathered = sum(v for k, v in opt.comm_stats().items() if k in ("shard/all_gather", "shard/broadcast"))
     return dict(params=params, peak=max(samples), samples=len(samples), shard=shard, root=root,
                 two_blocks=sum(block_bytes[:2]), units=[u["module"] for u in report],
                 after=opt.materialized_param_bytes(), gathered=gathered, padded=sum(unit_bytes))

@@ -406,19 +406,109 @@ def parse_count(text: str) -> int:
     return int(round(value))
 
 
+def _link_table(params: int, world: int, stages, shard_size, precision, backend: str, gpus_per_node: int) -> str:
+    """Bytes per GPU per step of each collective, and the link it crosses (ranks numbered node by node)."""
+    from .timemodel import Cluster, link_of
+    cluster = Cluster(gpus_per_node=gpus_per_node)
+    k = world if shard_size is None else shard_size
+    lines = [f"{'':10s} {'collective':28s} {'bytes/GPU/step':>15s}  link"]
+    for s in stages:
+        if s == 0:
+            continue
+        for op in traffic_ops(params, world, s, shard_size, precision, backend=backend):
+            link = link_of(op.group, world, k, cluster).name
+            lines.append(f"{'stage ' + str(s):10s} {op.key:28s} {format_bytes(op.nbytes):>15s}  {link}")
+    return "\n".join(lines)
+
+
+def _time_table(args, p) -> str:
+    from .timemodel import Cluster, Link, format_seconds, step_time
+    cluster = Cluster(gpus_per_node=args.gpus_per_node,
+                      intra=Link("intra-node", args.intra_bw, args.intra_latency),
+                      inter=Link("inter-node", args.inter_bw, args.inter_latency),
+                      flops=args.tflops * 1e12)
+    if args.global_tokens is not None:
+        tokens = args.global_tokens // args.world
+    else:
+        tokens = args.tokens_per_rank
+    sizes = [args.shard_size] if args.shard_size is not None else [None]
+    g = args.gpus_per_node
+    if args.shard_size is None and args.world > g and args.world % g == 0:
+        sizes.append(g)  # flat against hybrid with a node per shard group
+    stages = [args.stage] if args.stage is not None else [1, 2, 3]
+    head = (f"{'':8s} {'K':>5s} {'intra B':>10s} {'inter B':>10s} {'intra t':>9s} {'inter t':>9s} "
+            f"{'compute':>9s} {'exposed':>9s} {'step':>9s} {'mem/GPU':>10s}")
+    lines = [f"Φ = {args.params:,}, W = {args.world} GPUs ({g} per node), {tokens:,} tokens/GPU/step, "
+             f"{args.tflops:g} TFLOP/s, intra {args.intra_bw / 1e9:g} GB/s {args.intra_latency * 1e6:g} us, "
+             f"inter {args.inter_bw / 1e9:g} GB/s {args.inter_latency * 1e6:g} us, "
+             f"{'overlapped' if args.overlap else 'no overlap'}", head]
+    for s in stages:
+        for k in sizes:
+            kk = args.world if k is None else k
+            try:
+                t = step_time(args.params, args.world, s, tokens, k, cluster, _PRECISIONS[args.precision],
+                              args.backend, args.micro_batches, args.overlap)
+                mem = estimate_memory(args.params, args.world, s, _PRECISIONS[args.precision], shard_size=k)
+            except ValueError as e:
+                p.error(str(e))
+            lines.append(f"{'stage ' + str(s):8s} {kk:>5d} {format_bytes(t.bytes.get('intra-node', 0)):>10s} "
+                         f"{format_bytes(t.bytes.get('inter-node', 0)):>10s} "
+                         f"{format_seconds(t.comm.get('intra-node', 0.0)):>9s} "
+                         f"{format_seconds(t.comm.get('inter-node', 0.0)):>9s} {format_seconds(t.compute):>9s} "
+                         f"{format_seconds(t.exposed):>9s} {format_seconds(t.step):>9s} {format_bytes(mem.total):>10s}")
+    return "\n".join(lines)
+
+
+_PRECISIONS = {"mixed": "bf16", "bf16": "bf16", "fp16": "fp16", "fp32": None}
+
+
 def main(argv=None) -> int:
+    from .timemodel import parse_rate, parse_seconds
+
+    def typed(parse, what):
+        def f(text):
+            try:
+                return parse(text)
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
+        f.__name__ = what
+        return f
+
     p = argparse.ArgumentParser(prog="python -m zerofast.estimate",
-                                description="Per-rank memory of DDP and ZeRO stages 1-3 by the ZeRO paper's formulas.")
+                                description="Per-rank memory of DDP and ZeRO stages 1-3 by the ZeRO paper's formulas, "
+                                            "the bytes each step moves on each link, and (--time) a step-time model.")
     p.add_argument("--params", type=parse_count, required=True,
                    help="trainable parameters (Φ): 7000000, 7e9, 7.5B, 350M, 1.2T, 125K")
     p.add_argument("--world", type=int, required=True, help="data-parallel ranks (N)")
     p.add_argument("--stage", type=int, default=None, help="one stage (0 = DDP, 1, 2, 3); default: all")
+    p.add_argument("--shard-size", type=int, default=None,
+                   help="hybrid sharding: the state is sharded over K consecutive ranks and replicated world/K "
+                        "times (ZeroAdam's shard_size; default: world, flat ZeRO)")
     p.add_argument("--precision", default="mixed",
                    help="mixed or bf16 (2+2+12 bytes), fp16 (the same), or fp32 (4+4+8); default mixed")
     p.add_argument("--bucket-mb", type=float, default=None,
                    help="ZeroAdam's CommPolicy.bucket_mb, stages 1 and 2 (default 25 for stage 1, 8 for stage 2)")
     p.add_argument("--bucket-buffers", type=int, default=CommPolicy.bucket_buffers,
                    help=f"ZeroAdam's CommPolicy.bucket_buffers (default {CommPolicy.bucket_buffers}; 0: no bound)")
+    p.add_argument("--backend", default="nccl", help="nccl (default) or gloo: which collectives each layout uses")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node: which groups stay on one node (8)")
+    t = p.add_argument_group("step time (--time): see [Note: the time model] in zerofast/tools/timemodel.py")
+    t.add_argument("--time", action="store_true", help="predict communication and step time, flat against hybrid")
+    t.add_argument("--tokens-per-rank", type=int, default=16384, help="tokens per GPU per step (default 16384)")
+    t.add_argument("--global-tokens", type=parse_count, default=None,
+                   help="tokens per step over all GPUs instead (a fixed global batch: 4M, 2e6)")
+    t.add_argument("--micro-batches", type=int, default=1, help="backwards per step (default 1)")
+    t.add_argument("--tflops", type=float, default=400.0, help="achieved TFLOP/s per GPU (default 400)")
+    t.add_argument("--intra-bw", type=typed(parse_rate, "bandwidth"), default=parse_rate("300GB/s"),
+                   help="intra-node bus bandwidth per GPU (default 300GB/s, NVLink)")
+    t.add_argument("--intra-latency", type=typed(parse_seconds, "latency"), default=parse_seconds("5us"),
+                   help="intra-node latency per hop (default 5us)")
+    t.add_argument("--inter-bw", type=typed(parse_rate, "bandwidth"), default=parse_rate("400Gb/s"),
+                   help="inter-node bandwidth per GPU (default 400Gb/s = 50 GB/s)")
+    t.add_argument("--inter-latency", type=typed(parse_seconds, "latency"), default=parse_seconds("10us"),
+                   help="inter-node latency per hop (default 10us)")
+    t.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="every collective exposed (communication and compute share the same cores)")
     args = p.parse_args(argv)
     if args.params < 0:
         p.error(f"--params must be 0 or more; got {args.params}")
@@ -426,14 +516,37 @@ def main(argv=None) -> int:
         p.error(f"--world must be at least 1; got {args.world}")
     if args.stage is not None and args.stage not in (0, 1, 2, 3):
         p.error(f"--stage must be 0 (DDP), 1, 2 or 3; got {args.stage}")
-    precisions = {"mixed": "bf16", "bf16": "bf16", "fp16": "fp16", "fp32": None}
-    if args.precision not in precisions:
+    if args.shard_size is not None:
+        try:
+            check_shard_size(args.shard_size, args.world, "--shard-size")
+        except ValueError as e:
+            p.error(str(e).replace("--shard-size: shard_size=", "--shard-size ").replace("world=", "--world "))
+    if args.precision not in _PRECISIONS:
         p.error(f"--precision must be mixed, bf16, fp16 or fp32; got {args.precision!r}")
+    if args.backend not in ("nccl", "gloo"):
+        p.error(f"--backend must be nccl or gloo; got {args.backend!r}")
+    if args.gpus_per_node < 1:
+        p.error(f"--gpus-per-node must be at least 1; got {args.gpus_per_node}")
+    if args.micro_batches < 1:
+        p.error(f"--micro-batches must be at least 1; got {args.micro_batches}")
+    if not args.tflops > 0:
+        p.error(f"--tflops must be > 0; got {args.tflops}")
+    if args.global_tokens is not None and args.global_tokens < args.world:
+        p.error(f"--global-tokens must be at least --world ({args.world}); got {args.global_tokens}")
+    if args.tokens_per_rank < 1:
+        p.error(f"--tokens-per-rank must be at least 1; got {args.tokens_per_rank}")
     try:
         comm = CommPolicy(bucket_mb=args.bucket_mb, bucket_buffers=args.bucket_buffers)
     except ValueError as e:
         p.error(str(e).replace("CommPolicy: bucket_mb", "--bucket-mb").replace("CommPolicy: bucket_buffers",
                                                                                "--bucket-buffers"))
+    if args.time:
+        if args.stage == 0:
+            p.error("--time models ZeRO stages 1-3; got --stage 0")
+        if args.params < 1:
+            p.error("--time needs --params of 1 or more")
+        print(_time_table(args, p))
+        return 0
     stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
     rows = []
     for s in stages:
@@ -441,13 +554,18 @@ def main(argv=None) -> int:
         # option applies to the others; asked for stage 3 alone, it is ZeroAdam's error.
         stage_comm = CommPolicy(bucket_buffers=comm.bucket_buffers) if s == 3 and args.stage is None else comm
         try:
-            rows.append(estimate_memory(args.params, args.world, s, precisions[args.precision], stage_comm))
+            rows.append(estimate_memory(args.params, args.world, s, _PRECISIONS[args.precision], stage_comm,
+                                        shard_size=args.shard_size))
         except ValueError as e:
             p.error(str(e))
-    print(f"Φ = {args.params:,} parameters, N = {args.world} ranks, {args.precision} Adam; bytes per rank")
+    k = f", sharded over K = {args.shard_size} (x{args.world // args.shard_size} replicas)" if args.shard_size else ""
+    print(f"Φ = {args.params:,} parameters, N = {args.world} ranks{k}, {args.precision} Adam; bytes per rank")
     print(format_table(rows))
+    if args.params > 0 and any(s > 0 for s in stages):
+        print(f"\nCommunication per step ({args.backend}, {args.gpus_per_node} GPUs per node; a count: no padding)")
+        print(_link_table(args.params, args.world, stages, args.shard_size, _PRECISIONS[args.precision], args.backend,
+                          args.gpus_per_node))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -52,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mixed-precision", default=None,
                    help="bf16 or fp16 (fp16 with dynamic loss scaling); default fp32")
     p.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm to this")
+    p.add_argument("--shard-size", type=int, default=None, metavar="K",
+                   help="hybrid sharding: shard within groups of K consecutive ranks (a machine), replicate "
+                        "across them (default: every rank, flat ZeRO)")
     p.add_argument("--compare", action="store_true",
                    help="also run the same steps under DDP and the reference stage; print loss differences and step-time ratios")
     p.add_argument("--plot", default=None, metavar="PNG",
@@ -98,6 +101,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--backend nccl needs CUDA GPUs; none is visible")
     if args.mixed_precision not in (None, "bf16", "fp16"):
         p.error(f"--mixed-precision must be bf16 or fp16; got {args.mixed_precision!r}")
+    if args.shard_size is not None and args.shard_size < 1:
+        p.error(f"--shard-size must be at least 1; got {args.shard_size}")
     if args.max_grad_norm is not None and not args.max_grad_norm > 0:
         p.error(f"--max-grad-norm must be positive; got {args.max_grad_norm}")
     if args.resume and args.compare:
@@ -186,7 +191,8 @@ def _make_optimizer(kind: str, model, args, stage: int):
         from ..reference import ReferenceZero
         return model, ReferenceZero(model, stage=stage, lr=args.lr, weight_decay=0.1)
     return model, ZeroAdam(model, stage=stage, lr=args.lr, weight_decay=0.1, mixed_precision=args.mixed_precision,
-                           max_grad_norm=args.max_grad_norm, comm=CommPolicy(partition=args.partition))
+                           max_grad_norm=args.max_grad_norm, comm=CommPolicy(partition=args.partition),
+                           shard_size=args.shard_size)
 
 
 def _measure(kind: str, model, opt) -> dict[str, int]:
@@ -296,10 +302,18 @@ def report(args, measured_all, comm, numel, world) -> None:
     for r, m in enumerate(measured_all):
         print(f"{r:4d} {m['params']:12,d} {est.params:12,d} {m['grads']:12,d} {est.grads:12,d} "
               f"{m['optimizer']:12,d} {est.optimizer:12,d} {m['buckets']:10,d}")
-    moved = sum(v for k, v in comm.items() if not k.startswith("all_reduce_"))
     paper = 3 if args.stage == 3 else 2
-    print(f"communication per step: {moved:,d} bytes = {moved / phi:.2f} Φ (ZeRO paper: {paper}Φ = {paper * phi:,d}; "
-          f"Φ = {phi:,d} bytes of {args.mixed_precision or 'fp32'} parameters)  by collective: {comm}")
+    k = args.shard_size or world
+    for group, formula, f_bytes in (("shard", f"{paper}Φ", paper * phi), ("replicate", f"Φ/K = Φ/{k}", phi // k)):
+        mine = {name: v for name, v in comm.items() if name.startswith(group + "/")}
+        if not mine:
+            continue
+        moved = sum(v for name, v in mine.items() if not name.split("/")[-1].startswith("all_reduce_"))
+        where = ("within each group of K ranks" if group == "shard" else "across machines, between the replicas") \
+            if k != world else "between all ranks"
+        print(f"communication per step, {group} ({where}): {moved:,d} bytes = {moved / phi:.2f} Φ (formula: "
+              f"{formula} = {f_bytes:,d}; Φ = {phi:,d} bytes of {args.mixed_precision or 'fp32'} parameters)  "
+              f"by collective: {mine}")
 
 
 def plot(path: str, rows: dict[str, list[dict]], numel: int, precision: str) -> None:
@@ -365,8 +379,9 @@ def _worker(args: argparse.Namespace) -> None:
     device = _device(backend)
     if rank == 0:
         n = sum(p.numel() for p in _model(args).parameters())
-        log.info("training a %s GPT (%.2fM parameters) on %d ranks (%s): ZeroAdam stage %d, %s partition",
-                 args.model, n / 1e6, world, backend, args.stage, args.partition)
+        log.info("training a %s GPT (%.2fM parameters) on %d ranks (%s): ZeroAdam stage %d, %s partition%s",
+                 args.model, n / 1e6, world, backend, args.stage, args.partition,
+                 f", sharded in groups of {args.shard_size}" if args.shard_size not in (None, world) else "")
     losses, times, measured, comm, numel = run("zero", args, device, args.steps, progress=True)
     everyone: list = [None] * world
     dist.all_gather_object(everyone, measured)

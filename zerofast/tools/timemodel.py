@@ -1,0 +1,171 @@
+"""A step-time model for ZeRO stages 1-3, flat or hybrid (shard_size=K): the bytes estimate_traffic
+counts, priced by the alpha-beta cost of each collective on the link it crosses, against the
+step's compute. Pure arithmetic (no process group, no compiled code), like the memory estimator.
+
+[Note: the time model]
+Collectives (n ranks in the group, B payload bytes as comm_stats() counts them, c calls, a link
+of bus bandwidth bw per GPU and latency alpha per hop; the ring algorithms NCCL uses for large
+messages, the "bus bandwidth" convention of nccl-tests):
+  all_reduce                   2 (n-1)/n * B/bw + c * 2 (n-1) * alpha
+  reduce_scatter, all_gather     (n-1)/n * B/bw + c *   (n-1) * alpha
+  broadcast, reduce            B/bw + c * (n-1) * alpha   (pipelined chain: every byte leaves the
+                               root once; an owner layout's broadcasts from each owner add up to B)
+Links: the ranks are numbered node by node (torchrun), G GPUs per node. A group whose ranks all
+sit on one node uses the intra-node link (NVLink); any other ring crosses nodes and is bound by the
+inter-node link (each GPU's own NIC; the ring's hops are all priced at the slower link's latency).
+Flat ZeRO over W > G ranks therefore runs every collective at inter-node speed; hybrid with K = G
+keeps the shard group's reduces and gathers on NVLink and sends only the replicate all_reduce of
+1/K of the gradient across nodes (one ring per GPU index, through that GPU's NIC).
+Compute: 6 * params * tokens FLOPs per step (2 forward, 4 backward) at the achieved FLOP rate, plus
+the Adam update of this rank's shard (bytes per element over memory bandwidth).
+Overlap: the shard group's reduces run while backward computes, stage 3's forward gathers while
+forward computes (prefetch) and its backward gathers while backward computes: each phase exposes
+max(0, its communication - its compute). The agreement, the replicate all_reduce (issued in step(),
+after the last reduce) and stages 1-2's parameter gather (after the update; overlap_param_gather is
+not modelled) are exposed whole. Not modelled: the first unit's gather and the last bucket's reduce,
+which no compute hides; contention between a phase's collectives and its compute for memory
+bandwidth; NCCL's tree algorithms (which cut the latency term to log n at large n); compute that
+does not scale as 6 * params * tokens (attention at long sequences).
+With overlap=False every collective is exposed (a machine whose communication and compute share
+the same cores: this machine's gloo ranks).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from .estimate import Op, traffic_ops
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    bandwidth: float   # bytes/s, bus bandwidth per GPU
+    latency: float     # seconds per hop
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus_per_node: int = 8
+    intra: Link = Link("intra-node", 300e9, 5e-6)        # NVLink: ~300 GB/s bus bandwidth per GPU
+    inter: Link = Link("inter-node", 400e9 / 8, 10e-6)   # a 400 Gb/s NIC per GPU
+    flops: float = 400e12         # achieved FLOP/s per GPU (about 40% of an H100's dense bf16 peak)
+    update_bandwidth: float = 2e12  # bytes/s the Adam update streams (HBM, below its ~3.3 TB/s peak)
+    update_bytes: int = 32        # bytes read and written per owned element (master, m, v, grad, param)
+
+
+def collective_time(name: str, nbytes: float, calls: int, ranks: int, link: Link) -> float:
+    """Seconds for `calls` collectives of kind `name` moving `nbytes` in all over `ranks` ranks:
+    [Note: the time model]. A group of one moves nothing."""
+    n = ranks
+    if n <= 1 or (nbytes <= 0 and calls <= 0):
+        return 0.0
+    base = name.split("/")[-1]
+    if base.startswith("all_reduce"):
+        return 2 * (n - 1) / n * nbytes / link.bandwidth + calls * 2 * (n - 1) * link.latency
+    if base in ("reduce_scatter", "all_gather"):
+        return (n - 1) / n * nbytes / link.bandwidth + calls * (n - 1) * link.latency
+    if base in ("broadcast", "reduce"):
+        return nbytes / link.bandwidth + calls * (n - 1) * link.latency
+    raise ValueError(f"collective_time: no cost model for the collective {name!r}")
+
+
+def link_of(group: str, world: int, shard_size: int, cluster: Cluster) -> Link:
+    """The link a group's ring is bound by: intra-node if every rank of the group is on one node."""
+    g = cluster.gpus_per_node
+    if group == "shard":  # K consecutive ranks, starting at a multiple of K
+        one_node = shard_size <= g and g % shard_size == 0
+    else:                 # ranks r, r + K, r + 2K, ...: on one node only if the whole world is
+        one_node = world <= g
+    return cluster.intra if one_node else cluster.inter
+
+
+@dataclass
+class StepTime:
+    compute: float                      # forward + backward + update, seconds
+    forward: float
+    backward: float
+    update: float
+    comm: dict[str, float]              # seconds of communication per link name
+    bytes: dict[str, int]               # bytes per step per link name (this rank)
+    exposed: float                      # communication not hidden behind compute
+    phases: dict[str, float] = field(default_factory=dict)  # communication seconds per phase
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.exposed
+
+
+def predict(ops: list[Op], world: int, shard_size: int, cluster: Cluster, forward: float, backward: float,
+            update: float, overlap: bool = True) -> StepTime:
+    """Step time from the step's collectives (traffic_ops) and its compute: [Note: the time model]."""
+    comm: dict[str, float] = {}
+    nbytes: dict[str, int] = {}
+    phases = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+    for op in ops:
+        link = link_of(op.group, world, shard_size, cluster)
+        t = collective_time(op.name, op.nbytes, op.calls, op.ranks, link)
+        comm[link.name] = comm.get(link.name, 0.0) + t
+        nbytes[link.name] = nbytes.get(link.name, 0) + op.nbytes
+        phases[op.phase] += t
+    if overlap:
+        exposed = (max(0.0, phases["forward"] - forward) + max(0.0, phases["backward"] - backward)
+                   + phases["step"])
+    else:
+        exposed = sum(phases.values())
+    return StepTime(forward + backward + update, forward, backward, update, comm, nbytes, exposed, phases)
+
+
+def compute_times(params: int, tokens: int, world: int, shard_size: int, stage: int,
+                  cluster: Cluster) -> tuple[float, float, float]:
+    """(forward, backward, update) seconds per step on one GPU: 2 and 4 FLOPs per parameter per
+    token, and the Adam update of this rank's 1/K of the elements (all of them without sharding)."""
+    flops = 6 * params * tokens
+    update = (params / shard_size if stage >= 1 else params) * cluster.update_bytes / cluster.update_bandwidth
+    return flops / 3 / cluster.flops, 2 * flops / 3 / cluster.flops, update
+
+
+def step_time(params: int, world: int, stage: int, tokens: int, shard_size=None, cluster: Cluster = Cluster(),
+              mixed_precision="bf16", backend: str = "nccl", micro_batches: int = 1, overlap: bool = True,
+              model=None, comm=None) -> StepTime:
+    """The predicted step of `params` parameters (or of `model`, exactly, when given) on `world`
+    GPUs, `tokens` tokens per GPU per step."""
+    k = world if shard_size is None else shard_size
+    ops = traffic_ops(model if model is not None else params, world, stage, k, mixed_precision, comm,
+                      backend=backend, micro_batches=micro_batches)
+    fwd, bwd, upd = compute_times(params, tokens, world, k, stage, cluster)
+    return predict(ops, world, k, cluster, fwd, bwd, upd, overlap)
+
+
+# --- parsing the command line's quantities ------------------------------------------------------------
+
+_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kKMGT]?)(B|b)(?:/s|ps)?\s*$")
+_TIME = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(ns|us|µs|ms|s)\s*$")
+_PREFIX = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+
+
+def parse_rate(text: str) -> float:
+    """A bandwidth as people write it, to bytes/s: 300GB/s, 400Gb/s (bits), 25 GB/s, 1.5e9B/s."""
+    m = _RATE.match(text)
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"not a bandwidth: {text!r} (try 300GB/s or 400Gb/s)")
+    value = float(m.group(1)) * _PREFIX[m.group(2)]
+    return value / 8 if m.group(3) == "b" else value
+
+
+def parse_seconds(text: str) -> float:
+    """A latency as people write it, to seconds: 5us, 10 us, 0.2ms, 1e-5s."""
+    m = _TIME.match(text)
+    if not m:
+        raise ValueError(f"not a latency: {text!r} (try 5us or 0.1ms)")
+    return float(m.group(1)) * {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(2)]
+
+
+def format_seconds(t: float) -> str:
+    if t == 0:
+        return "0"
+    if t < 1e-3:
+        return f"{t * 1e6:.0f} us"
+    if t < 1:
+        return f"{t * 1e3:.1f} ms"
+    return f"{t:.2f} s"
