@@ -41,6 +41,8 @@ def pytest_terminal_summary(terminalreporter):
             if "stall_ms" in extra:
                 mem += (f"  stall {extra['stall_ms']:7.1f} ms  in save() {extra['call_ms']:7.1f} ms  "
                         f"written after {extra['written_ms']:7.1f} ms")
+            if "cross_mib" in extra:
+                mem += f"  across machines {extra['cross_mib']:7.2f} MiB/step  within {extra['within_mib']:7.2f} MiB/step"
             if "param_peak_mib" in extra:
                 mem += f"  parameters at peak {extra['param_peak_mib']:6.2f} MiB (rank 0, inside blocks)"
             tr.write_line(f"{name:44s} {t * 1e3:10.2f} {gbs} {pct} {t / base:8.2f}x{mem}")

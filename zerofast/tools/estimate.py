@@ -415,9 +415,12 @@ def _link_table(params: int, world: int, stages, shard_size, precision, backend:
     for s in stages:
         if s == 0:
             continue
+        totals: dict[str, list] = {}  # stage 3's forward and backward gathers: one row
         for op in traffic_ops(params, world, s, shard_size, precision, backend=backend):
-            link = link_of(op.group, world, k, cluster).name
-            lines.append(f"{'stage ' + str(s):10s} {op.key:28s} {format_bytes(op.nbytes):>15s}  {link}")
+            row = totals.setdefault(op.key, [0, link_of(op.group, world, k, cluster).name])
+            row[0] += op.nbytes
+        for key, (nbytes, link) in totals.items():
+            lines.append(f"{'stage ' + str(s):10s} {key:28s} {format_bytes(nbytes):>15s}  {link}")
     return "\n".join(lines)
 
 

@@ -10,6 +10,9 @@ messages, the "bus bandwidth" convention of nccl-tests):
   reduce_scatter, all_gather     (n-1)/n * B/bw + c *   (n-1) * alpha
   broadcast, reduce            B/bw + c * (n-1) * alpha   (pipelined chain: every byte leaves the
                                root once; an owner layout's broadcasts from each owner add up to B)
+plus, for the reducing ones (all_reduce, reduce_scatter, reduce), (n-1)/n * B / reduce_rate: the
+arithmetic of the reduction (the alpha-beta-gamma model; infinite by default, as a GPU's reduction
+runs far above link speed, but a CPU's single thread does not: scripts/probe_links.py fits it).
 Links: the ranks are numbered node by node (torchrun), G GPUs per node. A group whose ranks all
 sit on one node uses the intra-node link (NVLink); any other ring crosses nodes and is bound by the
 inter-node link (each GPU's own NIC; the ring's hops are all priced at the slower link's latency).
@@ -42,6 +45,7 @@ class Link:
     name: str
     bandwidth: float   # bytes/s, bus bandwidth per GPU
     latency: float     # seconds per hop
+    reduce_rate: float = float("inf")  # bytes/s of the reduction arithmetic (the model's gamma; GPUs: no cost)
 
 
 @dataclass(frozen=True)
@@ -61,12 +65,13 @@ def collective_time(name: str, nbytes: float, calls: int, ranks: int, link: Link
     if n <= 1 or (nbytes <= 0 and calls <= 0):
         return 0.0
     base = name.split("/")[-1]
+    gamma = (n - 1) / n * nbytes / link.reduce_rate
     if base.startswith("all_reduce"):
-        return 2 * (n - 1) / n * nbytes / link.bandwidth + calls * 2 * (n - 1) * link.latency
+        return 2 * (n - 1) / n * nbytes / link.bandwidth + calls * 2 * (n - 1) * link.latency + gamma
     if base in ("reduce_scatter", "all_gather"):
-        return (n - 1) / n * nbytes / link.bandwidth + calls * (n - 1) * link.latency
+        return (n - 1) / n * nbytes / link.bandwidth + calls * (n - 1) * link.latency + (gamma if base == "reduce_scatter" else 0.0)
     if base in ("broadcast", "reduce"):
-        return nbytes / link.bandwidth + calls * (n - 1) * link.latency
+        return nbytes / link.bandwidth + calls * (n - 1) * link.latency + (gamma if base == "reduce" else 0.0)
     raise ValueError(f"collective_time: no cost model for the collective {name!r}")
 
 
