@@ -3,7 +3,7 @@
 Public names: ZeroAdam (the sharded optimizer) and its policies (MixedPrecisionPolicy,
 LossScalePolicy, CommPolicy, UnitPolicy: zerofast/config.py), the errors it raises
 (CollectiveError, OutOfStepError, StepNotAppliedError,
-GradientError), estimate_memory (the paper's memory table),
+GradientError), estimate_memory (the paper's memory table), estimate_traffic (comm_stats() without a run),
 fused_adam_ (the compiled fused Adam/AdamW step), nonfinite_check_ (its overflow check alone),
 has_cuda_kernels, cpu_isa; the reference stages in zerofast.reference (the correctness oracle);
 sharded checkpoints in zerofast.checkpoint.
@@ -15,7 +15,7 @@ the extension was never built.
 from importlib import import_module
 
 from .config import CommPolicy, LossScalePolicy, MixedPrecisionPolicy, UnitPolicy
-from .tools.estimate import estimate_memory
+from .tools.estimate import estimate_memory, estimate_traffic
 
 # name -> the module that defines it, imported when the name is first read (PEP 562).
 _LAZY = {
@@ -31,7 +31,7 @@ _LAZY = {
 }
 
 __all__ = ["ZeroAdam", "MixedPrecisionPolicy", "LossScalePolicy", "CommPolicy", "UnitPolicy", "CollectiveError",
-           "OutOfStepError", "StepNotAppliedError", "GradientError", "estimate_memory", "fused_adam_", "nonfinite_check_",
+           "OutOfStepError", "StepNotAppliedError", "GradientError", "estimate_memory", "estimate_traffic", "fused_adam_", "nonfinite_check_",
            "has_cuda_kernels", "cpu_isa"]
 __version__ = "0.1.0"
 
