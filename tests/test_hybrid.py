@@ -7,7 +7,7 @@ ZeroAdam(mesh=) shard within groups of K ranks and replicate across them.
   agreement), also with gradient accumulation; shard_size=W is the flat run bitwise.
 - A checkpoint saved at (4 ranks, K=2) loads at (2, K=2), (3, flat) and (1) bitwise as saved.
 - On 4 pooled ranks: gradient clipping with K < W equals the flat run (the norm counts each element
-  once); a ("replicate", "shard") DeviceMesh equals shard_size; bad input is named on every rank.
+  once); a ("replicate", "shard") DeviceMesh as process_group equals shard_size; bad input is named on every rank.
 """
 from __future__ import annotations
 
@@ -195,7 +195,7 @@ def _mesh_and_errors(rank, world):
         runs = {}
         for how in ("mesh", "shard_size"):
             model = Nested()
-            extra = (dict(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+            extra = (dict(process_group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
                      if how == "mesh" else dict(shard_size=2))
             opt = ZeroAdam(model, stage=stage, **extra, **HYPER)
             for step in range(2):
@@ -208,10 +208,11 @@ def _mesh_and_errors(rank, world):
         out[stage] = runs
     errors = []
     for kwargs in (dict(shard_size=3), dict(shard_size=0), dict(shard_size=8), dict(shard_size=2.0),
-                   dict(mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))),
-                   dict(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate"))),
-                   dict(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")), shard_size=2),
-                   dict(mesh="2x2")):
+                   dict(process_group=init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))),
+                   dict(process_group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate"))),
+                   dict(process_group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")),
+                        shard_size=2),
+                   dict(process_group="2x2")):
         try:
             ZeroAdam(Nested(), stage=2, **kwargs)
             errors.append(None)
@@ -230,10 +231,10 @@ def test_a_mesh_equals_shard_size_and_bad_input_is_named_on_every_rank():
             assert "replicate/all_reduce" in sm
     expected = ["shard_size=3 must divide the number of ranks, 4", "shard_size must be None or an integer >= 1; got 0",
                 "shard_size=8 must divide the number of ranks, 4", "shard_size must be None or an integer >= 1; got 2.0",
-                "mesh must be 2-D with mesh_dim_names=('replicate', 'shard')",
-                "mesh must be 2-D with mesh_dim_names=('replicate', 'shard')",
-                "pass it alone, without process_group= or shard_size= (got shard_size=2",
-                "TypeError: ZeroAdam: mesh must be a torch.distributed.device_mesh.DeviceMesh or None; got str"]
+                "a DeviceMesh as process_group must be 2-D with mesh_dim_names=('replicate', 'shard')",
+                "a DeviceMesh as process_group must be 2-D with mesh_dim_names=('replicate', 'shard')",
+                "pass it without shard_size (got shard_size=2)",
+                "TypeError: ZeroAdam: process_group must be a torch.distributed ProcessGroup, a 2-D DeviceMesh"]
     for _, errors in results:  # every rank raises the same error
         for got, want in zip(errors, expected):
             assert got is not None and want in got, (got, want)

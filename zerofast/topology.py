@@ -16,7 +16,8 @@ sits in exactly one rank's shard (summing over every rank would count each eleme
 average divides by W. Only a rank's own shard group gathers its parameters: stage 3's gathers never
 leave the machine. K = W (the default) builds no group: today's flat run, bitwise. K = 1 is plain
 replication (DDP's traffic, with the fused step). FSDP2's HSDP is the same arrangement (a 2-D mesh,
-"replicate" outer, "shard" inner); a DeviceMesh with those dims is accepted instead of shard_size.
+"replicate" outer, "shard" inner); a DeviceMesh with those dims is accepted as ZeroAdam's
+process_group (keeping ZeroAdam's keywords few: a mesh is the data-parallel ranks, with their groups).
 """
 from __future__ import annotations
 
@@ -69,10 +70,10 @@ def mesh_groups(mesh, who: str = "ZeroAdam") -> tuple[int, int]:
     """A DeviceMesh as ZeroAdam takes it: 2-D, dims named ("replicate", "shard"). Returns its (replicas, shard size)."""
     from torch.distributed.device_mesh import DeviceMesh
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"{who}: mesh must be a torch.distributed.device_mesh.DeviceMesh or None; got "
+        raise TypeError(f"{who}: the mesh must be a torch.distributed.device_mesh.DeviceMesh; got "
                         f"{type(mesh).__name__}")
     if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != ("replicate", "shard"):
-        raise ValueError(f"{who}: mesh must be 2-D with mesh_dim_names=('replicate', 'shard') (replicate across the "
+        raise ValueError(f"{who}: a DeviceMesh as process_group must be 2-D with mesh_dim_names=('replicate', 'shard') (replicate across the "
                          f"outer dim, shard within the inner one, as FSDP2's HSDP); got a {mesh.ndim}-D mesh of shape "
                          f"{tuple(mesh.shape)} with mesh_dim_names={mesh.mesh_dim_names}")
     return mesh.size(0), mesh.size(1)

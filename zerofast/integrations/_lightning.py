@@ -208,6 +208,8 @@ class ZeroStrategyMixin:
     mixed_precision: only to refine the Trainer's precision flag (a MixedPrecisionPolicy of the same
       parameter dtype, e.g. with reduce_dtype=torch.float32); the flag decides the dtype.
     units, comm: ZeroAdam's (a UnitPolicy or the unit modules; a CommPolicy).
+    shard_size: ZeroAdam's: shard within groups of that many consecutive ranks (a machine: Lightning
+      numbers ranks node by node), replicate across them ([Note: hybrid sharding]); None: every rank.
     save_full_weights: also put the module's whole state_dict in lightning.ckpt (gathered; stage 3
       one unit at a time), for tools that read a plain Lightning checkpoint. Off: the sharded
       zerofast/ folder holds the weights, and zerofast.checkpoint.export makes a safetensors file.
@@ -220,13 +222,14 @@ class ZeroStrategyMixin:
     strategy_name = "zero"
 
     def __init__(self, stage: Optional[int] = None, *, mixed_precision=None, units=None, comm=None,
-                 save_full_weights: bool = False, save_async: bool = False, **ddp_arguments: Any) -> None:
+                 shard_size: Optional[int] = None, save_full_weights: bool = False, save_async: bool = False,
+                 **ddp_arguments: Any) -> None:
         allowed = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
                    "process_group_backend", "timeout", "start_method"}
         unknown = sorted(set(ddp_arguments) - allowed)
         if unknown:
             raise TypeError(f"ZeroStrategy: unexpected argument {unknown[0]!r}: ZeroStrategy takes stage, "
-                            f"mixed_precision, units, comm, save_full_weights, save_async and DDPStrategy's "
+                            f"mixed_precision, units, comm, shard_size, save_full_weights, save_async and DDPStrategy's "
                             f"{', '.join(sorted(allowed))} (the model is never wrapped in DDP, so DDP's own "
                             f"arguments do not apply)")
         if stage is not None:
@@ -234,13 +237,16 @@ class ZeroStrategyMixin:
         # Every combination ZeroAdam rejects is named now, not at fit().
         resolve_plan(2 if stage is None else stage, adamw=True, max_grad_norm=None, mixed_precision=mixed_precision,
                      comm=comm, units=units)
+        if shard_size is not None and not (isinstance(shard_size, int) and not isinstance(shard_size, bool)
+                                           and shard_size >= 1):
+            raise ValueError(f"ZeroStrategy: shard_size must be None or an integer >= 1; got {shard_size!r}")
         if not isinstance(save_full_weights, bool):
             raise TypeError(f"ZeroStrategy: save_full_weights must be a bool; got {save_full_weights!r}")
         if not isinstance(save_async, bool):
             raise TypeError(f"ZeroStrategy: save_async must be a bool; got {save_async!r}")
         self.save_async = save_async
         self.zero_stage = stage
-        self.zero_options = dict(mixed_precision=mixed_precision, units=units, comm=comm)
+        self.zero_options = dict(mixed_precision=mixed_precision, units=units, comm=comm, shard_size=shard_size)
         self.save_full_weights = save_full_weights
         self.zero: Optional[ZeroAdam] = None
         self._restored_zero = False  # load_checkpoint loaded the sharded state: nothing left for Lightning

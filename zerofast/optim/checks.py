@@ -16,9 +16,10 @@ GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
 def check_process_group(process_group) -> None:
-    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(f"ZeroAdam: process_group must be a torch.distributed ProcessGroup or None; "
-                        f"got {type(process_group).__name__}")
+    from torch.distributed.device_mesh import DeviceMesh
+    if process_group is not None and not isinstance(process_group, (dist.ProcessGroup, DeviceMesh)):
+        raise TypeError(f"ZeroAdam: process_group must be a torch.distributed ProcessGroup, a 2-D DeviceMesh "
+                        f"(\"replicate\", \"shard\") or None; got {type(process_group).__name__}")
     if not dist.is_initialized():
         raise RuntimeError("ZeroAdam needs torch.distributed initialized (dist.init_process_group); "
                            "world size 1 works too")
@@ -78,20 +79,23 @@ def _signature(model: nn.Module) -> list[tuple]:
             + [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in model.named_buffers()])
 
 
-def data_parallel_group(process_group, shard_size, mesh) -> tuple[dist.ProcessGroup, int]:
-    """The group of every data-parallel rank, and the shard size ([Note: hybrid sharding] in
-    zerofast/topology.py): from process_group (None: the world) and shard_size, or from a 2-D mesh."""
-    if mesh is None:
+def data_parallel_group(process_group, shard_size):
+    """The group of every data-parallel rank, the shard size and the mesh, if one was given
+    ([Note: hybrid sharding] in zerofast/topology.py): from process_group (None: the world) and
+    shard_size, or from a 2-D DeviceMesh given as process_group."""
+    from torch.distributed.device_mesh import DeviceMesh
+    if not isinstance(process_group, DeviceMesh):
         group = process_group if process_group is not None else dist.group.WORLD
-        return group, check_shard_size(shard_size, dist.get_world_size(group))
-    if process_group is not None or shard_size is not None:
-        raise ValueError(f"ZeroAdam: mesh= gives the groups itself; pass it alone, without process_group= or "
-                         f"shard_size= (got shard_size={shard_size!r}, process_group={process_group!r})")
+        return group, check_shard_size(shard_size, dist.get_world_size(group)), None
+    mesh = process_group
+    if shard_size is not None:
+        raise ValueError(f"ZeroAdam: a DeviceMesh as process_group gives the shard groups itself (its \"shard\" "
+                         f"dim); pass it without shard_size (got shard_size={shard_size!r})")
     _replicas, k = mesh_groups(mesh)
     ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
     if sorted(ranks) == list(range(dist.get_world_size())):
-        return dist.group.WORLD, k
-    return dist.new_group(sorted(ranks), use_local_synchronization=True), k
+        return dist.group.WORLD, k, mesh
+    return dist.new_group(sorted(ranks), use_local_synchronization=True), k, mesh
 
 
 def check_same_across_ranks(model: nn.Module, group, shard_size: int | None = None) -> None:

@@ -80,7 +80,12 @@ class ZeroAdam(torch.optim.Optimizer):
       or set of classes, a callable module -> bool); None: the model's blocks, small ones merged.
     comm: a CommPolicy: partition, bucket size, buffers in flight, overlap, accumulation, and the
       collectives' debug check (None: CommPolicy()'s defaults).
-    process_group: the ranks that share the state (None: the whole world).
+    process_group: the data-parallel ranks (None: the whole world), or a 2-D DeviceMesh with
+      mesh_dim_names ("replicate", "shard") as FSDP2's HSDP takes it: hybrid sharding by its groups.
+    shard_size: hybrid sharding: the ranks form groups of shard_size consecutive ranks (a machine
+      under torchrun), each group shards the state as above and the groups replicate it; the
+      owned gradient shard is all_reduced across the replicas once per step (None: every rank
+      shares one copy, flat ZeRO; 1: plain replication). [Note: hybrid sharding] in zerofast/topology.py.
     Every option is checked and resolved once into `opt.plan` (zerofast/config.py), which every part
     reads. Every wait is bounded by the process group's timeout (stage 3's gather group gets the
     same): a dead, stuck or out-of-step rank makes the others raise CollectiveError naming the step,
@@ -91,8 +96,7 @@ class ZeroAdam(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, adamw: bool = True,
                  param_groups: Optional[list[dict]] = None, *, max_grad_norm: Optional[float] = None,
                  mixed_precision=None, units=None, comm=None,
-                 process_group: Optional[dist.ProcessGroup] = None, shard_size: Optional[int] = None,
-                 mesh=None, **moved):
+                 process_group=None, shard_size: Optional[int] = None, **moved):
         reject_moved("ZeroAdam", moved)
         if not isinstance(model, nn.Module):
             raise TypeError(f"ZeroAdam: model must be an nn.Module; got {type(model).__name__}")
@@ -102,7 +106,7 @@ class ZeroAdam(torch.optim.Optimizer):
         _checks.check_process_group(process_group)
         self.plan: Plan = plan
         self.model = model
-        group, shard_size = _checks.data_parallel_group(process_group, shard_size, mesh)
+        group, shard_size, mesh = _checks.data_parallel_group(process_group, shard_size)
         self.group = group  # every data-parallel rank: [Note: hybrid sharding] in zerofast/topology.py
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
