@@ -135,6 +135,10 @@ def test_a_hybrid_checkpoint_loads_anywhere_bitwise(launched, world, stage, part
     for r in range(4):  # what was saved: the job's parameters at the save
         assert all(torch.equal(results[r]["saved"]["params"][n], model_sd[n]) for n in names)
     shapes = {n: tuple(model_sd[n].shape) for n in names}
+    # Both replicas hold every chunk; DCP's planner writes each once, balancing the writers by size,
+    # so the replicas split the writing (a balanced split gives each about half).
+    written = [os.path.getsize(os.path.join(path, f"__{r}_0.distcp")) for r in range(4)]
+    assert min(sum(written[:2]), sum(written[2:])) >= sum(written) / 4, written
     after = run_ranks(_load_and_snapshot, world, args=(path, stage, partition, shard_size))
     for kind, want in (("master", model_sd), ("exp_avg", None), ("exp_avg_sq", None)):
         got = full_master([a[kind] for a in after], shapes)

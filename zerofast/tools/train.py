@@ -291,7 +291,7 @@ def _median(xs):
 
 
 def report(args, measured_all, comm, numel, world) -> None:
-    est = estimate_memory(numel, world, args.stage, args.mixed_precision)
+    est = estimate_memory(numel, world, args.stage, args.mixed_precision, shard_size=args.shard_size)
     p_bytes = 2 if args.mixed_precision else 4
     phi = p_bytes * numel
     table = "2 + 2 + 12" if args.mixed_precision else "4 + 4 + 8"
