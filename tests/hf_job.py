@@ -83,8 +83,11 @@ def train():
         # Stage 3 saves checkpoint-2 and checkpoint-4, in the background (save_async), with the
         # Trainer's rotation (save_total_limit) run after each is complete.
         extra = dict(save_strategy="steps", save_steps=2, save_total_limit=2) if stage == 3 else {}
+        # Stage 1 replicates across the 2 ranks (hybrid sharding with shard_size=1): the logged
+        # grad_norm must still count each gradient element once, as DDP's does.
+        hybrid = {"shard_size": 1} if stage == 1 else {}
         trainer = ZeroTrainer(model=gpt2(), args=arguments(os.path.join(OUT, f"stage{stage}"), **extra),
-                              train_dataset=TinyLM(), zero={"stage": stage}, save_async=stage == 3)
+                              train_dataset=TinyLM(), zero={"stage": stage, **hybrid}, save_async=stage == 3)
         trainer.train()
         last = os.path.join(OUT, "stage3", f"checkpoint-{STEPS}", "zerofast", "manifest.json")
         complete_at_return = os.path.isfile(last)
