@@ -86,7 +86,9 @@ BucketComm::BucketComm(c10::intrusive_ptr<c10d::ProcessGroup> group,
       accumulate_(bucket_numels_.size(), false),
       gathers_(bucket_numels_.size()),
       grad_buckets_(std::move(grad_buckets)),
-      max_buffers_(max_buffers) {
+      max_buffers_(max_buffers),
+      last_reduce_(bucket_numels_.size(), false),
+      replicate_due_(bucket_numels_.size(), false) {
   TORCH_CHECK(max_buffers_ >= 0, "BucketComm: max_buffers must be 0 (no bound) or positive; got ", max_buffers_);
   TORCH_CHECK(grad_buckets_.empty() || grad_buckets_.size() == bucket_numels_.size(), "BucketComm: grad_buckets ",
               "needs one tensor per bucket (", bucket_numels_.size(), ") or none; got ", grad_buckets_.size());
@@ -331,8 +333,13 @@ void BucketComm::finish_reduce(int64_t bucket) {
   auto& buf = buffers_[bucket];
   if (!buf.has_value()) return;
   const auto& bd = bounds_[bucket];
+  if (replicate_group_ && last_reduce_[bucket]) {  // [Note: replicas in backward]
+    replicate_due_[bucket] = true;
+    last_reduce_[bucket] = false;
+  }
   if (!grad_buckets_.empty()) {  // reduced in place: the owned range is read where it is
     release(bucket);
+    replicate_ready();
     return;
   }
   if (reduce_op_ != Collective::kReduceScatter) {  // the own reduced segment, from the bucket into the shard
@@ -348,6 +355,45 @@ void BucketComm::finish_reduce(int64_t bucket) {
     scatter_out_[bucket].reset();
   }
   release(bucket);
+  replicate_ready();
+}
+
+// [Note: replicas in backward]
+// Hybrid sharding ([Note: hybrid sharding] in zerofast/topology.py) sums each owned gradient range
+// over the replicas once per step, after the range holds the shard group's sum of the step. Done
+// in step() it would wait for the whole backward; here a bucket's range is all_reduced over the
+// replicate group as soon as its last reduce of the step is finished (when backward needs its
+// buffer, at the next launch's reap, or at wait_reduces), so it overlaps the rest of backward as
+// the reduces do. "Last": launched after set_replicate(true), which Python sets outside no_sync(),
+// so the micro-batches accumulating into the shard under no_sync() never cross machines. Replicas
+// pair their all_reduces by order, and a reduce may finish out of order (gloo runs collectives on
+// several threads), so they are launched strictly in bucket order: bucket b's waits for every
+// bucket before it. wait_reduces launches whatever is left (a bucket whose last reduce was under
+// no_sync), waits for all, and the step's agreement and Adam then read the replicated sum.
+void BucketComm::set_replicate_group(c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  TORCH_CHECK(group, "BucketComm.set_replicate_group: a process group is needed");
+  replicate_group_ = std::move(group);
+}
+
+void BucketComm::replicate_ready() {
+  while (next_replicate_ < static_cast<int64_t>(replicate_due_.size()) && replicate_due_[next_replicate_]) {
+    launch_replicate(next_replicate_++);
+  }
+}
+
+void BucketComm::launch_replicate(int64_t bucket) {
+  at::Tensor own = owned_grad(bucket);
+  if (own.numel() == 0) return;  // the same on every replica: they hold the same shard
+  replicate_bytes_ += own.numel() * own.element_size();
+  std::vector<at::Tensor> tensors{own};
+  replicate_works_.push_back(comm_call([&] { return replicate_group_->allreduce(tensors, c10d::AllreduceOptions()); }));
+}
+
+void BucketComm::reset_counts() {
+  reduce_bytes_ = gather_bytes_ = replicate_bytes_ = 0;
+  reduce_hash_ = gather_hash_ = 0;
+  std::fill(replicate_due_.begin(), replicate_due_.end(), false);
+  next_replicate_ = 0;
 }
 
 // [Note: collectives per backend]
@@ -367,6 +413,7 @@ void BucketComm::reduce(int64_t bucket, bool accumulate) {
   TORCH_CHECK(!(accumulate && !grad_buckets_.empty()), "BucketComm.reduce: persistent buckets (stage 1) are ",
               "reduced once per step; accumulate must be false");
   accumulate_[bucket] = accumulate;
+  last_reduce_[bucket] = replicate_on_launch_;  // see [Note: replicas in backward]
   if (!grad_buckets_.empty()) buffer(bucket);  // the gradients are already there, as .grad views
   TORCH_CHECK(buffers_[bucket].has_value(), "BucketComm.reduce: bucket ", bucket, " has no gradients");
   at::Tensor buf = *buffers_[bucket];
@@ -407,6 +454,14 @@ void BucketComm::wait_reduces() {
     if (std::find(buckets.begin(), buckets.end(), entry.first) == buckets.end()) buckets.push_back(entry.first);
   }
   finish_buckets(buckets);
+  if (!replicate_group_) return;
+  {  // see [Note: replicas in backward]
+    OnCommStream on_comm(comm_stream_);
+    while (next_replicate_ < static_cast<int64_t>(replicate_due_.size())) launch_replicate(next_replicate_++);
+    for (auto& work : replicate_works_) comm_call([&] { return work->wait(); });
+  }
+  replicate_works_.clear();
+  end_comm();
 }
 
 // [Note: two process groups]

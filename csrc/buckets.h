@@ -59,8 +59,15 @@ class BucketComm {
   // and later micro-batches of an accumulated step: see [Note: accumulation into the shard]).
   // A bucket whose previous reduce is still in flight is finished before it is written again.
   void reduce(int64_t bucket, bool accumulate);
-  // Wait for every reduce in flight; afterwards grad_shard holds the summed owned gradients.
+  // Wait for every reduce in flight (and, with replicas, every replicate all_reduce); afterwards
+  // grad_shard holds the summed owned gradients.
   void wait_reduces();
+  // Hybrid sharding ([Note: replicas in backward]): the group of the ranks holding this rank's shard
+  // in the other shard groups. Each owned range is all_reduced over it once per step, after its
+  // bucket's last reduce of the step, in bucket order. set_replicate(true): the reduces launched from
+  // now on are a step's last (outside no_sync), so their owned range is replicated when finished.
+  void set_replicate_group(c10::intrusive_ptr<c10d::ProcessGroup> group);
+  void set_replicate(bool on) { replicate_on_launch_ = on; }
   // Start gathering bucket b's updated parameters into param_buffer (its flat parameter buffer,
   // whose owned range each rank has updated); gather_wait(b) returns when it is in place.
   void gather_start(int64_t bucket, const at::Tensor& param_buffer);
@@ -87,9 +94,10 @@ class BucketComm {
   // zerofast/optim/grads.py). reset_counts() at each new step.
   int64_t reduce_bytes() const { return reduce_bytes_; }
   int64_t gather_bytes() const { return gather_bytes_; }
+  int64_t replicate_bytes() const { return replicate_bytes_; }
   int64_t reduce_hash() const { return static_cast<int64_t>(reduce_hash_); }
   int64_t gather_hash() const { return static_cast<int64_t>(gather_hash_); }
-  void reset_counts() { reduce_bytes_ = gather_bytes_ = 0; reduce_hash_ = gather_hash_ = 0; }
+  void reset_counts();
 
   // The side stream collectives run on (CUDA builds with CUDA tensors); nothing on CPU builds.
 #ifdef ZEROFAST_WITH_CUDA
@@ -108,6 +116,8 @@ class BucketComm {
   void finish_in_flight(int64_t bucket); // wait for and finish this bucket's reduce, if in flight
   void finish_buckets(const std::vector<int64_t>& buckets);  // wait for, finish and forget their reduces
   void check_bucket(int64_t bucket, const char* what) const;
+  void replicate_ready();               // launch the replicate all_reduces now due, in bucket order
+  void launch_replicate(int64_t bucket);
   at::Tensor owned_grad(int64_t bucket);
   void begin_comm();   // on CUDA: order the comm stream after the work queued so far
   void end_comm();     // on CUDA: order the current stream after the comm stream
@@ -142,6 +152,14 @@ class BucketComm {
   int64_t gather_bytes_ = 0;
   uint64_t reduce_hash_ = 0;
   uint64_t gather_hash_ = 0;
+  // Hybrid sharding: [Note: replicas in backward].
+  c10::intrusive_ptr<c10d::ProcessGroup> replicate_group_;  // null: no replicas
+  bool replicate_on_launch_ = false;
+  std::vector<bool> last_reduce_;        // per bucket: its reduce in flight is the step's last
+  std::vector<bool> replicate_due_;      // per bucket: its last reduce is finished, this step
+  int64_t next_replicate_ = 0;           // buckets below this were all_reduced over the replicas
+  std::vector<c10::intrusive_ptr<c10d::Work>> replicate_works_;
+  int64_t replicate_bytes_ = 0;
   CommStream comm_stream_;
 };
 

@@ -118,7 +118,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("gather_bytes", &BucketComm::gather_bytes)
       .def_property_readonly("reduce_hash", &BucketComm::reduce_hash)
       .def_property_readonly("gather_hash", &BucketComm::gather_hash)
-      .def("reset_counts", &BucketComm::reset_counts);
+      .def("reset_counts", &BucketComm::reset_counts)
+      .def("set_replicate_group", &BucketComm::set_replicate_group, py::arg("group"))
+      .def("set_replicate", &BucketComm::set_replicate, py::arg("on"))
+      .def_property_readonly("replicate_bytes", &BucketComm::replicate_bytes);
 
   using zerofast::GradPath;
   py::class_<GradPath>(m, "GradPath", "The per-gradient path of phase 1 and its state (see csrc/grad_path.h)")

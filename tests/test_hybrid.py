@@ -22,7 +22,7 @@ import torch.distributed as dist
 from harness import free_port, run_ranks
 from oracles import (HYPER, Nested, fp32_tol, full_master, max_abs_diff, model_loss, norm_rel_tol, rank_batch,
                      single_process, zero_options)
-from zerofast import ZeroAdam
+from zerofast import CommPolicy, ZeroAdam
 from zerofast import checkpoint as ck
 from zerofast.optim.grads import AgreementLayout
 
@@ -197,10 +197,12 @@ def _mesh_and_errors(rank, world):
     out = {}
     for stage in (1, 3):
         runs = {}
-        for how in ("mesh", "shard_size"):
+        for how in ("mesh", "shard_size", "checked"):
             model = Nested()
             extra = (dict(process_group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
                      if how == "mesh" else dict(shard_size=2))
+            if how == "checked":  # every collective described first; the replicas' all_reduce in step()
+                extra["comm"] = CommPolicy(check_collectives=True)
             opt = ZeroAdam(model, stage=stage, **extra, **HYPER)
             for step in range(2):
                 model_loss(model, *rank_batch(model, step, rank)).backward()
@@ -211,7 +213,8 @@ def _mesh_and_errors(rank, world):
             opt.remove_hooks()
         out[stage] = runs
     errors = []
-    for kwargs in (dict(shard_size=3), dict(shard_size=0), dict(shard_size=8), dict(shard_size=2.0),
+    for kwargs in (dict(shard_size=2 if rank < 2 else 4),  # ranks given different shard sizes
+                   dict(shard_size=3), dict(shard_size=0), dict(shard_size=8), dict(shard_size=2.0),
                    dict(process_group=init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))),
                    dict(process_group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate"))),
                    dict(process_group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")),
@@ -230,10 +233,15 @@ def test_a_mesh_equals_shard_size_and_bad_input_is_named_on_every_rank():
     results = run_ranks(_mesh_and_errors, 4)
     for out, _ in results:
         for stage, runs in out.items():
-            (pm, sm), (ps, ss) = runs["mesh"], runs["shard_size"]
+            (pm, sm), (ps, ss), (pc, sc) = runs["mesh"], runs["shard_size"], runs["checked"]
             assert max_abs_diff(pm, ps) == 0 and sm == ss, stage  # the same groups: the same run, bitwise
+            # The replicas' sum in step() (one all_reduce of the shard) against the engine's in backward
+            # (one per bucket): each element is a + b of the same two replicas' values, bitwise alike.
+            assert max_abs_diff(pc, ps) == 0, stage
+            assert sc["replicate/all_reduce"] == ss["replicate/all_reduce"], (sc, ss)
             assert "replicate/all_reduce" in sm
-    expected = ["shard_size=3 must divide the number of ranks, 4", "shard_size must be None or an integer >= 1; got 0",
+    expected = ["ranks were given different options: rank 0 has shard_size=2, rank 2 has shard_size=4",
+                "shard_size=3 must divide the number of ranks, 4", "shard_size must be None or an integer >= 1; got 0",
                 "shard_size=8 must divide the number of ranks, 4", "shard_size must be None or an integer >= 1; got 2.0",
                 "a DeviceMesh as process_group must be 2-D with mesh_dim_names=('replicate', 'shard')",
                 "a DeviceMesh as process_group must be 2-D with mesh_dim_names=('replicate', 'shard')",

@@ -95,11 +95,15 @@ class BucketComm:
     def __init__(self, group: dist.ProcessGroup, layout: Layout, rank: int, grad_shard: torch.Tensor,
                  gather_group: dist.ProcessGroup | None = None, grad_buckets: list[torch.Tensor] | None = None,
                  max_buffers: int = 0, check_collectives: bool = False,
-                 replicate_group: dist.ProcessGroup | None = None):
+                 replicate_group: dist.ProcessGroup | None = None,
+                 replicate_grads_group: dist.ProcessGroup | None = None):
         """group: the shard group (the ranks `layout` is cut for); grad_buckets: stage 1's persistent
         buckets, which .grad are views of (else buffers come from a pool); max_buffers: at most this
         many pooled buffers alive at once, 0 for no bound ([Note: buffers in flight] in
-        csrc/buckets.cpp); replicate_group: hybrid sharding's replicas of this rank's shard (None: none)."""
+        csrc/buckets.cpp); replicate_group: hybrid sharding's replicas of this rank's shard (None:
+        none), for the step's agreement; replicate_grads_group: the same ranks again, for the
+        gradient all_reduces the engine launches during backward, whose timing differs between
+        ranks, so that they never pair up with the agreement ([Note: replicas in backward])."""
         self.layout = layout
         self.flat = layout.flat
         reduce_op, gather_op = collectives_for(dist.get_backend(group), self.flat)
@@ -121,6 +125,12 @@ class BucketComm:
         self.group = group
         self.gather_group = group if gather_group is None else gather_group
         self.replicate_group = replicate_group
+        # The engine all_reduces each owned range over the replicas as its bucket's last reduce of
+        # the step finishes ([Note: replicas in backward] in csrc/buckets.cpp); with check_collectives
+        # Python does it in step(), each collective described first.
+        self.replicates_in_engine = replicate_grads_group is not None and not check_collectives
+        if self.replicates_in_engine:
+            self._impl.set_replicate_group(replicate_grads_group)
         self.rank, self.world = rank, dist.get_world_size(group)
         self.device = grad_shard.device
         self._agreements: Counter = Counter()  # payload bytes of the step's small all_reduces
@@ -151,7 +161,15 @@ class BucketComm:
                     out["shard/" + name] = out.get("shard/" + name, 0) + nbytes
         else:
             out = {k: v for k, v in out.items() if not k.startswith("shard/")}
+        if self._impl.replicate_bytes:
+            out["replicate/all_reduce"] = out.get("replicate/all_reduce", 0) + self._impl.replicate_bytes
         return out
+
+    def set_last_micro_batch(self, last: bool) -> None:
+        """Whether the reduces launched from now on are the step's last (outside no_sync): their
+        owned ranges are then all_reduced over the replicas as they finish ([Note: replicas in
+        backward] in csrc/buckets.cpp)."""
+        self._impl.set_replicate(last)
 
     def order_hashes(self) -> tuple[int, int]:
         """Running hashes of the buckets reduced and gathered this step, in order."""
@@ -265,11 +283,12 @@ class BucketComm:
                          dist.ReduceOp.SUM, self.group)
 
     def all_reduce_replicas(self, shards: list[torch.Tensor]) -> None:
-        """Hybrid sharding: sum this rank's reduced gradient shard over its replicas, once per step
-        ([Note: hybrid sharding] in zerofast/topology.py). One collective per tensor given (the
-        gradient shard; stage 1 reducing in place: the owned range of each bucket), issued
-        together and then waited for."""
-        if self.replicate_group is None:
+        """Hybrid sharding with check_collectives: sum this rank's reduced gradient shard over its
+        replicas in step(), once per step ([Note: hybrid sharding] in zerofast/topology.py), each
+        collective described to every replica first. One collective per tensor given (the gradient
+        shard; stage 1 reducing in place: the owned range of each bucket), issued together, then
+        waited for. Without the check the engine does it during backward (wait_reduces waits)."""
+        if self.replicate_group is None or self.replicates_in_engine:
             return
         works = []
         for i, t in enumerate(shards):

@@ -205,6 +205,7 @@ class GradReducer:
         .grad inside no_sync() with local accumulation; reduces adding into the shard after a
         micro-batch reduced under no_sync()."""
         self.phase = phase
+        self.comm.set_last_micro_batch(not phase.in_no_sync)  # hybrid sharding: [Note: replicas in backward]
         self.path.python_decides = self.always_python or phase is StepPhase.PREPARED
         self.path.keep_local = phase is StepPhase.NO_SYNC and self.accumulates_locally
         self.path.accumulate = self.reduced_micro_batches > 0

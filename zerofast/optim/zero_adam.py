@@ -155,7 +155,8 @@ class ZeroAdam(torch.optim.Optimizer):
         topo = self.topology
         self.comm = BucketComm(topo.shard_group, self.layout, self.shard_rank, self.shard.grad_shard,
                                self._gather_group() if plan.params_sharded else None, self.shard.grad_buckets,
-                               plan.bucket_buffers, plan.check_collectives, replicate_group=topo.replicate_group)
+                               plan.bucket_buffers, plan.check_collectives, replicate_group=topo.replicate_group,
+                               replicate_grads_group=self._second_group(topo.replicate_group))
         self._scaler = LossScaler(plan.loss_scale)
         self._gather = ParamGather(self.comm, self.layout, self.shard.param_buffers)
         if plan.overlap_param_gather:
@@ -181,12 +182,19 @@ class ZeroAdam(torch.optim.Optimizer):
 
     # --- construction ---------------------------------------------------------------------------
 
-    def _gather_group(self) -> dist.ProcessGroup:
-        """Stage 3 gathers on a second group: see [Note: two process groups] in csrc/buckets.cpp."""
-        shard_group = self.topology.shard_group  # only a rank's own shard group gathers its parameters
-        ranks = [dist.get_global_rank(shard_group, r) for r in range(self.shard_size)]
+    def _second_group(self, group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+        """A second group of the same ranks (None for None): collectives whose order is set by
+        timing (stage 3's gathers, the replicas' gradient all_reduces during backward) get a group
+        of their own, so they never pair up with another kind of collective."""
+        if group is None:
+            return None
+        ranks = dist.get_process_group_ranks(group)
         # With the same timeout as the group given: new_group's default is 30 minutes ([Note: faults]).
         return dist.new_group(ranks, timeout=group_timeout(self.group), use_local_synchronization=True)
+
+    def _gather_group(self) -> dist.ProcessGroup:
+        """Stage 3 gathers on a second group: see [Note: two process groups] in csrc/buckets.cpp."""
+        return self._second_group(self.topology.shard_group)  # only a rank's own shard group gathers its parameters
 
     def _shard_params(self) -> UnitTracker:
         """Copy this rank's shards out, release every unit, and install the hooks."""
