@@ -368,11 +368,16 @@ void BucketComm::finish_reduce(int64_t bucket) {
 // so the micro-batches accumulating into the shard under no_sync() never cross machines. Replicas
 // pair their all_reduces by order, and a reduce may finish out of order (gloo runs collectives on
 // several threads), so they are launched strictly in bucket order: bucket b's waits for every
-// bucket before it. wait_reduces launches whatever is left (a bucket whose last reduce was under
+// bucket before it. Owned ranges are 1/K of a bucket, and a ring over many replicas pays its latency
+// per call, so consecutive ranges (adjacent in grad_shard) go in one all_reduce until it holds
+// min_bytes (the shard group's bucket size); stage 1's ranges sit in separate buckets, one each.
+// wait_reduces launches whatever is left (the last ranges, a bucket whose last reduce was under
 // no_sync), waits for all, and the step's agreement and Adam then read the replicated sum.
-void BucketComm::set_replicate_group(c10::intrusive_ptr<c10d::ProcessGroup> group) {
+void BucketComm::set_replicate_group(c10::intrusive_ptr<c10d::ProcessGroup> group, int64_t min_bytes) {
   TORCH_CHECK(group, "BucketComm.set_replicate_group: a process group is needed");
+  TORCH_CHECK(min_bytes >= 0, "BucketComm.set_replicate_group: min_bytes must be >= 0; got ", min_bytes);
   replicate_group_ = std::move(group);
+  replicate_min_bytes_ = min_bytes;
 }
 
 void BucketComm::replicate_ready() {
@@ -382,10 +387,27 @@ void BucketComm::replicate_ready() {
 }
 
 void BucketComm::launch_replicate(int64_t bucket) {
-  at::Tensor own = owned_grad(bucket);
-  if (own.numel() == 0) return;  // the same on every replica: they hold the same shard
-  replicate_bytes_ += own.numel() * own.element_size();
-  std::vector<at::Tensor> tensors{own};
+  if (!grad_buckets_.empty()) {  // stage 1: this bucket's owned range, where the reduce left it
+    all_reduce_replicas(owned_grad(bucket));
+    return;
+  }
+  const auto& bd = bounds_[bucket];  // grad_shard: join the pending ranges, adjacent in bucket order
+  if (pending_numel_ == 0) pending_lo_ = shard_offsets_[bucket];
+  pending_numel_ += bd[rank_ + 1] - bd[rank_];
+  if (pending_numel_ * grad_shard_.element_size() >= replicate_min_bytes_) flush_replicate();
+}
+
+void BucketComm::flush_replicate() {
+  if (pending_numel_ == 0) return;
+  at::Tensor range = grad_shard_.narrow(0, pending_lo_, pending_numel_);
+  pending_numel_ = 0;
+  all_reduce_replicas(range);
+}
+
+void BucketComm::all_reduce_replicas(const at::Tensor& range) {
+  if (range.numel() == 0) return;  // the same on every replica: they hold the same shard
+  replicate_bytes_ += range.numel() * range.element_size();
+  std::vector<at::Tensor> tensors{range};
   replicate_works_.push_back(comm_call([&] { return replicate_group_->allreduce(tensors, c10d::AllreduceOptions()); }));
 }
 
@@ -394,6 +416,7 @@ void BucketComm::reset_counts() {
   reduce_hash_ = gather_hash_ = 0;
   std::fill(replicate_due_.begin(), replicate_due_.end(), false);
   next_replicate_ = 0;
+  pending_numel_ = 0;
 }
 
 // [Note: collectives per backend]
@@ -458,6 +481,7 @@ void BucketComm::wait_reduces() {
   {  // see [Note: replicas in backward]
     OnCommStream on_comm(comm_stream_);
     while (next_replicate_ < static_cast<int64_t>(replicate_due_.size())) launch_replicate(next_replicate_++);
+    flush_replicate();
     for (auto& work : replicate_works_) comm_call([&] { return work->wait(); });
   }
   replicate_works_.clear();

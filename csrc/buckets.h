@@ -66,7 +66,8 @@ class BucketComm {
   // in the other shard groups. Each owned range is all_reduced over it once per step, after its
   // bucket's last reduce of the step, in bucket order. set_replicate(true): the reduces launched from
   // now on are a step's last (outside no_sync), so their owned range is replicated when finished.
-  void set_replicate_group(c10::intrusive_ptr<c10d::ProcessGroup> group);
+  // min_bytes: consecutive owned ranges are all_reduced together until they hold at least this.
+  void set_replicate_group(c10::intrusive_ptr<c10d::ProcessGroup> group, int64_t min_bytes);
   void set_replicate(bool on) { replicate_on_launch_ = on; }
   // Start gathering bucket b's updated parameters into param_buffer (its flat parameter buffer,
   // whose owned range each rank has updated); gather_wait(b) returns when it is in place.
@@ -118,6 +119,8 @@ class BucketComm {
   void check_bucket(int64_t bucket, const char* what) const;
   void replicate_ready();               // launch the replicate all_reduces now due, in bucket order
   void launch_replicate(int64_t bucket);
+  void flush_replicate();               // launch the pending ranges, whatever their size
+  void all_reduce_replicas(const at::Tensor& range);
   at::Tensor owned_grad(int64_t bucket);
   void begin_comm();   // on CUDA: order the comm stream after the work queued so far
   void end_comm();     // on CUDA: order the current stream after the comm stream
@@ -158,6 +161,8 @@ class BucketComm {
   std::vector<bool> last_reduce_;        // per bucket: its reduce in flight is the step's last
   std::vector<bool> replicate_due_;      // per bucket: its last reduce is finished, this step
   int64_t next_replicate_ = 0;           // buckets below this were all_reduced over the replicas
+  int64_t replicate_min_bytes_ = 0;
+  int64_t pending_lo_ = 0, pending_numel_ = 0;  // owned ranges of grad_shard due, not launched yet
   std::vector<c10::intrusive_ptr<c10d::Work>> replicate_works_;
   int64_t replicate_bytes_ = 0;
   CommStream comm_stream_;

@@ -119,7 +119,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("reduce_hash", &BucketComm::reduce_hash)
       .def_property_readonly("gather_hash", &BucketComm::gather_hash)
       .def("reset_counts", &BucketComm::reset_counts)
-      .def("set_replicate_group", &BucketComm::set_replicate_group, py::arg("group"))
+      .def("set_replicate_group", &BucketComm::set_replicate_group, py::arg("group"), py::arg("min_bytes"))
       .def("set_replicate", &BucketComm::set_replicate, py::arg("on"))
       .def_property_readonly("replicate_bytes", &BucketComm::replicate_bytes);
 

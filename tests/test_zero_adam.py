@@ -209,7 +209,7 @@ def _bad_arguments(rank, world):
         (lambda: dict(comm=CommPolicy(overlap=1)), "overlap must be True or False; got 1"),
         (lambda: dict(comm=CommPolicy(overlap_param_gather=None)), "overlap_param_gather must be True or False; got None"),
         (lambda: dict(comm=CommPolicy(check_collectives="yes")), "check_collectives must be True or False; got 'yes'"),
-        (lambda: dict(process_group="world"), "process_group must be a torch.distributed ProcessGroup or None; got str"),
+        (lambda: dict(process_group="world"), "process_group must be a torch.distributed ProcessGroup, a 2-D DeviceMesh"),
         # A keyword of before the policies names where it lives now; an unknown one is named.
         (lambda: dict(bucket_mb=25), r"the keyword bucket_mb= moved into a policy: pass comm=CommPolicy\(bucket_mb=...\)"),
         (lambda: dict(partition="greedy"), r"pass comm=CommPolicy\(partition=...\)"),

@@ -96,14 +96,15 @@ class BucketComm:
                  gather_group: dist.ProcessGroup | None = None, grad_buckets: list[torch.Tensor] | None = None,
                  max_buffers: int = 0, check_collectives: bool = False,
                  replicate_group: dist.ProcessGroup | None = None,
-                 replicate_grads_group: dist.ProcessGroup | None = None):
+                 replicate_grads_group: dist.ProcessGroup | None = None, replicate_min_bytes: int = 0):
         """group: the shard group (the ranks `layout` is cut for); grad_buckets: stage 1's persistent
         buckets, which .grad are views of (else buffers come from a pool); max_buffers: at most this
         many pooled buffers alive at once, 0 for no bound ([Note: buffers in flight] in
         csrc/buckets.cpp); replicate_group: hybrid sharding's replicas of this rank's shard (None:
         none), for the step's agreement; replicate_grads_group: the same ranks again, for the
         gradient all_reduces the engine launches during backward, whose timing differs between
-        ranks, so that they never pair up with the agreement ([Note: replicas in backward])."""
+        ranks, so that they never pair up with the agreement, each at least replicate_min_bytes
+        (consecutive owned ranges together; [Note: replicas in backward])."""
         self.layout = layout
         self.flat = layout.flat
         reduce_op, gather_op = collectives_for(dist.get_backend(group), self.flat)
@@ -130,7 +131,7 @@ class BucketComm:
         # Python does it in step(), each collective described first.
         self.replicates_in_engine = replicate_grads_group is not None and not check_collectives
         if self.replicates_in_engine:
-            self._impl.set_replicate_group(replicate_grads_group)
+            self._impl.set_replicate_group(replicate_grads_group, replicate_min_bytes)
         self.rank, self.world = rank, dist.get_world_size(group)
         self.device = grad_shard.device
         self._agreements: Counter = Counter()  # payload bytes of the step's small all_reduces

@@ -204,6 +204,7 @@ class Plan:
     reduce_dtype: torch.dtype           # gradients in buckets, reduces and (stages 2, 3) the shard
     loss_scale: Optional[LossScalePolicy]  # fp16 only: dynamic loss scaling
     bucket_bytes: int                   # stages 1 and 2: gradient bytes per bucket (0 in stage 3)
+    replicate_bytes: int                # hybrid sharding: the replicas' all_reduces hold at least this
     first_bucket_bytes: int             # the first bucket in backward order holds at most this
     bucket_buffers: int                 # pooled gradient buffers alive at once (0: no bound)
     overlap: bool                       # reduce each bucket in backward as soon as it is complete
@@ -306,6 +307,8 @@ def resolve_plan(stage: int, *, adamw: bool = True, max_grad_norm: Optional[floa
         max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, loss_scale=loss_scale,
         bucket_bytes=max(reduce_size, int(bucket_mb * 2**20)) if stage < 3 else 0,
+        # the shard group's bucket size (stage 3, whose buckets are its units: stage 2's)
+        replicate_bytes=max(reduce_size, int((bucket_mb or DEFAULT_BUCKET_MB[2]) * 2**20)),
         first_bucket_bytes=FIRST_BUCKET_BYTES, bucket_buffers=comm_p.bucket_buffers,
         overlap=comm_p.overlap, overlap_param_gather=comm_p.overlap_param_gather,
         check_collectives=debug_from_env() if comm_p.check_collectives is None else comm_p.check_collectives,

@@ -156,7 +156,8 @@ class ZeroAdam(torch.optim.Optimizer):
         self.comm = BucketComm(topo.shard_group, self.layout, self.shard_rank, self.shard.grad_shard,
                                self._gather_group() if plan.params_sharded else None, self.shard.grad_buckets,
                                plan.bucket_buffers, plan.check_collectives, replicate_group=topo.replicate_group,
-                               replicate_grads_group=self._second_group(topo.replicate_group))
+                               replicate_grads_group=self._second_group(topo.replicate_group),
+                               replicate_min_bytes=plan.replicate_bytes)
         self._scaler = LossScaler(plan.loss_scale)
         self._gather = ParamGather(self.comm, self.layout, self.shard.param_buffers)
         if plan.overlap_param_gather:

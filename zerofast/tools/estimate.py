@@ -297,7 +297,8 @@ def traffic_ops(model_or_param_count, world: int, stage: int, shard_size=None, m
         reduce_numel = sum(b.numel for b in layout.buckets)
         reduce_calls = sum(1 if flat else _owners(b) for b in layout.buckets)
         shard_numel = layout.shard_numel(shard_rank)
-        replicate_calls = len(layout.buckets) if plan.grads_as_bucket_views else 1
+        replicate_calls = _replicate_calls([b.bounds[shard_rank + 1] - b.bounds[shard_rank] for b in layout.buckets],
+                                           r_bytes, plan)
         if stage < 3:
             gather_step = [(b.numel * p_bytes, _gather_calls(backend, flat, _owners(b), shards)) for b in layout.buckets]
         else:
@@ -318,7 +319,8 @@ def traffic_ops(model_or_param_count, world: int, stage: int, shard_size=None, m
         buckets = max(1, -(-numel * r_bytes // bucket_bytes))
         reduce_numel, shard_numel = numel, -(-numel // shards)
         reduce_calls = buckets * (1 if flat else shards)
-        replicate_calls = buckets if plan.grads_as_bucket_views else 1
+        replicate_calls = (buckets if plan.grads_as_bucket_views
+                           else max(1, -(-shard_numel * r_bytes // plan.replicate_bytes)))
         every_bucket = [(numel * p_bytes, buckets * _gather_calls(backend, flat, shards, shards))]
         if stage < 3:
             gather_step = every_bucket
@@ -337,9 +339,25 @@ def traffic_ops(model_or_param_count, world: int, stage: int, shard_size=None, m
         if plan.scales_loss or plan.max_grad_norm is not None:  # overflow flag and squared norm: 2 x fp32
             ops.append(Op("shard", "all_reduce_stats", 8, 1, "step", shards))
     if replicas > 1:
-        ops.append(Op("replicate", "all_reduce", shard_numel * r_bytes, replicate_calls, "step", replicas))
+        # launched as each bucket's last reduce finishes: overlapped with backward ([Note: replicas
+        # in backward] in csrc/buckets.cpp)
+        ops.append(Op("replicate", "all_reduce", shard_numel * r_bytes, replicate_calls, "backward", replicas))
         ops.append(Op("replicate", "all_reduce_flags", flags, 1, "step", replicas))
     return ops
+
+
+def _replicate_calls(owned: list[int], r_bytes: int, plan) -> int:
+    """The replicas' all_reduces of a step, as the engine issues them ([Note: replicas in backward]
+    in csrc/buckets.cpp): one per bucket's owned range (stage 1's persistent buckets), or
+    consecutive owned ranges together until they hold plan.replicate_bytes; empty ones skipped."""
+    if plan.grads_as_bucket_views:
+        return sum(1 for n in owned if n)
+    calls = pending = 0
+    for i, n in enumerate(owned):
+        pending += n
+        if pending and (pending * r_bytes >= plan.replicate_bytes or i == len(owned) - 1):
+            calls, pending = calls + 1, 0
+    return calls
 
 
 def estimate_traffic(model_or_param_count, world: int, stage: int, shard_size=None, mixed_precision=None,
