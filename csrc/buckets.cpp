@@ -370,7 +370,8 @@ void BucketComm::finish_reduce(int64_t bucket) {
 // several threads), so they are launched strictly in bucket order: bucket b's waits for every
 // bucket before it. Owned ranges are 1/K of a bucket, and a ring over many replicas pays its latency
 // per call, so consecutive ranges (adjacent in grad_shard) go in one all_reduce until it holds
-// min_bytes (the shard group's bucket size); stage 1's ranges sit in separate buckets, one each.
+// min_bytes (the shard group's bucket size); stage 1's ranges sit in separate buckets, and go
+// together as one coalesced all_reduce.
 // wait_reduces launches whatever is left (the last ranges, a bucket whose last reduce was under
 // no_sync), waits for all, and the step's agreement and Adam then read the replicated sum.
 void BucketComm::set_replicate_group(c10::intrusive_ptr<c10d::ProcessGroup> group, int64_t min_bytes) {
@@ -387,28 +388,36 @@ void BucketComm::replicate_ready() {
 }
 
 void BucketComm::launch_replicate(int64_t bucket) {
+  const auto& bd = bounds_[bucket];
+  const int64_t numel = bd[rank_ + 1] - bd[rank_];
+  if (numel == 0) return;  // the same on every replica: they hold the same shard
   if (!grad_buckets_.empty()) {  // stage 1: this bucket's owned range, where the reduce left it
-    all_reduce_replicas(owned_grad(bucket));
-    return;
+    pending_ranges_.push_back(owned_grad(bucket));
+  } else {  // grad_shard: the pending ranges and this one are adjacent (bucket order)
+    if (pending_numel_ == 0) pending_lo_ = shard_offsets_[bucket];
   }
-  const auto& bd = bounds_[bucket];  // grad_shard: join the pending ranges, adjacent in bucket order
-  if (pending_numel_ == 0) pending_lo_ = shard_offsets_[bucket];
-  pending_numel_ += bd[rank_ + 1] - bd[rank_];
+  pending_numel_ += numel;
   if (pending_numel_ * grad_shard_.element_size() >= replicate_min_bytes_) flush_replicate();
 }
 
 void BucketComm::flush_replicate() {
   if (pending_numel_ == 0) return;
-  at::Tensor range = grad_shard_.narrow(0, pending_lo_, pending_numel_);
+  std::vector<at::Tensor> ranges = grad_buckets_.empty()
+                                       ? std::vector<at::Tensor>{grad_shard_.narrow(0, pending_lo_, pending_numel_)}
+                                       : std::move(pending_ranges_);
+  pending_ranges_.clear();
   pending_numel_ = 0;
-  all_reduce_replicas(range);
+  all_reduce_replicas(std::move(ranges));
 }
 
-void BucketComm::all_reduce_replicas(const at::Tensor& range) {
-  if (range.numel() == 0) return;  // the same on every replica: they hold the same shard
-  replicate_bytes_ += range.numel() * range.element_size();
-  std::vector<at::Tensor> tensors{range};
-  replicate_works_.push_back(comm_call([&] { return replicate_group_->allreduce(tensors, c10d::AllreduceOptions()); }));
+void BucketComm::all_reduce_replicas(std::vector<at::Tensor> ranges) {
+  for (const auto& r : ranges) replicate_bytes_ += r.numel() * r.element_size();
+  if (ranges.size() == 1) {
+    replicate_works_.push_back(comm_call([&] { return replicate_group_->allreduce(ranges, c10d::AllreduceOptions()); }));
+  } else {
+    replicate_works_.push_back(
+        comm_call([&] { return replicate_group_->allreduce_coalesced(ranges, c10d::AllreduceCoalescedOptions()); }));
+  }
 }
 
 void BucketComm::reset_counts() {
@@ -417,6 +426,7 @@ void BucketComm::reset_counts() {
   std::fill(replicate_due_.begin(), replicate_due_.end(), false);
   next_replicate_ = 0;
   pending_numel_ = 0;
+  pending_ranges_.clear();
 }
 
 // [Note: collectives per backend]

@@ -120,7 +120,7 @@ class BucketComm {
   void replicate_ready();               // launch the replicate all_reduces now due, in bucket order
   void launch_replicate(int64_t bucket);
   void flush_replicate();               // launch the pending ranges, whatever their size
-  void all_reduce_replicas(const at::Tensor& range);
+  void all_reduce_replicas(std::vector<at::Tensor> ranges);
   at::Tensor owned_grad(int64_t bucket);
   void begin_comm();   // on CUDA: order the comm stream after the work queued so far
   void end_comm();     // on CUDA: order the current stream after the comm stream
@@ -163,6 +163,7 @@ class BucketComm {
   int64_t next_replicate_ = 0;           // buckets below this were all_reduced over the replicas
   int64_t replicate_min_bytes_ = 0;
   int64_t pending_lo_ = 0, pending_numel_ = 0;  // owned ranges of grad_shard due, not launched yet
+  std::vector<at::Tensor> pending_ranges_;      // stage 1: owned ranges of its buckets due, likewise
   std::vector<c10::intrusive_ptr<c10d::Work>> replicate_works_;
   int64_t replicate_bytes_ = 0;
   CommStream comm_stream_;

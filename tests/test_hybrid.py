@@ -201,8 +201,11 @@ def _mesh_and_errors(rank, world):
             model = Nested()
             extra = (dict(process_group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
                      if how == "mesh" else dict(shard_size=2))
+            # stage 1 in buckets of ~500 elements: the replicas' all_reduces coalesce several buckets' ranges
+            comm = dict(bucket_mb=0.002) if stage == 1 else {}
             if how == "checked":  # every collective described first; the replicas' all_reduce in step()
-                extra["comm"] = CommPolicy(check_collectives=True)
+                comm["check_collectives"] = True
+            extra["comm"] = CommPolicy(**comm)
             opt = ZeroAdam(model, stage=stage, **extra, **HYPER)
             for step in range(2):
                 model_loss(model, *rank_batch(model, step, rank)).backward()

@@ -319,8 +319,7 @@ def traffic_ops(model_or_param_count, world: int, stage: int, shard_size=None, m
         buckets = max(1, -(-numel * r_bytes // bucket_bytes))
         reduce_numel, shard_numel = numel, -(-numel // shards)
         reduce_calls = buckets * (1 if flat else shards)
-        replicate_calls = (buckets if plan.grads_as_bucket_views
-                           else max(1, -(-shard_numel * r_bytes // plan.replicate_bytes)))
+        replicate_calls = max(1, -(-shard_numel * r_bytes // plan.replicate_bytes))
         every_bucket = [(numel * p_bytes, buckets * _gather_calls(backend, flat, shards, shards))]
         if stage < 3:
             gather_step = every_bucket
@@ -348,10 +347,8 @@ def traffic_ops(model_or_param_count, world: int, stage: int, shard_size=None, m
 
 def _replicate_calls(owned: list[int], r_bytes: int, plan) -> int:
     """The replicas' all_reduces of a step, as the engine issues them ([Note: replicas in backward]
-    in csrc/buckets.cpp): one per bucket's owned range (stage 1's persistent buckets), or
-    consecutive owned ranges together until they hold plan.replicate_bytes; empty ones skipped."""
-    if plan.grads_as_bucket_views:
-        return sum(1 for n in owned if n)
+    in csrc/buckets.cpp): consecutive owned ranges together until they hold plan.replicate_bytes
+    (stage 1's, in separate buckets, as one coalesced all_reduce)."""
     calls = pending = 0
     for i, n in enumerate(owned):
         pending += n
