@@ -137,9 +137,9 @@ class MuonShard:
 
     def apply(self, used: list[bool], param_groups: list[dict], group_of: list[int], grad_scale: float) -> None:
         """Muon's step for every owned, used matrix; the gradient range times grad_scale is the
-        averaged, unscaled, clipped gradient ([Note: Muon's gradient])."""
+        averaged, unscaled, clipped gradient ([Note: Muon's gradient]). `used` is phase 2's agreement
+        restricted to Muon's matrices, the same on every rank, so every rank counts the same steps."""
         shard = self.shard
-        stepped = [False] * len(used)
         for pc in self.pieces:
             if not used[pc.param]:
                 continue
@@ -153,8 +153,7 @@ class MuonShard:
                          **{k: group[k] for k in MUON_KEYS})
             if copy is not None:  # the low-precision parameter: the master's rounding, as the Adam kernel leaves it
                 copy.copy_(master)
-            stepped[pc.param] = True
-        shard.count_steps(stepped)
+        shard.count_steps(used)
 
 
 # --- which parameters Muon takes ----------------------------------------------------------------------
@@ -298,10 +297,11 @@ class ZeroMuon(ZeroAdam):
         """Phase 3: fused AdamW over the owned ranges of the non-Muon parameters, then Muon for the
         owned matrices (whole tensors in this rank's shard)."""
         adamw_used = [u and not m for u, m in zip(used, self._is_muon)]
+        muon_used = [u and m for u, m in zip(used, self._is_muon)]
         with torch.profiler.record_function("zerofast::adam"):
             self.shard.apply_adam(adamw_used, self.param_groups, self._group_of, True, grad_scale)
         with torch.profiler.record_function("zerofast::muon"):
-            self.muon.apply(used, self.param_groups, self._group_of, grad_scale)
+            self.muon.apply(muon_used, self.param_groups, self._group_of, grad_scale)
 
     # --- reports and typed access --------------------------------------------------------------------
 
