@@ -1,6 +1,6 @@
 """zerofast: ZeRO stages 1-3 for PyTorch (the ZeRO paper, Rajbhandari et al., 2020).
 
-Public names: ZeroAdam (the sharded optimizer) and its policies (MixedPrecisionPolicy,
+Public names: ZeroAdam (the sharded optimizer), ZeroMuon (Muon + AdamW on whole-matrix owners) and its policies (MixedPrecisionPolicy,
 LossScalePolicy, CommPolicy, UnitPolicy: zerofast/config.py), the errors it raises
 (CollectiveError, OutOfStepError, StepNotAppliedError,
 GradientError), estimate_memory (the paper's memory table), estimate_traffic (comm_stats() without a run),
@@ -20,6 +20,7 @@ from .tools.estimate import estimate_memory, estimate_traffic
 # name -> the module that defines it, imported when the name is first read (PEP 562).
 _LAZY = {
     "ZeroAdam": "zerofast.optim.zero_adam",
+    "ZeroMuon": "zerofast.optim.muon",
     "CollectiveError": "zerofast.comm",
     "OutOfStepError": "zerofast.comm",
     "GradientError": "zerofast.comm",
@@ -30,7 +31,7 @@ _LAZY = {
     "cpu_isa": "zerofast._ops",
 }
 
-__all__ = ["ZeroAdam", "MixedPrecisionPolicy", "LossScalePolicy", "CommPolicy", "UnitPolicy", "CollectiveError",
+__all__ = ["ZeroAdam", "ZeroMuon", "MixedPrecisionPolicy", "LossScalePolicy", "CommPolicy", "UnitPolicy", "CollectiveError",
            "OutOfStepError", "StepNotAppliedError", "GradientError", "estimate_memory", "estimate_traffic", "fused_adam_", "nonfinite_check_",
            "has_cuda_kernels", "cpu_isa"]
 __version__ = "0.1.0"

@@ -4,6 +4,8 @@ Pure Python, no process group. Three partitions:
 - "round_robin": round-robin owners (the ZeRO textbook chapter's inter-tensor rule), parameter i
   to rank i % world;
 - "greedy": whole tensors, largest first, each to the rank that owns the fewest elements so far;
+  with per-tensor step costs (ZeroMuon: Newton-Schulz FLOPs, newton_schulz_flops), greedy_by_cost
+  balances the cost first and the elements of the cost-free tensors after;
 - "flat": intra-tensor, as FSDP and DeepSpeed do: no owner per tensor; each bucket is one buffer cut
   into world equal slices (see layout.py), so every rank owns the same number of elements.
 """
@@ -30,12 +32,47 @@ def greedy(numels: list[int], world: int) -> list[int]:
     return owners
 
 
-def owners_for(partition: str, numels: list[int], world: int) -> list[int] | None:
-    """Owner per parameter for "round_robin" and "greedy"; None for "flat" (owners per slice)."""
+def newton_schulz_flops(shape: tuple[int, ...], ns_steps: int) -> int:
+    """FLOPs of Muon's Newton-Schulz on an m x n matrix: with p = min(m, n), q = max(m, n) (the
+    iteration runs on the p x q orientation), each step computes A = X X^T (2 p^2 q), B = bA + cA^2
+    (2 p^3, the addmm) and X' = aX + BX (2 p^2 q): ns_steps * (4 p^2 q + 2 p^3)."""
+    m, n = shape
+    p, q = min(m, n), max(m, n)
+    return ns_steps * (4 * p * p * q + 2 * p ** 3)
+
+
+def greedy_by_cost(numels: list[int], costs: list[int], world: int) -> list[int]:
+    """Owner of each parameter when some carry a step cost (costs[i] > 0: ZeroMuon's matrices, in
+    Newton-Schulz FLOPs): those first, costliest first, each to the rank with the least cost so far
+    (LPT scheduling: the makespan is within 4/3 of the optimum, and on a transformer's few repeated
+    shapes it is usually exact); then the cost-free tensors (AdamW's: an elementwise, memory-bound
+    step, ~10 FLOPs per element against Newton-Schulz's thousands, so their time is noise), largest
+    first, to the rank owning the fewest elements so far, which balances the optimizer state they
+    add (memory is per element). Ties: fewer elements, then the lower rank."""
+    owners = [0] * len(numels)
+    cost = [0] * world
+    owned = [0] * world
+    costly = sorted((i for i in range(len(numels)) if costs[i] > 0), key=lambda i: (-costs[i], -numels[i], i))
+    for i in costly:
+        rank = min(range(world), key=lambda r: (cost[r], owned[r], r))
+        owners[i] = rank
+        cost[rank] += costs[i]
+        owned[rank] += numels[i]
+    rest = sorted((i for i in range(len(numels)) if costs[i] <= 0), key=lambda i: (-numels[i], i))
+    for i in rest:
+        rank = min(range(world), key=lambda r: (owned[r], cost[r], r))
+        owners[i] = rank
+        owned[rank] += numels[i]
+    return owners
+
+
+def owners_for(partition: str, numels: list[int], world: int, costs: list[int] | None = None) -> list[int] | None:
+    """Owner per parameter for "round_robin" and "greedy" (by `costs` when given: greedy_by_cost);
+    None for "flat" (owners per slice)."""
     if partition == "round_robin":
         return round_robin(numels, world)
     if partition == "greedy":
-        return greedy(numels, world)
+        return greedy(numels, world) if costs is None else greedy_by_cost(numels, costs, world)
     if partition == "flat":
         return None
     raise ValueError(f"partition must be one of {', '.join(PARTITIONS)}; got {partition!r}")

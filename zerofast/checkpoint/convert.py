@@ -1,6 +1,15 @@
 """Plain torch, both ways (small models, migration): to_torch reads a checkpoint as a model state
-dict and a torch.optim.AdamW state dict, in one process without a process group; from_torch
-continues a plain-torch run in ZeroAdam."""
+dict and a torch.optim.AdamW state dict (a ZeroMuon checkpoint: {"muon": torch.optim.Muon's, "adamw":
+torch.optim.AdamW's}), in one process without a process group; from_torch continues a plain-torch
+run in ZeroAdam or ZeroMuon.
+
+[Note: ZeroMuon's torch state dicts]
+A ZeroMuon checkpoint is two torch optimizers' state: torch.optim.Muon over the matrices (state per
+parameter: "momentum_buffer" only, as torch keeps it) and torch.optim.AdamW over the rest. Each state
+dict indexes its own parameters from 0, in the order of its param_groups' lists, each in model order:
+torch.optim.Muon(opt.muon_names' parameters) and torch.optim.AdamW(the other trainable parameters)
+load them as they are. The checkpoint's groups say which they are (use_muon, as Keller Jordan's
+MuonWithAuxAdam marks its groups)."""
 from __future__ import annotations
 
 import os
@@ -27,11 +36,30 @@ def _adamw_defaults() -> dict:
     return {k: v for k, v in probe.param_groups[0].items() if k != "params"}
 
 
+def _muon_defaults() -> dict:
+    """The same for torch.optim.Muon."""
+    probe = torch.optim.Muon([torch.zeros(2, 2, requires_grad=True)])
+    return {k: v for k, v in probe.param_groups[0].items() if k != "params"}
+
+
+def _torch_state_dict(groups: list[dict], defaults: dict, state_of) -> dict[str, Any]:
+    """A torch optimizer's state dict over the saved `groups` (parameters by name), indexed from 0 in
+    group order; state_of(name) is a parameter's state (None: none yet)."""
+    names = [n for g in groups for n in g["params"]]
+    index = {n: i for i, n in enumerate(names)}
+    torch_groups = [{**defaults, **{k: (tuple(v) if isinstance(v, list) else v) for k, v in g.items()
+                                    if k in defaults}, "params": [index[n] for n in g["params"]]} for g in groups]
+    state = {index[n]: s for n in names if (s := state_of(n)) is not None}
+    return {"state": state, "param_groups": torch_groups}
+
+
 def to_torch(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The checkpoint at `path` as a plain model state dict (fp32 master values for trainable
     parameters) and a torch.optim.AdamW state dict, read in this process without a process group.
     The optimizer's parameter indices follow the saved param_groups, each listing its parameters
-    in model order: AdamW(model.parameters()) for one group."""
+    in model order: AdamW(model.parameters()) for one group. A ZeroMuon checkpoint gives
+    {"muon": torch.optim.Muon's state dict, "adamw": torch.optim.AdamW's} instead ([Note: ZeroMuon's
+    torch state dicts])."""
     read_manifest(path)  # every file checked, the metadata through the allowlist: [Note: safe checkpoints]
     small = read_small(path)
     meta = safe.read_metadata(os.path.join(path, ".metadata")).state_dict_metadata
@@ -42,11 +70,21 @@ def to_torch(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     if missing:
         raise ValueError(f"zerofast.checkpoint.to_torch: {os.path.join(path, '.metadata')} has no entry for "
                          f"{missing[0]!r}, which the small state names: the checkpoint is damaged")
-    moments = {n: {"exp_avg": torch.empty(model_sd[n].shape), "exp_avg_sq": torch.empty(model_sd[n].shape)}
+    muon = {n for g in small["param_groups"] if g.get("use_muon") for n in g["params"]}
+    moments = {n: ({"momentum_buffer": torch.empty(model_sd[n].shape)} if n in muon else
+                   {"exp_avg": torch.empty(model_sd[n].shape), "exp_avg_sq": torch.empty(model_sd[n].shape)})
                for n in names}
     with sharded_tensors():
         torch_dcp.load({"model": model_sd, "optim": moments}, storage_reader=safe.SafeReader(path),
                        planner=safe.SafeLoadPlanner(), no_dist=True)
+    if any("use_muon" in g for g in small["param_groups"]):  # ZeroMuon's
+        steps = small["steps"]
+        return model_sd, {
+            "muon": _torch_state_dict([g for g in small["param_groups"] if g["use_muon"]], _muon_defaults(),
+                                      lambda n: moments[n] if steps[n] > 0 else None),
+            "adamw": _torch_state_dict([g for g in small["param_groups"] if not g["use_muon"]], _adamw_defaults(),
+                                       lambda n: {"step": torch.tensor(float(steps[n])), **moments[n]}
+                                       if steps[n] > 0 else None)}
     defaults = _adamw_defaults()
     index = {n: i for i, n in enumerate(names)}
     groups = [{**defaults, **{k: (tuple(v) if k == "betas" else v) for k, v in g.items() if k != "params"},
@@ -74,7 +112,10 @@ def from_torch(model_state_dict: dict[str, torch.Tensor], optim_state_dict: Opti
                              f"{tuple(value.shape)}")
     names = [n for n, _ in opt.named_params]
     moments, groups = {}, groups_by_name(opt)  # without an AdamW state dict: zero moments, our hyper-parameters
-    if optim_state_dict is not None:
+    muon = [opt.is_muon(i) for i in range(len(names))] if hasattr(opt, "is_muon") else None
+    if optim_state_dict is not None and muon is not None:
+        moments, groups = _from_muon_and_adamw(optim_state_dict, opt, muon, param_order)
+    elif optim_state_dict is not None:
         order = _adamw_param_order(optim_state_dict, model, opt, param_order)
         moments = {order[k]: v for k, v in optim_state_dict["state"].items() if order[k] is not None}
         keys = ("lr", "betas", "eps", "weight_decay")
@@ -94,10 +135,41 @@ def from_torch(model_state_dict: dict[str, torch.Tensor], optim_state_dict: Opti
             else:
                 full.setdefault(i, model_state_dict[key])
     opt.shard.load_pieces("master", full)
-    for kind in ("exp_avg", "exp_avg_sq"):
-        opt.shard.load_pieces(kind, {i: m[kind] for i, m in moments.items()})
-    finish_load(opt, {"steps": {n: int(moments[i]["step"]) if i in moments else 0 for i, n in enumerate(names)},
+    for kind in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+        opt.shard.load_pieces(kind, {i: m[kind] for i, m in moments.items() if kind in m})
+    # torch.optim.Muon keeps no step count: a matrix with a momentum buffer takes the run's (AdamW's largest)
+    run_steps = max([int(m["step"]) for m in moments.values() if "step" in m], default=1)
+    finish_load(opt, {"steps": {n: (int(moments[i]["step"]) if "step" in moments[i] else run_steps)
+                                if i in moments else 0 for i, n in enumerate(names)},
                       "param_groups": groups, "loss_scaler": None})
+
+
+def _from_muon_and_adamw(optim_state_dict, opt, muon: list[bool], param_order):
+    """from_torch for ZeroMuon: {"muon": torch.optim.Muon's state dict, "adamw": torch.optim.AdamW's};
+    param_order None (each indexes its own parameters in model order: [Note: ZeroMuon's torch state
+    dicts]) or {"muon": [...], "adamw": [...]}. Returns (state by parameter index, groups by name)."""
+    if not (isinstance(optim_state_dict, dict) and set(optim_state_dict) == {"muon", "adamw"}):
+        raise ValueError(f"zerofast.checkpoint.from_torch: a ZeroMuon takes {{'muon': torch.optim.Muon's state dict, "
+                         f"'adamw': torch.optim.AdamW's}}; got a dict with keys {sorted(optim_state_dict)}")
+    names = [n for n, _ in opt.named_params]
+    moments, groups = {}, []
+    for kind, use_muon, keys in (("muon", True, ("lr", "momentum", "nesterov", "weight_decay", "ns_coefficients",
+                                                 "ns_steps", "eps", "adjust_lr_fn")),
+                                 ("adamw", False, ("lr", "betas", "eps", "weight_decay"))):
+        sd = optim_state_dict[kind]
+        if param_order is not None:
+            order = [opt.param_index(p) for p in param_order[kind]]
+        else:
+            order = [i for i in range(len(names)) if muon[i] == use_muon]
+        count = sum(len(g["params"]) for g in sd["param_groups"])
+        if count != len(order):
+            raise ValueError(f"zerofast.checkpoint.from_torch: optim_state_dict[{kind!r}] holds {count} parameters; "
+                             f"this ZeroMuon has {len(order)} {kind} parameters")
+        moments.update({order[k]: v for k, v in sd["state"].items() if order[k] is not None})
+        groups += [{**{k: g[k] for k in keys if k in g}, "use_muon": use_muon,
+                    "params": [names[order[k]] for k in g["params"] if order[k] is not None]}
+                   for g in sd["param_groups"]]
+    return moments, groups
 
 
 def _adamw_param_order(optim_state_dict: dict, model: nn.Module, opt: ZeroAdam,

@@ -8,7 +8,8 @@ What the DCP state dict holds:
       parameters from their shard, as chunks too ([Note: frozen parameters in stage 3]), other
       frozen parameters and buffers as the model holds them, a tied weight under each of its names. A plain model loads
       it with dcp.load({"model": model.state_dict()}, checkpoint_id=path, no_dist=True).
-  "optim": per trainable parameter name, exp_avg and exp_avg_sq (fp32, the parameter's shape).
+  "optim": per trainable parameter name, exp_avg and exp_avg_sq (fp32, the parameter's shape), or a
+      ZeroMuon matrix's momentum_buffer (opt.state_kinds).
 small_state() is the rest, the same on every rank and small: per-parameter step counts, the
 param_groups' hyper-parameters by parameter name, the fp16 loss scaler's state.
 
@@ -191,7 +192,9 @@ def _model_entries(model: nn.Module, opt: ZeroAdam, chunks: _Chunks, staged: Opt
 
 
 def _optim_entries(opt: ZeroAdam, chunks: _Chunks) -> dict[str, Any]:
-    return {name: {"exp_avg": chunks.sharded(i, "exp_avg"), "exp_avg_sq": chunks.sharded(i, "exp_avg_sq")}
+    """Per parameter name, its optimizer state by kind (opt.state_kinds: Adam's exp_avg and
+    exp_avg_sq, or a ZeroMuon matrix's momentum_buffer)."""
+    return {name: {kind: chunks.sharded(i, kind) for kind in opt.state_kinds(i)}
             for i, (name, _) in enumerate(opt.named_params)}
 
 
@@ -257,7 +260,11 @@ class Staging:
             torch.cuda.current_stream(self._device).synchronize()
 
     def piece_view(self, pc, kind: str) -> torch.Tensor:
-        return self.flat[kind][pc.state_offset:pc.state_offset + pc.numel]
+        # by the shard's own buffer: [Note: Muon's momentum in exp_avg's slot] in zerofast/optim/state.py
+        # (imported here: a Staging exists only beside a live optimizer, and the CLI's readers of this
+        # module must not need the compiled extension that state.py loads)
+        from ..optim.state import storage_of
+        return self.flat[storage_of(kind)][pc.state_offset:pc.state_offset + pc.numel]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in [*self.flat.values(), *self.buffers.values()])
@@ -287,7 +294,8 @@ def finish_load(opt: ZeroAdam, small: dict[str, Any]) -> None:
     names = [n for n, _ in opt.named_params]
     for group in opt.param_groups:
         saved = saved_group_of[names[opt.param_index(group["params"][0])]]
-        group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k != "params"})
+        # JSON keeps tuples (betas, ZeroMuon's ns_coefficients) as lists
+        group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k != "params"})
     if small["loss_scaler"] is not None:
         opt.load_loss_scaler_state(small["loss_scaler"])
     opt.sync_params_from_master()

@@ -31,8 +31,10 @@ class Layouts:
     frozen_bucket_of: Optional[list[Optional[int]]]
 
 
-def plan_layouts(model: nn.Module, plan: Plan, world: int) -> Layouts:
-    """The layouts ZeroAdam(model, ...) with `plan` builds when `world` ranks share the state."""
+def plan_layouts(model: nn.Module, plan: Plan, world: int, costs: Optional[list[int]] = None) -> Layouts:
+    """The layouts ZeroAdam(model, ...) with `plan` builds when `world` ranks share the state.
+    costs: per trainable parameter, its step cost for partition "greedy" (ZeroMuon's
+    Newton-Schulz FLOPs: zerofast.partition.greedy_by_cost); None: greedy by elements."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     names, params = [n for n, _ in named], [p for _, p in named]
     numels = [p.numel() for p in params]
@@ -41,7 +43,7 @@ def plan_layouts(model: nn.Module, plan: Plan, world: int) -> Layouts:
         bucket_numel = max(1, plan.bucket_bytes // reduce_size)
         order = list(reversed(range(len(numels))))  # backward order: see [Note: bucket order]
         first_bucket_numel = min(bucket_numel, plan.first_bucket_bytes // reduce_size)
-        layout = build_layout(numels, order, world, bucket_numel, owners_for(plan.partition, numels, world),
+        layout = build_layout(numels, order, world, bucket_numel, owners_for(plan.partition, numels, world, costs),
                               first_bucket_numel)
         return Layouts(names, params, layout, None, [], None, [], None, None)
     # Stage 3 shards the frozen parameters too: [Note: frozen parameters in stage 3] (those in the
@@ -57,7 +59,7 @@ def plan_layouts(model: nn.Module, plan: Plan, world: int) -> Layouts:
     trainable_index = {id(p): i for i, p in enumerate(params)}
     parts, _ = split_units(unit_plan.groups, [id(p) in trainable_index for p in unit_params])
     parts = [[trainable_index[id(unit_params[i])] for i in part] for part in parts]
-    layout, unit_buckets = unit_layout(parts, numels, world, plan.partition)
+    layout, unit_buckets = unit_layout(parts, numels, world, plan.partition, costs)
     frozen_layout = frozen_bucket_of = None
     if frozen_named:
         frozen_index = {id(p): j for j, (_, p) in enumerate(frozen_named)}

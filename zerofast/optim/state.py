@@ -84,6 +84,10 @@ class ShardState:
                 lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"], step=self.steps[run.params[0]] + 1,
                 adamw=adamw, grad_scale=grad_scale, param_copy=copy)
+        self.count_steps(used)
+
+    def count_steps(self, used: list[bool]) -> None:
+        """One more step for every used parameter (the update that counted it has run)."""
         for i, u in enumerate(used):
             if u:
                 self.steps[i] += 1
@@ -163,7 +167,7 @@ class ShardState:
         state = slice(pc.state_offset, pc.state_offset + pc.numel)
         if kind == "master":
             return self.master_and_copy(pc.bucket, pc.bucket_offset, state)[0]
-        return getattr(self, kind)[state]
+        return getattr(self, storage_of(kind))[state]
 
     def load_pieces(self, kind: str, full: Mapping[int, torch.Tensor]) -> None:
         """Write this rank's pieces of `kind` from whole tensors, by parameter index (each of its
@@ -225,9 +229,23 @@ class ShardState:
         }
 
 
-KINDS = ("master", "exp_avg", "exp_avg_sq")  # the fp32 state a piece holds, by name
+KINDS = ("master", "exp_avg", "exp_avg_sq", "momentum_buffer")  # the fp32 state a piece holds, by name
+
+# [Note: Muon's momentum in exp_avg's slot]
+# ZeroMuon (zerofast/optim/muon.py) keeps each owned Muon matrix's momentum buffer (fp32, torch.optim.Muon's
+# "momentum_buffer") in that matrix's range of exp_avg: the range exists anyway (the shard buffers are laid
+# out over every owned element), a matrix is never updated by Adam, and so the buffer is sharded with its
+# owner, staged, saved and resharded exactly as exp_avg is, by the same offsets. The cost: the matrix's
+# range of exp_avg_sq stays allocated and unused (4 bytes per Muon element); a compact Adam state indexed
+# apart from the shard offsets would save it, at the price of a second offset map in every reader.
+_STORAGE = {"momentum_buffer": "exp_avg"}
+
+
+def storage_of(kind: str) -> str:
+    """The shard buffer that holds state `kind` ([Note: Muon's momentum in exp_avg's slot])."""
+    return _STORAGE.get(kind, kind)
 
 
 def _check_kind(where: str, kind: str) -> None:
     if kind not in KINDS:
-        raise ValueError(f"ShardState.{where}: kind must be master, exp_avg or exp_avg_sq; got {kind!r}")
+        raise ValueError(f"ShardState.{where}: kind must be one of {', '.join(KINDS)}; got {kind!r}")

@@ -122,7 +122,7 @@ class ZeroAdam(torch.optim.Optimizer):
         # The layout's ranks: this rank's place in its shard group (the whole group when flat).
         self.shard_rank, self.shard_size = self.topology.shard_rank, self.topology.shard_size
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(_checks.build_groups(param_groups, named, defaults), defaults)
+        super().__init__(self._build_param_groups(param_groups, named, defaults), defaults)
         index_of = {id(p): i for i, p in enumerate(self._params)}
         self._group_of = [0] * len(self._params)
         for g, group in enumerate(self.param_groups):
@@ -139,7 +139,7 @@ class ZeroAdam(torch.optim.Optimizer):
             cast_unmanaged(model, plan.param_dtype)
             self._hooks.append(model.register_forward_pre_hook(InputCast(plan.param_dtype), prepend=True,
                                                                with_kwargs=True))
-        layouts = plan_layouts(model, plan, self.shard_size)
+        layouts = plan_layouts(model, plan, self.shard_size, self._partition_costs())
         # Stage 3 shards the frozen parameters too: [Note: frozen parameters in stage 3].
         self._frozen_named = layouts.frozen_named
         self._unit_params: list[nn.Parameter] = layouts.unit_params  # the unit plan's parameters, in model order
@@ -270,9 +270,7 @@ class ZeroAdam(torch.optim.Optimizer):
             self._grads.clip(prep, self.plan.max_grad_norm)
         anything = any(prep.used)  # agreed: the same on every rank
         if anything and not prep.found_inf:
-            with torch.profiler.record_function("zerofast::adam"):  # phase 3
-                self.shard.apply_adam(prep.used, self.param_groups, self._group_of, self.plan.adamw,
-                                      prep.grad_factor / (self.world_size * self._scaler.scale))
+            self._update(prep.used, prep.grad_factor / (self.world_size * self._scaler.scale))  # phase 3
             if self.plan.gather_after_step:     # phase 4 (stage 3: the next forward gathers)
                 where.phase = "step() (phase 4: the parameter gather)"
                 with torch.profiler.record_function("zerofast::gather"):
@@ -291,13 +289,35 @@ class ZeroAdam(torch.optim.Optimizer):
         where.phase = "forward"
         self._grads.begin_step()
 
+    # --- what a subclass with another update (ZeroMuon, zerofast/optim/muon.py) replaces ------------
+    # The layout, phases 1, 2 and 4, stage 3's units and the checkpoints are this class's; a subclass
+    # changes the parameter groups, greedy's costs and phase 3, through these four methods only.
+
+    def _build_param_groups(self, param_groups, named, defaults) -> list[dict]:
+        """The torch.optim param_groups over the trainable (name, parameter) pairs `named`."""
+        return _checks.build_groups(param_groups, named, defaults)
+
+    def _partition_costs(self) -> Optional[list[int]]:
+        """Per trainable parameter, its step cost for partition "greedy" (None: balance elements)."""
+        return None
+
+    def _check_group(self, index: int, group: dict) -> None:
+        """One parameter group's hyper-parameters, as they are at a step."""
+        check_hyper(f".param_groups[{index}]", group)
+
+    def _update(self, used: list[bool], grad_scale: float) -> None:
+        """Phase 3: update every owned range of a used parameter; the gradient shard holds the sum
+        over ranks, and grad_scale (1/N, unscaling and clipping together) makes it the average."""
+        with torch.profiler.record_function("zerofast::adam"):
+            self.shard.apply_adam(used, self.param_groups, self._group_of, self.plan.adamw, grad_scale)
+
     def _check_update(self) -> None:
         """The last checks before an update, on every rank before the step's agreement, so that a
         failure here applies nothing anywhere ([Note: the step's agreement] in zerofast/optim/grads.py):
         the hyper-parameters as a scheduler or user code may have left them, and which parameters
         are trainable."""
         for g, group in enumerate(self.param_groups):
-            check_hyper(f".param_groups[{g}]", group)
+            self._check_group(g, group)
         for name, param, trainable in self._trainable_at_build:
             if param.requires_grad != trainable:
                 raise RuntimeError(
@@ -514,6 +534,11 @@ class ZeroAdam(torch.optim.Optimizer):
     @functools.cached_property
     def _index_of(self) -> dict[int, int]:
         return {id(p): i for i, p in enumerate(self._params)}
+
+    def state_kinds(self, index: int) -> tuple[str, ...]:
+        """The optimizer state parameter `index` of named_params holds, by ShardState's kind names
+        (what a checkpoint saves under its name): Adam's moments."""
+        return ("exp_avg", "exp_avg_sq")
 
     @property
     def frozen_named_params(self) -> tuple[tuple[str, nn.Parameter], ...]:

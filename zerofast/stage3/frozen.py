@@ -43,15 +43,16 @@ def split_units(groups: list[list[int]], trainable: list[bool]) -> tuple[list[li
     return ([[i for i in g if trainable[i]] for g in groups], [[i for i in g if not trainable[i]] for g in groups])
 
 
-def unit_layout(parts: list[list[int]], numels: list[int], world: int, partition: str
-                ) -> tuple[Layout, list[Optional[int]]]:
+def unit_layout(parts: list[list[int]], numels: list[int], world: int, partition: str,
+                costs: Optional[list[int]] = None) -> tuple[Layout, list[Optional[int]]]:
     """A Layout with one bucket per non-empty part, in backward order (the last unit first: [Note:
-    bucket order]); parts[u] indexes into `numels`. Returns it and each unit's bucket (None: empty)."""
+    bucket order]); parts[u] indexes into `numels` (and `costs`, greedy's step costs, when given).
+    Returns it and each unit's bucket (None: empty)."""
     order = [u for u in reversed(range(len(parts))) if parts[u]]
     bucket_of: list[Optional[int]] = [None] * len(parts)
     for b, u in enumerate(order):
         bucket_of[u] = b
-    layout = layout_from_groups(numels, [parts[u] for u in order], world, owners_for(partition, numels, world))
+    layout = layout_from_groups(numels, [parts[u] for u in order], world, owners_for(partition, numels, world, costs))
     return layout, bucket_of
 
 
