@@ -481,3 +481,22 @@ def test_bad_input_names_argument_and_value():
     assert "adjust_lr_fn" in errors["adjust"] and "'sqrt'" in errors["adjust"]
     assert "balance" in errors["balance"] and "'flops'" in errors["balance"]
     assert errors["callable"] == ["gate.weight"]
+
+
+def _hybrid(rank, world):
+    return {stage: run_case(rank, stage, "greedy", shard_size=2) for stage in (2, 3)}
+
+
+def test_hybrid_sharding_runs_newton_schulz_once_per_matrix_in_each_replica():
+    """4 ranks as 2 shard groups of 2 (shard_size=2): each group owns every matrix once, so
+    Newton-Schulz runs once per matrix per step in each replica, on the averaged gradient of all 4."""
+    results = run_ranks(_hybrid, 4, timeout=300)
+    oracle = single_process(4, STEPS)
+    for stage in (2, 3):
+        for replica in ((0, 1), (2, 3)):
+            got = full([results[r][stage]["master"] for r in replica])
+            diff = max_diff(got, oracle)
+            assert diff <= muon_tol(STEPS), f"stage {stage}, ranks {replica}: {diff:.3g}"
+            calls = sum(results[r][stage]["ns_calls"] for r in replica)
+            assert calls == STEPS * muon_count(), (stage, replica, calls)
+        assert "replicate/all_reduce" in results[0][stage]["comm"]
