@@ -233,17 +233,28 @@ def table(rows, world) -> str:
     return "\n".join(lines)
 
 
+def _run(world: int, steps: int, batch: int) -> dict:
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "rows.pt")
+        mp.spawn(_rank_main, args=(world, free_port(), steps, batch, out), nprocs=world)
+        return torch.load(out)
+
+
+def test_muon_table(benchmark, capsys):
+    """`make bench`: the whole table, one run (its own timings inside; pytest-benchmark times the run)."""
+    rows = benchmark.pedantic(_run, args=(4, 5, 4), rounds=1, iterations=1)
+    with capsys.disabled():
+        print("\n" + table(rows, 4))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=4)
     args = parser.parse_args(argv)
-    import tempfile
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "rows.pt")
-        mp.spawn(_rank_main, args=(args.world, free_port(), args.steps, args.batch, out), nprocs=args.world)
-        rows = torch.load(out)
+    rows = _run(args.world, args.steps, args.batch)
     print(f"ZeroMuon benchmark: {args.world} gloo ranks x 1 thread, GPT small (6.4M), batch {args.batch}x64, "
           f"median of {args.steps} steps")
     print(table(rows, args.world))
