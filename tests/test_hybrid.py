@@ -92,7 +92,10 @@ def test_hybrid_equals_single_process_adamw_and_sends_a_shard_across(launched):
 
 def test_shard_size_w_is_the_flat_run_bitwise(launched):
     results, _ = launched
+    want = single_process(Nested, 4, STEPS)
     for stage in (1, 2, 3):
+        for partition in ("flat", "round_robin"):  # flat ZeRO over the two machines, against AdamW too
+            assert max_abs_diff(results[0][stage, partition, None]["params"], want) <= fp32_tol(STEPS)
         for r in range(4):
             flat, k4 = results[r][stage, "flat", None], results[r][stage, "flat", 4]
             assert max_abs_diff(flat["params"], k4["params"]) == 0, (stage, r)
