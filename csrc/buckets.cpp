@@ -437,6 +437,11 @@ void BucketComm::reset_counts() {
 // all_reduce 21 ms (then keep the own slice), and all_gather 19-26 ms against one broadcast per
 // rank's slice 8 ms. So on gloo the flat layout reduces with all_reduce and gathers with
 // broadcasts (zerofast/comm.py chooses); the numbers are the same, only the wire protocol differs.
+// Re-measured for stage 3's unit-sized gathers (3 MB, 2 ranks, CPU per rank and wall per gather,
+// several runs on a shared machine): two broadcasts 0.60-0.89 ms CPU, 0.85-1.75 ms; all_gather
+// 0.79-1.47 ms CPU, 1.83-2.61 ms. Broadcasts stay. (For the reduce, at 3 MB: all_reduce
+// 1.15-2.01 ms CPU, one reduce per owner 0.86-1.60, point-to-point send/recv of each owner's slice
+// 0.62-0.78; not adopted: gloo's send/recv Work cannot be polled, which reap_completed() needs.)
 
 void BucketComm::reduce(int64_t bucket, bool accumulate) {
   check_bucket(bucket, "reduce");
