@@ -227,25 +227,31 @@ def stage3_gathers(model: nn.Module, layouts) -> tuple[list[int], list[int]]:
             if refs[u] == 0 and not carried[u]:
                 gathered[u] = False
 
-    def release_all():
+    def release_all(keep=frozenset()):
         for u in range(n_units):
-            refs[u], carried[u], gathered[u] = 0, False, False
+            refs[u], carried[u] = 0, u in keep
+            gathered[u] = gathered[u] and u in keep
 
     def carry(k, following):
         for u in set(calls[k]) & set(calls[following]):
             carried[u] = True
 
+    into_backward: set[int] = set()
     for kind, k in events:  # forward: pre-hook acquires and prefetches the next call's units
         if kind == "pre":
             acquire(calls[k])
             for u in next_other(k, +1):
                 gather(u)
         else:
-            if k + 1 < len(calls):
+            if k == 0 or k + 1 == len(calls):  # the root and the last call: [Note: forward hands over to backward]
+                for u in calls[k]:
+                    carried[u] = True
+                    into_backward.add(u)
+            elif k + 1 < len(calls):
                 carry(k, k + 1)
             release(calls[k])
             if k == 0:
-                release_all()
+                release_all(into_backward)
     forward, out = out, []
     for kind, k in reversed(events):  # backward: the forward's events reversed, pre and post swapped
         if kind == "post":
