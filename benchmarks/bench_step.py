@@ -183,3 +183,41 @@ def test_step(benchmark, record, case):
         pool.close()
     shape = next((k for k in SHAPES if case.endswith(f" @{k}")), None)
     record(benchmark, GROUPS.get(shape, GROUP), case)
+
+
+# Interleaved: the cases' rank pools alive together, stepped in turn (ROUNDS_INTERLEAVED rounds of
+# STEPS_PER_ROUND steps each), so that a change in the machine's load hits every case alike; medians
+# over all steps, as a ratio to DDP's. What stage 3's goal (<= 1.05x DDP) is read against.
+INTERLEAVED = ["ddp", "zerofast 2 flat", "zerofast 3 flat", "fsdp2"]
+ROUNDS_INTERLEAVED, STEPS_PER_ROUND = 10, 3
+
+
+def _interleaved():
+    import statistics
+    import time
+    pools = {}
+    try:
+        for case in INTERLEAVED:
+            pools[case] = RankPool(functools.partial(build, case), world=WORLD)
+        for pool in pools.values():  # warm-up
+            for _ in range(WARMUP):
+                pool.step()
+        times = {case: [] for case in INTERLEAVED}
+        for _ in range(ROUNDS_INTERLEAVED):
+            for case, pool in pools.items():
+                for _ in range(STEPS_PER_ROUND):
+                    t = time.perf_counter()
+                    pool.step()
+                    times[case].append(time.perf_counter() - t)
+    finally:
+        for pool in pools.values():
+            pool.close()
+    return {case: statistics.median(ts) for case, ts in times.items()}
+
+
+def test_step_interleaved(benchmark, capsys):
+    medians = benchmark.pedantic(_interleaved, rounds=1, iterations=1)
+    with capsys.disabled():
+        print(f"\ninterleaved, {ROUNDS_INTERLEAVED} rounds x {STEPS_PER_ROUND} steps, {GROUP}:")
+        for case, t in medians.items():
+            print(f"  {case:24s} {t * 1e3:8.1f} ms  {t / medians['ddp']:5.2f}x DDP")
