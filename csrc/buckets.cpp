@@ -427,6 +427,10 @@ void BucketComm::reset_counts() {
   next_replicate_ = 0;
   pending_numel_ = 0;
   pending_ranges_.clear();
+  // Nothing is in flight at a new step, unless the last one ended in an error before wait_reduces:
+  // its launches are not this step's.
+  std::fill(last_reduce_.begin(), last_reduce_.end(), false);
+  replicate_works_.clear();
 }
 
 // [Note: collectives per backend]

@@ -68,6 +68,7 @@ def _crafted(path: str, marker: str) -> dict[str, tuple[str, bytes]]:
         "manifest, pickle": (ck.MANIFEST, evil),
         "manifest, truncated": (ck.MANIFEST, manifest[:len(manifest) // 2]),
         "manifest, wrong JSON": (ck.MANIFEST, json.dumps({"format": "zerofast-checkpoint-2", "params": 3}).encode()),
+        "manifest, shard_size 0": (ck.MANIFEST, json.dumps({**json.loads(manifest), "shard_size": 0}).encode()),
         "small state, pickle": (ck.SMALL, evil),
         "small state, truncated": (ck.SMALL, small[:len(small) // 2]),
         "small state, wrong JSON": (ck.SMALL, json.dumps({"steps": [1, 2]}).encode()),

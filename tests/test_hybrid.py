@@ -218,8 +218,23 @@ def _mesh_and_errors(rank, world):
                 runs[how] = ({n: p.detach().clone() for n, p in model.named_parameters()}, opt.comm_stats())
             opt.remove_hooks()
         out[stage] = runs
+    # check_collectives where the replicate group is larger than the shard group (4 replicas of 1)
+    model = Nested()
+    opt = ZeroAdam(model, stage=2, shard_size=1, comm=CommPolicy(check_collectives=True), **HYPER)
+    model_loss(model, *rank_batch(model, 0, rank)).backward()
+    opt.step()
+    opt.remove_hooks()
+    # a subgroup as process_group (tensor x data parallel): ranks {0, 1} and {2, 3} each train alone
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    model = Nested()
+    opt = ZeroAdam(model, stage=2, shard_size=1, process_group=pairs[rank // 2], **HYPER)
+    model_loss(model, *rank_batch(model, 0, rank)).backward()
+    opt.step()
+    subgroup_stats = opt.comm_stats()
+    opt.remove_hooks()
     errors = []
     for kwargs in (dict(shard_size=2 if rank < 2 else 4),  # ranks given different shard sizes
+                   dict(shard_size=3 if rank == 0 else 2),  # one of them bad on its own
                    dict(shard_size=3), dict(shard_size=0), dict(shard_size=8), dict(shard_size=2.0),
                    dict(process_group=init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))),
                    dict(process_group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate"))),
@@ -232,12 +247,13 @@ def _mesh_and_errors(rank, world):
         except (ValueError, TypeError) as e:
             errors.append(f"{type(e).__name__}: {e}")
     dist.barrier()
-    return out, errors
+    return out, errors, subgroup_stats
 
 
 def test_a_mesh_equals_shard_size_and_bad_input_is_named_on_every_rank():
     results = run_ranks(_mesh_and_errors, 4)
-    for out, _ in results:
+    for out, _, subgroup_stats in results:
+        assert subgroup_stats["replicate/all_reduce"] > 0 and not any(k.startswith("shard/") for k in subgroup_stats)
         for stage, runs in out.items():
             (pm, sm), (ps, ss), (pc, sc) = runs["mesh"], runs["shard_size"], runs["checked"]
             assert max_abs_diff(pm, ps) == 0 and sm == ss, stage  # the same groups: the same run, bitwise
@@ -247,12 +263,13 @@ def test_a_mesh_equals_shard_size_and_bad_input_is_named_on_every_rank():
             assert sc["replicate/all_reduce"] == ss["replicate/all_reduce"], (sc, ss)
             assert "replicate/all_reduce" in sm
     expected = ["ranks were given different options: rank 0 has shard_size=2, rank 2 has shard_size=4",
+                "ranks were given different options: rank 0 has shard_size=3, rank 1 has shard_size=2",
                 "shard_size=3 must divide the number of ranks, 4", "shard_size must be None or an integer >= 1; got 0",
                 "shard_size=8 must divide the number of ranks, 4", "shard_size must be None or an integer >= 1; got 2.0",
                 "a DeviceMesh as process_group must be 2-D with mesh_dim_names=('replicate', 'shard')",
                 "a DeviceMesh as process_group must be 2-D with mesh_dim_names=('replicate', 'shard')",
                 "pass it without shard_size (got shard_size=2)",
                 "TypeError: ZeroAdam: process_group must be a torch.distributed ProcessGroup, a 2-D DeviceMesh"]
-    for _, errors in results:  # every rank raises the same error
+    for _, errors, _ in results:  # every rank raises the same error
         for got, want in zip(errors, expected):
             assert got is not None and want in got, (got, want)

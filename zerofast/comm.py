@@ -96,7 +96,8 @@ class BucketComm:
                  gather_group: dist.ProcessGroup | None = None, grad_buckets: list[torch.Tensor] | None = None,
                  max_buffers: int = 0, check_collectives: bool = False,
                  replicate_group: dist.ProcessGroup | None = None,
-                 replicate_grads_group: dist.ProcessGroup | None = None, replicate_min_bytes: int = 0):
+                 replicate_grads_group: dist.ProcessGroup | None = None, replicate_min_bytes: int = 0,
+                 dp_rank: int | None = None, dp_world: int | None = None):
         """group: the shard group (the ranks `layout` is cut for); grad_buckets: stage 1's persistent
         buckets, which .grad are views of (else buffers come from a pool); max_buffers: at most this
         many pooled buffers alive at once, 0 for no bound ([Note: buffers in flight] in
@@ -104,7 +105,8 @@ class BucketComm:
         none), for the step's agreement; replicate_grads_group: the same ranks again, for the
         gradient all_reduces the engine launches during backward, whose timing differs between
         ranks, so that they never pair up with the agreement, each at least replicate_min_bytes
-        (consecutive owned ranges together; [Note: replicas in backward])."""
+        (consecutive owned ranges together; [Note: replicas in backward]). dp_rank, dp_world: this
+        rank among every data-parallel rank, for messages (None: its rank in `group`)."""
         self.layout = layout
         self.flat = layout.flat
         reduce_op, gather_op = collectives_for(dist.get_backend(group), self.flat)
@@ -133,6 +135,9 @@ class BucketComm:
         if self.replicates_in_engine:
             self._impl.set_replicate_group(replicate_grads_group, replicate_min_bytes)
         self.rank, self.world = rank, dist.get_world_size(group)
+        # Messages name the data-parallel rank: under hybrid sharding shard ranks repeat across replicas.
+        self.dp_rank = rank if dp_rank is None else dp_rank
+        self.dp_world = self.world if dp_world is None else dp_world
         self.device = grad_shard.device
         self._agreements: Counter = Counter()  # payload bytes of the step's small all_reduces
         self.where = Where()             # see [Note: faults]
@@ -182,7 +187,7 @@ class BucketComm:
         timeout = f"{self.timeout.total_seconds():g} s" if self.timeout is not None else "the backend's"
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return CollectiveError(
-            f"ZeroAdam (rank {self.rank} of {self.world}): {what} failed at {self.where.describe()}: another "
+            f"ZeroAdam (rank {self.dp_rank} of {self.dp_world}): {what} failed at {self.where.describe()}: another "
             f"rank died, is stuck or is out of step (the wait is bounded by the process group's timeout, "
             f"{timeout}). Backend: {first}")
 
@@ -215,7 +220,7 @@ class BucketComm:
         self._checked[id(group)] = seq + 1
         mine = torch.tensor([seq, _KINDS.index(kind), bucket, numel, self.where.step, self.where.micro_batch],
                             dtype=torch.int64, device=self.device)  # NCCL takes device tensors only
-        everyone = [torch.empty_like(mine) for _ in range(self.world)]
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         self._collective(f"the check of {kind} {bucket}", dist.all_gather, everyone, mine, group)
         rows = [t.tolist() for t in everyone]
         if any(r != rows[0] for r in rows):
@@ -223,9 +228,10 @@ class BucketComm:
                 return (f"#{r[0]} {_KINDS[r[1]]} bucket {r[2]} of {r[3]} elements at step {r[4] + 1} "
                         f"micro-batch {r[5] + 1}")
             raise OutOfStepError(
-                f"ZeroAdam (rank {self.rank}): the ranks are out of step at {self.where.describe()}; the "
+                f"ZeroAdam (rank {self.dp_rank}): the ranks are out of step at {self.where.describe()}; the "
                 f"collective each rank was about to issue: "
-                + "; ".join(f"rank {r}: {show(row)}" for r, row in enumerate(rows))
+                + "; ".join(f"rank {dist.get_global_rank(group, r) if group is not dist.group.WORLD else r}: "
+                            f"{show(row)}" for r, row in enumerate(rows))
                 + ". Every rank must run the same micro-batches, steps and (stage 3) modules in the same order")
 
     def check_forward(self) -> None:

@@ -91,16 +91,12 @@ def resolve_topology(group: dist.ProcessGroup, shard_size: int, timeout: Optiona
     if shard_size == world:
         return Topology(group, rank, world, group, rank, world, None, 1)
     replicas = world // shard_size
-    shard_group = replicate_group = None
-    # new_group is called for every group on every rank, in the same order, as torch requires
-    for g in range(replicas):
-        ranks = [_global(group, g * shard_size + i) for i in range(shard_size)]
-        made = dist.new_group(ranks, timeout=timeout)
-        if rank // shard_size == g:
-            shard_group = made
-    for i in range(shard_size):
-        ranks = [_global(group, g * shard_size + i) for g in range(replicas)]
-        made = dist.new_group(ranks, timeout=timeout)
-        if rank % shard_size == i:
-            replicate_group = made
-    return Topology(group, rank, world, shard_group, rank % shard_size, shard_size, replicate_group, replicas)
+    # Each rank makes only its own two groups (local synchronization): `group` may be a subgroup of
+    # the world (tensor x data parallel), whose other ranks never call here; every rank makes its
+    # shard group, then its replicate group, so the members of each agree on its name.
+    g, i = divmod(rank, shard_size)
+    shard_group = dist.new_group([_global(group, g * shard_size + j) for j in range(shard_size)], timeout=timeout,
+                                 use_local_synchronization=True)
+    replicate_group = dist.new_group([_global(group, h * shard_size + i) for h in range(replicas)], timeout=timeout,
+                                     use_local_synchronization=True)
+    return Topology(group, rank, world, shard_group, i, shard_size, replicate_group, replicas)

@@ -272,6 +272,12 @@ def _sharded_by(m: dict) -> str:
     return f" (sharded in groups of {k}, replicated across {m['world_size'] // k})" if k != m["world_size"] else ""
 
 
+def _valid_shard_size(m: dict) -> bool:
+    """A manifest's shard_size (absent before hybrid sharding): an int dividing world_size."""
+    k = m.get("shard_size", m.get("world_size"))
+    return isinstance(k, int) and not isinstance(k, bool) and k >= 1 and m["world_size"] % k == 0
+
+
 def _manifest_fields(manifest_path: str) -> dict:
     """manifest.json as JSON, its fields checked (format, step, save counter, parameters)."""
     m = safe.read_json(manifest_path)
@@ -281,6 +287,7 @@ def _manifest_fields(manifest_path: str) -> dict:
         ok = (all(isinstance(m.get(k), int) and not isinstance(m.get(k), bool)
                   for k in ("world_size", "stage", "step", "save_counter"))
               and all(isinstance(m.get(k), str) for k in ("partition", "precision", "zerofast", "torch"))
+              and _valid_shard_size(m)
               and isinstance(m.get("params"), list)
               and all(isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("dtype"), str)
                       and isinstance(e.get("shape"), list) and all(isinstance(d, int) for d in e["shape"])

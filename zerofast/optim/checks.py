@@ -86,6 +86,14 @@ def data_parallel_group(process_group, shard_size):
     from torch.distributed.device_mesh import DeviceMesh
     if not isinstance(process_group, DeviceMesh):
         group = process_group if process_group is not None else dist.group.WORLD
+        # The raw value first, on every rank: a value bad on some ranks only must fail on all of
+        # them, not leave the others waiting in the next collective.
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, repr(shard_size), group=group)
+        for r, value in enumerate(everyone):
+            if value != everyone[0]:
+                raise ValueError(f"ZeroAdam: ranks were given different options: rank 0 has shard_size={everyone[0]}, "
+                                 f"rank {r} has shard_size={value}")
         return group, check_shard_size(shard_size, dist.get_world_size(group)), None
     mesh = process_group
     if shard_size is not None:

@@ -367,14 +367,14 @@ class GradReducer:
             reduce_hash, gather_hash = self.comm.order_hashes()
             counts = dict(steps=where.step, micro_batches=self.micro_batches, reduces=reduce_hash,
                           gathers=gather_hash)
-            flags = torch.tensor(message.pack(local_used, counts, None if failure is None else self.comm.rank),
+            flags = torch.tensor(message.pack(local_used, counts, None if failure is None else self.comm.dp_rank),
                                  dtype=torch.int64, device=device)
             self.comm.all_reduce_max(flags)
             agreed = message.read(flags.tolist())
             if not (agreed.same("steps") and agreed.same("micro_batches")):
                 steps, micro = agreed.ranges["steps"], agreed.ranges["micro_batches"]
                 raise OutOfStepError(
-                    f"ZeroAdam (rank {self.comm.rank}): the ranks are out of step at step() of step {where.step + 1}: "
+                    f"ZeroAdam (rank {self.comm.dp_rank}): the ranks are out of step at step() of step {where.step + 1}: "
                     f"they have taken {steps[0]} to {steps[1]} steps and run {micro[0]} to {micro[1]} micro-batches "
                     f"(this rank: {where.step} and {self.micro_batches}). Every rank must run the same "
                     f"micro-batches and call step() as often; nothing was applied")
@@ -382,7 +382,7 @@ class GradReducer:
                 which = ("gathers (stage 3: the modules ran in another order)" if not agreed.same("gathers")
                          else "reduces")
                 raise OutOfStepError(
-                    f"ZeroAdam (rank {self.comm.rank}): the ranks are out of step at step() of step {where.step + 1}: "
+                    f"ZeroAdam (rank {self.comm.dp_rank}): the ranks are out of step at step() of step {where.step + 1}: "
                     f"they issued different {which} in this step, so collectives paired up wrongly and this "
                     f"step's gradients are not to be trusted; nothing was applied. Every rank must run the same "
                     f"modules in the same order; ZEROFAST_DEBUG=1 names the first collective that differs")

@@ -157,7 +157,7 @@ class ZeroAdam(torch.optim.Optimizer):
                                self._gather_group() if plan.params_sharded else None, self.shard.grad_buckets,
                                plan.bucket_buffers, plan.check_collectives, replicate_group=topo.replicate_group,
                                replicate_grads_group=self._second_group(topo.replicate_group),
-                               replicate_min_bytes=plan.replicate_bytes)
+                               replicate_min_bytes=plan.replicate_bytes, dp_rank=self.rank, dp_world=self.world_size)
         self._scaler = LossScaler(plan.loss_scale)
         self._gather = ParamGather(self.comm, self.layout, self.shard.param_buffers)
         if plan.overlap_param_gather:
@@ -205,7 +205,8 @@ class ZeroAdam(torch.optim.Optimizer):
             self._frozen_comm = BucketComm(
                 self.topology.shard_group, fz.layout, self.shard_rank,
                 placeholder_grad_shard(fz.layout.shard_numel(self.shard_rank), self.plan.reduce_dtype, fz.device),
-                self.comm.gather_group, None, 0, self.plan.check_collectives)
+                self.comm.gather_group, None, 0, self.plan.check_collectives, dp_rank=self.rank,
+                dp_world=self.world_size)
             self._frozen_comm.share_bookkeeping(self.comm)
             frozen = UnitPart(fz.buffers, fz.shard, fz.layout, self._frozen_comm, fz.bucket_of)
         buffers = UnitBuffers(self.shard.param_buffers, self.shard.param_shard, self.layout, self.shard_rank, self.comm,
