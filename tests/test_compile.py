@@ -10,7 +10,7 @@ import torch
 
 from harness import run_ranks
 from oracles import train_steps, HYPER, max_abs_diff, rank_batch
-from zerofast import CommPolicy, ZeroAdam
+from zerofast import CommPolicy, ZeroAdam, ZeroMuon
 from zerofast.tools.models import make_gpt
 
 STEPS = 4
@@ -23,6 +23,8 @@ TOL = 2e-5
 def _compile(model, wrapped, how):
     """What the loop calls: the wrapped model (DDP, or the model itself) compiled whole, or with
     each of the model's blocks compiled in place."""
+    if how == "eager":
+        return wrapped
     if how == "whole":
         return torch.compile(wrapped)
     for block in model.blocks:
@@ -55,8 +57,16 @@ def _ddp(model):
     return torch.optim.AdamW(model.parameters(), foreach=False, **HYPER), ddp
 
 
-def _zero(stage):
-    return lambda model: (ZeroAdam(model, stage=stage, **HYPER), model)
+def _zero(stage, **kw):
+    return lambda model: (ZeroAdam(model, stage=stage, **HYPER, **kw), model)
+
+
+MUON_LR = 1e-3
+
+
+def _muon(model):
+    return ZeroMuon(model, stage=2, lr=MUON_LR, adamw_lr=HYPER["lr"], adamw_betas=HYPER["betas"],
+                    adamw_eps=HYPER["eps"], adamw_weight_decay=HYPER["weight_decay"]), model
 
 
 def _cases(rank, world):
@@ -65,6 +75,11 @@ def _cases(rank, world):
         out["ddp", how] = _train(rank, how, _ddp)
         for stage in (1, 2, 3):
             out[stage, how] = _train(rank, how, _zero(stage))
+    # hybrid sharding (replicated on the 2 ranks: the replicas' all_reduce in backward) and ZeroMuon,
+    # the whole model compiled
+    out["hybrid", "whole"] = _train(rank, "whole", _zero(2, shard_size=1))
+    out["muon", "whole"] = _train(rank, "whole", _muon)
+    out["muon", "eager"] = _train(rank, "eager", _muon)
     out[3, "eager"] = _eager(rank)
     return out
 
@@ -168,6 +183,15 @@ def test_compiled_stages_match_compiled_ddp_and_eager_stage3():
                 assert out[stage, how][1] == {}, f"stage {stage}, compiled {how}: graph breaks {out[stage, how][1]}"
             breaks = out[3, how][1]
             assert breaks and all("UnitTracker._pre_forward" in reason for reason in breaks), breaks
+        d = max_abs_diff(out["hybrid", "whole"][0], out["ddp", "whole"][0])
+        assert d <= TOL and out["hybrid", "whole"][1] == {}, f"hybrid, compiled: {d:.3g}, {out['hybrid', 'whole'][1]}"
+        # ZeroMuon compiled against eager ZeroMuon: Newton-Schulz in bf16 can turn the compiled
+        # forward's other rounding into a one-bf16-unit (2^-8 relative) change of a matrix's update,
+        # whose size is at most lr x the lr adjustment (sqrt(4) for the GPT's 4:1 MLP matrices), per
+        # step (the argument of tests/test_muon.py's tolerance).
+        d = max_abs_diff(out["muon", "whole"][0], out["muon", "eager"][0])
+        assert d <= STEPS * 2.0**-8 * MUON_LR * 2 + TOL, f"ZeroMuon, compiled: {d:.3g} from eager"
+        assert out["muon", "whole"][1] == {}, out["muon", "whole"][1]
         print(f"rank {rank} graph breaks:", {k: sum(v[1].values()) for k, v in out.items()})
 
 

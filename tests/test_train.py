@@ -151,6 +151,7 @@ def test_train_command_loss_goes_down():
     (["--partition", "zigzag"], "--partition must be one of flat, round_robin, greedy; got 'zigzag'"),
     (["--mixed-precision", "fp8"], "--mixed-precision must be bf16 or fp16; got 'fp8'"),
     (["--max-grad-norm", "0"], "--max-grad-norm must be positive; got 0.0"),
+    (["--shard-size", "0"], "--shard-size must be at least 1; got 0"),
     (["--resume"], "--save-every, --keep, --save-async and --resume need --save-dir"),
     (["--save-async"], "--save-every, --keep, --save-async and --resume need --save-dir"),
     (["--save-dir", "d", "--keep", "1"], "--keep must be at least 2; got 1"),
