@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from .config import collective_names
 from .layout import Layout
 
 
@@ -80,15 +81,10 @@ _KINDS = ("reduce", "gather", "agree_used", "agree_stats", "forward", "replicate
 
 
 def collectives_for(backend: str, flat: bool) -> tuple[_C.Collective, _C.Collective]:
-    """The (reduce, gather) collectives of a layout on a backend: the one place that chooses them.
-    Owner layouts reduce to and broadcast from each owner. The flat layout uses NCCL's ring-optimal
-    reduce_scatter and all_gather, and on gloo all_reduce and broadcasts, which gloo runs faster
-    with the same result ([Note: collectives per backend] in csrc/buckets.cpp)."""
-    if not flat:
-        return _C.Collective.reduce, _C.Collective.broadcast
-    if backend == "gloo":
-        return _C.Collective.all_reduce, _C.Collective.broadcast
-    return _C.Collective.reduce_scatter, _C.Collective.all_gather
+    """The (reduce, gather) collectives of a layout on a backend, as the compiled engine's enum:
+    config.collective_names chooses them."""
+    reduce, gather = collective_names(backend, flat)
+    return _C.Collective.__members__[reduce], _C.Collective.__members__[gather]
 
 
 class BucketComm:

@@ -320,6 +320,17 @@ def resolve_plan(stage: int, *, adamw: bool = True, max_grad_norm: Optional[floa
         separate_master=param_dtype != torch.float32)
 
 
+def collective_names(backend: str, flat: bool) -> tuple[str, str]:
+    """The (reduce, gather) collectives of a layout on a backend, by name: the one place that
+    chooses them (zerofast/comm.py maps them onto the compiled engine's; the estimator counts them).
+    Owner layouts reduce to and broadcast from each owner. The flat layout uses NCCL's ring-optimal
+    reduce_scatter and all_gather, and on gloo all_reduce and broadcasts, which gloo runs faster
+    with the same result ([Note: collectives per backend] in csrc/buckets.cpp)."""
+    if not flat:
+        return "reduce", "broadcast"
+    return ("all_reduce", "broadcast") if backend == "gloo" else ("reduce_scatter", "all_gather")
+
+
 def debug_from_env() -> bool:
     """ZEROFAST_DEBUG=1 turns check_collectives on where CommPolicy leaves it None."""
     return os.environ.get("ZEROFAST_DEBUG", "0") not in ("", "0")

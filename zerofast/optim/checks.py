@@ -106,10 +106,9 @@ def data_parallel_group(process_group, shard_size):
     return dist.new_group(sorted(ranks), use_local_synchronization=True), k, mesh
 
 
-def check_same_across_ranks(model: nn.Module, group, shard_size: int | None = None) -> None:
-    """Every rank raises the same error (naming the first mismatch) instead of hanging later: the
-    model, and the options every rank must share (shard_size)."""
-    mine = [("option", "shard_size", shard_size, "", False)] + _signature(model)
+def check_same_across_ranks(model: nn.Module, group) -> None:
+    """Every rank raises the same error (naming the first mismatch) instead of hanging later."""
+    mine = _signature(model)
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     reference = everyone[0]
@@ -117,9 +116,6 @@ def check_same_across_ranks(model: nn.Module, group, shard_size: int | None = No
         if sig == reference:
             continue
         for a, b in zip(reference, sig):
-            if a != b and a[0] == "option":
-                raise ValueError(f"ZeroAdam: ranks were given different options: rank 0 has {a[1]}={a[2]!r}, "
-                                 f"rank {rank} has {b[1]}={b[2]!r}")
             if a != b:
                 raise ValueError(f"ZeroAdam: ranks hold different models: rank 0 has {a[0]} {a[1]} "
                                  f"{a[2]} {a[3]} (requires_grad={a[4]}), rank {rank} has {b[0]} {b[1]} "

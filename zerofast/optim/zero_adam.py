@@ -116,7 +116,7 @@ class ZeroAdam(torch.optim.Optimizer):
             raise ValueError("ZeroAdam: the model has no trainable parameters")
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        _checks.check_same_across_ranks(model, self.group, shard_size=shard_size)
+        _checks.check_same_across_ranks(model, self.group)
         _checks.broadcast_from_rank0(model, self.group)
         self.topology: Topology = resolve_topology(self.group, shard_size, group_timeout(self.group), mesh)
         # The layout's ranks: this rank's place in its shard group (the whole group when flat).

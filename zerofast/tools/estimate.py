@@ -29,9 +29,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..config import (DEFAULT_BUCKET_MB, CommPolicy, check_stage, comm_policy, precision_policy, resolve_plan,
-                      unit_policy)
+from ..config import (DEFAULT_BUCKET_MB, CommPolicy, check_stage, collective_names, comm_policy, precision_policy,
+                      resolve_plan, unit_policy)
 from ..layout import ALIGN
+from ..optim.agreement import AgreementLayout
 
 
 @dataclass(frozen=True)
@@ -125,10 +126,9 @@ def check_shard_size(shard_size, world: int, who: str) -> int:
     return shard_size
 
 
-# The int64 message of the step's agreement: a flag per trainable parameter tensor, then each of
-# AgreementLayout.COUNTERS (4) twice, then the failure flag (zerofast/optim/grads.py, which imports
-# the compiled extension, so its numel is restated here; tests/test_estimate.py checks the two agree).
-AGREEMENT_EXTRA = 2 * 4 + 1
+# The int64 message of the step's agreement beyond a flag per trainable parameter tensor: each
+# counter twice and the failure flag (zerofast/optim/agreement.py).
+AGREEMENT_EXTRA = AgreementLayout(0).numel
 
 
 @dataclass(frozen=True)
@@ -144,14 +144,6 @@ class Op:
     @property
     def key(self) -> str:
         return f"{self.group}/{self.name}"
-
-
-def collective_names(backend: str, flat: bool) -> tuple[str, str]:
-    """(reduce, gather) collective names of a layout on a backend: zerofast/comm.py collectives_for's
-    choice, restated without its compiled enum (tests/test_estimate.py checks they agree)."""
-    if not flat:
-        return "reduce", "broadcast"
-    return ("all_reduce", "broadcast") if backend == "gloo" else ("reduce_scatter", "all_gather")
 
 
 def _gather_calls(backend: str, flat: bool, owners: int, ranks: int) -> int:
@@ -331,7 +323,7 @@ def traffic_ops(model_or_param_count, world: int, stage: int, shard_size=None, m
             gather_step = every_bucket
         else:
             gather_fwd = gather_bwd = every_bucket
-    flags = 8 * (tensors + AGREEMENT_EXTRA)
+    flags = 8 * AgreementLayout(tensors).numel
     ops: list[Op] = []
     if shards > 1:  # a group of one moves nothing
         ops.append(Op("shard", reduce_name, reduces * reduce_numel * r_bytes, reduces * reduce_calls, "backward", shards))
