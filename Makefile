@@ -19,7 +19,9 @@ HF_DEPS  := "transformers==5.24.0" "accelerate==1.15.0" "peft==0.21.2" "trl==1.1
 # Lightning, both packages, for zerofast.integrations.lightning / .pytorch_lightning (ZeroStrategy
 # subclasses their DDPStrategy and Precision, written against these versions).
 LIGHTNING_DEPS := "lightning==2.6.6" "pytorch-lightning==2.6.6"
-PIP_DEPS := "$(TORCH_SPEC)" ninja setuptools wheel pytest pytest-benchmark numpy matplotlib $(HF_DEPS) $(LIGHTNING_DEPS)
+# Lint and docs: ruff (Python lint and format), clang-format (csrc/), mkdocs-material (docs/).
+TOOL_DEPS := "ruff==0.17.6" "clang-format==23.1.5" "mkdocs-material==9.8.2"
+PIP_DEPS := "$(TORCH_SPEC)" ninja setuptools wheel pytest pytest-benchmark numpy matplotlib $(HF_DEPS) $(LIGHTNING_DEPS) $(TOOL_DEPS)
 
 PY      := $(VENV)/bin/python
 # The marker names the package list, so a venv made before a package was added gets it.
@@ -35,7 +37,7 @@ BUILT   := $(VENV)/.zerofast-built-cuda-$(ZEROFAST_CUDA)
 endif
 SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu) setup.py pyproject.toml
 
-.PHONY: setup build demo test bench cmake clean
+.PHONY: setup build demo test lint format bench cmake clean
 
 setup: $(BUILT)
 
@@ -64,6 +66,19 @@ demo: $(BUILT)
 
 test: $(BUILT)
 	$(PY) -m pytest -q tests
+
+# Lint: ruff's linter and formatter (pyproject.toml's [tool.ruff]) and clang-format (.clang-format) over
+# csrc/, checking only; `make format` rewrites the tree the same way.
+CXX_SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu)
+lint: $(DEPS)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/clang-format --dry-run --Werror $(CXX_SOURCES)
+
+format: $(DEPS)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/clang-format -i $(CXX_SOURCES)
 
 bench: $(BUILT)
 	$(PY) -m pytest -q benchmarks --benchmark-only --benchmark-columns=min,median,max,rounds

@@ -109,6 +109,10 @@ def _torch_tensors(model, opt) -> list:
     return params + [p.grad for p in params] + state
 
 
+
+def _torch_bytes(model, opt) -> int:
+    return _storage_bytes(_torch_tensors(model, opt))
+
 def _zeroadam_tensor_bytes(opt) -> tuple[int, dict]:
     r = opt.memory_report()
     keys = ("params", "grad_shard", "optimizer", "master_copy", "grads", "bucket_buffers", "bucket_pool")
@@ -149,7 +153,7 @@ def build(case, precision, rank, world):
         if kind == "ddp":
             module = DDP(model)
         opt = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
-        tensor_bytes = lambda: _storage_bytes(_torch_tensors(model, opt))
+        tensor_bytes = functools.partial(_torch_bytes, model, opt)
     elif kind == "fsdp2":
         mesh = init_device_mesh("cpu", (world,))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else None
@@ -158,7 +162,7 @@ def build(case, precision, rank, world):
             fully_shard(block, **kw)
         fully_shard(model, **kw)
         opt = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
-        tensor_bytes = lambda: _storage_bytes(_torch_tensors(model, opt))
+        tensor_bytes = functools.partial(_torch_bytes, model, opt)
     elif kind == "zeroadam":
         extra = {k: float(v) if k == "bucket_mb" else int(v)
                  for k, v in (kv.split("=") for kv in rest.split()[1:])}

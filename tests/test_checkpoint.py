@@ -126,7 +126,7 @@ def test_load_into_another_configuration_equals_what_was_saved(saved, loaded, ro
     for kind in ("master", "exp_avg", "exp_avg_sq"):  # every element, gathered from every rank's pieces
         want, got = _full(before, kind), _full(after, kind)
         assert all(torch.equal(got[n], want[n]) for n in want), f"{kind} differs after {saved} -> {loaded}"
-    for rank, snap in enumerate(after):
+    for snap in after:
         assert snap["steps"] == before[0]["steps"]
         if loaded[3] is None:  # fp32: the parameters are the master itself
             assert all(torch.equal(snap["params"][n], _full(before, "master")[n]) for n in snap["params"])

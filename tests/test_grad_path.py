@@ -176,7 +176,7 @@ def test_a_gradient_it_cannot_take_is_named_on_its_rank(python_only):
 
 def _second_gradient(rank, world, stage):
     model = _Embedded(sparse=False)
-    opt = ZeroAdam(model, **zero_options(stage, min_unit_mb=0), **HYPER)
+    _opt = ZeroAdam(model, **zero_options(stage, min_unit_mb=0), **HYPER)  # its hooks stay installed
     x = torch.tensor([[1, 2, 3]])
     model(x).backward()
     try:

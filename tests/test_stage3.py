@@ -102,7 +102,7 @@ def _twice(rank, world, partition):
 def test_module_called_twice_peak_memory_and_3phi(world, partition):
     results = run_ranks(_twice, world, args=(partition,))
     expected = single_process(TwiceMLP, world, STEPS)
-    for rank, r in enumerate(results):
+    for r in results:
         assert max_abs_diff(r["params"], expected) <= TOL
         # At most two units gathered at any moment (the current one and the prefetched one).
         assert r["peak"] <= r["shard"] + r["two_largest"], (r["peak"], r["shard"], r["two_largest"])

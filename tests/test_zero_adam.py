@@ -128,7 +128,7 @@ def _memory(rank, world, stage, partition):
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("partition", ["flat", "round_robin"])
 def test_memory_follows_the_papers_table(world, stage, partition):
-    for rank, m in enumerate(run_ranks(_memory, world, args=(stage, partition))):
+    for m in run_ranks(_memory, world, args=(stage, partition)):
         owned, shard, numel = m["owned"], m["shard"], m["numel"]
         # The ZeRO paper's memory table, fp32 form: what the optimizer holds is the parameters (4
         # bytes per element, in the flat buffers, padding included), the gradients (stage 1: in
@@ -243,7 +243,7 @@ def test_bad_arguments_are_named():
 
 def _second_backward(rank, world):
     model = make_gpt("tiny")
-    opt = ZeroAdam(model, stage=2)
+    _opt = ZeroAdam(model, stage=2)  # its hooks stay installed
     for _ in range(2):
         _, loss = model(*rank_batch(model, 0, rank))
         try:

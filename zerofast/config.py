@@ -162,7 +162,7 @@ class CommPolicy:
             _check_bool("CommPolicy", "check_collectives", self.check_collectives)
 
 
-UnitSpec = Union[None, list, tuple, type, set, frozenset, Callable[[Any], bool]]
+UnitSpec = None | list | tuple | type | set | frozenset | Callable[[Any], bool]
 
 
 @dataclass(frozen=True)

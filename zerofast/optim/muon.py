@@ -158,7 +158,7 @@ class MuonShard:
 
 # --- which parameters Muon takes ----------------------------------------------------------------------
 
-MuonParams = Union[None, Callable[[str, nn.Parameter], bool], Iterable[Union[nn.Parameter, str]]]
+MuonParams = None | Callable[[str, nn.Parameter], bool] | Iterable[nn.Parameter | str]
 
 
 def select_muon(model: nn.Module, named: list[tuple[str, nn.Parameter]], muon_params: MuonParams) -> list[bool]:
