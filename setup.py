@@ -3,14 +3,14 @@
 CPU sources always; CUDA sources when ZEROFAST_CUDA=1, or when ZEROFAST_CUDA is unset/"auto" and
 torch is a CUDA build and nvcc is found. ZEROFAST_CUDA=0 forces a CPU-only build.
 """
+
 import glob
 import os
 import shutil
 import sys
 
-from setuptools import setup
-
 import torch
+from setuptools import setup
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -79,8 +79,12 @@ def _extension():
     macros = []
     if not with_cuda:
         return cpp_extension.CppExtension(
-            "zerofast._C", sources, include_dirs=include_dirs,
-            extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])
+            "zerofast._C",
+            sources,
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx},
+            extra_link_args=["-fopenmp"],
+        )
     sources += sorted(glob.glob(os.path.join(CSRC, "*.cu")))
     macros.append(("ZEROFAST_WITH_CUDA", None))
     # ATen's CUDA headers include cusparse.h, which pip's CUDA wheels put beside torch.
@@ -92,8 +96,13 @@ def _extension():
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     nvcc_flags = ["-O3", "-lineinfo", "--fmad=false"]
     return cpp_extension.CUDAExtension(
-        "zerofast._C", sources, include_dirs=include_dirs, define_macros=macros,
-        extra_compile_args={"cxx": cxx, "nvcc": nvcc_flags}, extra_link_args=["-fopenmp"])
+        "zerofast._C",
+        sources,
+        include_dirs=include_dirs,
+        define_macros=macros,
+        extra_compile_args={"cxx": cxx, "nvcc": nvcc_flags},
+        extra_link_args=["-fopenmp"],
+    )
 
 
 setup(

@@ -8,6 +8,7 @@ measured in the same run as `a.add_(b)` on the same size, counted as 12 bytes pe
 
     make bench        # or: pytest benchmarks/bench_adam.py --benchmark-only
 """
+
 import os
 
 import pytest
@@ -29,12 +30,14 @@ def run(benchmark, device, fn, rounds=15):
         fn()
         if device == "cuda":
             torch.cuda.synchronize()
+
     fn()  # warm-up: first-touch page faults, lazy state allocation, kernel load
     benchmark.pedantic(timed, rounds=rounds, warmup_rounds=1, iterations=1)
 
 
 class FlatState:
     """One flat parameter with its gradient and fp32 moments, filled with random data."""
+
     def __init__(self, n, device, grad_dtype=torch.float32):
         g = torch.Generator(device=device).manual_seed(0)
         self.param = torch.randn(n, device=device, generator=g)
@@ -45,9 +48,19 @@ class FlatState:
 
     def zerofast_step(self, param_copy=None):
         self.step += 1
-        zerofast.fused_adam_(self.param, self.grad, self.exp_avg, self.exp_avg_sq, lr=HYPER["lr"],
-                             beta1=HYPER["betas"][0], beta2=HYPER["betas"][1], eps=HYPER["eps"],
-                             weight_decay=HYPER["weight_decay"], step=self.step, param_copy=param_copy)
+        zerofast.fused_adam_(
+            self.param,
+            self.grad,
+            self.exp_avg,
+            self.exp_avg_sq,
+            lr=HYPER["lr"],
+            beta1=HYPER["betas"][0],
+            beta2=HYPER["betas"][1],
+            eps=HYPER["eps"],
+            weight_decay=HYPER["weight_decay"],
+            step=self.step,
+            param_copy=param_copy,
+        )
 
 
 def torch_optimizer(n, device, **kw):
@@ -70,7 +83,12 @@ def test_zerofast_fp32(benchmark, record, device):
     n = numel_for(device)
     s = FlatState(n, device)
     run(benchmark, device, s.zerofast_step)
-    record(benchmark, f"adam fp32 {device} {n / 1e6:.0f}M", f"zerofast fused_adam_ ({zerofast.cpu_isa() if device == 'cpu' else 'cuda'})", 28 * n)
+    record(
+        benchmark,
+        f"adam fp32 {device} {n / 1e6:.0f}M",
+        f"zerofast fused_adam_ ({zerofast.cpu_isa() if device == 'cpu' else 'cuda'})",
+        28 * n,
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -105,5 +123,6 @@ def test_torch_mixed(benchmark, record, device):
         p.grad.copy_(grad_bf16)
         opt.step()
         weights.copy_(p.detach())
+
     run(benchmark, device, step)
     record(benchmark, f"adam mixed {device} {n / 1e6:.0f}M", "torch copy-in + fused AdamW + copy-out", 28 * n)

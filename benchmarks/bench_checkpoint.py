@@ -9,13 +9,13 @@ timed from rank 0's side across both ranks. The summary adds each case's extra p
 /proc/self/clear_refs) less its RSS just before, the largest over the rounds; so C++ and DCP
 buffers count, and nothing that happened before does.
 """
+
 import functools
 import os
 import shutil
 import tempfile
 
 import pytest
-
 from rankpool import RankPool
 
 WORLD = 2
@@ -49,12 +49,14 @@ def _model_and_optimizer(system, size, rank, world):
 
     from zerofast import ZeroAdam
     from zerofast.tools.models import make_gpt, random_batch
+
     model = make_gpt("small", **MODELS[size])
     if system != "fsdp2":
         opt = ZeroAdam(model, stage=int(system[-1]), **HYPER)
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+
         mesh = init_device_mesh("cpu", (world,))
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
@@ -66,6 +68,7 @@ def _model_and_optimizer(system, size, rank, world):
         model(x, y)[1].backward()
         opt.step()
         opt.zero_grad()
+
     return model, opt, train_step
 
 
@@ -113,12 +116,17 @@ def build(case, root, rank, world):
         else:
             state["extra"] = max(state["extra"], _extra_peak(lambda: load(saved)))
         state["round"] += 1
+
     step.info = lambda: state["extra"]
     return step
 
 
-CASES = [f"{system} {action} {size}" for size in MODELS for action in ("save", "load")
-         for system in ("zerofast-1", "zerofast-2", "zerofast-3", "fsdp2")]
+CASES = [
+    f"{system} {action} {size}"
+    for size in MODELS
+    for action in ("save", "load")
+    for system in ("zerofast-1", "zerofast-2", "zerofast-3", "fsdp2")
+]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -140,6 +148,7 @@ def test_checkpoint(benchmark, record, case):
 
 # --- the stall a save adds to the step it happens in -----------------------------------------------
 
+
 def build_stall(case, root, rank, world):
     """Runs in each rank: the 100M model after one step, and a round that times a plain training step,
     then a step with a save at its start (blocking, or asynchronous: ZeroAdam's save(blocking=False),
@@ -156,6 +165,7 @@ def build_stall(case, root, rank, world):
     model, opt, train_step = _model_and_optimizer(system, "gpt-100M", rank, world)
     if system == "fsdp2":
         from torch.distributed.checkpoint.state_dict import get_state_dict
+
         ckpt_group = dist.new_group(backend="gloo")
 
     def save(path):
@@ -194,12 +204,16 @@ def build_stall(case, root, rank, world):
         state["call"].append(call)
         state["written"].append(written)
         state["round"] += 1
+
     step.info = lambda: {k: sorted(v)[len(v) // 2] for k, v in state.items() if k != "round"}
     return step
 
 
-STALL_CASES = [f"{system} {mode}" for system in ("zerofast-1", "zerofast-2", "zerofast-3", "fsdp2")
-               for mode in ("blocking", "async")]
+STALL_CASES = [
+    f"{system} {mode}"
+    for system in ("zerofast-1", "zerofast-2", "zerofast-3", "fsdp2")
+    for mode in ("blocking", "async")
+]
 
 
 @pytest.mark.parametrize("case", STALL_CASES)
@@ -209,8 +223,9 @@ def test_save_stall(benchmark, record, case):
     try:
         benchmark.pedantic(pool.step, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
         info = pool.info()[0]  # rank 0's medians
-        benchmark.extra_info.update(stall_ms=info["stall"] * 1e3, call_ms=info["call"] * 1e3,
-                                    written_ms=info["written"] * 1e3)
+        benchmark.extra_info.update(
+            stall_ms=info["stall"] * 1e3, call_ms=info["call"] * 1e3, written_ms=info["written"] * 1e3
+        )
     finally:
         pool.close()
         shutil.rmtree(root, ignore_errors=True)

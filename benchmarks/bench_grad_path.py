@@ -6,11 +6,11 @@ what each gradient costs there: DDP's reducer (C++) against ZeroAdam's post-accu
 (Python) and its bucket copy. (The whole step is faster with DDP and ZeroAdam than without
 communication here: torch's fused AdamW pays per tensor, ZeroAdam's flat update does not.)
 """
+
 import functools
 import time
 
 import pytest
-
 from rankpool import RankPool
 
 LAYERS, WIDTH = 1024, 8
@@ -45,6 +45,7 @@ def build(case, rank, world):
         backward_s.append(time.perf_counter() - t0)
         opt.step()
         opt.zero_grad()
+
     step.info = lambda: sorted(backward_s)[len(backward_s) // 2]
     return step
 

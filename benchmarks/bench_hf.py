@@ -7,6 +7,7 @@ steps, and per rank the parameter storage alive after a step and the peak RSS; o
 benchmark's own time is the whole launch (imports, model, 8 steps). A case whose system cannot run
 here (an error from the framework itself) is reported with its reason instead of a time.
 """
+
 import json
 import os
 import subprocess
@@ -24,10 +25,31 @@ _RESULTS = {}
 
 
 def _launch(system, tuning, out):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false")
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           JOB, system, tuning, out], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    env = dict(
+        os.environ,
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            JOB,
+            system,
+            tuning,
+            out,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
 
 
 @pytest.mark.parametrize("tuning", ["full", "lora"])
@@ -51,16 +73,22 @@ def test_hf_trainer(benchmark, tmp_path, system, tuning):
         _RESULTS[system, tuning] = {"error": reason}
         pytest.skip(f"Trainer + FSDP2 does not run here: {reason}")
     _RESULTS[system, tuning] = result
-    benchmark.extra_info.update(step_s=result["step_s"], rank0_param_mib=result["ranks"][0]["param_bytes"] / 2**20,
-                                rank0_peak_mib=result["ranks"][0]["peak_rss"] / 2**20)
+    benchmark.extra_info.update(
+        step_s=result["step_s"],
+        rank0_param_mib=result["ranks"][0]["param_bytes"] / 2**20,
+        rank0_peak_mib=result["ranks"][0]["peak_rss"] / 2**20,
+    )
 
 
 def teardown_module():
     """The table README carries: step time and its ratio to Trainer + DDP, memory per rank."""
     if not _RESULTS:
         return
-    lines = ["", "Hugging Face Trainer, GPT-2-small shape (124M), 2 gloo ranks x 1 thread, fp32, seq 128:",
-             f"{'system':<10}{'tuning':<6}{'step s':>8}{'x DDP':>7}{'params MiB/rank':>17}{'peak RSS MiB':>14}"]
+    lines = [
+        "",
+        "Hugging Face Trainer, GPT-2-small shape (124M), 2 gloo ranks x 1 thread, fp32, seq 128:",
+        f"{'system':<10}{'tuning':<6}{'step s':>8}{'x DDP':>7}{'params MiB/rank':>17}{'peak RSS MiB':>14}",
+    ]
     for tuning in ("full", "lora"):
         base = _RESULTS.get(("ddp", tuning), {}).get("step_s")
         for system in SYSTEMS:

@@ -12,10 +12,10 @@ dist.reduce_scatter_single, dist.all_reduce) for one step; DDP's all_reduce runs
 and is not counted (its traffic is the whole gradient, Φ, every step, across machines).
 Loopback has no slow link, so the step times show the cost of the extra collective, not its benefit.
 """
+
 import functools
 
 import pytest
-
 from rankpool import RankPool
 
 WORLD, PER_MACHINE = 4, 2
@@ -34,10 +34,13 @@ class _Counter:
 
     def __init__(self):
         import torch.distributed as dist
+
         self.bytes = {"cross": 0, "within": 0}
-        for name, payload in (("all_gather_single", lambda a, k: _arg(a, k, 0, "output")),
-                              ("reduce_scatter_single", lambda a, k: _arg(a, k, 1, "input")),
-                              ("all_reduce", lambda a, k: _arg(a, k, 0, "tensor"))):
+        for name, payload in (
+            ("all_gather_single", lambda a, k: _arg(a, k, 0, "output")),
+            ("reduce_scatter_single", lambda a, k: _arg(a, k, 1, "input")),
+            ("all_reduce", lambda a, k: _arg(a, k, 0, "tensor")),
+        ):
             setattr(dist, name, self._wrap(getattr(dist, name), payload))
 
     def _wrap(self, fn, payload):
@@ -51,6 +54,7 @@ class _Counter:
             if len(ranks) > 1:
                 self.bytes["cross" if _crosses(ranks) else "within"] += t.numel() * t.element_size()
             return fn(*args, **kwargs)
+
         return counted
 
 
@@ -74,9 +78,13 @@ def build(case, rank, world):
     elif kind == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+
         hsdp, reshard = rest[0] == "hsdp", rest[1] == "reshard=1"
-        mesh = (init_device_mesh("cpu", (WORLD // PER_MACHINE, PER_MACHINE), mesh_dim_names=("replicate", "shard"))
-                if hsdp else init_device_mesh("cpu", (world,)))
+        mesh = (
+            init_device_mesh("cpu", (WORLD // PER_MACHINE, PER_MACHINE), mesh_dim_names=("replicate", "shard"))
+            if hsdp
+            else init_device_mesh("cpu", (world,))
+        )
         for block in model.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
@@ -92,8 +100,11 @@ def build(case, rank, world):
 
         def count():
             stats = opt.comm_stats()
-            cross = sum(v for key, v in stats.items() if key.startswith("replicate/")
-                        or (key.startswith("shard/") and k > PER_MACHINE))
+            cross = sum(
+                v
+                for key, v in stats.items()
+                if key.startswith("replicate/") or (key.startswith("shard/") and k > PER_MACHINE)
+            )
             return {"cross": cross, "within": sum(stats.values()) - cross}
 
     state = {"step": 0}
@@ -113,12 +124,16 @@ def build(case, rank, world):
             counter.bytes = {"cross": 0, "within": 0}
         step()
         return count()
+
     step.info = info
     return step
 
 
-CASES = (["ddp"] + [f"zerofast {s} k={k}" for s in (1, 2, 3) for k in (4, 2)]
-         + [f"fsdp2 {m} reshard={r}" for r in (0, 1) for m in ("flat", "hsdp")])
+CASES = (
+    ["ddp"]
+    + [f"zerofast {s} k={k}" for s in (1, 2, 3) for k in (4, 2)]
+    + [f"fsdp2 {m} reshard={r}" for r in (0, 1) for m in ("flat", "hsdp")]
+)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -5,6 +5,7 @@ Lightning's own launcher (benchmarks/lightning_bench_job.py: 3 interleaved round
 median step time after 2 warm-up steps of each round). A system that cannot run here is reported with
 the framework's own reason instead of a time. Goal: ZeroStrategy within 5% of the own loop.
 """
+
 import json
 import os
 import subprocess
@@ -20,8 +21,7 @@ JOB = os.path.join(ROOT, "benchmarks", "lightning_bench_job.py")
 
 def _launch(out):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, JOB, out], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=1800)
+    return subprocess.run([sys.executable, JOB, out], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
 
 
 def test_lightning_strategies(benchmark, tmp_path):
@@ -31,8 +31,11 @@ def test_lightning_strategies(benchmark, tmp_path):
     with open(out + ".json") as f:
         results = json.load(f)
     ddp = results["ddp"]["step_s"]
-    lines = ["", "Lightning, bench GPT (6.4M), 2 gloo ranks x 1 thread, fp32, batch 8x64:",
-             f"{'system':<8}{'step s':>8}{'x DDP':>7}{'x own loop':>12}"]
+    lines = [
+        "",
+        "Lightning, bench GPT (6.4M), 2 gloo ranks x 1 thread, fp32, batch 8x64:",
+        f"{'system':<8}{'step s':>8}{'x DDP':>7}{'x own loop':>12}",
+    ]
     for system, r in results.items():
         if r.get("error"):
             lines.append(f"{system:<8}  does not run here: {r['error']}")

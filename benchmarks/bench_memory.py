@@ -45,6 +45,7 @@ Rows named "zeroadam S k=v ..." pass those arguments to ZeroAdam (the defaults' 
 stage 2 with 25 MB buckets, as before the buffer budget, and with no bound on its buffers; stage 3
 unbounded).
 """
+
 from __future__ import annotations
 
 import functools
@@ -68,10 +69,12 @@ _RESULTS: dict = {}  # (precision, case) -> rank 0's result dict (plus rank 1's 
 
 # --- in the rank processes --------------------------------------------------------------------
 
+
 def _settle() -> None:
     """The same before both readings in every case: collect cycles, give freed heap pages back."""
     import ctypes
     import gc
+
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -109,9 +112,9 @@ def _torch_tensors(model, opt) -> list:
     return params + [p.grad for p in params] + state
 
 
-
 def _torch_bytes(model, opt) -> int:
     return _storage_bytes(_torch_tensors(model, opt))
+
 
 def _zeroadam_tensor_bytes(opt) -> tuple[int, dict]:
     r = opt.memory_report()
@@ -130,6 +133,7 @@ def build(case, precision, rank, world):
 
     from zerofast import CommPolicy, ZeroAdam
     from zerofast.tools.models import make_gpt, random_batch
+
     kind, _, rest = case.partition(" ")
     if kind == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -164,17 +168,25 @@ def build(case, precision, rank, world):
         opt = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
         tensor_bytes = functools.partial(_torch_bytes, model, opt)
     elif kind == "zeroadam":
-        extra = {k: float(v) if k == "bucket_mb" else int(v)
-                 for k, v in (kv.split("=") for kv in rest.split()[1:])}
-        opt = ZeroAdam(model, stage=int(rest.split()[0]), mixed_precision="bf16" if bf16 else None,
-                       comm=CommPolicy(**extra), **HYPER)  # "k=v" words: CommPolicy's bucket_mb, bucket_buffers
+        extra = {k: float(v) if k == "bucket_mb" else int(v) for k, v in (kv.split("=") for kv in rest.split()[1:])}
+        opt = ZeroAdam(
+            model,
+            stage=int(rest.split()[0]),
+            mixed_precision="bf16" if bf16 else None,
+            comm=CommPolicy(**extra),
+            **HYPER,
+        )  # "k=v" words: CommPolicy's bucket_mb, bucket_buffers
+
         def tensor_bytes():
             nonlocal report
             total, report = _zeroadam_tensor_bytes(opt)
             return total
     elif kind == "deepspeed":
-        cfg = {"train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {"stage": int(rest)},
-               "optimizer": {"type": "AdamW", "params": {"lr": HYPER["lr"], "weight_decay": HYPER["weight_decay"]}}}
+        cfg = {
+            "train_micro_batch_size_per_gpu": BATCH,
+            "zero_optimization": {"stage": int(rest)},
+            "optimizer": {"type": "AdamW", "params": {"lr": HYPER["lr"], "weight_decay": HYPER["weight_decay"]}},
+        }
         if bf16:
             cfg["bf16"] = {"enabled": True}
         module, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -206,23 +218,29 @@ def build(case, precision, rank, world):
             _settle()
             after = _rss()
             state["result"] = {
-                "numel": numel, "world": dist.get_world_size(),
-                "baseline": base, "after": after,
+                "numel": numel,
+                "world": dist.get_world_size(),
+                "baseline": base,
+                "after": after,
                 "growth": after["VmRSS"] - base["VmRSS"],
                 "growth_anon": after["RssAnon"] - base["RssAnon"],
                 "tensor_bytes": tensor_bytes() if tensor_bytes is not None else None,
                 "memory_report": report,
                 "step_ms": [1e3 * t for t in state["times"]],
             }
+
     step.info = lambda: state["result"]
     return step
 
 
 # --- the cases ------------------------------------------------------------------------------------
 
-CASES = (["nocomm", "ddp", "fsdp2"] + [f"zeroadam {s}" for s in (1, 2, 3)]
-         + ["zeroadam 2 bucket_mb=25", "zeroadam 2 bucket_mb=25 bucket_buffers=0", "zeroadam 3 bucket_buffers=0"]
-         + [f"deepspeed {s}" for s in (1, 2, 3)])
+CASES = (
+    ["nocomm", "ddp", "fsdp2"]
+    + [f"zeroadam {s}" for s in (1, 2, 3)]
+    + ["zeroadam 2 bucket_mb=25", "zeroadam 2 bucket_mb=25 bucket_buffers=0", "zeroadam 3 bucket_buffers=0"]
+    + [f"deepspeed {s}" for s in (1, 2, 3)]
+)
 
 
 def formula(case: str, precision: str, n: int) -> tuple[float, str]:
@@ -262,14 +280,19 @@ def test_memory(benchmark, summary, precision, case):
     _RESULTS[(precision, case)] = r
     phi4 = 4 * r["numel"]
     benchmark.extra_info.update(
-        growth_mib=r["growth"] / 2**20, growth_rank1_mib=r["growth_rank1"] / 2**20,
-        growth_anon_mib=r["growth_anon"] / 2**20, numel=r["numel"],
+        growth_mib=r["growth"] / 2**20,
+        growth_rank1_mib=r["growth_rank1"] / 2**20,
+        growth_anon_mib=r["growth_anon"] / 2**20,
+        numel=r["numel"],
         tensor_units=None if r["tensor_bytes"] is None else r["tensor_bytes"] / phi4,
-        formula_units=formula(case, precision, WORLD)[0], step_ms_median=statistics.median(r["step_ms"]),
-        **({"memory_report": r["memory_report"]} if r["memory_report"] else {}))
+        formula_units=formula(case, precision, WORLD)[0],
+        step_ms_median=statistics.median(r["step_ms"]),
+        **({"memory_report": r["memory_report"]} if r["memory_report"] else {}),
+    )
 
 
 # --- the summary ----------------------------------------------------------------------------------
+
 
 def _overhead(precision: str):
     """Growth of the no-comm run of `precision` (else fp32's) less its tensors: (bytes, whose)."""
@@ -288,15 +311,21 @@ class _Summary:
         tr.write_sep("=", f"zerofast summary: {GROUP}")
         numel = next(iter(_RESULTS.values()))["numel"]
         phi4 = 4 * numel
-        tr.write_line(f"numel {numel / 1e6:.2f}M; unit = 4*numel bytes = {phi4 / 2**20:.1f} MiB; rank 0; "
-                      f"RSS read after gc.collect() + malloc_trim(0)")
+        tr.write_line(
+            f"numel {numel / 1e6:.2f}M; unit = 4*numel bytes = {phi4 / 2**20:.1f} MiB; rank 0; "
+            f"RSS read after gc.collect() + malloc_trim(0)"
+        )
         for p in PRECISIONS:
             ov, whose = _overhead(p)
             if ov is not None and any(q == p for q, _ in _RESULTS):
-                tr.write_line(f"{p} rows: overhead (no-comm {whose} growth less its tensors) = {ov / 2**20:.1f} MiB"
-                              f" = {ov / phi4:.3f} units")
-        head = (f"{'precision':9s} {'case':32s} {'growth MiB':>10s} {'rank1 MiB':>9s} {'measured':>8s} "
-                f"{'formula':>7s} {'':27s} {'diff':>6s} {'tensors':>7s} {'step ms':>8s}")
+                tr.write_line(
+                    f"{p} rows: overhead (no-comm {whose} growth less its tensors) = {ov / 2**20:.1f} MiB"
+                    f" = {ov / phi4:.3f} units"
+                )
+        head = (
+            f"{'precision':9s} {'case':32s} {'growth MiB':>10s} {'rank1 MiB':>9s} {'measured':>8s} "
+            f"{'formula':>7s} {'':27s} {'diff':>6s} {'tensors':>7s} {'step ms':>8s}"
+        )
         tr.write_line(head)
         for p in PRECISIONS:
             ov, _ = _overhead(p)
@@ -311,9 +340,12 @@ class _Summary:
                     f"{p:9s} {c:32s} {r['growth'] / 2**20:10.1f} {r['growth_rank1'] / 2**20:9.1f} "
                     f"{'' if meas is None else f'{meas:8.3f}':>8s} {f:7.3f} {ftext:27s} "
                     f"{'' if meas is None else f'{meas - f:+6.3f}':>6s} {tens:>7s} "
-                    f"{statistics.median(r['step_ms']):8.1f}")
-        tr.write_line("measured = (growth - overhead) / unit; tensors = the case's own count of its tensors "
-                      "(ZeroAdam: opt.memory_report(), bucket buffers and pool included), same unit")
+                    f"{statistics.median(r['step_ms']):8.1f}"
+                )
+        tr.write_line(
+            "measured = (growth - overhead) / unit; tensors = the case's own count of its tensors "
+            "(ZeroAdam: opt.memory_report(), bucket buffers and pool included), same unit"
+        )
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ Distributed Muon on a flat partition (reduce_scatter the gradient, all_gather ea
 slices, Newton-Schulz on the whole matrix on every rank, keep this rank's slice, all_gather the
 parameters), which isolates the layout's effect. DeepSpeed is not installed here (its Muon is not run).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,17 +42,21 @@ class NSTimer:
 
     def __init__(self):
         from torch.optim import _muon
+
         from zerofast.optim import muon
+
         self.seconds = 0.0
         self.wall = 0.0
         for module in (muon, _muon):
             inner = module._zeropower_via_newtonschulz if module is _muon else module.zeropower_via_newtonschulz
+
             def timed(*a, _inner=inner, **k):
                 t, w = time.process_time(), time.perf_counter()
                 out = _inner(*a, **k)
                 self.seconds += time.process_time() - t
                 self.wall += time.perf_counter() - w
                 return out
+
             if module is _muon:
                 module._zeropower_via_newtonschulz = timed
             else:
@@ -66,6 +71,7 @@ def build(case: str, rank: int, world: int):
     """(model, step function doing backward's aftermath: opt.step(), bytes-per-step fn, state-bytes fn)."""
     from zerofast import CommPolicy, ZeroAdam, ZeroMuon
     from zerofast.tools.models import make_gpt
+
     model = make_gpt("small")
     kind, *rest = case.split()
     if kind in ("zeroadam", "zeromuon"):
@@ -75,30 +81,47 @@ def build(case: str, rank: int, world: int):
         if kind == "zeroadam":
             opt = ZeroAdam(model, stage=stage, comm=comm, **ADAMW)
         else:
-            opt = ZeroMuon(model, stage=stage, comm=comm, balance=balance, adamw_lr=ADAMW["lr"],
-                           adamw_betas=ADAMW["betas"], adamw_eps=ADAMW["eps"],
-                           adamw_weight_decay=ADAMW["weight_decay"], **MUON)
+            opt = ZeroMuon(
+                model,
+                stage=stage,
+                comm=comm,
+                balance=balance,
+                adamw_lr=ADAMW["lr"],
+                adamw_betas=ADAMW["betas"],
+                adamw_eps=ADAMW["eps"],
+                adamw_weight_decay=ADAMW["weight_decay"],
+                **MUON,
+            )
+
         def state_bytes():
             report = opt.memory_report()
-            return sum(report[k] for k in ("params", "grad_shard", "optimizer", "master_copy", "grads",
-                                           "bucket_buffers"))
+            return sum(
+                report[k] for k in ("params", "grad_shard", "optimizer", "master_copy", "grads", "bucket_buffers")
+            )
+
         return model, opt.step, opt.zero_grad, lambda: sum(opt.comm_stats().values()), state_bytes
     muon_params = [p for n, p in model.named_parameters() if p.ndim == 2 and p is not model.wte.weight]
     others = [p for p in model.parameters() if all(p is not q for q in muon_params)]
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
+
         ddp = DDP(model)
         opts = [torch.optim.Muon(muon_params, **MUON), torch.optim.AdamW(others, foreach=False, **ADAMW)]
+
         def step():
             for o in opts:
                 o.step()
+
         def zero():
             for o in opts:
                 o.zero_grad()
+
         total = sum(p.numel() for p in model.parameters()) * 4
+
         def state_bytes():
             st = [t for o in opts for s in o.state.values() for t in s.values() if torch.is_tensor(t)]
             return _tensor_bytes(list(model.parameters()) + [p.grad for p in model.parameters()] + st)
+
         return ddp, step, zero, lambda: total, state_bytes
     if kind == "distributed_muon":
         dm = DistributedMuon(model, muon_params, others, rank, world)
@@ -114,6 +137,7 @@ class DistributedMuon:
 
     def __init__(self, model, muon_params, others, rank, world):
         from zerofast.optim import muon
+
         self.muon_mod = muon
         self.model, self.params, self.others, self.rank, self.world = model, muon_params, others, rank, world
         self.slices = [-(-p.numel() // world) for p in muon_params]
@@ -123,7 +147,7 @@ class DistributedMuon:
 
     def _flat(self, t, n):
         flat = torch.zeros(n * self.world)
-        flat[:t.numel()] = t.reshape(-1)
+        flat[: t.numel()] = t.reshape(-1)
         return flat
 
     def step(self):
@@ -142,17 +166,21 @@ class DistributedMuon:
             update = g.lerp(buf, MUON["momentum"])
             whole = torch.empty(n * w)
             dist.all_gather_into_tensor(whole, update)
-            ortho = self.muon_mod.zeropower_via_newtonschulz(whole[:p.numel()].view(p.shape), self.muon_mod.NS_COEFFICIENTS,
-                                                             self.muon_mod.NS_STEPS, self.muon_mod.EPS)
-            mine = self._flat(ortho.float(), n)[r * n:(r + 1) * n]
+            ortho = self.muon_mod.zeropower_via_newtonschulz(
+                whole[: p.numel()].view(p.shape),
+                self.muon_mod.NS_COEFFICIENTS,
+                self.muon_mod.NS_STEPS,
+                self.muon_mod.EPS,
+            )
+            mine = self._flat(ortho.float(), n)[r * n : (r + 1) * n]
             pflat = self._flat(p.detach(), n)
-            own = pflat[r * n:(r + 1) * n]
+            own = pflat[r * n : (r + 1) * n]
             own.mul_(1 - MUON["lr"] * MUON["weight_decay"])
             own.add_(mine, alpha=-self.muon_mod.adjust_lr(MUON["lr"], None, tuple(p.shape)))
             gathered = torch.empty(n * w)
             dist.all_gather_into_tensor(gathered, own.clone())
             with torch.no_grad():
-                p.copy_(gathered[:p.numel()].view(p.shape))
+                p.copy_(gathered[: p.numel()].view(p.shape))
             self.bytes += 3 * n * w * 4  # reduce_scatter, update all_gather, parameter all_gather
 
     def zero_grad(self):
@@ -161,12 +189,14 @@ class DistributedMuon:
 
     def state_bytes(self):
         st = [t for s in self.adamw.state.values() for t in s.values() if torch.is_tensor(t)]
-        return _tensor_bytes(list(self.model.parameters()) + [p.grad for p in self.model.parameters()]
-                             + st + self.momentum)
+        return _tensor_bytes(
+            list(self.model.parameters()) + [p.grad for p in self.model.parameters()] + st + self.momentum
+        )
 
 
 def run_case(case, rank, world, steps, batch):
     from zerofast.tools.models import random_batch
+
     timer = NSTimer()
     module, step, zero, bytes_fn, state_fn = build(case, rank, world)
     model = module.module if hasattr(module, "module") else module
@@ -189,13 +219,20 @@ def run_case(case, rank, world, steps, batch):
     nbytes = bytes_fn()
     if hasattr(step, "__self__") and hasattr(step.__self__, "remove_hooks"):
         step.__self__.remove_hooks()
-    return dict(step=statistics.median(step_times), ns=statistics.mean(ns_times), ns_wall=statistics.mean(ns_walls),
-                bytes=nbytes, state=state)
+    return dict(
+        step=statistics.median(step_times),
+        ns=statistics.mean(ns_times),
+        ns_wall=statistics.mean(ns_walls),
+        bytes=nbytes,
+        state=state,
+    )
 
 
-CASES = (["zeroadam 1 greedy", "zeroadam 2 greedy", "zeroadam 3 greedy"]
-         + [f"zeromuon {s} {p}" for s in (1, 2, 3) for p in ("greedy", "greedy-size", "round_robin")]
-         + ["ddp", "distributed_muon"])
+CASES = (
+    ["zeroadam 1 greedy", "zeroadam 2 greedy", "zeroadam 3 greedy"]
+    + [f"zeromuon {s} {p}" for s in (1, 2, 3) for p in ("greedy", "greedy-size", "round_robin")]
+    + ["ddp", "distributed_muon"]
+)
 
 
 def _rank_main(rank, world, port, steps, batch, out_path):
@@ -214,8 +251,10 @@ def _rank_main(rank, world, port, steps, batch, out_path):
 
 
 def table(rows, world) -> str:
-    lines = [f"{'case':28} {'step ms':>8} {'NS max ms':>9} {'NS mean':>8} {'NS max/ideal':>12} "
-             f"{'goal ms':>8} {'MB/step':>8} {'state MB':>9} {'NS wall max':>11}"]
+    lines = [
+        f"{'case':28} {'step ms':>8} {'NS max ms':>9} {'NS mean':>8} {'NS max/ideal':>12} "
+        f"{'goal ms':>8} {'MB/step':>8} {'state MB':>9} {'NS wall max':>11}"
+    ]
     for case, per_rank in rows.items():
         step = max(r["step"] for r in per_rank)
         ns = [r["ns"] for r in per_rank]
@@ -227,14 +266,17 @@ def table(rows, world) -> str:
         if case.startswith("zeromuon"):
             adam_step = max(r["step"] for r in rows[f"zeroadam {case.split()[1]} greedy"])
             goal = f"{(adam_step + max(ns)) * 1.05 * 1e3:.1f}"
-        lines.append(f"{case:28} {step * 1e3:8.1f} {max(ns) * 1e3:9.1f} {statistics.mean(ns) * 1e3:8.1f} "
-                     f"{ratio:12.2f} {goal:>8} {per_rank[0]['bytes'] / 2**20:8.2f} "
-                     f"{max(r['state'] for r in per_rank) / 2**20:9.2f} {max(r['ns_wall'] for r in per_rank) * 1e3:11.1f}")
+        lines.append(
+            f"{case:28} {step * 1e3:8.1f} {max(ns) * 1e3:9.1f} {statistics.mean(ns) * 1e3:8.1f} "
+            f"{ratio:12.2f} {goal:>8} {per_rank[0]['bytes'] / 2**20:8.2f} "
+            f"{max(r['state'] for r in per_rank) / 2**20:9.2f} {max(r['ns_wall'] for r in per_rank) * 1e3:11.1f}"
+        )
     return "\n".join(lines)
 
 
 def _run(world: int, steps: int, batch: int) -> dict:
     import tempfile
+
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rows.pt")
         mp.spawn(_rank_main, args=(world, free_port(), steps, batch, out), nprocs=world)
@@ -255,11 +297,15 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=4)
     args = parser.parse_args(argv)
     rows = _run(args.world, args.steps, args.batch)
-    print(f"ZeroMuon benchmark: {args.world} gloo ranks x 1 thread, GPT small (6.4M), batch {args.batch}x64, "
-          f"median of {args.steps} steps")
+    print(
+        f"ZeroMuon benchmark: {args.world} gloo ranks x 1 thread, GPT small (6.4M), batch {args.batch}x64, "
+        f"median of {args.steps} steps"
+    )
     print(table(rows, args.world))
-    print("goal ms: ZeroAdam's step (same stage) + the Newton-Schulz makespan, + 5%; "
-          "NS max/ideal: the busiest rank's Newton-Schulz over the total / N")
+    print(
+        "goal ms: ZeroAdam's step (same stage) + the Newton-Schulz makespan, + 5%; "
+        "NS max/ideal: the busiest rank's Newton-Schulz over the total / N"
+    )
 
 
 if __name__ == "__main__":

@@ -8,10 +8,10 @@ The step time of bf16 on a CPU depends on whether the CPU multiplies bf16 native
 AVX512-BF16); without that, bf16 matmuls are slower than fp32 ones and the step is too, while the
 memory halves for parameters and gradients as the ZeRO paper's memory table says.
 """
+
 import functools
 
 import pytest
-
 from bench_step import BATCH, HYPER, SEQ, WORLD
 from rankpool import RankPool
 

@@ -1,5 +1,6 @@
 """Benchmark helpers: each case records the bytes it must move; the session ends with a table of
 effective bandwidth next to the machine's streaming bandwidth measured in the same run."""
+
 import os
 import sys
 
@@ -13,8 +14,10 @@ _ROWS = []
 @pytest.fixture
 def record():
     """record(benchmark, group, name, bytes_moved): remember a finished case for the summary."""
+
     def _record(benchmark, group, name, bytes_moved=None):
         _ROWS.append((group, name, benchmark, bytes_moved))
+
     return _record
 
 
@@ -39,10 +42,14 @@ def pytest_terminal_summary(terminalreporter):
             if "backward_ms" in extra:
                 mem += f"  backward {extra['backward_ms']:7.2f} ms"
             if "stall_ms" in extra:
-                mem += (f"  stall {extra['stall_ms']:7.1f} ms  in save() {extra['call_ms']:7.1f} ms  "
-                        f"written after {extra['written_ms']:7.1f} ms")
+                mem += (
+                    f"  stall {extra['stall_ms']:7.1f} ms  in save() {extra['call_ms']:7.1f} ms  "
+                    f"written after {extra['written_ms']:7.1f} ms"
+                )
             if "cross_mib" in extra:
-                mem += f"  across machines {extra['cross_mib']:7.2f} MiB/step  within {extra['within_mib']:7.2f} MiB/step"
+                mem += (
+                    f"  across machines {extra['cross_mib']:7.2f} MiB/step  within {extra['within_mib']:7.2f} MiB/step"
+                )
             if "param_peak_mib" in extra:
                 mem += f"  parameters at peak {extra['param_peak_mib']:6.2f} MiB (rank 0, inside blocks)"
             tr.write_line(f"{name:44s} {t * 1e3:10.2f} {gbs} {pct} {t / base:8.2f}x{mem}")

@@ -7,6 +7,7 @@ A GPT-2-small-shaped model (124M parameters, from its config, random weights), f
 128 tokens, 1 per rank, accumulation 1. Rank 0 writes OUT.json: the median step time after two
 warm-up steps, and per rank the parameter storage alive after a step and the peak RSS.
 """
+
 import json
 import statistics
 import sys
@@ -64,21 +65,32 @@ def model():
     m = GPT2LMHeadModel(GPT2Config(n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
     if TUNING == "lora":
         from peft import LoraConfig, get_peft_model
-        m = get_peft_model(m, LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn", "c_proj"], lora_dropout=0.0,
-                                         fan_in_fan_out=True, task_type="CAUSAL_LM"))
+
+        m = get_peft_model(
+            m,
+            LoraConfig(
+                r=8,
+                lora_alpha=16,
+                target_modules=["c_attn", "c_proj"],
+                lora_dropout=0.0,
+                fan_in_fan_out=True,
+                task_type="CAUSAL_LM",
+            ),
+        )
     return m
 
 
 def own_loop(stage: int, clock: Clock) -> None:
     """The same model, data and batch in a hand-written loop with ZeroAdam: what ZeroTrainer adds."""
     from zerofast import ZeroAdam
+
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     m = model()
     opt = ZeroAdam(m, stage=stage, lr=1e-4, weight_decay=0.0)
     data = Tokens()
     for step in range(STEPS):
-        x = data.x[step * world + rank:step * world + rank + 1]
+        x = data.x[step * world + rank : step * world + rank + 1]
         clock.t0 = time.perf_counter()
         m(input_ids=x, labels=x).loss.backward()
         opt.step()
@@ -101,24 +113,44 @@ def main():
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:
         with open(OUT + ".json", "w") as f:
-            json.dump({"step_s": statistics.median(clock.times[WARMUP:]), "ranks": everyone, "wrapped": wrapped,
-                       "fsdp_dtensors": sharded_by_fsdp,
-                       "params": sum(p.numel() for p in model().parameters())}, f)
+            json.dump(
+                {
+                    "step_s": statistics.median(clock.times[WARMUP:]),
+                    "ranks": everyone,
+                    "wrapped": wrapped,
+                    "fsdp_dtensors": sharded_by_fsdp,
+                    "params": sum(p.numel() for p in model().parameters()),
+                },
+                f,
+            )
 
 
 def trainer_run(clock: Clock):
     with tempfile.TemporaryDirectory() as out:
-        kw = dict(output_dir=out, use_cpu=True, ddp_backend="gloo", per_device_train_batch_size=1,
-                  max_steps=STEPS, learning_rate=1e-4, report_to=[], save_strategy="no", disable_tqdm=True,
-                  logging_steps=1000, dataloader_num_workers=0)
+        kw = dict(
+            output_dir=out,
+            use_cpu=True,
+            ddp_backend="gloo",
+            per_device_train_batch_size=1,
+            max_steps=STEPS,
+            learning_rate=1e-4,
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+            logging_steps=1000,
+            dataloader_num_workers=0,
+        )
         if SYSTEM == "fsdp2":
-            kw.update(fsdp="full_shard", fsdp_config={"fsdp_version": 2,
-                                                      "transformer_layer_cls_to_wrap": ["GPT2Block"]})
+            kw.update(
+                fsdp="full_shard", fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}
+            )
         args = TrainingArguments(**kw)
         if SYSTEM.startswith("zero"):
             from zerofast.integrations.hf import ZeroTrainer
-            trainer = ZeroTrainer(model=model(), args=args, train_dataset=Tokens(), zero={"stage": int(SYSTEM[-1])},
-                                  callbacks=[clock])
+
+            trainer = ZeroTrainer(
+                model=model(), args=args, train_dataset=Tokens(), zero={"stage": int(SYSTEM[-1])}, callbacks=[clock]
+            )
         else:
             trainer = Trainer(model=model(), args=args, train_dataset=Tokens(), callbacks=[clock])
         trainer.train()

@@ -8,6 +8,7 @@ per fit; a step is timed from on_train_batch_start to on_train_batch_end (forwar
 optimizer step). Rank 0 writes OUT.json: each system's step times after WARMUP steps of each round,
 or the error that stopped it.
 """
+
 import json
 import statistics
 import sys
@@ -26,8 +27,11 @@ from zerofast.integrations.lightning import ZeroStrategy  # noqa: E402
 from zerofast.tools.models import Block, make_gpt, random_batch  # noqa: E402
 
 OUT = sys.argv[1]
-SYSTEMS = sys.argv[2].split(",") if len(sys.argv) > 2 else [
-    "ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3", "loop1", "loop2", "loop3"]
+SYSTEMS = (
+    sys.argv[2].split(",")
+    if len(sys.argv) > 2
+    else ["ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3", "loop1", "loop2", "loop3"]
+)
 STEPS, WARMUP, WORLD = 10, 2, 2
 ROUNDS = int(sys.argv[3]) if len(sys.argv) > 3 else 3
 BATCH, SEQ = 8, 64
@@ -36,6 +40,7 @@ HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 
 class Batches(torch.utils.data.Dataset):
     """STEPS x WORLD fixed batches; the DataLoader's batch_size=None hands each over as it is."""
+
     def __init__(self, cfg):
         self.items = [random_batch(cfg, BATCH, SEQ, seed=i) for i in range(STEPS * WORLD)]
 
@@ -55,6 +60,7 @@ class Lit(pl.LightningModule):
     def configure_model(self):
         if self.fsdp2:  # ModelParallelStrategy: the module shards itself, each block then the root
             from torch.distributed.fsdp import fully_shard
+
             for block in self.gpt.blocks:
                 fully_shard(block, mesh=self.device_mesh["data_parallel"])
             fully_shard(self.gpt, mesh=self.device_mesh["data_parallel"])
@@ -89,9 +95,18 @@ def strategy(system):
 
 def lightning_run(system):
     clock = Clock()
-    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy(system), max_steps=STEPS, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         callbacks=[clock], num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=strategy(system),
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[clock],
+        num_sanity_val_steps=0,
+    )
     module = Lit(fsdp2=system == "fsdp2")
     trainer.fit(module, torch.utils.data.DataLoader(Batches(module.gpt.cfg), batch_size=None))
     return clock.times

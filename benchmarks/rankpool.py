@@ -4,6 +4,7 @@ pytest-benchmark times a function in this (parent) process; each call sends "ste
 and waits until all have finished one training step, so a round is exactly one distributed step
 (plus a queue round trip, well under a millisecond). Only small messages cross the queues.
 """
+
 from __future__ import annotations
 
 import os
@@ -11,7 +12,6 @@ import traceback
 
 import torch
 import torch.multiprocessing as mp
-
 from harness import free_port
 
 
@@ -47,8 +47,10 @@ class RankPool:
         self.results = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(world)]
         port = free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, build, self.commands[r], self.results),
-                                  daemon=True) for r in range(world)]
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world, port, build, self.commands[r], self.results), daemon=True)
+            for r in range(world)
+        ]
         for p in self.procs:
             p.start()
         self._collect("ready")

@@ -9,30 +9,26 @@
 namespace zerofast {
 
 inline void check_flat(const at::Tensor& t, const char* name, const at::Tensor& param) {
-  TORCH_CHECK(t.dim() == 1, "fused_adam_: ", name, " must be a flat 1-D tensor (use .view(-1)); got shape ",
-              t.sizes());
+  TORCH_CHECK(t.dim() == 1, "fused_adam_: ", name, " must be a flat 1-D tensor (use .view(-1)); got shape ", t.sizes());
   TORCH_CHECK(t.is_contiguous(), "fused_adam_: ", name, " must be contiguous; got stride ", t.strides());
-  TORCH_CHECK(t.numel() == param.numel(), "fused_adam_: ", name, " has ", t.numel(),
-              " elements but param has ", param.numel());
-  TORCH_CHECK(t.device() == param.device(), "fused_adam_: ", name, " is on ", t.device(),
-              " but param is on ", param.device());
+  TORCH_CHECK(t.numel() == param.numel(), "fused_adam_: ", name, " has ", t.numel(), " elements but param has ",
+              param.numel());
+  TORCH_CHECK(t.device() == param.device(), "fused_adam_: ", name, " is on ", t.device(), " but param is on ",
+              param.device());
 }
 
-inline bool is_low_or_float(at::ScalarType t) {
-  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
-}
+inline bool is_low_or_float(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
 inline void check_scalar_tensor(const at::Tensor& t, const char* name, const at::Tensor& param) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1, "fused_adam_: ", name,
-              " must be a 1-element float32 tensor; got dtype ", t.scalar_type(), " with ", t.numel(),
-              " elements");
-  TORCH_CHECK(t.device() == param.device(), "fused_adam_: ", name, " is on ", t.device(),
-              " but param is on ", param.device());
+              " must be a 1-element float32 tensor; got dtype ", t.scalar_type(), " with ", t.numel(), " elements");
+  TORCH_CHECK(t.device() == param.device(), "fused_adam_: ", name, " is on ", t.device(), " but param is on ",
+              param.device());
 }
 
-inline void check_fused_adam_args(const at::Tensor& param, const at::Tensor& grad,
-                                  const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-                                  int64_t step, const std::optional<at::Tensor>& grad_scale_tensor,
+inline void check_fused_adam_args(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                                  const at::Tensor& exp_avg_sq, int64_t step,
+                                  const std::optional<at::Tensor>& grad_scale_tensor,
                                   const std::optional<at::Tensor>& found_inf,
                                   const std::optional<at::Tensor>& param_copy) {
   TORCH_CHECK(param.dim() == 1, "fused_adam_: param must be a flat 1-D tensor (use .view(-1)); got shape ",
@@ -40,17 +36,15 @@ inline void check_fused_adam_args(const at::Tensor& param, const at::Tensor& gra
   TORCH_CHECK(param.is_contiguous(), "fused_adam_: param must be contiguous; got stride ", param.strides());
   TORCH_CHECK(param.scalar_type() == at::kFloat, "fused_adam_: param must be float32 (the fp32 master copy); got ",
               param.scalar_type());
-  TORCH_CHECK(exp_avg.scalar_type() == at::kFloat, "fused_adam_: exp_avg must be float32; got ",
-              exp_avg.scalar_type());
+  TORCH_CHECK(exp_avg.scalar_type() == at::kFloat, "fused_adam_: exp_avg must be float32; got ", exp_avg.scalar_type());
   TORCH_CHECK(exp_avg_sq.scalar_type() == at::kFloat, "fused_adam_: exp_avg_sq must be float32; got ",
               exp_avg_sq.scalar_type());
-  TORCH_CHECK(is_low_or_float(grad.scalar_type()),
-              "fused_adam_: grad must be float32, bfloat16 or float16; got ", grad.scalar_type());
+  TORCH_CHECK(is_low_or_float(grad.scalar_type()), "fused_adam_: grad must be float32, bfloat16 or float16; got ",
+              grad.scalar_type());
   check_flat(grad, "grad", param);
   check_flat(exp_avg, "exp_avg", param);
   check_flat(exp_avg_sq, "exp_avg_sq", param);
-  TORCH_CHECK(step >= 1, "fused_adam_: step counts from 1 (the bias corrections divide by 1 - beta^step); got ",
-              step);
+  TORCH_CHECK(step >= 1, "fused_adam_: step counts from 1 (the bias corrections divide by 1 - beta^step); got ", step);
   if (grad_scale_tensor.has_value()) check_scalar_tensor(*grad_scale_tensor, "grad_scale", param);
   if (found_inf.has_value()) check_scalar_tensor(*found_inf, "found_inf", param);
   if (param_copy.has_value()) {
@@ -63,8 +57,8 @@ inline void check_fused_adam_args(const at::Tensor& param, const at::Tensor& gra
 inline void check_nonfinite_args(const at::Tensor& grad, const at::Tensor& found_inf) {
   TORCH_CHECK(grad.dim() == 1 && grad.is_contiguous(),
               "nonfinite_check_: grad must be a flat contiguous 1-D tensor; got shape ", grad.sizes());
-  TORCH_CHECK(is_low_or_float(grad.scalar_type()),
-              "nonfinite_check_: grad must be float32, bfloat16 or float16; got ", grad.scalar_type());
+  TORCH_CHECK(is_low_or_float(grad.scalar_type()), "nonfinite_check_: grad must be float32, bfloat16 or float16; got ",
+              grad.scalar_type());
   TORCH_CHECK(found_inf.scalar_type() == at::kFloat && found_inf.numel() == 1,
               "nonfinite_check_: found_inf must be a 1-element float32 tensor; got dtype ", found_inf.scalar_type(),
               " with ", found_inf.numel(), " elements");

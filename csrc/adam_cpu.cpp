@@ -1,5 +1,7 @@
 // CPU driver of fused_adam_: argument checks, the parallel loop, and the run-time choice of the
 // instruction set whose loop runs (see adam_cpu_loop.h and [Note: one math, many ISAs]).
+#include "adam_cpu.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -10,7 +12,6 @@
 #include <string>
 
 #include "adam_checks.h"
-#include "adam_cpu.h"
 
 namespace zerofast {
 namespace cpu {
@@ -23,10 +24,14 @@ constexpr int64_t kGrain = 1 << 16;
 
 Storage storage_of(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return Storage::kFloat;
-    case at::kBFloat16: return Storage::kBFloat16;
-    case at::kHalf: return Storage::kHalf;
-    default: TORCH_CHECK(false, "zerofast: unsupported storage dtype ", t);
+    case at::kFloat:
+      return Storage::kFloat;
+    case at::kBFloat16:
+      return Storage::kBFloat16;
+    case at::kHalf:
+      return Storage::kHalf;
+    default:
+      TORCH_CHECK(false, "zerofast: unsupported storage dtype ", t);
   }
 }
 
@@ -35,8 +40,8 @@ bool cpu_has(const char* feature) {
   __builtin_cpu_init();
   if (std::strcmp(feature, "avx512") == 0) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("f16c") &&
+           __builtin_cpu_supports("fma");
   }
   if (std::strcmp(feature, "avx2") == 0) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -67,9 +72,12 @@ Isa selected_isa() {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAvx2: return "avx2";
-    case Isa::kPortable: return "portable";
+    case Isa::kAvx512:
+      return "avx512";
+    case Isa::kAvx2:
+      return "avx2";
+    case Isa::kPortable:
+      return "portable";
   }
   return "portable";
 }
@@ -78,9 +86,12 @@ namespace {
 
 IsaKernels kernels_for(Isa isa) {
   switch (isa) {
-    case Isa::kAvx512: return avx512_kernels();
-    case Isa::kAvx2: return avx2_kernels();
-    case Isa::kPortable: return portable_kernels();
+    case Isa::kAvx512:
+      return avx512_kernels();
+    case Isa::kAvx2:
+      return avx2_kernels();
+    case Isa::kPortable:
+      return portable_kernels();
   }
   return portable_kernels();
 }
@@ -101,8 +112,7 @@ bool any_nonfinite(const IsaKernels& k, const at::Tensor& grad, float grad_scale
 void fused_adam_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                     const at::Tensor& exp_avg_sq, double lr, double beta1, double beta2, double eps,
                     double weight_decay, int64_t step, bool adamw, double grad_scale,
-                    const std::optional<at::Tensor>& grad_scale_tensor,
-                    const std::optional<at::Tensor>& found_inf,
+                    const std::optional<at::Tensor>& grad_scale_tensor, const std::optional<at::Tensor>& found_inf,
                     const std::optional<at::Tensor>& param_copy) {
   check_fused_adam_args(param, grad, exp_avg, exp_avg_sq, step, grad_scale_tensor, found_inf, param_copy);
   AdamScalars s = make_adam_scalars(lr, beta1, beta2, eps, weight_decay, step, adamw, grad_scale);
@@ -121,8 +131,7 @@ void fused_adam_cpu(const at::Tensor& param, const at::Tensor& grad, const at::T
                          param_copy ? param_copy->data_ptr() : nullptr,
                          storage_of(grad.scalar_type()),
                          param_copy ? storage_of(param_copy->scalar_type()) : Storage::kNone};
-  at::parallel_for(0, param.numel(), kGrain,
-                   [&](int64_t begin, int64_t end) { k.adam_range(ptr, s, begin, end); });
+  at::parallel_for(0, param.numel(), kGrain, [&](int64_t begin, int64_t end) { k.adam_range(ptr, s, begin, end); });
 }
 
 void nonfinite_check_cpu(const at::Tensor& grad, const at::Tensor& found_inf) {

@@ -17,9 +17,9 @@ struct AdamPointers {
   const void* grad;
   float* exp_avg;
   float* exp_avg_sq;
-  void* param_copy;     // nullptr when there is no copy
+  void* param_copy;  // nullptr when there is no copy
   Storage grad_type;
-  Storage copy_type;    // kNone when there is no copy
+  Storage copy_type;  // kNone when there is no copy
 };
 
 // The instruction sets a loop is compiled for; the driver picks one at load time.
@@ -28,8 +28,7 @@ enum class Isa : int8_t { kPortable, kAvx2, kAvx512 };
 // Update elements [begin, end).
 using AdamRangeFn = void (*)(const AdamPointers&, const AdamScalars&, int64_t begin, int64_t end);
 // True when any of grad[begin, end) * grad_scale is inf or nan.
-using NonfiniteRangeFn = bool (*)(const void* grad, Storage grad_type, float grad_scale,
-                                  int64_t begin, int64_t end);
+using NonfiniteRangeFn = bool (*)(const void* grad, Storage grad_type, float grad_scale, int64_t begin, int64_t end);
 
 struct IsaKernels {
   AdamRangeFn adam_range;

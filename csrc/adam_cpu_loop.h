@@ -18,7 +18,9 @@ namespace {
 // c10::BFloat16's round-to-nearest-even, nan kept nan) so that the conversion vectorizes; fp16 uses
 // the compiler's _Float16, IEEE round-to-nearest-even like c10::Half (F16C instructions where the
 // target has them).
-struct Bf16 { uint16_t bits; };
+struct Bf16 {
+  uint16_t bits;
+};
 using F16 = _Float16;
 
 C10_ALWAYS_INLINE float to_float(float x) { return x; }
@@ -69,19 +71,27 @@ void adam_typed(const AdamPointers& ptr, const AdamScalars& scalars, int64_t beg
 template <typename G>
 void adam_for_grad(const AdamPointers& ptr, const AdamScalars& s, int64_t begin, int64_t end) {
   switch (ptr.copy_type) {
-    case Storage::kNone: return adam_typed<G, NoCopy>(ptr, s, begin, end);
-    case Storage::kFloat: return adam_typed<G, float>(ptr, s, begin, end);
-    case Storage::kBFloat16: return adam_typed<G, Bf16>(ptr, s, begin, end);
-    case Storage::kHalf: return adam_typed<G, F16>(ptr, s, begin, end);
+    case Storage::kNone:
+      return adam_typed<G, NoCopy>(ptr, s, begin, end);
+    case Storage::kFloat:
+      return adam_typed<G, float>(ptr, s, begin, end);
+    case Storage::kBFloat16:
+      return adam_typed<G, Bf16>(ptr, s, begin, end);
+    case Storage::kHalf:
+      return adam_typed<G, F16>(ptr, s, begin, end);
   }
 }
 
 void adam_range(const AdamPointers& ptr, const AdamScalars& s, int64_t begin, int64_t end) {
   switch (ptr.grad_type) {
-    case Storage::kFloat: return adam_for_grad<float>(ptr, s, begin, end);
-    case Storage::kBFloat16: return adam_for_grad<Bf16>(ptr, s, begin, end);
-    case Storage::kHalf: return adam_for_grad<F16>(ptr, s, begin, end);
-    case Storage::kNone: return;
+    case Storage::kFloat:
+      return adam_for_grad<float>(ptr, s, begin, end);
+    case Storage::kBFloat16:
+      return adam_for_grad<Bf16>(ptr, s, begin, end);
+    case Storage::kHalf:
+      return adam_for_grad<F16>(ptr, s, begin, end);
+    case Storage::kNone:
+      return;
   }
 }
 

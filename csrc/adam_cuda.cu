@@ -4,10 +4,9 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <torch/library.h>
 
 #include "adam_checks.h"
 #include "adam_math.h"
@@ -36,8 +35,8 @@ struct alignas(sizeof(T) * N) Pack {
 
 // One kVec-wide (or, in the tail, 1-wide) group of elements starting at i.
 template <int N, typename G, typename C>
-C10_DEVICE C10_ALWAYS_INLINE void update_group(float* param, const G* grad, float* exp_avg, float* exp_avg_sq,
-                                               C* copy, int64_t i, const AdamScalars& s) {
+C10_DEVICE C10_ALWAYS_INLINE void update_group(float* param, const G* grad, float* exp_avg, float* exp_avg_sq, C* copy,
+                                               int64_t i, const AdamScalars& s) {
   Pack<float, N> p = *reinterpret_cast<const Pack<float, N>*>(param + i);
   Pack<float, N> m = *reinterpret_cast<const Pack<float, N>*>(exp_avg + i);
   Pack<float, N> v = *reinterpret_cast<const Pack<float, N>*>(exp_avg_sq + i);
@@ -57,9 +56,8 @@ C10_DEVICE C10_ALWAYS_INLINE void update_group(float* param, const G* grad, floa
 
 // `vectorized` is decided on the host: every pointer aligned for kVec-wide access.
 template <typename G, typename C>
-__global__ void adam_kernel(float* param, const G* grad, float* exp_avg, float* exp_avg_sq, C* copy,
-                            int64_t n, AdamScalars s, const float* grad_scale_tensor,
-                            const float* found_inf, bool vectorized) {
+__global__ void adam_kernel(float* param, const G* grad, float* exp_avg, float* exp_avg_sq, C* copy, int64_t n,
+                            AdamScalars s, const float* grad_scale_tensor, const float* found_inf, bool vectorized) {
   if (found_inf != nullptr && *found_inf != 0.0f) return;  // all or nothing: see check_kernel
   if (grad_scale_tensor != nullptr) s.grad_scale *= *grad_scale_tensor;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -101,9 +99,8 @@ int blocks_for(int64_t work) {
 }
 
 template <typename G, typename C>
-void launch(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-            const at::Tensor& exp_avg_sq, C* copy, const AdamScalars& s, const float* grad_scale_tensor,
-            float* found_inf) {
+void launch(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+            C* copy, const AdamScalars& s, const float* grad_scale_tensor, float* found_inf) {
   const int64_t n = param.numel();
   auto stream = at::cuda::getCurrentCUDAStream();
   const G* g = reinterpret_cast<const G*>(grad.data_ptr());
@@ -122,8 +119,8 @@ void launch(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& e
 
 template <typename G>
 void launch_for_grad(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-                     const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_copy,
-                     const AdamScalars& s, const float* grad_scale_tensor, float* found_inf) {
+                     const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_copy, const AdamScalars& s,
+                     const float* grad_scale_tensor, float* found_inf) {
   if (!param_copy.has_value()) {
     return launch<G, NoCopy>(param, grad, exp_avg, exp_avg_sq, nullptr, s, grad_scale_tensor, found_inf);
   }
@@ -146,8 +143,7 @@ void launch_for_grad(const at::Tensor& param, const at::Tensor& grad, const at::
 void fused_adam_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                      const at::Tensor& exp_avg_sq, double lr, double beta1, double beta2, double eps,
                      double weight_decay, int64_t step, bool adamw, double grad_scale,
-                     const std::optional<at::Tensor>& grad_scale_tensor,
-                     const std::optional<at::Tensor>& found_inf,
+                     const std::optional<at::Tensor>& grad_scale_tensor, const std::optional<at::Tensor>& found_inf,
                      const std::optional<at::Tensor>& param_copy) {
   check_fused_adam_args(param, grad, exp_avg, exp_avg_sq, step, grad_scale_tensor, found_inf, param_copy);
   if (param.numel() == 0) return;
@@ -181,10 +177,14 @@ void nonfinite_check_cuda(const at::Tensor& grad, const at::Tensor& found_inf) {
   const c10::cuda::CUDAGuard guard(grad.device());
   float* found = found_inf.data_ptr<float>();
   switch (grad.scalar_type()) {
-    case at::kFloat: return launch_check<float>(grad, found);
-    case at::kBFloat16: return launch_check<__nv_bfloat16>(grad, found);
-    case at::kHalf: return launch_check<__half>(grad, found);
-    default: TORCH_CHECK(false, "nonfinite_check_: unsupported grad dtype ", grad.scalar_type());
+    case at::kFloat:
+      return launch_check<float>(grad, found);
+    case at::kBFloat16:
+      return launch_check<__nv_bfloat16>(grad, found);
+    case at::kHalf:
+      return launch_check<__half>(grad, found);
+    default:
+      TORCH_CHECK(false, "nonfinite_check_: unsupported grad dtype ", grad.scalar_type());
   }
 }
 

@@ -47,9 +47,8 @@ struct AdamScalars {
 };
 
 // Build the scalars on the host, in double, as torch does (see [Note: matching torch.optim.AdamW]).
-inline AdamScalars make_adam_scalars(double lr, double beta1, double beta2, double eps,
-                                     double weight_decay, int64_t step, bool adamw,
-                                     double grad_scale) {
+inline AdamScalars make_adam_scalars(double lr, double beta1, double beta2, double eps, double weight_decay,
+                                     int64_t step, bool adamw, double grad_scale) {
   const double bias_correction1 = 1.0 - std::pow(beta1, static_cast<double>(step));
   const double bias_correction2 = 1.0 - std::pow(beta2, static_cast<double>(step));
   AdamScalars s;
@@ -70,9 +69,7 @@ namespace {
 
 // True for inf and nan: x - x is 0 for every finite x and nan otherwise. Written without
 // std::isfinite so that it vectorizes and compiles unchanged for host and device.
-C10_HOST_DEVICE C10_ALWAYS_INLINE bool is_nonfinite(float x) {
-  return !(x - x == 0.0f);
-}
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool is_nonfinite(float x) { return !(x - x == 0.0f); }
 
 // ATen's lerp: two branches keep the result exact at both ends of the weight range.
 C10_HOST_DEVICE C10_ALWAYS_INLINE float lerp(float self, float end, float weight) {
@@ -85,8 +82,8 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE float lerp(float self, float end, float weight
 }
 
 // One element of one step. `grad` is the raw stored gradient converted to float; it is scaled here.
-C10_HOST_DEVICE C10_ALWAYS_INLINE void adam_update(float& param, float grad, float& exp_avg,
-                                                   float& exp_avg_sq, const AdamScalars& s) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE void adam_update(float& param, float grad, float& exp_avg, float& exp_avg_sq,
+                                                   const AdamScalars& s) {
   float g = grad * s.grad_scale;
   float p = param * s.decay_factor;
   g = fmaf(p, s.l2_weight_decay, g);

@@ -102,9 +102,8 @@ BucketComm::BucketComm(c10::intrusive_ptr<c10d::ProcessGroup> group,
   }
   TORCH_CHECK(bounds_.size() == bucket_numels_.size() && shard_offsets_.size() == bucket_numels_.size() &&
                   used_numels_.size() == bucket_numels_.size(),
-              "BucketComm: used_numels (", used_numels_.size(), "), bounds (", bounds_.size(),
-              ") and shard_offsets (", shard_offsets_.size(), ") need one entry per bucket (",
-              bucket_numels_.size(), ")");
+              "BucketComm: used_numels (", used_numels_.size(), "), bounds (", bounds_.size(), ") and shard_offsets (",
+              shard_offsets_.size(), ") need one entry per bucket (", bucket_numels_.size(), ")");
   TORCH_CHECK(gather_group_->getSize() == world_ && gather_group_->getRank() == rank_,
               "BucketComm: gather_group must hold the same ranks as group");
   TORCH_CHECK(valid_ops(flat_, reduce_op_, gather_op_), "BucketComm: reduce_op ", static_cast<int>(reduce_op_),
@@ -230,8 +229,8 @@ int64_t BucketComm::pooled_bytes() const {
 }
 
 void BucketComm::finish_in_flight(int64_t bucket) {
-  const bool busy = std::any_of(in_flight_.begin(), in_flight_.end(),
-                                [&](const auto& entry) { return entry.first == bucket; });
+  const bool busy =
+      std::any_of(in_flight_.begin(), in_flight_.end(), [&](const auto& entry) { return entry.first == bucket; });
   if (busy) finish_buckets({bucket});
 }
 
@@ -390,7 +389,7 @@ void BucketComm::replicate_ready() {
 void BucketComm::launch_replicate(int64_t bucket) {
   const auto& bd = bounds_[bucket];
   const int64_t numel = bd[rank_ + 1] - bd[rank_];
-  if (numel == 0) return;  // the same on every replica: they hold the same shard
+  if (numel == 0) return;        // the same on every replica: they hold the same shard
   if (!grad_buckets_.empty()) {  // stage 1: this bucket's owned range, where the reduce left it
     pending_ranges_.push_back(owned_grad(bucket));
   } else {  // grad_shard: the pending ranges and this one are adjacent (bucket order)
@@ -413,7 +412,8 @@ void BucketComm::flush_replicate() {
 void BucketComm::all_reduce_replicas(std::vector<at::Tensor> ranges) {
   for (const auto& r : ranges) replicate_bytes_ += r.numel() * r.element_size();
   if (ranges.size() == 1) {
-    replicate_works_.push_back(comm_call([&] { return replicate_group_->allreduce(ranges, c10d::AllreduceOptions()); }));
+    replicate_works_.push_back(
+        comm_call([&] { return replicate_group_->allreduce(ranges, c10d::AllreduceOptions()); }));
   } else {
     replicate_works_.push_back(
         comm_call([&] { return replicate_group_->allreduce_coalesced(ranges, c10d::AllreduceCoalescedOptions()); }));
@@ -456,7 +456,7 @@ void BucketComm::reduce(int64_t bucket, bool accumulate) {
               "reduced once per step; accumulate must be false");
   accumulate_[bucket] = accumulate;
   last_reduce_[bucket] = replicate_on_launch_;  // see [Note: replicas in backward]
-  if (!grad_buckets_.empty()) buffer(bucket);  // the gradients are already there, as .grad views
+  if (!grad_buckets_.empty()) buffer(bucket);   // the gradients are already there, as .grad views
   TORCH_CHECK(buffers_[bucket].has_value(), "BucketComm.reduce: bucket ", bucket, " has no gradients");
   at::Tensor buf = *buffers_[bucket];
   reduce_bytes_ += bucket_numels_[bucket] * buf.element_size();
@@ -471,7 +471,7 @@ void BucketComm::reduce(int64_t bucket, bool accumulate) {
   }
   if (reduce_op_ == Collective::kReduceScatter) {
     at::Tensor out = owned_grad(bucket);  // persistent buckets: in place, at rank * slice, as NCCL allows
-    if (accumulate) {  // see [Note: accumulation into the shard]
+    if (accumulate) {                     // see [Note: accumulation into the shard]
       scatter_out_[bucket] = at::empty_like(out);
       out = *scatter_out_[bucket];
       buffer_bytes_ += out.numel() * out.element_size();
@@ -518,8 +518,9 @@ void BucketComm::wait_reduces() {
 void BucketComm::gather_start(int64_t bucket, const at::Tensor& param_buffer) {
   check_bucket(bucket, "gather_start");
   TORCH_CHECK(gathers_[bucket].empty(), "BucketComm.gather_start: bucket ", bucket, " is already being gathered");
-  TORCH_CHECK(param_buffer.dim() == 1 && param_buffer.numel() == bucket_numels_[bucket], "BucketComm.gather_start: bucket ",
-              bucket, " needs a flat buffer of ", bucket_numels_[bucket], " elements; got shape ", param_buffer.sizes());
+  TORCH_CHECK(param_buffer.dim() == 1 && param_buffer.numel() == bucket_numels_[bucket],
+              "BucketComm.gather_start: bucket ", bucket, " needs a flat buffer of ", bucket_numels_[bucket],
+              " elements; got shape ", param_buffer.sizes());
   gather_bytes_ += param_buffer.numel() * param_buffer.element_size();
   gather_hash_ = mix(gather_hash_, bucket);
   begin_comm();

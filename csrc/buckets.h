@@ -8,10 +8,10 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <optional>
 #include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
 #ifdef ZEROFAST_WITH_CUDA
@@ -45,10 +45,10 @@ class BucketComm {
   // max_buffers: at most this many pooled bucket buffers alive at once, in use or kept for reuse
   //   (0: no bound); see [Note: buffers in flight].
   BucketComm(c10::intrusive_ptr<c10d::ProcessGroup> group, c10::intrusive_ptr<c10d::ProcessGroup> gather_group,
-             std::vector<int64_t> bucket_numels,
-             std::vector<int64_t> used_numels, std::vector<std::vector<int64_t>> bounds, bool flat,
-             at::Tensor grad_shard, std::vector<int64_t> shard_offsets, Collective reduce_op,
-             Collective gather_op, std::vector<at::Tensor> grad_buckets, int64_t max_buffers);
+             std::vector<int64_t> bucket_numels, std::vector<int64_t> used_numels,
+             std::vector<std::vector<int64_t>> bounds, bool flat, at::Tensor grad_shard,
+             std::vector<int64_t> shard_offsets, Collective reduce_op, Collective gather_op,
+             std::vector<at::Tensor> grad_buckets, int64_t max_buffers);
 
   // Copy one parameter's gradient into its slot (allocating the bucket's buffer on first use).
   void add_grad(int64_t bucket, int64_t offset, const at::Tensor& grad);
@@ -87,7 +87,10 @@ class BucketComm {
   int64_t peak_live_buffers() const { return peak_live_; }
   int64_t peak_alive_buffers() const { return peak_alive_; }
   int64_t over_budget() const { return over_budget_; }
-  void reset_peak() { peak_live_ = live_; peak_alive_ = live_ + static_cast<int64_t>(pool_.size()); }
+  void reset_peak() {
+    peak_live_ = live_;
+    peak_alive_ = live_ + static_cast<int64_t>(pool_.size());
+  }
   int64_t max_buffers() const { return max_buffers_; }
   // This step's traffic, counted where the collectives are issued (the C++ gradient path launches
   // reduces without Python): payload bytes, and running hashes of the buckets reduced and gathered
@@ -112,18 +115,18 @@ class BucketComm {
   at::Tensor take_buffer(int64_t numel);  // from the pool, or new, within max_buffers
   void release(int64_t bucket);
   void note_alive();
-  void reap_completed();                // finish the reduces that are done (see reduce())
-  void finish_reduce(int64_t bucket);   // copy (or add) the own segment out, release the buffer
-  void finish_in_flight(int64_t bucket); // wait for and finish this bucket's reduce, if in flight
+  void reap_completed();                                     // finish the reduces that are done (see reduce())
+  void finish_reduce(int64_t bucket);                        // copy (or add) the own segment out, release the buffer
+  void finish_in_flight(int64_t bucket);                     // wait for and finish this bucket's reduce, if in flight
   void finish_buckets(const std::vector<int64_t>& buckets);  // wait for, finish and forget their reduces
   void check_bucket(int64_t bucket, const char* what) const;
-  void replicate_ready();               // launch the replicate all_reduces now due, in bucket order
+  void replicate_ready();  // launch the replicate all_reduces now due, in bucket order
   void launch_replicate(int64_t bucket);
-  void flush_replicate();               // launch the pending ranges, whatever their size
+  void flush_replicate();  // launch the pending ranges, whatever their size
   void all_reduce_replicas(std::vector<at::Tensor> ranges);
   at::Tensor owned_grad(int64_t bucket);
-  void begin_comm();   // on CUDA: order the comm stream after the work queued so far
-  void end_comm();     // on CUDA: order the current stream after the comm stream
+  void begin_comm();  // on CUDA: order the comm stream after the work queued so far
+  void end_comm();    // on CUDA: order the current stream after the comm stream
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   c10::intrusive_ptr<c10d::ProcessGroup> gather_group_;
@@ -133,17 +136,17 @@ class BucketComm {
   std::vector<int64_t> used_numels_;
   std::vector<std::vector<int64_t>> bounds_;
   bool flat_;
-  Collective reduce_op_;   // kAllReduce: all_reduce the bucket, keep the own slice
-  Collective gather_op_;   // kBroadcast: broadcast each rank's slice from that rank
+  Collective reduce_op_;  // kAllReduce: all_reduce the bucket, keep the own slice
+  Collective gather_op_;  // kBroadcast: broadcast each rank's slice from that rank
   at::Tensor grad_shard_;
   std::vector<int64_t> shard_offsets_;
-  std::vector<std::optional<at::Tensor>> buffers_;              // per bucket, alive while in use
-  std::vector<std::optional<at::Tensor>> scatter_out_;          // per bucket: reduce_scatter output to add
-  std::vector<bool> accumulate_;                                 // per bucket: add into grad_shard
-  std::vector<at::Tensor> pool_;                                 // released buffers, for reuse
+  std::vector<std::optional<at::Tensor>> buffers_;      // per bucket, alive while in use
+  std::vector<std::optional<at::Tensor>> scatter_out_;  // per bucket: reduce_scatter output to add
+  std::vector<bool> accumulate_;                        // per bucket: add into grad_shard
+  std::vector<at::Tensor> pool_;                        // released buffers, for reuse
   std::vector<std::pair<int64_t, c10::intrusive_ptr<c10d::Work>>> in_flight_;  // reduces: (bucket, work)
-  std::vector<std::vector<c10::intrusive_ptr<c10d::Work>>> gathers_;            // per bucket, in flight
-  std::vector<at::Tensor> grad_buckets_;                       // persistent buckets (stage 1), or empty
+  std::vector<std::vector<c10::intrusive_ptr<c10d::Work>>> gathers_;           // per bucket, in flight
+  std::vector<at::Tensor> grad_buckets_;                                       // persistent buckets (stage 1), or empty
   int64_t max_buffers_;
   int64_t buffer_bytes_ = 0;
   int64_t peak_buffer_bytes_ = 0;
@@ -158,9 +161,9 @@ class BucketComm {
   // Hybrid sharding: [Note: replicas in backward].
   c10::intrusive_ptr<c10d::ProcessGroup> replicate_group_;  // null: no replicas
   bool replicate_on_launch_ = false;
-  std::vector<bool> last_reduce_;        // per bucket: its reduce in flight is the step's last
-  std::vector<bool> replicate_due_;      // per bucket: its last reduce is finished, this step
-  int64_t next_replicate_ = 0;           // buckets below this were all_reduced over the replicas
+  std::vector<bool> last_reduce_;    // per bucket: its reduce in flight is the step's last
+  std::vector<bool> replicate_due_;  // per bucket: its last reduce is finished, this step
+  int64_t next_replicate_ = 0;       // buckets below this were all_reduced over the replicas
   int64_t replicate_min_bytes_ = 0;
   int64_t pending_lo_ = 0, pending_numel_ = 0;  // owned ranges of grad_shard due, not launched yet
   std::vector<at::Tensor> pending_ranges_;      // stage 1: owned ranges of its buckets due, likewise

@@ -38,8 +38,8 @@ std::string dtype_name(at::ScalarType t) { return "torch." + std::string(c10::ge
 
 GradPath::GradPath(BucketComm& comm, std::vector<at::Tensor> params, std::vector<std::string> names,
                    std::vector<int64_t> bucket, std::vector<int64_t> offset, std::vector<int64_t> bucket_params,
-                   std::vector<at::Tensor> views, bool drop_grad, bool overlap, py::object on_grad,
-                   py::object on_error, py::object before_launch)
+                   std::vector<at::Tensor> views, bool drop_grad, bool overlap, py::object on_grad, py::object on_error,
+                   py::object before_launch)
     : comm_(comm),
       params_(std::move(params)),
       names_(std::move(names)),
@@ -57,13 +57,14 @@ GradPath::GradPath(BucketComm& comm, std::vector<at::Tensor> params, std::vector
       slot_(params_.size(), Slot::kEmpty),
       missing_(bucket_params_) {
   const size_t n = params_.size();
-  TORCH_CHECK(names_.size() == n && bucket_.size() == n && offset_.size() == n && (views_.empty() || views_.size() == n),
-              "GradPath: names (", names_.size(), "), bucket (", bucket_.size(), "), offset (", offset_.size(),
-              ") and views (", views_.size(), ") need one entry per parameter (", n, ")");
+  TORCH_CHECK(
+      names_.size() == n && bucket_.size() == n && offset_.size() == n && (views_.empty() || views_.size() == n),
+      "GradPath: names (", names_.size(), "), bucket (", bucket_.size(), "), offset (", offset_.size(), ") and views (",
+      views_.size(), ") need one entry per parameter (", n, ")");
   for (size_t i = 0; i < n; ++i) {
     TORCH_CHECK(params_[i].requires_grad(), "GradPath: parameter ", i, " does not require grad");
-    TORCH_CHECK(bucket_[i] >= 0 && bucket_[i] < static_cast<int64_t>(bucket_params_.size()), "GradPath: parameter ",
-                i, " has bucket ", bucket_[i], " of ", bucket_params_.size());
+    TORCH_CHECK(bucket_[i] >= 0 && bucket_[i] < static_cast<int64_t>(bucket_params_.size()), "GradPath: parameter ", i,
+                " has bucket ", bucket_[i], " of ", bucket_params_.size());
     params_of_bucket_[bucket_[i]].push_back(static_cast<int64_t>(i));
   }
   for (size_t b = 0; b < bucket_params_.size(); ++b) {
@@ -124,16 +125,14 @@ void GradPath::on_hook(int64_t index) {
   } catch (const CommError& e) {
     py::gil_scoped_acquire gil;
     on_error_(index, std::string(e.what()));  // raises zerofast.comm.CollectiveError
-    throw;  // the reducer is gone: the error as it is
+    throw;                                    // the reducer is gone: the error as it is
   }
 }
 
 void GradPath::check_grad(int64_t index, const at::Tensor& grad) const {
   const at::Tensor& param = params_[index];
   const std::string& name = names_[index];
-  auto fail = [&](const std::string& problem) {
-    throw GradientError("ZeroAdam: " + name + " got " + problem);
-  };
+  auto fail = [&](const std::string& problem) { throw GradientError("ZeroAdam: " + name + " got " + problem); };
   if (!grad.defined()) {
     fail("no gradient: its .grad is None after backward accumulated into it (did a hook set it to None?)");
   }

@@ -63,12 +63,12 @@ class GradPath {
   int64_t next_launch() const { return next_launch_; }
 
   // How gradients are taken now, set by GradReducer from its StepPhase in one place (_enter).
-  bool python_decides = true;   // every gradient through Python's on_grad (fp16, PREPARED, ...)
-  bool keep_local = false;      // no_sync with local accumulation: .grad accumulates, flush() hands it over
-  bool accumulate = false;      // reduces add into the shard (later micro-batches under no_sync)
+  bool python_decides = true;  // every gradient through Python's on_grad (fp16, PREPARED, ...)
+  bool keep_local = false;     // no_sync with local accumulation: .grad accumulates, flush() hands it over
+  bool accumulate = false;     // reduces add into the shard (later micro-batches under no_sync)
   // A backward has delivered its first gradient (Python's on_grad queued its end, and clears it).
   bool in_backward = false;
-  int64_t fast_calls = 0;       // gradients the hook handled without Python (for tests)
+  int64_t fast_calls = 0;  // gradients the hook handled without Python (for tests)
 
  private:
   enum class Slot : uint8_t {
@@ -96,9 +96,9 @@ class GradPath {
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hook_keys_;
 
-  std::vector<uint8_t> used_;    // got a gradient on this rank in this step
+  std::vector<uint8_t> used_;  // got a gradient on this rank in this step
   std::vector<Slot> slot_;
-  std::vector<int64_t> missing_; // per bucket: gradients still to come in this micro-batch
+  std::vector<int64_t> missing_;  // per bucket: gradients still to come in this micro-batch
   int64_t next_launch_ = 0;
 };
 

@@ -31,10 +31,9 @@ TORCH_LIBRARY(zerofast, m) {
 #ifndef ZEROFAST_WITH_CUDA
 namespace {
 // Without this, a CUDA tensor would meet the dispatcher's generic "could not run ... CUDA backend".
-void fused_adam_cuda_missing(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                             double, double, double, double, double, int64_t, bool, double,
-                             const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                             const std::optional<at::Tensor>&) {
+void fused_adam_cuda_missing(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double,
+                             double, double, double, int64_t, bool, double, const std::optional<at::Tensor>&,
+                             const std::optional<at::Tensor>&, const std::optional<at::Tensor>&) {
   TORCH_CHECK(false,
               "fused_adam_: got CUDA tensors, but zerofast was built without its CUDA kernels "
               "(zerofast.has_cuda_kernels() is False); rebuild with ZEROFAST_CUDA=1");
@@ -64,16 +63,19 @@ bool has_cuda_kernels() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "zerofast's compiled core: fused Adam kernels and bucketed collectives";
   m.def("has_cuda_kernels", &zerofast::has_cuda_kernels, "Whether the CUDA kernels were built");
-  m.def("cpu_isa", [] { return std::string(zerofast::cpu::isa_name(zerofast::cpu::selected_isa())); },
-        "The instruction set whose CPU loop fused_adam_ runs now (ZEROFAST_CPU_ISA may force one)");
+  m.def(
+      "cpu_isa", [] { return std::string(zerofast::cpu::isa_name(zerofast::cpu::selected_isa())); },
+      "The instruction set whose CPU loop fused_adam_ runs now (ZEROFAST_CPU_ISA may force one)");
 
   // The errors that cross the boundary, by kind (csrc/errors.h): both subclass RuntimeError.
   auto& comm_error = py::register_exception<zerofast::CommError>(m, "CommError", PyExc_RuntimeError);
-  comm_error.attr("__doc__") = "A collective of the compiled engine, or the wait for one, failed (c10d's error, "
-                     "with its message); zerofast.comm turns it into CollectiveError";
+  comm_error.attr("__doc__") =
+      "A collective of the compiled engine, or the wait for one, failed (c10d's error, "
+      "with its message); zerofast.comm turns it into CollectiveError";
   auto& gradient_error = py::register_exception<zerofast::GradientError>(m, "GradientError", PyExc_RuntimeError);
-  gradient_error.attr("__doc__") = "A gradient ZeroAdam cannot take (sparse, or of another dtype, device or shape than "
-                         "its parameter, or a second one before step()), named by its parameter";
+  gradient_error.attr("__doc__") =
+      "A gradient ZeroAdam cannot take (sparse, or of another dtype, device or shape than "
+      "its parameter, or a second one before step()), named by its parameter";
   zerofast::gradient_error_type = gradient_error.ptr();
 
   using zerofast::BucketComm;
@@ -86,12 +88,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("broadcast", Collective::kBroadcast);
   py::class_<BucketComm>(m, "BucketComm", "Flat gradient buckets and their collectives (see csrc/buckets.h)")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, c10::intrusive_ptr<c10d::ProcessGroup>,
-                    std::vector<int64_t>, std::vector<int64_t>,
-                    std::vector<std::vector<int64_t>>, bool, at::Tensor, std::vector<int64_t>, Collective,
-                    Collective, std::vector<at::Tensor>, int64_t>(),
-           py::arg("group"), py::arg("gather_group"), py::arg("bucket_numels"), py::arg("used_numels"), py::arg("bounds"), py::arg("flat"),
-           py::arg("grad_shard"), py::arg("shard_offsets"), py::arg("reduce_op"), py::arg("gather_op"),
-           py::arg("grad_buckets"), py::arg("max_buffers"))
+                    std::vector<int64_t>, std::vector<int64_t>, std::vector<std::vector<int64_t>>, bool, at::Tensor,
+                    std::vector<int64_t>, Collective, Collective, std::vector<at::Tensor>, int64_t>(),
+           py::arg("group"), py::arg("gather_group"), py::arg("bucket_numels"), py::arg("used_numels"),
+           py::arg("bounds"), py::arg("flat"), py::arg("grad_shard"), py::arg("shard_offsets"), py::arg("reduce_op"),
+           py::arg("gather_op"), py::arg("grad_buckets"), py::arg("max_buffers"))
       // Every method that may wait for a collective releases the GIL: a gloo worker thread that
       // drops the last C++ reference to a tensor Python also holds must take the GIL to decref it,
       // so waiting with the GIL held can deadlock (it did: add_grad waiting for an in-flight reduce).
@@ -130,8 +131,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     py::object, py::object>(),
            py::arg("comm"), py::arg("params"), py::arg("names"), py::arg("bucket"), py::arg("offset"),
            py::arg("bucket_params"), py::arg("views"), py::arg("drop_grad"), py::arg("overlap"), py::arg("on_grad"),
-           py::arg("on_error"), py::arg("before_launch"),
-           py::keep_alive<1, 2>())  // the BucketComm outlives the path
+           py::arg("on_error"), py::arg("before_launch"), py::keep_alive<1, 2>())  // the BucketComm outlives the path
       // May wait for a reduce (add_grad, launches): without the GIL, as BucketComm's own methods.
       .def("take", &GradPath::take, py::arg("index"), py::call_guard<py::gil_scoped_release>())
       .def("launch_ready", &GradPath::launch_ready, py::call_guard<py::gil_scoped_release>())

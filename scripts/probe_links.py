@@ -15,6 +15,7 @@
    collective exposed), and the error of each against the measured step.
 Timing, so not a test: the numbers vary with the machine's load.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,6 +59,7 @@ def _rank(rank: int, world: int, port: int, reps: int, out: str) -> None:
         result["probe"][("broadcast", nbytes)] = _time(lambda: dist.broadcast(t, 0), reps)
     from zerofast import ZeroAdam
     from zerofast.tools.models import make_gpt, random_batch
+
     x, y = random_batch(make_gpt("small").cfg, BATCH, SEQ, seed=rank)
     plain = make_gpt("small")
     adamw = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True)
@@ -80,8 +82,12 @@ def _rank(rank: int, world: int, port: int, reps: int, out: str) -> None:
         opt.zero_grad()
 
     # Interleaved rounds: the machine's load (other processes) falls on every case alike.
-    cases = {"forward": fwd, "forward+backward": bwd, "adamw": adamw.step,
-             **{stage: functools.partial(zero_step, stage) for stage in (1, 2, 3)}}
+    cases = {
+        "forward": fwd,
+        "forward+backward": bwd,
+        "adamw": adamw.step,
+        **{stage: functools.partial(zero_step, stage) for stage in (1, 2, 3)},
+    }
     times = {name: [] for name in cases}
     for _ in range(2):  # warm-up round
         for fn in cases.values():
@@ -104,6 +110,7 @@ def _rank(rank: int, world: int, port: int, reps: int, out: str) -> None:
 
 def run(world: int, reps: int) -> dict:
     from socket import socket
+
     with socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -118,7 +125,9 @@ def fit_link(probe: dict, world: int):
     reduce_factor * B / reduce_rate, least squares in (1/bw, alpha, 1/reduce_rate), each point
     weighted by 1/t (relative error: the small sizes fix the latency, the large the bandwidths)."""
     import numpy as np
+
     from zerofast.tools.timemodel import Link, collective_time
+
     units = [Link("bw", 1.0, 0.0), Link("lat", float("inf"), 1.0), Link("gamma", float("inf"), 0.0, 1.0)]
     a, b = [], []
     for (name, nbytes), t in probe.items():
@@ -137,21 +146,30 @@ def main(argv=None) -> int:
     from zerofast.tools.estimate import format_bytes, traffic_ops
     from zerofast.tools.models import make_gpt
     from zerofast.tools.timemodel import Cluster, collective_time, format_seconds, predict
-    print(f"{os.cpu_count()} cores; gloo ranks on loopback, 1 thread each"
-          + ("; more ranks than cores: oversubscribed" if max(args.worlds) > (os.cpu_count() or 1) else ""))
+
+    print(
+        f"{os.cpu_count()} cores; gloo ranks on loopback, 1 thread each"
+        + ("; more ranks than cores: oversubscribed" if max(args.worlds) > (os.cpu_count() or 1) else "")
+    )
     for world in args.worlds:
         r = run(world, args.reps)
         link = fit_link(r["probe"], world)
-        print(f"\n== W = {world}: fitted link {link.bandwidth / 1e9:.2f} GB/s, latency {link.latency * 1e6:.0f} us, "
-              f"reduction {link.reduce_rate / 1e9:.2f} GB/s")
+        print(
+            f"\n== W = {world}: fitted link {link.bandwidth / 1e9:.2f} GB/s, latency {link.latency * 1e6:.0f} us, "
+            f"reduction {link.reduce_rate / 1e9:.2f} GB/s"
+        )
         print(f"{'collective':12s} {'bytes':>9s} {'measured':>10s} {'model':>10s}")
         for (name, nbytes), t in sorted(r["probe"].items()):
-            print(f"{name:12s} {format_bytes(nbytes):>9s} {format_seconds(t):>10s} "
-                  f"{format_seconds(collective_time(name, nbytes, 1, world, link)):>10s}")
+            print(
+                f"{name:12s} {format_bytes(nbytes):>9s} {format_seconds(t):>10s} "
+                f"{format_seconds(collective_time(name, nbytes, 1, world, link)):>10s}"
+            )
         c = r["compute"]
         fwd, bwd, adam = c["forward"], c["forward+backward"] - c["forward"], c["adamw"]
-        print(f"compute per rank: forward {format_seconds(fwd)}, backward {format_seconds(bwd)}, "
-              f"AdamW (all {sum(p.numel() for p in make_gpt('small').parameters()):,} params) {format_seconds(adam)}")
+        print(
+            f"compute per rank: forward {format_seconds(fwd)}, backward {format_seconds(bwd)}, "
+            f"AdamW (all {sum(p.numel() for p in make_gpt('small').parameters()):,} params) {format_seconds(adam)}"
+        )
         cluster = Cluster(gpus_per_node=world, intra=link, inter=link)
         print(f"{'stage':6s} {'measured':>10s} {'pred.':>10s} {'err':>7s} {'pred. no-ovl':>13s} {'err':>7s}  traffic")
         for stage in (1, 2, 3):
@@ -162,10 +180,14 @@ def main(argv=None) -> int:
             got = {k if "/" in k else "shard/" + k: v for k, v in r["measured"][f"{stage} comm"].items()}
             assert est == got, (est, got)  # unprefixed keys: before shard_size, every collective was the shard group's
             measured = r["measured"][stage]
-            preds = [predict(ops, world, world, cluster, fwd, bwd, adam / world, overlap).step for overlap in (True, False)]
+            preds = [
+                predict(ops, world, world, cluster, fwd, bwd, adam / world, overlap).step for overlap in (True, False)
+            ]
             errs = [(pr - measured) / measured * 100 for pr in preds]
-            print(f"{stage:<6d} {format_seconds(measured):>10s} {format_seconds(preds[0]):>10s} {errs[0]:>+6.0f}% "
-                  f"{format_seconds(preds[1]):>13s} {errs[1]:>+6.0f}%  {format_bytes(sum(est.values()))} (= comm_stats)")
+            print(
+                f"{stage:<6d} {format_seconds(measured):>10s} {format_seconds(preds[0]):>10s} {errs[0]:>+6.0f}% "
+                f"{format_seconds(preds[1]):>13s} {errs[1]:>+6.0f}%  {format_bytes(sum(est.values()))} (= comm_stats)"
+            )
     return 0
 
 

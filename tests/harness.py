@@ -21,6 +21,7 @@
 - backend="nccl" (rank r on GPU r) spawns fresh processes every call, as each test needs its GPUs;
   so does fresh=True on gloo.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -67,8 +68,9 @@ def _init(rank, world_size, port, timeout, backend):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
@@ -95,6 +97,7 @@ def _pool_main(rank, world_size, port, commands):
 
 def _fresh_main(rank, world_size, port, path, fn, args, timeout, backend):
     import torch.distributed as dist
+
     try:
         _init(rank, world_size, port, timeout, backend)
     except BaseException:  # noqa: BLE001
@@ -112,8 +115,10 @@ class _Pool:
         ctx = mp.get_context("spawn")
         port = free_port()
         self.commands = [ctx.Queue() for _ in range(world_size)]
-        self.procs = [ctx.Process(target=_pool_main, args=(r, world_size, port, self.commands[r]), daemon=True)
-                      for r in range(world_size)]
+        self.procs = [
+            ctx.Process(target=_pool_main, args=(r, world_size, port, self.commands[r]), daemon=True)
+            for r in range(world_size)
+        ]
         for p in self.procs:
             p.start()
 
@@ -138,8 +143,9 @@ def _close_pools() -> None:
     _POOLS.clear()
 
 
-def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0, backend: str = "gloo",
-              fresh: bool = False) -> list:
+def run_ranks(
+    fn, world_size: int, args: tuple = (), timeout: float = 120.0, backend: str = "gloo", fresh: bool = False
+) -> list:
     """Run fn(rank, world_size, *args) on `world_size` ranks (gloo unless told; nccl puts rank r on
     GPU r); return their results by rank. fresh=True: new processes for this call (gloo too), for
     a test about what a process has accumulated (Dynamo's caches), which the pool carries over."""
@@ -158,8 +164,12 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0, bac
         else:
             ctx = mp.get_context("spawn")
             port = free_port()
-            procs = [ctx.Process(target=_fresh_main, args=(r, world_size, port, paths[r], fn, args, timeout, backend),
-                                 daemon=True) for r in range(world_size)]
+            procs = [
+                ctx.Process(
+                    target=_fresh_main, args=(r, world_size, port, paths[r], fn, args, timeout, backend), daemon=True
+                )
+                for r in range(world_size)
+            ]
             for p in procs:
                 p.start()
         hung, died, outcomes = _collect(procs, paths, timeout)
@@ -172,14 +182,21 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0, bac
                 if p.is_alive():
                     p.kill()
                     p.join()
-        errors = [f"--- rank {r} raised:\n{o['error']}" for r, o in enumerate(outcomes)
-                  if o is not None and not o["ok"]] + died
+        errors = [
+            f"--- rank {r} raised:\n{o['error']}" for r, o in enumerate(outcomes) if o is not None and not o["ok"]
+        ] + died
         if errors:
-            raise RankFailed(f"{len(errors)} of {world_size} ranks failed"
-                             + (f" (ranks {hung} did not finish)" if hung else "") + "\n" + "\n".join(errors))
+            raise RankFailed(
+                f"{len(errors)} of {world_size} ranks failed"
+                + (f" (ranks {hung} did not finish)" if hung else "")
+                + "\n"
+                + "\n".join(errors)
+            )
         if hung:
-            raise RankFailed(f"ranks {hung} of {world_size} did not finish within {timeout:.0f} s "
-                             f"(a hang: a collective some ranks never reached?)")
+            raise RankFailed(
+                f"ranks {hung} of {world_size} did not finish within {timeout:.0f} s "
+                f"(a hang: a collective some ranks never reached?)"
+            )
         return [o["result"] for o in outcomes]
 
 
@@ -195,8 +212,10 @@ def _collect(procs, paths, timeout):
             break
         time.sleep(0.02)
     hung = [r for r, path in enumerate(paths) if not os.path.exists(path) and procs[r].is_alive()]
-    died = [f"--- rank {r} exited with code {procs[r].exitcode} without a result (see its stderr above)"
-            for r, path in enumerate(paths) if not os.path.exists(path) and not procs[r].is_alive()]
+    died = [
+        f"--- rank {r} exited with code {procs[r].exitcode} without a result (see its stderr above)"
+        for r, path in enumerate(paths)
+        if not os.path.exists(path) and not procs[r].is_alive()
+    ]
     outcomes = [torch.load(p, weights_only=False) if os.path.exists(p) else None for p in paths]
     return hung, died, outcomes
-

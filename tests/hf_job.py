@@ -5,6 +5,7 @@ tensors the test compares (OUT/<job>-*.pt); the test asserts on them with the su
 Models are built from a config (no download): a 2-layer GPT-2 with tied embeddings for the plain
 Trainer, a 2-layer Llama with a word-level tokenizer made here for TRL. Data: fixed random tokens.
 """
+
 import json
 import os
 import sys
@@ -37,16 +38,40 @@ class TinyLM(torch.utils.data.Dataset):
 
 def gpt2():
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=16,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=2,
+            vocab_size=96,
+            n_positions=16,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
 
 
 def arguments(out, **kw):
     """Accumulation 2, clipping 1.0, warmup + linear schedule, weight decay (the Trainer's decay groups)."""
-    base = dict(output_dir=out, use_cpu=True, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                max_steps=STEPS, learning_rate=1e-3, weight_decay=0.1, logging_steps=1, save_strategy="no",
-                report_to=[], seed=0, disable_tqdm=True, lr_scheduler_type="linear", warmup_steps=1,
-                max_grad_norm=1.0, dataloader_num_workers=0)
+    base = dict(
+        output_dir=out,
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=STEPS,
+        learning_rate=1e-3,
+        weight_decay=0.1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        lr_scheduler_type="linear",
+        warmup_steps=1,
+        max_grad_norm=1.0,
+        dataloader_num_workers=0,
+    )
     if "WORLD_SIZE" in os.environ:  # accelerate 1.15 needs a launcher for ddp_backend
         base["ddp_backend"] = "gloo"
     base.update(kw)
@@ -61,8 +86,11 @@ def params(trainer, only_trainable=False):
     opt = trainer.optimizer
     gathered = opt.gathered_params() if hasattr(opt, "gathered_params") else torch.no_grad()
     with gathered:
-        return {n: p.detach().float().clone() for n, p in trainer.model.named_parameters()
-                if p.requires_grad or not only_trainable}
+        return {
+            n: p.detach().float().clone()
+            for n, p in trainer.model.named_parameters()
+            if p.requires_grad or not only_trainable
+        }
 
 
 def save(name, value):
@@ -86,15 +114,23 @@ def train():
         # Stage 1 replicates across the 2 ranks (hybrid sharding with shard_size=1): the logged
         # grad_norm must still count each gradient element once, as DDP's does.
         hybrid = {"shard_size": 1} if stage == 1 else {}
-        trainer = ZeroTrainer(model=gpt2(), args=arguments(os.path.join(OUT, f"stage{stage}"), **extra),
-                              train_dataset=TinyLM(), zero={"stage": stage, **hybrid}, save_async=stage == 3)
+        trainer = ZeroTrainer(
+            model=gpt2(),
+            args=arguments(os.path.join(OUT, f"stage{stage}"), **extra),
+            train_dataset=TinyLM(),
+            zero={"stage": stage, **hybrid},
+            save_async=stage == 3,
+        )
         trainer.train()
         last = os.path.join(OUT, "stage3", f"checkpoint-{STEPS}", "zerofast", "manifest.json")
         complete_at_return = os.path.isfile(last)
-        res[stage] = {"logs": logs(trainer), "wrapped": type(trainer.model_wrapped).__name__,
-                      "optimizer": type(trainer.optimizer).__name__,
-                      "eval_loss": trainer.evaluate(TinyLM(n=8, seed=1))["eval_loss"],
-                      "last checkpoint complete when train() returned": complete_at_return}
+        res[stage] = {
+            "logs": logs(trainer),
+            "wrapped": type(trainer.model_wrapped).__name__,
+            "optimizer": type(trainer.optimizer).__name__,
+            "eval_loss": trainer.evaluate(TinyLM(n=8, seed=1))["eval_loss"],
+            "last checkpoint complete when train() returned": complete_at_return,
+        }
         save(f"stage{stage}", params(trainer))
         if stage == 3:
             predictions = trainer.predict(TinyLM(n=4, seed=2)).predictions  # the logits, or a tuple with them
@@ -113,19 +149,27 @@ def lora():
     from peft import LoraConfig, get_peft_model
 
     def peft_model():
-        config = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0, fan_in_fan_out=True,
-                            task_type="CAUSAL_LM")
+        config = LoraConfig(
+            r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0, fan_in_fan_out=True, task_type="CAUSAL_LM"
+        )
         torch.manual_seed(1)
         return get_peft_model(gpt2(), config)
 
     out = {}
-    trainer = Trainer(model=peft_model(), args=arguments(os.path.join(OUT, "lora-ddp"), gradient_checkpointing=True),
-                      train_dataset=TinyLM())
+    trainer = Trainer(
+        model=peft_model(),
+        args=arguments(os.path.join(OUT, "lora-ddp"), gradient_checkpointing=True),
+        train_dataset=TinyLM(),
+    )
     trainer.train()
     out["ddp"] = logs(trainer)
     save("lora-ddp", params(trainer, only_trainable=True))
-    trainer = ZeroTrainer(model=peft_model(), args=arguments(os.path.join(OUT, "lora"), gradient_checkpointing=True),
-                          train_dataset=TinyLM(), zero={"stage": 3})
+    trainer = ZeroTrainer(
+        model=peft_model(),
+        args=arguments(os.path.join(OUT, "lora"), gradient_checkpointing=True),
+        train_dataset=TinyLM(),
+        zero={"stage": 3},
+    )
     trainer.train()
     out["zero"] = logs(trainer)
     # Stage 3 shards the frozen base too: the parameter storage alive on this rank after training.
@@ -142,12 +186,20 @@ def precision():
     no autocast and no GradScaler from Accelerate, fp16 with ZeroAdam's loss scale."""
     out = {}
     for flag in ("bf16", "fp16"):
-        trainer = ZeroTrainer(model=gpt2(), args=arguments(os.path.join(OUT, flag), **{flag: True}),
-                              train_dataset=TinyLM(), zero={"stage": 2})
+        trainer = ZeroTrainer(
+            model=gpt2(),
+            args=arguments(os.path.join(OUT, flag), **{flag: True}),
+            train_dataset=TinyLM(),
+            zero={"stage": 2},
+        )
         trainer.train()
-        out[flag] = {"logs": logs(trainer), "dtype": str(next(trainer.model.parameters()).dtype),
-                     "accelerate": [trainer.accelerator.mixed_precision, trainer.accelerator.native_amp],
-                     "mixed_precision": trainer.optimizer.mixed_precision, "loss_scale": trainer.optimizer.loss_scale}
+        out[flag] = {
+            "logs": logs(trainer),
+            "dtype": str(next(trainer.model.parameters()).dtype),
+            "accelerate": [trainer.accelerator.mixed_precision, trainer.accelerator.native_amp],
+            "mixed_precision": trainer.optimizer.mixed_precision,
+            "loss_scale": trainer.optimizer.loss_scale,
+        }
     return out
 
 
@@ -156,9 +208,12 @@ def resume():
     stage = int(sys.argv[3])
     # The same global batch at any world size: 4 samples per micro-batch (2 ranks x 2, or 1 x 4).
     batch = 4 // int(os.environ.get("WORLD_SIZE", 1))
-    trainer = ZeroTrainer(model=gpt2(), args=arguments(os.path.join(OUT, f"resumed{stage}"),
-                                                       per_device_train_batch_size=batch),
-                          train_dataset=TinyLM(), zero={"stage": stage})
+    trainer = ZeroTrainer(
+        model=gpt2(),
+        args=arguments(os.path.join(OUT, f"resumed{stage}"), per_device_train_batch_size=batch),
+        train_dataset=TinyLM(),
+        zero={"stage": stage},
+    )
     trainer.train(resume_from_checkpoint=os.path.join(OUT, "stage3", "checkpoint-2"))
     save(f"stage{stage}-world{dist.get_world_size()}", params(trainer))
     if RANK == 0:
@@ -175,26 +230,54 @@ def sft():
     from trl import SFTConfig
 
     from zerofast.integrations.hf import ZeroSFTTrainer
+
     words = "the a cat dog sat ran on under mat log red blue big small".split()
     vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "<s>", "</s>"] + words)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                        unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
     g = torch.Generator().manual_seed(0)
     rows = [" ".join(words[int(i)] for i in torch.randint(0, len(words), (8,), generator=g)) for _ in range(32)]
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64))
-    config = SFTConfig(output_dir=os.path.join(OUT, "sft"), use_cpu=True, per_device_train_batch_size=2,
-                       gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-2, logging_steps=1,
-                       save_strategy="no", report_to=[], seed=0, disable_tqdm=True, max_length=16,
-                       dataset_num_proc=None, **({"ddp_backend": "gloo"} if "WORLD_SIZE" in os.environ else {}))
-    trainer = ZeroSFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"text": rows}),
-                             processing_class=tokenizer,
-                             peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                    lora_dropout=0.0, task_type="CAUSAL_LM"),
-                             zero={"stage": 3})
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    )
+    config = SFTConfig(
+        output_dir=os.path.join(OUT, "sft"),
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=3,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        max_length=16,
+        dataset_num_proc=None,
+        **({"ddp_backend": "gloo"} if "WORLD_SIZE" in os.environ else {}),
+    )
+    trainer = ZeroSFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=Dataset.from_dict({"text": rows}),
+        processing_class=tokenizer,
+        peft_config=LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM"
+        ),
+        zero={"stage": 3},
+    )
     trainer.train()
     if RANK == 0:
         with open(os.path.join(OUT, "sft.json"), "w") as f:

@@ -6,6 +6,7 @@ comm_stats, and a checkpoint saved at (4 ranks, shard_size=2).
 
     python -m torch.distributed.run --nnodes 2 --nproc-per-node 2 ... tests/hybrid_job.py OUT_DIR
 """
+
 from __future__ import annotations
 
 import os

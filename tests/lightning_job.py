@@ -10,6 +10,7 @@ puts in (for training shuffled, with seed 0 and the epoch: one permutation at ev
 taking every WORLD-th index), so the global batch of a step is the same six sequences at 2 and at 3
 ranks, and a run resumed at another world size is comparable with the uninterrupted one.
 """
+
 import json
 import os
 import sys
@@ -24,14 +25,17 @@ if JOB == "torchrun":
     import pytorch_lightning as pl  # noqa: E402
     from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
     from pytorch_lightning.strategies import DDPStrategy  # noqa: E402
+
     from zerofast.integrations.pytorch_lightning import ZeroStrategy  # noqa: E402
 else:
     import lightning.pytorch as pl  # noqa: E402
     from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
     from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+
     from zerofast.integrations.lightning import ZeroStrategy  # noqa: E402
 
 from oracles import Nested  # noqa: E402
+
 from zerofast import ZeroAdam  # noqa: E402
 
 EPOCHS = 3
@@ -99,17 +103,29 @@ class Lit(pl.LightningModule):
         else:
             decay = [p for p in self.parameters() if p.ndim >= 2]
             rest = [p for p in self.parameters() if p.ndim < 2]
-            opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                                    **HYPER)
+            opt = torch.optim.AdamW(
+                [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], **HYPER
+            )
         scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 def trainer(strategy, epochs=EPOCHS, ckpt_dir=None, **kw):
     callbacks = [ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1, save_last=True)] if ckpt_dir else []
-    base = dict(accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=epochs, accumulate_grad_batches=2,
-                gradient_clip_val=1.0, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                enable_checkpointing=bool(ckpt_dir), callbacks=callbacks, num_sanity_val_steps=2)
+    base = dict(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=strategy,
+        max_epochs=epochs,
+        accumulate_grad_batches=2,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(ckpt_dir),
+        callbacks=callbacks,
+        num_sanity_val_steps=2,
+    )
     base.update(kw)
     return pl.Trainer(**base)
 
@@ -129,9 +145,13 @@ def fit(name, strategy, res, module=None, ckpt_path=None, val=True, **kw):
     module = module or Lit()
     t = trainer(strategy, **kw)
     t.fit(module, loader(48, 0), loader(12, 1) if val else None, ckpt_path=ckpt_path)
-    res[name] = {"losses": module.losses, "global_step": t.global_step,
-                 "val_loss": float(t.callback_metrics["val_loss"]) if val else None,
-                 "wrapped": module.wrapped, "optimizer": type(t.optimizers[0]).__name__}
+    res[name] = {
+        "losses": module.losses,
+        "global_step": t.global_step,
+        "val_loss": float(t.callback_metrics["val_loss"]) if val else None,
+        "wrapped": module.wrapped,
+        "optimizer": type(t.optimizers[0]).__name__,
+    }
     save(name, params(t, module))
     return t, module
 
@@ -154,8 +174,12 @@ def train():
     fit("ddp", ddp(), res, ckpt_dir=os.path.join(OUT, "ckpt-ddp"))
     for stage in (1, 2, 3):
         # stage 3 saves asynchronously (ModelCheckpoint's and the saves by hand)
-        t, module = fit(f"stage{stage}", ZeroStrategy(stage=stage, save_async=stage == 3), res,
-                        ckpt_dir=os.path.join(OUT, f"ckpt-stage{stage}") if stage > 1 else None)
+        t, module = fit(
+            f"stage{stage}",
+            ZeroStrategy(stage=stage, save_async=stage == 3),
+            res,
+            ckpt_dir=os.path.join(OUT, f"ckpt-stage{stage}") if stage > 1 else None,
+        )
         if stage == 3:  # evaluation after fit, on the sharded module; and a save by hand
             res["stage3"]["validate"] = t.validate(module, loader(12, 1), verbose=False)[0]["val_loss"]
             res["stage3"]["predict"] = [p.tolist() for p in t.predict(module, loader(6, 2))]
@@ -168,19 +192,48 @@ def train():
     # gradient_clip_algorithm="value", DDP against stage 2
     fit("ddp-value", ddp(), res, epochs=1, gradient_clip_val=0.01, gradient_clip_algorithm="value")
     # (hybrid sharding, shard_size=1: each rank clamps the whole gradient after the replicas' all_reduce)
-    fit("stage2-value", ZeroStrategy(stage=2, shard_size=1), res, epochs=1, gradient_clip_val=0.01,
-        gradient_clip_algorithm="value")
+    fit(
+        "stage2-value",
+        ZeroStrategy(stage=2, shard_size=1),
+        res,
+        epochs=1,
+        gradient_clip_val=0.01,
+        gradient_clip_algorithm="value",
+    )
     # Manual optimization: manual_backward, clip_gradients, opt.step(), the scheduler by hand
-    fit("ddp-manual", ddp(), res, module=Lit(manual=True), epochs=1, accumulate_grad_batches=1,
-        gradient_clip_val=None, val=False)
-    fit("stage3-manual", ZeroStrategy(stage=3), res, module=Lit(manual=True), epochs=1, accumulate_grad_batches=1,
-        gradient_clip_val=None, val=False)
+    fit(
+        "ddp-manual",
+        ddp(),
+        res,
+        module=Lit(manual=True),
+        epochs=1,
+        accumulate_grad_batches=1,
+        gradient_clip_val=None,
+        val=False,
+    )
+    fit(
+        "stage3-manual",
+        ZeroStrategy(stage=3),
+        res,
+        module=Lit(manual=True),
+        epochs=1,
+        accumulate_grad_batches=1,
+        gradient_clip_val=None,
+        val=False,
+    )
     # A ZeroAdam from configure_optimizers, in bf16 (stage 3) and in fp16 with its loss scaling (stage
     # 2; "16-true": Lightning turns "16-mixed" into bf16 on CPU): equal to the same ZeroAdam in its own loop
     for stage, precision in ((3, "bf16-mixed"), (2, "16-true")):
         name = f"stage{stage}-{LOW[precision]}"
-        t, _ = fit(name, ZeroStrategy(), res, module=Lit(optimizer="zero", zero_stage=stage), epochs=1,
-                   precision=precision, val=False)
+        t, _ = fit(
+            name,
+            ZeroStrategy(),
+            res,
+            module=Lit(optimizer="zero", zero_stage=stage),
+            epochs=1,
+            precision=precision,
+            val=False,
+        )
         res[name]["loss_scale"] = t.strategy.zero.loss_scale
         res[f"own-{name}"] = own_loop(name, stage, LOW[precision])
     res["errors"] = {
@@ -228,8 +281,9 @@ def resume():
         fit("stage2-from-ddp", ZeroStrategy(stage=2), res, ckpt_path=os.path.join(OUT, "ckpt-ddp", first))
         # evaluation alone from a sharded checkpoint: no optimizer, the whole model on each rank
         t = trainer(ZeroStrategy(stage=3))
-        res["validate-only"] = t.validate(Lit(), loader(12, 1), ckpt_path=os.path.join(OUT, "by-hand.ckpt"),
-                                          verbose=False)[0]["val_loss"]
+        res["validate-only"] = t.validate(
+            Lit(), loader(12, 1), ckpt_path=os.path.join(OUT, "by-hand.ckpt"), verbose=False
+        )[0]["val_loss"]
     else:
         fit("stage1-from-stage3", ZeroStrategy(stage=1), res, ckpt_path=os.path.join(OUT, "ckpt-stage3", first))
     if dist.get_rank() == 0:

@@ -1,4 +1,5 @@
 """Shared pieces of the multi-rank tests: the data each rank sees, and the single-process oracle."""
+
 from __future__ import annotations
 
 import torch
@@ -63,6 +64,7 @@ def norm_rel_tol(numel: int) -> float:
 def ulp(dtype: torch.dtype, magnitude: float) -> float:
     """The spacing of `dtype`'s values at `magnitude` (its unit in the last place there)."""
     import math
+
     exponent = math.floor(math.log2(magnitude)) if magnitude > 0 else 0
     return 2.0**exponent * ULP_REL[dtype]
 
@@ -78,8 +80,9 @@ def global_batch(model, step: int, world: int):
     return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
 
 
-def train_steps(model, opt, rank: int, steps: int, *, start: int = 0, forward=None, backward=None,
-                before_step=None, after_step=None) -> list[float]:
+def train_steps(
+    model, opt, rank: int, steps: int, *, start: int = 0, forward=None, backward=None, before_step=None, after_step=None
+) -> list[float]:
     """The multi-rank tests' training loop, written once. For each step in range(start, start +
     steps): rank `rank`'s batch (rank_batch, moved to the model's device), its loss, backward,
     opt.step(), opt.zero_grad(). What a test does in between goes in the hooks:
@@ -169,8 +172,10 @@ class Quirky(torch.nn.Module):
 def two_groups(model: torch.nn.Module) -> list[dict]:
     """Matrices in one group, vectors (biases, norms, rank0_only) in another with its own lr and wd."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in trainable if p.dim() >= 2], "lr": 1e-3, "weight_decay": 0.1},
-            {"params": [p for p in trainable if p.dim() < 2], "lr": 2e-3, "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in trainable if p.dim() >= 2], "lr": 1e-3, "weight_decay": 0.1},
+        {"params": [p for p in trainable if p.dim() < 2], "lr": 2e-3, "weight_decay": 0.0},
+    ]
 
 
 def make_scheduler(opt):
@@ -225,9 +230,17 @@ def single_process(model_fn, world: int, steps: int) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def single_process_mixed(world: int, steps: int, dtype: torch.dtype, *, reduce_dtype=torch.float32,
-                         scaler: dict | None = None, max_norm: float | None = None, hyper=HYPER,
-                         device: str = "cpu"):
+def single_process_mixed(
+    world: int,
+    steps: int,
+    dtype: torch.dtype,
+    *,
+    reduce_dtype=torch.float32,
+    scaler: dict | None = None,
+    max_norm: float | None = None,
+    hyper=HYPER,
+    device: str = "cpu",
+):
     """Single-process mixed-precision AdamW as a PyTorch user writes it: the tiny GPT converted with
     model.to(dtype), an fp32 master copy of its parameters that torch.optim.AdamW updates and that is
     copied back, rounded, after each step. Each rank's batch gets its own backward (gradients in the
@@ -275,8 +288,11 @@ def single_process_mixed(world: int, steps: int, dtype: torch.dtype, *, reduce_d
             with torch.no_grad():
                 for p, m in zip(params, master):
                     p.copy_(m)
-        return ({n: p.detach().float().cpu() for n, p in zip(names, params)},
-                {n: m.detach().cpu() for n, m in zip(names, master)}, history)
+        return (
+            {n: p.detach().float().cpu() for n, p in zip(names, params)},
+            {n: m.detach().cpu() for n, m in zip(names, master)},
+            history,
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -286,7 +302,7 @@ def full_master(per_rank_pieces: list[list[tuple]], shapes: dict[str, tuple]) ->
     out = {n: torch.full((int(torch.tensor(s).prod().item()) if s else 1,), float("nan")) for n, s in shapes.items()}
     for pieces in per_rank_pieces:
         for name, offset, values in pieces:
-            out[name][offset:offset + values.numel()] = values
+            out[name][offset : offset + values.numel()] = values
     return {n: t.view(shapes[n]) for n, t in out.items()}
 
 
@@ -302,8 +318,14 @@ class Nested(torch.nn.Module):
         self.backbone = torch.nn.Module()
         self.backbone.embed = torch.nn.Embedding(vocab, width)
         self.backbone.layers = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
-                                torch.nn.Linear(2 * width, width)) for _ in range(layers))
+            torch.nn.Sequential(
+                torch.nn.LayerNorm(width),
+                torch.nn.Linear(width, 2 * width),
+                torch.nn.GELU(),
+                torch.nn.Linear(2 * width, width),
+            )
+            for _ in range(layers)
+        )
         self.backbone.norm = torch.nn.LayerNorm(width)
         self.head = torch.nn.Linear(width, vocab, bias=False)
         self.head.weight = self.backbone.embed.weight  # tied: used first and last
@@ -324,8 +346,18 @@ def hf_gpt2(layers: int = 3):
     except ImportError:
         return None
     torch.manual_seed(4)
-    cfg = GPT2Config(n_layer=layers, n_embd=16, n_head=2, vocab_size=48, n_positions=12, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(
+        n_layer=layers,
+        n_embd=16,
+        n_head=2,
+        vocab_size=48,
+        n_positions=12,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = GPT2LMHeadModel(cfg)
     model.cfg = type("Cfg", (), {"vocab_size": 48, "block_size": 12})()
     return model
@@ -343,6 +375,7 @@ def held_tensor_bytes(root) -> int:
     attributes, containers and the objects they hold, stopping at the model (whose parameters are
     views of the optimizer's own buffers) and at process groups. Independent of memory_report()."""
     import torch.nn as nn
+
     seen, storages, stack = set(), {}, [root]
     while stack:
         obj = stack.pop()
@@ -361,26 +394,51 @@ def held_tensor_bytes(root) -> int:
     return sum(n for ptr, n in storages.items() if ptr)
 
 
-def zero_options(stage: int, *, partition=None, bucket_mb=None, bucket_buffers=None, overlap=None,
-                 overlap_param_gather=None, accumulate_locally=None, check_collectives=None, min_unit_mb=None,
-                 units=None, mixed_precision=None, reduce_dtype=None, init_scale=None, growth_interval=None) -> dict:
+def zero_options(
+    stage: int,
+    *,
+    partition=None,
+    bucket_mb=None,
+    bucket_buffers=None,
+    overlap=None,
+    overlap_param_gather=None,
+    accumulate_locally=None,
+    check_collectives=None,
+    min_unit_mb=None,
+    units=None,
+    mixed_precision=None,
+    reduce_dtype=None,
+    init_scale=None,
+    growth_interval=None,
+) -> dict:
     """ZeroAdam's keywords for a test matrix written over flat option names: the stage, and the
     policies that hold the options given (None: the policy's default). A bucket size belongs to
     stages 1 and 2, so a matrix over stages passes bucket_mb to those only (stage 3 reduces one
     bucket per unit, and ZeroAdam rejects a bucket size there)."""
     from zerofast import CommPolicy, LossScalePolicy, MixedPrecisionPolicy, UnitPolicy
-    comm = {k: v for k, v in dict(partition=partition, bucket_mb=bucket_mb if stage < 3 else None,
-                                  bucket_buffers=bucket_buffers, overlap=overlap,
-                                  overlap_param_gather=overlap_param_gather, accumulate_locally=accumulate_locally,
-                                  check_collectives=check_collectives).items() if v is not None}
+
+    comm = {
+        k: v
+        for k, v in dict(
+            partition=partition,
+            bucket_mb=bucket_mb if stage < 3 else None,
+            bucket_buffers=bucket_buffers,
+            overlap=overlap,
+            overlap_param_gather=overlap_param_gather,
+            accumulate_locally=accumulate_locally,
+            check_collectives=check_collectives,
+        ).items()
+        if v is not None
+    }
     out = dict(stage=stage, comm=CommPolicy(**comm))
     if stage == 3 and (units is not None or min_unit_mb is not None):
         out["units"] = UnitPolicy(modules=units, min_unit_mb=min_unit_mb if units is None else None)
     scaling = {k: v for k, v in dict(init_scale=init_scale, growth_interval=growth_interval).items() if v is not None}
     if mixed_precision is not None and (reduce_dtype is not None or scaling):
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
-        out["mixed_precision"] = MixedPrecisionPolicy(dtype, reduce_dtype,
-                                                      LossScalePolicy(**scaling) if scaling else None)
+        out["mixed_precision"] = MixedPrecisionPolicy(
+            dtype, reduce_dtype, LossScalePolicy(**scaling) if scaling else None
+        )
     elif mixed_precision is not None:
         out["mixed_precision"] = mixed_precision
     return out

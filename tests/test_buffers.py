@@ -1,15 +1,24 @@
 """Gradient buffers: at most `bucket_buffers` pooled bucket buffers alive at once during
 backward, counted by the C++ side, even when one rank's backward runs far ahead of another's; and
 stage 1's gradients as views of persistent buckets reduced in place, with no second copy."""
+
 import os
 import time
 
 import pytest
 import torch
-
 from harness import run_ranks
-from oracles import (zero_options, HYPER, fp32_tol, held_tensor_bytes, max_abs_diff, rank_batch, single_process_adamw,
-                     train_steps)
+from oracles import (
+    HYPER,
+    fp32_tol,
+    held_tensor_bytes,
+    max_abs_diff,
+    rank_batch,
+    single_process_adamw,
+    train_steps,
+    zero_options,
+)
+
 from zerofast import ZeroAdam
 from zerofast.tools.models import make_gpt
 
@@ -53,7 +62,19 @@ def _train_counting(rank, world, stage, partition, budget, slow, sync_dir, preci
     sync_dir = os.path.join(sync_dir, f"stage{stage}-{partition}-budget{budget}-{precision}")
     os.makedirs(sync_dir, exist_ok=True)
     model = make_gpt("tiny", n_layer=10)
-    opt = ZeroAdam(model, **zero_options(stage, partition=partition, bucket_mb=0.002, min_unit_mb=0, bucket_buffers=budget, mixed_precision=precision, reduce_dtype=reduce_dtype), **HYPER)
+    opt = ZeroAdam(
+        model,
+        **zero_options(
+            stage,
+            partition=partition,
+            bucket_mb=0.002,
+            min_unit_mb=0,
+            bucket_buffers=budget,
+            mixed_precision=precision,
+            reduce_dtype=reduce_dtype,
+        ),
+        **HYPER,
+    )
     samples = []
     fast = slow and rank != SLOW_RANK
     state = {"step": 0, "backward": False}
@@ -66,6 +87,7 @@ def _train_counting(rank, world, stage, partition, budget, slow, sync_dir, preci
         samples.append(live)
         if fast and budget and live >= budget:
             _go_ahead(sync_dir, state["step"], rank)
+
     handles = [p.register_post_accumulate_grad_hook(sample) for p in model.parameters()]
     if fast and stage == 3:
         wait = opt.units.buffers.gather_wait
@@ -74,6 +96,7 @@ def _train_counting(rank, world, stage, partition, budget, slow, sync_dir, preci
             if state["backward"]:
                 _go_ahead(sync_dir, state["step"], rank)
             wait(unit)
+
         opt.units.buffers.gather_wait = go_ahead_then_wait
 
     def forward(model, x, y, step):
@@ -87,13 +110,13 @@ def _train_counting(rank, world, stage, partition, budget, slow, sync_dir, preci
         opt.backward(loss)
         if fast:
             _go_ahead(sync_dir, state["step"], rank)
+
     train_steps(model, opt, rank, STEPS, forward=forward, backward=backward)
     for h in handles:
         h.remove()
     with opt.gathered_params():  # stage 3's parameters exist only while gathered
         params = _params(model)
-    return dict(counts=opt.buffer_counts(), sampled=max(samples), buckets=len(opt.layout.buckets),
-                params=params)
+    return dict(counts=opt.buffer_counts(), sampled=max(samples), buckets=len(opt.layout.buckets), params=params)
 
 
 def _budget_matrix(rank, world, sync_dir):
@@ -102,12 +125,13 @@ def _budget_matrix(rank, world, sync_dir):
         for partition in PARTITIONS:
             # Stage 3's root unit (embeddings, tied head, final norm) gets gradients at both ends of
             # backward, so its buffer is open throughout: 2 is the least budget that can hold.
-            for budget in ((1, 2) if stage == 2 else (2, 3)):
+            for budget in (1, 2) if stage == 2 else (2, 3):
                 out[(stage, partition, budget)] = _train_counting(rank, world, stage, partition, budget, True, sync_dir)
     out["unbounded"] = _train_counting(rank, world, 2, "flat", 0, True, sync_dir)
     # Stage 1 copies into pooled buffers only when it reduces in another dtype than its gradients.
-    out["stage1_fp32_reduce"] = _train_counting(rank, world, 1, "flat", 2, True, sync_dir, precision="bf16",
-                                                reduce_dtype=torch.float32)
+    out["stage1_fp32_reduce"] = _train_counting(
+        rank, world, 1, "flat", 2, True, sync_dir, precision="bf16", reduce_dtype=torch.float32
+    )
     out["stage1_views"] = _train_counting(rank, world, 1, "flat", 2, True, sync_dir)
     return out
 
@@ -147,6 +171,7 @@ def test_buffers_alive_at_once_stay_within_the_budget(world, tmp_path):
 
 # --- stage 1: gradients as views of the buckets ---------------------------------------------------------
 
+
 def _stage1(rank, world, precision):
     model = make_gpt("tiny")
     opt = ZeroAdam(model, **zero_options(1, bucket_mb=0.01), mixed_precision=precision, **HYPER)
@@ -167,9 +192,18 @@ def _stage1(rank, world, precision):
     opt.backward(loss)
     held = held_tensor_bytes(opt)
     report = opt.memory_report()
-    return dict(inside=inside, after_step=after_step, held=held, report=report, params=_params(model),
-                numel=sum(p.numel() for p in model.parameters()), padded=sum(b.numel for b in opt.layout.buckets),
-                shard=opt.layout.shard_numel(rank), counts=opt.buffer_counts(), steps=steps)
+    return dict(
+        inside=inside,
+        after_step=after_step,
+        held=held,
+        report=report,
+        params=_params(model),
+        numel=sum(p.numel() for p in model.parameters()),
+        padded=sum(b.numel for b in opt.layout.buckets),
+        shard=opt.layout.shard_numel(rank),
+        counts=opt.buffer_counts(),
+        steps=steps,
+    )
 
 
 @pytest.mark.parametrize("world", [2, 3])

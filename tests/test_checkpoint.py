@@ -2,6 +2,7 @@
 configuration bitwise; load into another world size, stage, partition or precision with the full
 parameters and optimizer state bitwise as saved; a plain model loads the model entry with DCP
 alone; incomplete checkpoints are never taken; bad input gets a clear error on every rank."""
+
 import json
 import os
 import shutil
@@ -10,9 +11,19 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-
 from harness import run_ranks
-from oracles import train_steps, HYPER, Quirky, fp32_tol, full_master, global_batch, max_abs_diff, rank_batch, zero_options
+from oracles import (
+    HYPER,
+    Quirky,
+    fp32_tol,
+    full_master,
+    global_batch,
+    max_abs_diff,
+    rank_batch,
+    train_steps,
+    zero_options,
+)
+
 from zerofast import ZeroAdam
 from zerofast import checkpoint as ck
 from zerofast.tools.models import make_gpt
@@ -40,24 +51,35 @@ def _snapshot(model, opt) -> dict:
     master and of Adam's moments, the step counts and the loss scale."""
     with opt.gathered_params():
         params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    return dict(params=params, **{k: opt.shard.state_pieces(k) for k in ("master", "exp_avg", "exp_avg_sq")},
-                steps=opt.step_counts(), scale=opt.loss_scale)
+    return dict(
+        params=params,
+        **{k: opt.shard.state_pieces(k) for k in ("master", "exp_avg", "exp_avg_sq")},
+        steps=opt.step_counts(),
+        scale=opt.loss_scale,
+    )
 
 
 def _make(stage, partition, precision, seed=0, **kw):
     model = make_gpt("tiny", seed=seed)
     group = dist.new_group(list(range(dist.get_world_size())))  # a fresh process group for each optimizer
     scaling = dict(init_scale=2.0**8, growth_interval=2) if precision == "fp16" else {}  # a scale that moves
-    opt = ZeroAdam(model, **zero_options(stage, partition=partition, mixed_precision=precision,
-                                         bucket_mb=kw.pop("bucket_mb", 0.01), **scaling),
-                   process_group=group, **HYPER, **kw)
+    opt = ZeroAdam(
+        model,
+        **zero_options(
+            stage, partition=partition, mixed_precision=precision, bucket_mb=kw.pop("bucket_mb", 0.01), **scaling
+        ),
+        process_group=group,
+        **HYPER,
+        **kw,
+    )
     return model, opt
 
 
 # --- the same configuration: resume bitwise ------------------------------------------------------
 
-CONFIGS = ([(s, p, None) for s in (1, 2, 3) for p in ("flat", "round_robin", "greedy")]
-           + [(s, p, mp) for mp in ("bf16", "fp16") for s in (1, 2, 3) for p in ("flat", "round_robin", "greedy")])
+CONFIGS = [(s, p, None) for s in (1, 2, 3) for p in ("flat", "round_robin", "greedy")] + [
+    (s, p, mp) for mp in ("bf16", "fp16") for s in (1, 2, 3) for p in ("flat", "round_robin", "greedy")
+]
 
 
 def _resume_matrix(rank, world, root):
@@ -84,12 +106,14 @@ def test_resume_in_the_same_configuration_is_bitwise(world, root):
             assert extra == {"step": STEPS, "note": "user object"}, where
             assert all(torch.equal(got["params"][n], want["params"][n]) for n in want["params"]), where
             for kind in ("master", "exp_avg", "exp_avg_sq"):
-                assert all(a[:2] == b[:2] and torch.equal(a[2], b[2]) for a, b in zip(got[kind], want[kind])), \
+                assert all(a[:2] == b[:2] and torch.equal(a[2], b[2]) for a, b in zip(got[kind], want[kind])), (
                     f"{where}: {kind}"
+                )
             assert got["steps"] == want["steps"] and got["scale"] == want["scale"], where
 
 
 # --- another configuration: resharded, bitwise as saved -------------------------------------------
+
 
 def _save_for_reshard(rank, world, path, stage, partition, precision):
     model, opt = _make(stage, partition, precision)
@@ -165,6 +189,7 @@ def test_training_continues_on_another_world_size_as_single_process_adamw(root):
 
 def test_a_plain_model_loads_the_model_entry_with_dcp_alone(root):
     import torch.distributed.checkpoint as dcp
+
     path = os.path.join(root, "step-3")
     before = run_ranks(_save_for_reshard, 2, args=(path, 3, "greedy", None))
     model = make_gpt("tiny", seed=9)
@@ -177,6 +202,7 @@ def test_a_plain_model_loads_the_model_entry_with_dcp_alone(root):
 
 
 # --- what is never taken, and bad input -----------------------------------------------------------
+
 
 def _errors(rank, world, root):
     model, opt = _make(2, "flat", None)
@@ -209,8 +235,12 @@ def test_incomplete_checkpoints_are_never_taken_and_bad_input_is_named(root):
         assert exists and exists.startswith("FileExistsError") and "never overwritten" in exists
         assert incomplete and incomplete.startswith("FileNotFoundError") and "was never completed" in incomplete
         assert missing and missing.startswith("FileNotFoundError") and "no checkpoint at" in missing
-        assert mismatch and mismatch.startswith("ValueError") and "wte.weight of shape (64, 16)" in mismatch \
+        assert (
+            mismatch
+            and mismatch.startswith("ValueError")
+            and "wte.weight of shape (64, 16)" in mismatch
             and "(64, 24)" in mismatch
+        )
 
 
 def test_boxes_cover_a_flat_range_exactly():
@@ -222,13 +252,15 @@ def test_boxes_cover_a_flat_range_exactly():
             for hi in range(lo + 1, numel + 1):
                 got = ck.boxes(shape, lo, hi)
                 assert len(got) <= 2 * len(shape) - 1
-                values = torch.cat([flat[tuple(slice(o, o + z) for o, z in zip(off, size))].reshape(-1)
-                                    for off, size, _ in got])
+                values = torch.cat(
+                    [flat[tuple(slice(o, o + z) for o, z in zip(off, size))].reshape(-1) for off, size, _ in got]
+                )
                 assert torch.equal(values, torch.arange(lo, hi)), (shape, lo, hi, got)
                 assert [start for _, _, start in got] == sorted(start for _, _, start in got)
 
 
 # --- plain torch both ways, export, info, keep ------------------------------------------------------
+
 
 def _continue(rank, world, path, steps_from):
     model, opt = _make(2, "flat", None, seed=7)
@@ -282,6 +314,7 @@ def test_from_torch_continues_a_plain_torch_run_in_zeroadam():
 
 def test_export_streams_a_safetensors_file_a_plain_model_loads(root):
     from safetensors.torch import load_file
+
     path = os.path.join(root, "step-3")
     before = run_ranks(_save_for_reshard, 3, args=(path, 2, "flat", None))  # ranges cut across rows: boxes
     master = _full(before, "master")
@@ -365,10 +398,12 @@ def test_latest_orders_by_the_step_in_the_manifest_not_the_clock(root):
 
 # --- a save killed half-way; a damaged file -------------------------------------------------------
 
+
 def _killed_while_saving(rank, world, root):
     import signal
 
     from torch.distributed.checkpoint import filesystem
+
     model, opt = _make(2, "flat", None)
     _train(model, opt, rank, 0, 1)
     ck.save(os.path.join(root, "step-1"), model, opt)
@@ -379,6 +414,7 @@ def _killed_while_saving(rank, world, root):
         def write_then_die(*args, **kwargs):
             real(*args, **kwargs)
             os.kill(os.getpid(), signal.SIGKILL)
+
         filesystem._write_item = write_then_die
     ck.save(os.path.join(root, "step-2"), model, opt)
 
@@ -392,6 +428,7 @@ def _load_latest(rank, world, root):
 
 def test_a_save_killed_half_way_leaves_the_previous_checkpoint(root):
     from harness import RankFailed
+
     with pytest.raises(RankFailed, match="rank 1 exited with code -9"):
         run_ranks(_killed_while_saving, 2, args=(root,), timeout=120)
     assert not os.path.exists(os.path.join(root, "step-2"))
@@ -419,6 +456,7 @@ def test_a_truncated_file_is_an_error_naming_it(root):
 
 
 # --- export's memory --------------------------------------------------------------------------------
+
 
 class _Wide(torch.nn.Module):
     """64 MiB of fp32 in seven matrices, the largest 16 MiB (25% of the model)."""
@@ -461,12 +499,14 @@ print(base, status("VmHWM"))
 def test_export_memory_is_a_constant_not_a_tensor(root):
     import subprocess
     import sys
+
     path = os.path.join(root, "wide")
     run_ranks(_save_wide, 2, args=(path,))
 
     def grew(out, *block):
-        text = subprocess.run([sys.executable, "-c", _EXPORT_RSS, path, out, *map(str, block)],
-                              capture_output=True, text=True, check=True).stdout
+        text = subprocess.run(
+            [sys.executable, "-c", _EXPORT_RSS, path, out, *map(str, block)], capture_output=True, text=True, check=True
+        ).stdout
         base, peak = map(int, text.split())
         return peak - base
 
@@ -478,18 +518,24 @@ def test_export_memory_is_a_constant_not_a_tensor(root):
     # The control: with blocks larger than any chunk, each tensor is read whole, and the measurement
     # must see that (19.9 MiB measured), or it could not see the property break either.
     whole = grew(os.path.join(root, "whole.safetensors"), 64 << 20)
-    print(f"export: {streaming / 2**20:.1f} MiB over the RSS before it ({whole / 2**20:.1f} MiB reading each "
-          f"tensor whole); largest tensor {largest / 2**20:.0f} MiB")
+    print(
+        f"export: {streaming / 2**20:.1f} MiB over the RSS before it ({whole / 2**20:.1f} MiB reading each "
+        f"tensor whole); largest tensor {largest / 2**20:.0f} MiB"
+    )
     assert whole >= largest, f"the control grew by {whole / 2**20:.1f} MiB only: the measurement is blind"
-    assert streaming < largest, (f"export grew by {streaming / 2**20:.1f} MiB, as much as the largest tensor "
-                                 f"({largest / 2**20:.0f} MiB): it no longer streams")
+    assert streaming < largest, (
+        f"export grew by {streaming / 2**20:.1f} MiB, as much as the largest tensor "
+        f"({largest / 2**20:.0f} MiB): it no longer streams"
+    )
     from safetensors.torch import load_file
+
     exported, want = load_file(os.path.join(root, "wide.safetensors")), _Wide().state_dict()
     assert exported.keys() == want.keys() and all(torch.equal(exported[k], want[k]) for k in want)
 
 
 def _dcp_by_hand(rank, world, path, stage, partition, precision):
     import torch.distributed.checkpoint as dcp
+
     model, opt = _make(stage, partition, precision)
     _train(model, opt, rank, 0, STEPS)
     dcp.save(opt.state_dict(), checkpoint_id=path, process_group=opt.group)
@@ -536,6 +582,7 @@ def test_buffers_and_frozen_parameters_travel_too(root):
     """Quirky: a buffer, a frozen parameter and the tied GPT inside; saved from stage 3, loaded into
     stage 1 and by a plain model through DCP alone."""
     import torch.distributed.checkpoint as dcp
+
     path = os.path.join(root, "quirky")
     want = Quirky()
     for probe, frozen in run_ranks(_quirky_save_and_load, 2, args=(path,)):
@@ -554,7 +601,9 @@ def test_buffers_and_frozen_parameters_travel_too(root):
 def test_command_line_info_and_export(root, capsys):
     import subprocess
     import sys
+
     from safetensors.torch import load_file
+
     path = os.path.join(root, "step-3")
     before = run_ranks(_save_for_reshard, 2, args=(path, 1, "flat", None))
     out = subprocess.run([sys.executable, "-m", "zerofast.checkpoint", "info", root], capture_output=True, text=True)

@@ -4,15 +4,16 @@ taken at the same step, bitwise, in stages 1-3 and in bf16; the staging memory i
 shard, reused; a second save and a load wait for the one in flight; a write error (on one rank)
 is raised later, by wait() or by the next save, naming the path, on every rank; a rank SIGKILLed
 during the background write leaves the previous checkpoint the latest, and keep=K deleted nothing."""
+
 import os
 import shutil
 import tempfile
 
 import pytest
 import torch
-
 from harness import RankFailed, run_ranks
 from oracles import HYPER, train_steps
+
 from zerofast import ZeroAdam
 from zerofast import checkpoint as ck
 from zerofast.checkpoint import io as ck_io
@@ -37,16 +38,19 @@ def _slow_writes(filesystem):
     """DCP's item writer, each item 50 ms late: the training steps after an asynchronous save then
     surely run before its data is written, so a writer reading the live state would differ."""
     import time
+
     real = filesystem._write_item
 
     def slow(*args, **kwargs):
         time.sleep(0.05)
         return real(*args, **kwargs)
+
     return real, slow
 
 
 def _async_equals_blocking(rank, world, root):
     from torch.distributed.checkpoint import filesystem
+
     real, slow = _slow_writes(filesystem)
     out = {}
     for stage, precision in ((1, None), (2, None), (3, None), (3, "bf16")):
@@ -77,13 +81,18 @@ def _async_equals_blocking(rank, world, root):
         assert {k: t.data_ptr() for k, t in staged.flat.items()} == pointers
         ck.load(again.path, model, opt)  # waits for `again`, which exists afterwards
         import warnings
+
         with warnings.catch_warnings(record=True) as caught:  # a failing then(): a warning, not the save's error
             warnings.simplefilter("always")
             again.then(lambda: 1 / 0)
         assert any(again.path in str(w.message) and "ZeroDivisionError" in str(w.message) for w in caught)
-        out[tag] = dict(blocking=blocking, shard_numel=opt.layout.shard_numel(rank),
-                        buffer_bytes=model.seen.numel() * model.seen.element_size(),  # bf16: the buffer too
-                        staging_bytes=ck_io.staging_bytes(opt), steps=opt.step_counts())
+        out[tag] = dict(
+            blocking=blocking,
+            shard_numel=opt.layout.shard_numel(rank),
+            buffer_bytes=model.seen.numel() * model.seen.element_size(),  # bf16: the buffer too
+            staging_bytes=ck_io.staging_bytes(opt),
+            steps=opt.step_counts(),
+        )
     return out
 
 
@@ -106,6 +115,7 @@ def test_an_asynchronous_save_equals_a_blocking_one_while_training_goes_on(root)
 
 def _write_error(rank, world, root):
     from torch.distributed.checkpoint import filesystem
+
     model, opt = _make(2)
     train_steps(model, opt, rank, 1)
     ck.save(os.path.join(root, "step-1"), model, opt)
@@ -113,8 +123,10 @@ def _write_error(rank, world, root):
     out = {}
     try:
         if rank == 1:  # one rank's disk fails
+
             def fail(*args, **kwargs):
                 raise OSError(28, "No space left on device (injected)")
+
             filesystem._write_item = fail
         # Noticed by the next save: it raises, and writes nothing.
         ck.save(os.path.join(root, "step-2"), model, opt, blocking=False)
@@ -138,8 +150,10 @@ def _write_error(rank, world, root):
     real_counter = ck_io._next_save_counter
     try:
         if rank == 0:
+
             def no_manifest(root):
                 raise OSError(5, "Input/output error (injected)")
+
             ck_io._next_save_counter = no_manifest
         ck.save(os.path.join(root, "step-6"), model, opt)
     except (OSError, RuntimeError) as err:
@@ -151,7 +165,10 @@ def _write_error(rank, world, root):
 
 def test_a_write_error_is_raised_later_naming_the_path_on_every_rank(root):
     for rank, out in enumerate(run_ranks(_write_error, 2, args=(root,), timeout=120)):
-        assert "asynchronous save of " + os.path.join(root, "step-2") + " failed" in out.get("next save", ""), (rank, out)
+        assert "asynchronous save of " + os.path.join(root, "step-2") + " failed" in out.get("next save", ""), (
+            rank,
+            out,
+        )
         assert "step-4" in out.get("wait", "") and "No space left" in str(out), (rank, out)
         assert out["latest"] == os.path.join(root, "step-5") and "then ran" not in out, (rank, out)
         assert "Input/output error (injected)" in out.get("rank 0 failing", ""), (rank, out)
@@ -165,6 +182,7 @@ def _killed_during_async_write(rank, world, root):
     import time
 
     from torch.distributed.checkpoint import filesystem
+
     model, opt = _make(3)
     for step in (1, 2):
         train_steps(model, opt, rank, 1, start=step - 1)
@@ -176,6 +194,7 @@ def _killed_during_async_write(rank, world, root):
         def write_then_die(*args, **kwargs):
             real(*args, **kwargs)
             os.kill(os.getpid(), signal.SIGKILL)
+
         filesystem._write_item = write_then_die
     handle = ck.save(os.path.join(root, "step-3"), model, opt, keep=2, blocking=False)
     train_steps(model, opt, rank, 1, start=3)  # training goes on meanwhile
@@ -219,8 +238,10 @@ def test_the_process_exit_waits_for_the_write(root):
     import sys
 
     from harness import free_port
+
     path = os.path.join(root, "at-exit")
-    out = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, path, str(free_port())], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, path, str(free_port())], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "zerofast checkpoint" in ck.info(path)

@@ -6,6 +6,7 @@ command line each raise an error naming the file, the marker is never written, a
 checkpoint still loads. Also: DCP byte records read with weights_only; the small state's JSON
 round trip; `extra` that JSON cannot hold refused at save on every rank; a format-1 checkpoint
 (pickled small state) refused, and converted by upgrade only when trusted."""
+
 import json
 import os
 import pickle
@@ -17,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
 from harness import run_ranks
 from oracles import HYPER, train_steps
+
 from zerofast import ZeroAdam
 from zerofast import checkpoint as ck
 from zerofast.checkpoint import io as ck_io
@@ -66,20 +67,23 @@ def _crafted(path: str, marker: str) -> dict[str, tuple[str, bytes]]:
         metadata = f.read()
     return {
         "manifest, pickle": (ck.MANIFEST, evil),
-        "manifest, truncated": (ck.MANIFEST, manifest[:len(manifest) // 2]),
+        "manifest, truncated": (ck.MANIFEST, manifest[: len(manifest) // 2]),
         "manifest, wrong JSON": (ck.MANIFEST, json.dumps({"format": "zerofast-checkpoint-2", "params": 3}).encode()),
         "manifest, shard_size 0": (ck.MANIFEST, json.dumps({**json.loads(manifest), "shard_size": 0}).encode()),
         "small state, pickle": (ck.SMALL, evil),
-        "small state, truncated": (ck.SMALL, small[:len(small) // 2]),
+        "small state, truncated": (ck.SMALL, small[: len(small) // 2]),
         "small state, wrong JSON": (ck.SMALL, json.dumps({"steps": [1, 2]}).encode()),
         "small state, a bad tag": (ck.SMALL, small.replace(b'"$zf":"tensor"', b'"$zf":"pickle"')),
         "metadata, pickle": (".metadata", evil),
         "metadata, payload inside": (".metadata", pickle.dumps(meta)),
-        "metadata, truncated": (".metadata", metadata[:len(metadata) // 2]),
+        "metadata, truncated": (".metadata", metadata[: len(metadata) // 2]),
         "metadata, garbage": (".metadata", b"\x00not a pickle at all" * 8),
         "metadata, wrong object": (".metadata", pickle.dumps({"state_dict_metadata": {}})),
         # No code named, but BUILD on an allowed class: Path.exists replaced for the whole process
-        "metadata, BUILD on a class": (".metadata", b"\x80\x04cpathlib\nPosixPath\nN}X\x06\x00\x00\x00existsctorch\nSize\ns\x86b."),
+        "metadata, BUILD on a class": (
+            ".metadata",
+            b"\x80\x04cpathlib\nPosixPath\nN}X\x06\x00\x00\x00existsctorch\nSize\ns\x86b.",
+        ),
     }
 
 
@@ -102,9 +106,12 @@ def damaged(saved):
 def _one_process_entry_points(path):
     """Each reader of a checkpoint in one process: (entry point, the error message or None)."""
     out = []
-    for name, call in [("info", lambda: ck.info(path)), ("to_torch", lambda: ck.to_torch(path)),
-                       ("export", lambda: ck.export(path, path + ".safetensors")),
-                       ("latest", lambda: ck.latest(os.path.dirname(path)))]:
+    for name, call in [
+        ("info", lambda: ck.info(path)),
+        ("to_torch", lambda: ck.to_torch(path)),
+        ("export", lambda: ck.export(path, path + ".safetensors")),
+        ("latest", lambda: ck.latest(os.path.dirname(path))),
+    ]:
         try:
             call()
             out.append((name, None))
@@ -169,6 +176,7 @@ def test_dcp_byte_records_are_read_with_weights_only(tmp_path):
     dcp.save({"x": torch.ones(2), "extra_state": _Payload(marker)}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
     target = {"x": torch.zeros(2), "extra_state": None}
     from torch.distributed.checkpoint.api import CheckpointException  # DCP wraps every rank's error in it
+
     with pytest.raises(CheckpointException, match="refusing to load the checkpoint's entry 'extra_state'"):
         dcp.load(target, storage_reader=ck.SafeReader(str(tmp_path / "c")), planner=ck.SafeLoadPlanner(), no_dist=True)
     assert not os.path.exists(marker)
@@ -181,12 +189,27 @@ def test_dcp_byte_records_are_read_with_weights_only(tmp_path):
 def test_the_small_state_round_trips_through_json():
     sched = torch.optim.lr_scheduler.OneCycleLR(torch.optim.AdamW([torch.zeros(1, requires_grad=True)]), 1.0, 10)
     np_rng = np.random.RandomState(3).get_state()
-    value = {"step": 7, "big": 2**70, "f": 0.1, "nan": float("nan"), "inf": -float("inf"), "t": (1, (2, "x")),
-             "keys": {1: "a", (2, 3): "b", "$zf": "a user key"}, "raw": b"\x00\xff", "dtype": torch.bfloat16,
-             "size": torch.Size([2, 3]), "rng": torch.get_rng_state(), "bf16": torch.randn(3, 2).bfloat16(),
-             "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 4), "np": np.arange(6, dtype=np.int16).reshape(2, 3),
-             "np_rng": np_rng, "py_rng": random.Random(5).getstate(), "sched": sched.state_dict(),
-             "np_scalar": np.float64(0.25)}
+    value = {
+        "step": 7,
+        "big": 2**70,
+        "f": 0.1,
+        "nan": float("nan"),
+        "inf": -float("inf"),
+        "t": (1, (2, "x")),
+        "keys": {1: "a", (2, 3): "b", "$zf": "a user key"},
+        "raw": b"\x00\xff",
+        "dtype": torch.bfloat16,
+        "size": torch.Size([2, 3]),
+        "rng": torch.get_rng_state(),
+        "bf16": torch.randn(3, 2).bfloat16(),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+        "np": np.arange(6, dtype=np.int16).reshape(2, 3),
+        "np_rng": np_rng,
+        "py_rng": random.Random(5).getstate(),
+        "sched": sched.state_dict(),
+        "np_scalar": np.float64(0.25),
+    }
     back = safe.loads(safe.dumps(value), "here")
     for k, v in value.items():
         got = back[k]

@@ -2,14 +2,15 @@
 (torch.compile(model)) and each block compiled (block.compile()), the two ways FSDP2 users
 compile. Stages 1 and 2 against compiled DDP + torch AdamW, stage 3 against eager ZeroAdam stage 3
 (its oracle tests are eager); graph breaks counted (torch._dynamo.utils.counters) per case."""
+
 import functools
 import os
 
 import pytest
 import torch
-
 from harness import run_ranks
-from oracles import train_steps, HYPER, max_abs_diff, rank_batch
+from oracles import HYPER, max_abs_diff, rank_batch, train_steps
+
 from zerofast import CommPolicy, ZeroAdam, ZeroMuon
 from zerofast.tools.models import make_gpt
 
@@ -35,6 +36,7 @@ def _compile(model, wrapped, how):
 def _train(rank, how, make_opt):
     import torch._dynamo
     from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
     counters.clear()
     model = make_gpt("tiny")
@@ -53,6 +55,7 @@ def _train(rank, how, make_opt):
 
 def _ddp(model):
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     ddp = DDP(model)
     return torch.optim.AdamW(model.parameters(), foreach=False, **HYPER), ddp
 
@@ -65,8 +68,15 @@ MUON_LR = 1e-3
 
 
 def _muon(model):
-    return ZeroMuon(model, stage=2, lr=MUON_LR, adamw_lr=HYPER["lr"], adamw_betas=HYPER["betas"],
-                    adamw_eps=HYPER["eps"], adamw_weight_decay=HYPER["weight_decay"]), model
+    return ZeroMuon(
+        model,
+        stage=2,
+        lr=MUON_LR,
+        adamw_lr=HYPER["lr"],
+        adamw_betas=HYPER["betas"],
+        adamw_eps=HYPER["eps"],
+        adamw_weight_decay=HYPER["weight_decay"],
+    ), model
 
 
 def _cases(rank, world):
@@ -107,7 +117,9 @@ def _compiled_before(rank, world):
     import torch._dynamo
     from torch._dynamo.utils import counters
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     from zerofast.tools.models import GPT
+
     torch._dynamo.reset()
     out = {}
     # A compiled DDP baseline of the class: Dynamo now holds frames compiled without our hooks.

@@ -1,16 +1,18 @@
 """torch.optim's contract and the small promises around it: step(closure), a clear
 error for add_param_group, profiler ranges, the estimator's command line."""
+
 import dataclasses
 import subprocess
 import sys
 
 import pytest
 import torch
-
 from harness import run_ranks
 from oracles import HYPER, rank_batch
+
 from zerofast import ZeroAdam
-from zerofast.tools.estimate import main as estimate_main, parse_count
+from zerofast.tools.estimate import main as estimate_main
+from zerofast.tools.estimate import parse_count
 from zerofast.tools.models import make_gpt
 
 
@@ -23,11 +25,13 @@ def _closure_and_plain(rank, world):
         for step in range(3):
             batch = rank_batch(model, step, rank)
             if how == "closure":
+
                 def closure():
                     opt.zero_grad()
                     _, loss = model(*batch)
                     loss.backward()
                     return loss
+
                 with torch.no_grad():  # step() runs the closure under enable_grad, as torch's optimizers do
                     losses.append(opt.step(closure).item())
             else:
@@ -73,25 +77,43 @@ def _profiled(rank, world, stage):
     return sorted({e.name for e in prof.events() if e.name.startswith("zerofast::")})
 
 
-@pytest.mark.parametrize("stage, expected", [
-    (2, ["zerofast::adam", "zerofast::gather", "zerofast::reduce"]),
-    (3, ["zerofast::adam", "zerofast::reduce", "zerofast::unit_gather"]),
-])
+@pytest.mark.parametrize(
+    "stage, expected",
+    [
+        (2, ["zerofast::adam", "zerofast::gather", "zerofast::reduce"]),
+        (3, ["zerofast::adam", "zerofast::reduce", "zerofast::unit_gather"]),
+    ],
+)
 def test_profiler_shows_where_a_step_goes(stage, expected):
     for names in run_ranks(_profiled, 2, args=(stage,)):
         assert set(expected) <= set(names), names
 
 
-@pytest.mark.parametrize("text, count", [("7000000", 7_000_000), ("7_000_000", 7_000_000), ("7e9", 7 * 10**9),
-                                         ("7.5e9", 7_500_000_000), ("7.5B", 7_500_000_000), ("350M", 350_000_000),
-                                         ("1.2T", 1_200_000_000_000), ("125k", 125_000), ("0", 0)])
+@pytest.mark.parametrize(
+    "text, count",
+    [
+        ("7000000", 7_000_000),
+        ("7_000_000", 7_000_000),
+        ("7e9", 7 * 10**9),
+        ("7.5e9", 7_500_000_000),
+        ("7.5B", 7_500_000_000),
+        ("350M", 350_000_000),
+        ("1.2T", 1_200_000_000_000),
+        ("125k", 125_000),
+        ("0", 0),
+    ],
+)
 def test_parameter_counts_as_people_type_them(text, count):
     assert parse_count(text) == count
 
 
 def test_estimator_command_line(capsys):
-    out = subprocess.run([sys.executable, "-m", "zerofast.estimate", "--params", "7.5B", "--world", "8"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "zerofast.estimate", "--params", "7.5B", "--world", "8"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "Φ = 7,500,000,000 parameters, N = 8 ranks" in out
     for bad in ("7.5X", "-3", "1.5e-1", "nan"):  # the same main(), in this process
         with pytest.raises(SystemExit) as exit_info:
@@ -104,29 +126,64 @@ def test_zero_adam_takes_at_most_thirteen_keywords_and_the_policies():
     """The options most people set are plain keywords; the rest travel in the policies. Thirteen
     since hybrid sharding's shard_size (its DeviceMesh form travels as process_group)."""
     import inspect
+
     params = inspect.signature(ZeroAdam.__init__).parameters
     named = [n for n, p in params.items() if n not in ("self", "model") and p.kind is not p.VAR_KEYWORD]
     assert len(named) <= 13, named
-    assert {"stage", "lr", "betas", "eps", "weight_decay", "param_groups", "max_grad_norm", "mixed_precision",
-            "units", "comm", "process_group"} <= set(named)
+    assert {
+        "stage",
+        "lr",
+        "betas",
+        "eps",
+        "weight_decay",
+        "param_groups",
+        "max_grad_norm",
+        "mixed_precision",
+        "units",
+        "comm",
+        "process_group",
+    } <= set(named)
 
 
 def test_the_plan_resolves_every_default_once():
     """resolve_plan's facts per stage and precision: what each part of the optimizer acts on."""
     from zerofast import CommPolicy, MixedPrecisionPolicy
     from zerofast.config import DEFAULT_BUCKET_MB, resolve_plan
+
     p1, p2, p3 = (resolve_plan(s) for s in (1, 2, 3))
-    assert (p1.grads_as_bucket_views, p1.grads_sharded, p1.params_sharded, p1.gather_after_step) == (True, False, False, True)
-    assert (p2.grads_as_bucket_views, p2.grads_sharded, p2.params_sharded, p2.gather_after_step) == (False, True, False, True)
-    assert (p3.grads_as_bucket_views, p3.grads_sharded, p3.params_sharded, p3.gather_after_step) == (False, True, True, False)
+    assert (p1.grads_as_bucket_views, p1.grads_sharded, p1.params_sharded, p1.gather_after_step) == (
+        True,
+        False,
+        False,
+        True,
+    )
+    assert (p2.grads_as_bucket_views, p2.grads_sharded, p2.params_sharded, p2.gather_after_step) == (
+        False,
+        True,
+        False,
+        True,
+    )
+    assert (p3.grads_as_bucket_views, p3.grads_sharded, p3.params_sharded, p3.gather_after_step) == (
+        False,
+        True,
+        True,
+        False,
+    )
     assert (p1.accumulates_locally, p2.accumulates_locally) == (True, False)
     assert resolve_plan(2, comm=CommPolicy(accumulate_locally=True)).accumulates_locally
-    assert (p1.bucket_bytes, p2.bucket_bytes, p3.bucket_bytes) == (int(DEFAULT_BUCKET_MB[1] * 2**20),
-                                                                   int(DEFAULT_BUCKET_MB[2] * 2**20), 0)
+    assert (p1.bucket_bytes, p2.bucket_bytes, p3.bucket_bytes) == (
+        int(DEFAULT_BUCKET_MB[1] * 2**20),
+        int(DEFAULT_BUCKET_MB[2] * 2**20),
+        0,
+    )
     assert p3.min_unit_bytes == 2 * 2**20 and p1.min_unit_bytes == 0
     bf16 = resolve_plan(1, mixed_precision="bf16")
     assert (bf16.param_dtype, bf16.reduce_dtype, bf16.separate_master, bf16.loss_scale) == (
-        torch.bfloat16, torch.bfloat16, True, None)
+        torch.bfloat16,
+        torch.bfloat16,
+        True,
+        None,
+    )
     fp32_reduce = resolve_plan(1, mixed_precision=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
     assert not fp32_reduce.grads_as_bucket_views  # stage 1 copies where it reduces in another dtype
     fp16 = resolve_plan(2, mixed_precision="fp16")
@@ -139,11 +196,17 @@ def test_errors_are_exported():
     import zerofast
     from zerofast.comm import CollectiveError, GradientError, OutOfStepError
     from zerofast.optim.grads import StepNotAppliedError
-    assert (zerofast.CollectiveError, zerofast.OutOfStepError, zerofast.StepNotAppliedError, zerofast.GradientError) == (
-        CollectiveError, OutOfStepError, StepNotAppliedError, GradientError)
+
+    assert (
+        zerofast.CollectiveError,
+        zerofast.OutOfStepError,
+        zerofast.StepNotAppliedError,
+        zerofast.GradientError,
+    ) == (CollectiveError, OutOfStepError, StepNotAppliedError, GradientError)
     assert GradientError is zerofast._C.GradientError and issubclass(GradientError, RuntimeError)
-    assert {"CollectiveError", "OutOfStepError", "StepNotAppliedError", "GradientError",
-            "CommPolicy"} <= set(zerofast.__all__)
+    assert {"CollectiveError", "OutOfStepError", "StepNotAppliedError", "GradientError", "CommPolicy"} <= set(
+        zerofast.__all__
+    )
 
 
 def test_estimator_command_line_rejects_what_zero_adam_rejects(capsys):

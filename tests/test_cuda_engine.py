@@ -1,15 +1,20 @@
 """ZeroAdam's whole path on a GPU: buckets, the comm side stream and its events, NCCL, the fused CUDA
 step. World size 1 (one GPU is what a lent machine has); skips without a GPU and CUDA kernels."""
+
 import pytest
 import torch
+from harness import run_ranks
+from oracles import HYPER, fp32_tol, lp_param_tol, max_abs_diff, rank_batch, zero_options
 
 import zerofast
-from harness import run_ranks
-from oracles import zero_options, HYPER, fp32_tol, lp_param_tol, max_abs_diff, rank_batch
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(
-    not (torch.cuda.is_available() and zerofast.has_cuda_kernels()),
-    reason="needs a CUDA GPU and zerofast's CUDA kernels")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and zerofast.has_cuda_kernels()),
+        reason="needs a CUDA GPU and zerofast's CUDA kernels",
+    ),
+]
 
 STEPS = 10
 
@@ -17,6 +22,7 @@ STEPS = 10
 def _zero_on_gpu(rank, world, stage, partition):
     from zerofast import ZeroAdam
     from zerofast.tools.models import make_gpt
+
     model = make_gpt("tiny").cuda()
     opt = ZeroAdam(model, **zero_options(stage, partition=partition, bucket_mb=0.01), **HYPER)
     for step in range(STEPS):
@@ -31,6 +37,7 @@ def _zero_on_gpu(rank, world, stage, partition):
 
 def _adamw_on_gpu():
     from zerofast.tools.models import make_gpt
+
     model = make_gpt("tiny").cuda()
     opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
     for step in range(STEPS):
@@ -53,8 +60,11 @@ def test_zero_adam_nccl_world1_matches_adamw(stage, partition):
 def _mixed_on_gpu(rank, world, precision, scaler):
     from zerofast import ZeroAdam
     from zerofast.tools.models import make_gpt
+
     model = make_gpt("tiny").cuda()
-    opt = ZeroAdam(model, **zero_options(3, bucket_mb=0.01), mixed_precision=precision, max_grad_norm=0.5, **scaler or {}, **HYPER)
+    opt = ZeroAdam(
+        model, **zero_options(3, bucket_mb=0.01), mixed_precision=precision, max_grad_norm=0.5, **scaler or {}, **HYPER
+    )
     history = []
     for step in range(STEPS):
         x, y = rank_batch(model, step, rank)
@@ -74,10 +84,12 @@ def test_mixed_precision_nccl_world1_matches_torch(precision, scaler):
     """Stage 3 in bf16, and in fp16 with loss scaling, clipped, on the GPU (the fused CUDA kernel's
     param_copy, nonfinite_check_ on CUDA) against single-process mixed precision on the same GPU."""
     from oracles import single_process_mixed
+
     got, history = run_ranks(_mixed_on_gpu, 1, args=(precision, scaler), backend="nccl", timeout=300)[0]
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    want, _, want_history = single_process_mixed(1, STEPS, dtype, reduce_dtype=dtype, scaler=scaler,
-                                                 max_norm=0.5, device="cuda")
+    want, _, want_history = single_process_mixed(
+        1, STEPS, dtype, reduce_dtype=dtype, scaler=scaler, max_norm=0.5, device="cuda"
+    )
     assert history == [h[:2] for h in want_history]
     diff = max_abs_diff(got, want)
     tol = lp_param_tol(dtype, STEPS, want)  # see the tolerances in tests/oracles.py

@@ -2,6 +2,7 @@
 estimate_traffic against comm_stats() measured on 4 gloo ranks (exact: equality, no tolerance),
 the cost formulas against hand-computed values, the command line's output and errors.
 No timing here: the model's check against measured step times is scripts/probe_links.py."""
+
 import functools
 import inspect
 import math
@@ -9,15 +10,14 @@ import subprocess
 import sys
 
 import pytest
-import torch
-
 from harness import run_ranks
 from oracles import Nested, rank_batch
+
 from zerofast import CommPolicy, UnitPolicy, ZeroAdam
 from zerofast.config import resolve_plan
 from zerofast.layout import ALIGN
 from zerofast.optim.layouts import plan_layouts
-from zerofast.tools.estimate import (AGREEMENT_EXTRA, Op, collective_names, estimate_memory, estimate_traffic, main)
+from zerofast.tools.estimate import AGREEMENT_EXTRA, Op, collective_names, estimate_memory, estimate_traffic, main
 from zerofast.tools.models import make_gpt
 from zerofast.tools.timemodel import Cluster, Link, collective_time, link_of, parse_rate, parse_seconds, predict
 
@@ -27,18 +27,24 @@ HAS_SHARD_SIZE = "shard_size" in inspect.signature(ZeroAdam.__init__).parameters
 WORLD = 4
 MODELS = {"nested": Nested, "gpt": lambda: make_gpt("tiny")}
 # (model, stage, partition, mixed_precision, micro_batches, max_grad_norm, accumulate_locally, min_unit_mb)
-CONFIGS = [(m, s, p, None, 1, None, False, None) for m in MODELS for s in (1, 2, 3) for p in ("flat", "round_robin")] + [
-    ("nested", 2, "flat", "bf16", 2, 1.0, False, None),          # reduces per micro-batch, the stats all_reduce
+CONFIGS = [
+    (m, s, p, None, 1, None, False, None) for m in MODELS for s in (1, 2, 3) for p in ("flat", "round_robin")
+] + [
+    ("nested", 2, "flat", "bf16", 2, 1.0, False, None),  # reduces per micro-batch, the stats all_reduce
     ("nested", 1, "round_robin", "bf16", 2, None, False, None),  # stage 1 reduces once
-    ("gpt", 3, "flat", "fp16", 2, None, True, None),             # loss scaling; accumulate_locally: one reduce
-    ("gpt", 3, "round_robin", None, 1, None, False, 0),          # a unit per block (no merging)
+    ("gpt", 3, "flat", "fp16", 2, None, True, None),  # loss scaling; accumulate_locally: one reduce
+    ("gpt", 3, "round_robin", None, 1, None, False, 0),  # a unit per block (no merging)
 ]
 SHARD_SIZES = (4, 2, 1)
 
 
 def _kwargs(stage, partition, mp, clip, acc, min_unit_mb):
-    kw = dict(stage=stage, comm=CommPolicy(partition=partition, accumulate_locally=acc), mixed_precision=mp,
-              max_grad_norm=clip)
+    kw = dict(
+        stage=stage,
+        comm=CommPolicy(partition=partition, accumulate_locally=acc),
+        mixed_precision=mp,
+        max_grad_norm=clip,
+    )
     if min_unit_mb is not None:
         kw["units"] = UnitPolicy(min_unit_mb=min_unit_mb)
     return kw
@@ -69,7 +75,7 @@ def _matrix(rank, world, shard_sizes):
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _measured():
     """One launch of 4 ranks for the whole matrix."""
     return run_ranks(_matrix, WORLD, args=(SHARD_SIZES if HAS_SHARD_SIZE else (WORLD,),), timeout=300)
@@ -87,24 +93,34 @@ def test_estimate_traffic_equals_comm_stats(k):
             measured = got[(k, config)]
             if not HAS_SHARD_SIZE:  # before shard_size, the flat run's keys had no group prefix
                 measured = {f"shard/{key}": v for key, v in measured.items()}
-            est = estimate_traffic(MODELS[name](), WORLD, shard_size=k, backend="gloo", rank=rank,
-                                   micro_batches=micro, **_kwargs(stage, partition, mp, clip, acc, min_unit))
+            est = estimate_traffic(
+                MODELS[name](),
+                WORLD,
+                shard_size=k,
+                backend="gloo",
+                rank=rank,
+                micro_batches=micro,
+                **_kwargs(stage, partition, mp, clip, acc, min_unit),
+            )
             if est != measured:
                 failures.append(f"K={k} rank {rank} {config}: estimated {est}, measured {measured}")
     assert not failures, "\n".join(failures)
 
 
 def test_estimator_imports_no_compiled_code():
-    code = ("import sys; from zerofast.tools.estimate import estimate_traffic; import zerofast.tools.timemodel; "
-            "from zerofast.tools.models import make_gpt; "
-            "estimate_traffic(make_gpt('tiny'), 4, 3, shard_size=2); estimate_traffic(make_gpt('tiny'), 4, 1); "
-            "assert 'zerofast._C' not in sys.modules, 'the compiled extension was imported'")
+    code = (
+        "import sys; from zerofast.tools.estimate import estimate_traffic; import zerofast.tools.timemodel; "
+        "from zerofast.tools.models import make_gpt; "
+        "estimate_traffic(make_gpt('tiny'), 4, 3, shard_size=2); estimate_traffic(make_gpt('tiny'), 4, 1); "
+        "assert 'zerofast._C' not in sys.modules, 'the compiled extension was imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_restated_constants_agree_with_the_optimizer():
     from zerofast.comm import collectives_for
     from zerofast.optim.grads import AgreementLayout
+
     assert AgreementLayout(7).numel == 7 + AGREEMENT_EXTRA
     for backend in ("gloo", "nccl"):
         for flat in (True, False):
@@ -128,21 +144,31 @@ def test_count_estimate_is_close_to_the_module_estimate():
 
 def test_shard_keys_and_replicate_keys():
     model = make_gpt("tiny")
-    assert not any(k.startswith("replicate/") for k in estimate_traffic(model, 4, 2))          # K = W
+    assert not any(k.startswith("replicate/") for k in estimate_traffic(model, 4, 2))  # K = W
     assert not any(k.startswith("shard/") for k in estimate_traffic(model, 4, 2, shard_size=1))  # a group of one
     est = estimate_traffic(model, 8, 2, shard_size=4, rank=5)
-    assert set(est) == {"shard/reduce_scatter", "shard/all_gather", "shard/all_reduce_flags",
-                        "replicate/all_reduce", "replicate/all_reduce_flags"}
+    assert set(est) == {
+        "shard/reduce_scatter",
+        "shard/all_gather",
+        "shard/all_reduce_flags",
+        "replicate/all_reduce",
+        "replicate/all_reduce_flags",
+    }
     assert est["shard/all_reduce_flags"] == est["replicate/all_reduce_flags"] == 8 * (26 + AGREEMENT_EXTRA)
     # the replicate all_reduce moves this rank's shard, padding included: 1/K of the padded gradient
     assert est["replicate/all_reduce"] * 4 == est["shard/reduce_scatter"]
 
 
-@pytest.mark.parametrize("bad, match", [(dict(shard_size=3), "must divide world=8"),
-                                        (dict(shard_size=0), "shard_size must be None or an integer"),
-                                        (dict(backend="mpi"), "backend must be"),
-                                        (dict(rank=8), "rank must be"),
-                                        (dict(micro_batches=0), "micro_batches must be")])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(shard_size=3), "must divide world=8"),
+        (dict(shard_size=0), "shard_size must be None or an integer"),
+        (dict(backend="mpi"), "backend must be"),
+        (dict(rank=8), "rank must be"),
+        (dict(micro_batches=0), "micro_batches must be"),
+    ],
+)
 def test_estimate_traffic_errors_name_the_argument(bad, match):
     with pytest.raises(ValueError, match=match):
         estimate_traffic(10**6, 8, 2, **bad)
@@ -162,15 +188,18 @@ def test_memory_with_shard_size():
 LINK = Link("test", 1e9, 1e-5)  # 1 GB/s, 10 us
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("all_reduce", 2 * 3 / 4 * 1.0 + 2 * 3 * 1e-5),      # 2(n-1)/n B/bw + 2(n-1) alpha
-    ("replicate/all_reduce", 2 * 3 / 4 * 1.0 + 2 * 3 * 1e-5),
-    ("all_reduce_flags", 2 * 3 / 4 * 1.0 + 2 * 3 * 1e-5),
-    ("reduce_scatter", 3 / 4 * 1.0 + 3 * 1e-5),         # (n-1)/n B/bw + (n-1) alpha
-    ("all_gather", 3 / 4 * 1.0 + 3 * 1e-5),
-    ("broadcast", 1.0 + 3 * 1e-5),                      # B/bw + (n-1) alpha
-    ("reduce", 1.0 + 3 * 1e-5),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("all_reduce", 2 * 3 / 4 * 1.0 + 2 * 3 * 1e-5),  # 2(n-1)/n B/bw + 2(n-1) alpha
+        ("replicate/all_reduce", 2 * 3 / 4 * 1.0 + 2 * 3 * 1e-5),
+        ("all_reduce_flags", 2 * 3 / 4 * 1.0 + 2 * 3 * 1e-5),
+        ("reduce_scatter", 3 / 4 * 1.0 + 3 * 1e-5),  # (n-1)/n B/bw + (n-1) alpha
+        ("all_gather", 3 / 4 * 1.0 + 3 * 1e-5),
+        ("broadcast", 1.0 + 3 * 1e-5),  # B/bw + (n-1) alpha
+        ("reduce", 1.0 + 3 * 1e-5),
+    ],
+)
 def test_collective_cost(name, expected):
     # 1e9 bytes, 1 call, 4 ranks; float arithmetic of a few terms: equal to 1e-12 relative
     assert collective_time(name, 1e9, 1, 4, LINK) == pytest.approx(expected, rel=1e-12)
@@ -185,18 +214,20 @@ def test_collective_cost_calls_and_one_rank():
 
 def test_links():
     c = Cluster(gpus_per_node=8)
-    assert link_of("shard", 64, 64, c) is c.inter      # flat over 8 nodes: every ring crosses nodes
-    assert link_of("shard", 8, 8, c) is c.intra        # one node
-    assert link_of("shard", 64, 8, c) is c.intra       # hybrid, a node per shard group
+    assert link_of("shard", 64, 64, c) is c.inter  # flat over 8 nodes: every ring crosses nodes
+    assert link_of("shard", 8, 8, c) is c.intra  # one node
+    assert link_of("shard", 64, 8, c) is c.intra  # hybrid, a node per shard group
     assert link_of("replicate", 64, 8, c) is c.inter
     assert link_of("shard", 64, 4, c) is c.intra
     assert link_of("shard", 64, 16, c) is c.inter
 
 
 def test_predict_overlap():
-    ops = [Op("shard", "reduce_scatter", 4_000_000_000, 1, "backward", 2),   # 2 s on LINK (bandwidth 1e9, 1/2 of B)
-           Op("shard", "all_gather", 1_000_000_000, 1, "forward", 2),       # 0.5 s
-           Op("replicate", "all_reduce", 1_000_000_000, 1, "step", 2)]      # 1 s
+    ops = [
+        Op("shard", "reduce_scatter", 4_000_000_000, 1, "backward", 2),  # 2 s on LINK (bandwidth 1e9, 1/2 of B)
+        Op("shard", "all_gather", 1_000_000_000, 1, "forward", 2),  # 0.5 s
+        Op("replicate", "all_reduce", 1_000_000_000, 1, "step", 2),
+    ]  # 1 s
     c = Cluster(gpus_per_node=2, intra=Link("intra-node", 1e9, 0.0), inter=Link("inter-node", 1e9, 0.0))
     t = predict(ops, 4, 2, c, forward=1.0, backward=1.5, update=0.25)
     # exposed: forward max(0, 0.5 - 1) + backward max(0, 2 - 1.5) + step 1
@@ -215,15 +246,19 @@ def test_parse_quantities():
 
 # --- the command line ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv, named", [
-    (["--params", "7.5B", "--world", "64", "--shard-size", "7"], "--shard-size 7 must divide --world 64"),
-    (["--params", "7.5B", "--world", "64", "--time", "--stage", "0"], "--time models ZeRO stages 1-3"),
-    (["--params", "7.5B", "--world", "64", "--time", "--inter-bw", "fast"], "--inter-bw"),
-    (["--params", "7.5B", "--world", "64", "--time", "--inter-latency", "10"], "--inter-latency"),
-    (["--params", "7.5B", "--world", "64", "--backend", "mpi"], "--backend must be nccl or gloo"),
-    (["--params", "7.5B", "--world", "64", "--time", "--global-tokens", "10"], "--global-tokens must be at least"),
-    (["--params", "7.5B", "--world", "64", "--gpus-per-node", "0"], "--gpus-per-node must be at least 1"),
-])
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--params", "7.5B", "--world", "64", "--shard-size", "7"], "--shard-size 7 must divide --world 64"),
+        (["--params", "7.5B", "--world", "64", "--time", "--stage", "0"], "--time models ZeRO stages 1-3"),
+        (["--params", "7.5B", "--world", "64", "--time", "--inter-bw", "fast"], "--inter-bw"),
+        (["--params", "7.5B", "--world", "64", "--time", "--inter-latency", "10"], "--inter-latency"),
+        (["--params", "7.5B", "--world", "64", "--backend", "mpi"], "--backend must be nccl or gloo"),
+        (["--params", "7.5B", "--world", "64", "--time", "--global-tokens", "10"], "--global-tokens must be at least"),
+        (["--params", "7.5B", "--world", "64", "--gpus-per-node", "0"], "--gpus-per-node must be at least 1"),
+    ],
+)
 def test_cli_errors_name_the_argument(argv, named, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)

@@ -8,6 +8,7 @@ guards against a survivor that never leaves.
 
 The fault matrix runs each case in fresh processes (a broken process group cannot be reused), forked
 from a forkserver that has imported torch and zerofast once, a few cases at a time."""
+
 from __future__ import annotations
 
 import json
@@ -20,18 +21,18 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from harness import free_port, run_ranks
-from oracles import zero_options, HYPER, rank_batch, train_steps
+from oracles import HYPER, rank_batch, train_steps, zero_options
+
 from zerofast import ZeroAdam
 from zerofast.tools.models import make_gpt
 
-TIMEOUT_S = 4.0      # the process groups' timeout in the fault cases
-FAULT_STEP = 2       # the victim's fault comes in its third step (0-based 2)
+TIMEOUT_S = 4.0  # the process groups' timeout in the fault cases
+FAULT_STEP = 2  # the victim's fault comes in its third step (0-based 2)
 POINTS = ("forward", "backward", "reduce", "step", "gather")
 STAGES = (1, 2, 3)
 SIGNALS = ("SIGKILL", "SIGSTOP")
-PARALLEL = 5         # cases at once (2 processes each)
+PARALLEL = 5  # cases at once (2 processes each)
 HANG_S = TIMEOUT_S + 60  # a survivor still running after this never left: a hang, not slowness
 # How the backend ends a survivor's wait: a killed rank's connections close (gloo reads a reset or
 # closed connection at once); a stopped rank's stay open, and the wait ends at the timeout.
@@ -51,6 +52,7 @@ def _context():
 
 def _install_fault(model, opt, point: str, sig: int, state: dict) -> None:
     """On the victim: deliver `sig` to itself at `point` of step FAULT_STEP."""
+
     def fire():
         if state["step"] == FAULT_STEP:
             os.kill(os.getpid(), sig)
@@ -60,9 +62,11 @@ def _install_fault(model, opt, point: str, sig: int, state: dict) -> None:
     elif point == "backward":  # the first gradient backward computes, before any reduce
         state["on_logits"] = lambda logits: logits.register_hook(lambda g: fire())
     elif point == "reduce":  # at the first gradient after a bucket's reduce was launched, mid-backward
+
         def after_a_launch(_):
             if opt.comm.stats.get("shard/" + opt.comm.reduce_name):  # some reduce of this step is in flight
                 fire()
+
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(after_a_launch)
     elif point == "step":  # inside step(), after the agreement, before the update
@@ -71,6 +75,7 @@ def _install_fault(model, opt, point: str, sig: int, state: dict) -> None:
         def fire_then_apply(*args, **kwargs):
             fire()
             return apply(*args, **kwargs)
+
         opt.shard.apply_adam = fire_then_apply
     elif point == "gather":  # stage 3: a unit's gather in forward; stages 1 and 2: phase 4 of step()
         start = opt.comm.gather_start
@@ -82,6 +87,7 @@ def _install_fault(model, opt, point: str, sig: int, state: dict) -> None:
                 calls["n"] += 1
                 if calls["n"] == 2:
                     fire()
+
         opt.comm.gather_start = start_then_fire
 
 
@@ -89,6 +95,7 @@ def _rank_main(rank, world, port, stage, point, sig_name, out_dir):
     import torch.distributed as dist
 
     from zerofast.tools.train import exit_on_fault
+
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
     # The rendezvous waits up to a minute for a peer that starts late (five cases start at once on a
@@ -112,6 +119,7 @@ def _rank_main(rank, world, port, stage, point, sig_name, out_dir):
         if "on_logits" in state:
             state["on_logits"](logits)
         return loss
+
     try:
         train_steps(model, opt, rank, FAULT_STEP + 3, forward=forward)
     except Exception as e:  # noqa: BLE001
@@ -129,12 +137,14 @@ def _run_cases(cases, tmp_path, world=2):
     results = {}
     for i in range(0, len(cases), PARALLEL):
         batch = []
-        for case in cases[i:i + PARALLEL]:
+        for case in cases[i : i + PARALLEL]:
             out = tmp_path / "-".join(map(str, case))
             out.mkdir()
             port = free_port()
-            procs = [ctx.Process(target=_rank_main, args=(r, world, port, *case, str(out)), daemon=True)
-                     for r in range(world)]
+            procs = [
+                ctx.Process(target=_rank_main, args=(r, world, port, *case, str(out)), daemon=True)
+                for r in range(world)
+            ]
             for p in procs:
                 p.start()
             batch.append((case, out, procs))
@@ -163,8 +173,10 @@ def _run_cases(cases, tmp_path, world=2):
 
 
 PHASES = r"(forward|backward|after backward|step\(\) \(phase 2: the reduces and the agreement\)|step\(\) \(phase 4: the parameter gather\))"
-COLLECTIVES = (r"(the reduce of bucket \d+|an earlier reduce|the wait for this step's bucket reduces|the step's agreement|"
-               r"the gather of bucket \d+|the gradient path at bucket \d+|the reduce of a complete bucket)")
+COLLECTIVES = (
+    r"(the reduce of bucket \d+|an earlier reduce|the wait for this step's bucket reduces|the step's agreement|"
+    r"the gather of bucket \d+|the gradient path at bucket \d+|the reduce of a complete bucket)"
+)
 
 
 def _check_survivors(case, rows):
@@ -176,9 +188,12 @@ def _check_survivors(case, rows):
         msg = row["message"]
         # One message: who, where (the step; stage 3 may meet the fault in the next step's forward
         # gather, after a fault inside step()), which collective, then the backend's own words.
-        m = re.match(rf"ZeroAdam \(rank {r} of 2\): {COLLECTIVES}.* failed at step (\d), (micro-batch \d, )?{PHASES}(, after \d micro-batch(es)?)?: "
-                     r"another rank died, is stuck or is out of step \(the wait is bounded by the process group's "
-                     rf"timeout, {TIMEOUT_S:g} s\)\. Backend: .+", msg)
+        m = re.match(
+            rf"ZeroAdam \(rank {r} of 2\): {COLLECTIVES}.* failed at step (\d), (micro-batch \d, )?{PHASES}(, after \d micro-batch(es)?)?: "
+            r"another rank died, is stuck or is out of step \(the wait is bounded by the process group's "
+            rf"timeout, {TIMEOUT_S:g} s\)\. Backend: .+",
+            msg,
+        )
         assert m, where
         assert int(m.group(2)) in (FAULT_STEP + 1, FAULT_STEP + 2), where
         assert "\n" not in msg, where
@@ -199,11 +214,14 @@ def test_a_dead_or_stopped_rank_ends_the_others_with_one_message(stage, tmp_path
     # fault's step (a killed rank's: a fraction of a second; a stopped rank's: about the timeout).
     for sig in SIGNALS:
         took = [row["elapsed"] for (_, _, s), rows in results.items() if s == sig for row in rows]
-        print(f"stage {stage}, {sig}: survivors left {min(took):.2f}-{max(took):.2f} s after the fault's step began "
-              f"(timeout {TIMEOUT_S:g} s)")
+        print(
+            f"stage {stage}, {sig}: survivors left {min(took):.2f}-{max(took):.2f} s after the fault's step began "
+            f"(timeout {TIMEOUT_S:g} s)"
+        )
 
 
 # --- out of step -------------------------------------------------------------------------------------
+
 
 def _out_of_step(rank, world, stage, how, check):
     """Rank 0 runs an extra micro-batch in step 2 (how="extra"), or skips step()'s micro-batch
@@ -286,8 +304,10 @@ def _module_order(rank, world, check):
 
 
 def test_stage3_modules_in_another_order_are_caught():
-    for check, wanted in ((False, "they issued different gathers (stage 3: the modules ran in another order)"),
-                          (True, "the collective each rank was about to issue")):
+    for check, wanted in (
+        (False, "they issued different gathers (stage 3: the modules ran in another order)"),
+        (True, "the collective each rank was about to issue"),
+    ):
         for rank, r in enumerate(run_ranks(_module_order, 2, args=(check,), timeout=60)):
             assert r is not None, (check, rank)
             kind, msg, unchanged = r
@@ -296,6 +316,7 @@ def test_stage3_modules_in_another_order_are_caught():
 
 
 # --- all or nothing ------------------------------------------------------------------------------------
+
 
 def _failing_step(rank, world, stage, fault):
     """Rank 1's step 3 fails before the update (a bad lr left by user code, or any exception raised
@@ -319,8 +340,10 @@ def _failing_step(rank, world, stage, fault):
                 if fault == "lr":
                     opt.param_groups[0]["lr"] = -1.0
                 else:
+
                     def boom():
                         raise RuntimeError("injected fault")
+
                     opt._check_update = boom
             try:
                 opt.step()

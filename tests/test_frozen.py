@@ -3,6 +3,7 @@ optimizer state ([Note: frozen parameters in stage 3] in zerofast/stage3/frozen.
 frozen model holds about (all parameters)/N per rank and trains as single-process AdamW; tied
 frozen weights, modules mixing frozen and trainable parameters, units of one kind only,
 checkpoints across stages, gradient checkpointing, and the estimator's count."""
+
 import math
 import os
 import shutil
@@ -12,9 +13,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from harness import run_ranks
-from oracles import HYPER, fp32_tol, max_abs_diff, rank_batch, single_process, train_steps, zero_options
+from oracles import HYPER, fp32_tol, max_abs_diff, single_process, train_steps, zero_options
+
 from zerofast import ZeroAdam
 from zerofast import checkpoint as ck
 from zerofast.layout import ALIGN
@@ -125,6 +126,7 @@ def _params(opt, model) -> dict[str, torch.Tensor]:
 
 # --- a mostly frozen model: memory per rank, and exactness -------------------------------------------
 
+
 def _mostly_frozen(rank, world):
     out = {}
     for partition in ("flat", "greedy"):
@@ -134,6 +136,7 @@ def _mostly_frozen(rank, world):
 
         def sample(*_):
             samples.append(opt.materialized_param_bytes())
+
         for block in model.blocks:  # inside every block's forward and backward, at both ends
             block.register_forward_pre_hook(sample)
             block.register_forward_hook(sample)
@@ -142,14 +145,24 @@ def _mostly_frozen(rank, world):
         train_steps(model, opt, rank, STEPS)
         # Each unit gathered at its padded size, trainable and frozen parts together.
         parts = opt.units.buffers.parts
-        unit_bytes = [sum(p.layout.buckets[p.bucket_of[u]].numel * 4 for p in parts if p.bucket_of[u] is not None)
-                      for u in range(len(opt.units_report()))]
-        r = dict(after=opt.materialized_param_bytes(), report=opt.units_report(), peak=max(samples),
-                 samples=len(samples), root=unit_bytes[0], blocks=sorted(unit_bytes[1:], reverse=True),
-                 memory=opt.memory_report(), comm=opt.comm_stats(),
-                 buckets=len(opt.layout.buckets) + len(opt.frozen.layout.buckets),
-                 grad_numel=opt.layout.shard_numel(rank), frozen_numel=opt.frozen.layout.shard_numel(rank),
-                 frozen_grads=[n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None])
+        unit_bytes = [
+            sum(p.layout.buckets[p.bucket_of[u]].numel * 4 for p in parts if p.bucket_of[u] is not None)
+            for u in range(len(opt.units_report()))
+        ]
+        r = dict(
+            after=opt.materialized_param_bytes(),
+            report=opt.units_report(),
+            peak=max(samples),
+            samples=len(samples),
+            root=unit_bytes[0],
+            blocks=sorted(unit_bytes[1:], reverse=True),
+            memory=opt.memory_report(),
+            comm=opt.comm_stats(),
+            buckets=len(opt.layout.buckets) + len(opt.frozen.layout.buckets),
+            grad_numel=opt.layout.shard_numel(rank),
+            frozen_numel=opt.frozen.layout.shard_numel(rank),
+            frozen_grads=[n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None],
+        )
         r["params"] = _params(opt, model)
         r["after_gathered"] = opt.materialized_param_bytes()
         out[partition] = r
@@ -177,8 +190,10 @@ def test_mostly_frozen_model_holds_a_shard_and_trains_exactly():
             bound = math.ceil(total / 2) * 4 + r["buckets"] * 2 * ALIGN * 4
             if partition == "greedy":
                 bound = max(bound, (r["grad_numel"] + r["frozen_numel"]) * 4)
-            print(f"{where}: {r['after']} bytes of parameters per rank after step(); whole model {total * 4}, "
-                  f"all/N {math.ceil(total / 2) * 4}")
+            print(
+                f"{where}: {r['after']} bytes of parameters per rank after step(); whole model {total * 4}, "
+                f"all/N {math.ceil(total / 2) * 4}"
+            )
             assert r["after"] == (r["grad_numel"] + r["frozen_numel"]) * 4
             assert r["after"] <= bound and r["after"] < 0.6 * total * 4, (r["after"], bound, total * 4)
             assert r["after_gathered"] == r["after"], "gathered_params() must release the frozen parts too"
@@ -191,22 +206,33 @@ def test_mostly_frozen_model_holds_a_shard_and_trains_exactly():
             assert r["memory"]["optimizer"] == r["grad_numel"] * 8
             assert r["memory"]["params"] + r["memory"]["frozen_params"] == r["after"]
             root = r["report"][0]
-            assert root["module"] == "" and root["frozen_tensors"] == root["tensors"] == 4  # wte (tied), wpe, ln_f.weight, ln_f.bias
+            assert (
+                root["module"] == "" and root["frozen_tensors"] == root["tensors"] == 4
+            )  # wte (tied), wpe, ln_f.weight, ln_f.bias
         assert max_abs_diff(out["stage 2"], expected) <= TOL
 
 
 # --- tied frozen weights, mixed modules, units of one kind ------------------------------------------
 
+
 def _mixed(rank, world):
     out = {}
     for partition in ("flat", "round_robin"):
         model = Mixed()
-        opt = ZeroAdam(model, **zero_options(3, partition=partition, units=Mixed.units(model),
-                                             check_collectives=partition == "round_robin"), **HYPER)
+        opt = ZeroAdam(
+            model,
+            **zero_options(
+                3, partition=partition, units=Mixed.units(model), check_collectives=partition == "round_robin"
+            ),
+            **HYPER,
+        )
         train_steps(model, opt, rank, STEPS)
-        out[partition] = dict(params=_params(opt, model), report=opt.units_report(),
-                              buckets=[opt.units.buffers.bucket(u) for u in range(len(opt.units_report()))],
-                              tied=model.head.weight is model.emb.weight)
+        out[partition] = dict(
+            params=_params(opt, model),
+            report=opt.units_report(),
+            buckets=[opt.units.buffers.bucket(u) for u in range(len(opt.units_report()))],
+            tied=model.head.weight is model.emb.weight,
+        )
     model = Mixed()
     opt = ZeroAdam(model, **zero_options(3, mixed_precision="bf16", units=Mixed.units(model)), **HYPER)
     train_steps(model, opt, rank, STEPS)
@@ -237,6 +263,7 @@ def test_tied_frozen_embedding_mixed_modules_and_one_kind_units():
 
 
 # --- checkpoints: frozen parameters saved from their shards, loaded into another stage ---------------
+
 
 def _save_and_load(rank, world, path):
     model = Mixed()
@@ -277,6 +304,7 @@ def test_checkpoint_keeps_every_key_and_reshards_frozen():
             assert max_abs_diff(out["stage 3 trained"], out["stage 2 trained"]) <= fp32_tol(1)
         # A plain model loads the model entry with DCP alone, frozen chunks included.
         import torch.distributed.checkpoint as dcp
+
         plain = Mixed()
         sd = {"model": plain.state_dict()}
         dcp.load(sd, checkpoint_id=path, no_dist=True)
@@ -292,21 +320,26 @@ def test_checkpoint_keeps_every_key_and_reshards_frozen():
 
 # --- gradient checkpointing with frozen parameters --------------------------------------------------
 
+
 def _checkpointing(rank, world):
     out = {}
     for reentrant in (True, False):
         model = lora_gpt(keep_wpe=True, checkpointing=reentrant)
         opt = ZeroAdam(model, **zero_options(3, min_unit_mb=0), **HYPER)
         train_steps(model, opt, rank, STEPS)
-        out[reentrant] = dict(params=_params(opt, model), after=opt.materialized_param_bytes(),
-                              shard=(opt.layout.shard_numel(rank) + opt.frozen.layout.shard_numel(rank)) * 4)
+        out[reentrant] = dict(
+            params=_params(opt, model),
+            after=opt.materialized_param_bytes(),
+            shard=(opt.layout.shard_numel(rank) + opt.frozen.layout.shard_numel(rank)) * 4,
+        )
     return out
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_gradient_checkpointing_with_frozen_parameters():
-    expected = {r: single_process(lambda r=r: lora_gpt(keep_wpe=True, checkpointing=r), 2, STEPS)
-                for r in (True, False)}
+    expected = {
+        r: single_process(lambda r=r: lora_gpt(keep_wpe=True, checkpointing=r), 2, STEPS) for r in (True, False)
+    }
     for rank, out in enumerate(run_ranks(_checkpointing, 2)):
         for reentrant in (True, False):
             r = out[reentrant]
@@ -317,8 +350,10 @@ def test_gradient_checkpointing_with_frozen_parameters():
 
 # --- the estimator ----------------------------------------------------------------------------------
 
+
 def test_estimator_counts_frozen_parameters_apart():
     from zerofast.tools.estimate import estimate_memory
+
     model = lora_gpt()
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

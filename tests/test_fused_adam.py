@@ -3,6 +3,7 @@
 CPU and CUDA share one helper per property (`_check_x(device)`); the CUDA cases skip where there is
 no GPU or no CUDA kernels.
 """
+
 import math
 import os
 
@@ -16,7 +17,8 @@ STEPS = 20
 
 needs_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and zerofast.has_cuda_kernels()),
-    reason="needs a CUDA GPU and zerofast's CUDA kernels")
+    reason="needs a CUDA GPU and zerofast's CUDA kernels",
+)
 DEVICES = ["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.cuda])]
 
 
@@ -41,8 +43,18 @@ def awkward_values(n: int, gen: torch.Generator, huge: float = 1e15) -> torch.Te
     return x
 
 
-def run_both(device, n, *, adamw=True, weight_decay=0.1, grad_dtype=torch.float32, grad_scale=None,
-             param_copy_dtype=None, steps=STEPS, seed=0):
+def run_both(
+    device,
+    n,
+    *,
+    adamw=True,
+    weight_decay=0.1,
+    grad_dtype=torch.float32,
+    grad_scale=None,
+    param_copy_dtype=None,
+    steps=STEPS,
+    seed=0,
+):
     """Run `steps` steps of fused_adam_ and of torch's optimizer on the same gradients."""
     gen = torch.Generator().manual_seed(seed)
     init = awkward_values(n, gen, huge=1e20)
@@ -52,14 +64,30 @@ def run_both(device, n, *, adamw=True, weight_decay=0.1, grad_dtype=torch.float3
     copy = None if param_copy_dtype is None else torch.empty(n, dtype=param_copy_dtype, device=device)
     ref = init.clone().to(device).requires_grad_(True)
     cls = torch.optim.AdamW if adamw else torch.optim.Adam
-    opt = cls([ref], lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
-              weight_decay=weight_decay, foreach=False)
+    opt = cls(
+        [ref],
+        lr=HYPER["lr"],
+        betas=(HYPER["beta1"], HYPER["beta2"]),
+        eps=HYPER["eps"],
+        weight_decay=weight_decay,
+        foreach=False,
+    )
     for step in range(1, steps + 1):
         # fp16 tops out at 65504: its huge gradients are 1e3 times a normal draw.
         huge = 1e3 if grad_dtype == torch.float16 else 1e15
         grad = awkward_values(n, gen, huge=huge).to(device).to(grad_dtype)
-        zerofast.fused_adam_(param, grad, exp_avg, exp_avg_sq, **HYPER, weight_decay=weight_decay,
-                             step=step, adamw=adamw, grad_scale=grad_scale, param_copy=copy)
+        zerofast.fused_adam_(
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            **HYPER,
+            weight_decay=weight_decay,
+            step=step,
+            adamw=adamw,
+            grad_scale=grad_scale,
+            param_copy=copy,
+        )
         scale = 1.0 if grad_scale is None else float(grad_scale)
         ref.grad = grad.float() * scale
         opt.step()
@@ -74,6 +102,7 @@ def assert_matches(ours, ref, tol=1e-6):
 
 
 # --- agreement with torch -----------------------------------------------------------------------
+
 
 def _check_adamw_and_adam(device, adamw, n):
     ours, ref = run_both(device, n, adamw=adamw)
@@ -116,6 +145,7 @@ def test_param_copy(device, copy_dtype):
 
 # --- found_inf ----------------------------------------------------------------------------------
 
+
 def _check_found_inf(device, bad_value, where, grad_dtype):
     n = 1001
     gen = torch.Generator().manual_seed(3)
@@ -127,8 +157,9 @@ def _check_found_inf(device, bad_value, where, grad_dtype):
     grad[{"first": 0, "middle": n // 2, "last": n - 1}[where]] = bad_value
     before = [t.clone() for t in (param, exp_avg, exp_avg_sq, copy)]
     found_inf = torch.zeros(1, device=device)
-    zerofast.fused_adam_(param, grad, exp_avg, exp_avg_sq, **HYPER, weight_decay=0.1, step=4,
-                         found_inf=found_inf, param_copy=copy)
+    zerofast.fused_adam_(
+        param, grad, exp_avg, exp_avg_sq, **HYPER, weight_decay=0.1, step=4, found_inf=found_inf, param_copy=copy
+    )
     assert found_inf.item() == 1.0
     for b, a in zip(before, (param, exp_avg, exp_avg_sq, copy)):
         assert torch.equal(a, b), "a step with a non-finite gradient must change nothing"
@@ -178,6 +209,7 @@ def test_scaled_overflow_counts_as_inf():
 
 # --- nonfinite_check_: the same check alone (ZeroAdam's overflow agreement) -----------------------
 
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bad_value", [None, math.inf, -math.inf, math.nan], ids=["clean", "inf", "-inf", "nan"])
 @pytest.mark.parametrize("where", [0, 1000, 70_000])
@@ -197,8 +229,10 @@ def test_nonfinite_check(device, bad_value, where, grad_dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_nonfinite_check_opcheck_and_errors(device):
-    torch.library.opcheck(torch.ops.zerofast.nonfinite_check_.default,
-                          (torch.randn(33, device=device).half(), torch.zeros(1, device=device)))
+    torch.library.opcheck(
+        torch.ops.zerofast.nonfinite_check_.default,
+        (torch.randn(33, device=device).half(), torch.zeros(1, device=device)),
+    )
     with pytest.raises(RuntimeError, match="found_inf must be a 1-element float32 tensor; got dtype Half"):
         zerofast.nonfinite_check_(torch.randn(4, device=device), torch.zeros(1, device=device).half())
     with pytest.raises(RuntimeError, match="grad must be float32, bfloat16 or float16; got Long"):
@@ -208,6 +242,7 @@ def test_nonfinite_check_opcheck_and_errors(device):
 
 
 # --- instruction sets ---------------------------------------------------------------------------
+
 
 def test_portable_path_matches_torch(monkeypatch):
     monkeypatch.setenv("ZEROFAST_CPU_ISA", "portable")
@@ -246,17 +281,38 @@ def test_bad_isa_name(monkeypatch):
 
 # --- the op as torch sees it --------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
     n = 257
+
     def args():
-        return (torch.randn(n, device=device), torch.randn(n, device=device).bfloat16(),
-                torch.zeros(n, device=device), torch.zeros(n, device=device))
-    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=1, adamw=True,
-              grad_scale=0.5, grad_scale_tensor=None, found_inf=None, param_copy=None)
+        return (
+            torch.randn(n, device=device),
+            torch.randn(n, device=device).bfloat16(),
+            torch.zeros(n, device=device),
+            torch.zeros(n, device=device),
+        )
+
+    kw = dict(
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.01,
+        step=1,
+        adamw=True,
+        grad_scale=0.5,
+        grad_scale_tensor=None,
+        found_inf=None,
+        param_copy=None,
+    )
     torch.library.opcheck(torch.ops.zerofast.fused_adam_.default, args(), kw)
-    kw.update(found_inf=torch.zeros(1, device=device), param_copy=torch.empty(n, device=device).half(),
-              grad_scale_tensor=torch.ones(1, device=device))
+    kw.update(
+        found_inf=torch.zeros(1, device=device),
+        param_copy=torch.empty(n, device=device).half(),
+        grad_scale_tensor=torch.ones(1, device=device),
+    )
     torch.library.opcheck(torch.ops.zerofast.fused_adam_.default, args(), kw)
 
 
@@ -264,6 +320,7 @@ def test_torch_compile_traces_the_op():
     def step(p, g, m, v):
         zerofast.fused_adam_(p, g, m, v, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
         return p
+
     n = 64
     p, g = torch.randn(n), torch.randn(n)
     p2 = p.clone()
@@ -275,6 +332,7 @@ def test_torch_compile_traces_the_op():
 
 # --- bad input ----------------------------------------------------------------------------------
 
+
 def _call(param, grad=None, exp_avg=None, exp_avg_sq=None, **kw):
     n = param.numel()
     grad = torch.zeros(n) if grad is None else grad
@@ -285,23 +343,35 @@ def _call(param, grad=None, exp_avg=None, exp_avg_sq=None, **kw):
     zerofast.fused_adam_(param, grad, exp_avg, exp_avg_sq, **base)
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: _call(torch.zeros(4), grad=torch.zeros(5)), "grad has 5 elements but param has 4"),
-    (lambda: _call(torch.zeros(4), exp_avg=torch.zeros(3)), "exp_avg has 3 elements but param has 4"),
-    (lambda: _call(torch.zeros(4, dtype=torch.float64)), "param must be float32 .*got Double"),
-    (lambda: _call(torch.zeros(4), exp_avg_sq=torch.zeros(4).half()), "exp_avg_sq must be float32; got Half"),
-    (lambda: _call(torch.zeros(4), grad=torch.zeros(4, dtype=torch.int32)), "grad must be float32, bfloat16 or float16; got Int"),
-    (lambda: _call(torch.zeros(8)[::2]), "param must be contiguous"),
-    (lambda: _call(torch.zeros(4), grad=torch.zeros(8)[::2]), "grad must be contiguous"),
-    (lambda: _call(torch.zeros(2, 2)), r"param must be a flat 1-D tensor .*got shape \[2, 2\]"),
-    (lambda: _call(torch.zeros(4), step=0), "step counts from 1.*got 0"),
-    (lambda: _call(torch.zeros(4), found_inf=torch.zeros(2)), "found_inf must be a 1-element float32 tensor; got dtype Float with 2 elements"),
-    (lambda: _call(torch.zeros(4), param_copy=torch.zeros(3).half()), "param_copy has 3 elements but param has 4"),
-    (lambda: _call(torch.zeros(4), param_copy=torch.zeros(4, dtype=torch.int8)), "param_copy must be float32, bfloat16 or float16; got Char"),
-    (lambda: _call(torch.zeros(4), grad_scale="2"), "grad_scale must be a float or a 1-element tensor; got '2'"),
-    (lambda: _call(torch.zeros(4), step=1.5), "step must be a whole number counting from 1; got 1.5"),
-    (lambda: _call(torch.zeros(4), grad=torch.zeros(4, device="meta")), "grad is on meta but param is on cpu"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: _call(torch.zeros(4), grad=torch.zeros(5)), "grad has 5 elements but param has 4"),
+        (lambda: _call(torch.zeros(4), exp_avg=torch.zeros(3)), "exp_avg has 3 elements but param has 4"),
+        (lambda: _call(torch.zeros(4, dtype=torch.float64)), "param must be float32 .*got Double"),
+        (lambda: _call(torch.zeros(4), exp_avg_sq=torch.zeros(4).half()), "exp_avg_sq must be float32; got Half"),
+        (
+            lambda: _call(torch.zeros(4), grad=torch.zeros(4, dtype=torch.int32)),
+            "grad must be float32, bfloat16 or float16; got Int",
+        ),
+        (lambda: _call(torch.zeros(8)[::2]), "param must be contiguous"),
+        (lambda: _call(torch.zeros(4), grad=torch.zeros(8)[::2]), "grad must be contiguous"),
+        (lambda: _call(torch.zeros(2, 2)), r"param must be a flat 1-D tensor .*got shape \[2, 2\]"),
+        (lambda: _call(torch.zeros(4), step=0), "step counts from 1.*got 0"),
+        (
+            lambda: _call(torch.zeros(4), found_inf=torch.zeros(2)),
+            "found_inf must be a 1-element float32 tensor; got dtype Float with 2 elements",
+        ),
+        (lambda: _call(torch.zeros(4), param_copy=torch.zeros(3).half()), "param_copy has 3 elements but param has 4"),
+        (
+            lambda: _call(torch.zeros(4), param_copy=torch.zeros(4, dtype=torch.int8)),
+            "param_copy must be float32, bfloat16 or float16; got Char",
+        ),
+        (lambda: _call(torch.zeros(4), grad_scale="2"), "grad_scale must be a float or a 1-element tensor; got '2'"),
+        (lambda: _call(torch.zeros(4), step=1.5), "step must be a whole number counting from 1; got 1.5"),
+        (lambda: _call(torch.zeros(4), grad=torch.zeros(4, device="meta")), "grad is on meta but param is on cpu"),
+    ],
+)
 def test_bad_input_is_named(call, message):
     with pytest.raises((RuntimeError, TypeError), match=message):
         call()
@@ -315,8 +385,12 @@ def test_cuda_tensor_without_cuda_kernels_is_named():
         return
     p = torch.zeros(4, device="cuda")
     with pytest.raises(RuntimeError, match="built without its CUDA kernels"):
-        _call(p, grad=torch.zeros(4, device="cuda"), exp_avg=torch.zeros(4, device="cuda"),
-              exp_avg_sq=torch.zeros(4, device="cuda"))
+        _call(
+            p,
+            grad=torch.zeros(4, device="cuda"),
+            exp_avg=torch.zeros(4, device="cuda"),
+            exp_avg_sq=torch.zeros(4, device="cuda"),
+        )
 
 
 def test_has_cuda_kernels_reports_the_build():

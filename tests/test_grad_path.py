@@ -4,12 +4,13 @@ used only in even steps, one used only on rank 0), every stage and partition, wi
 path taking all but the first gradient of each backward; and the single-process oracle. Also: a
 gradient the path cannot take is named on its rank (typed errors, csrc/errors.h); accumulation under
 no_sync() on the compiled path; the step's agreement message as AgreementLayout lays it out."""
+
 import pytest
 import torch
 import torch.nn as nn
-
 from harness import run_ranks
-from oracles import zero_options, HYPER, Quirky, fp32_tol, max_abs_diff, rank_batch, single_process_quirky
+from oracles import HYPER, Quirky, fp32_tol, max_abs_diff, rank_batch, single_process_quirky, zero_options
+
 from zerofast import ZeroAdam
 from zerofast.comm import GradientError
 from zerofast.optim.grads import AgreementLayout
@@ -32,13 +33,22 @@ def _quirky(rank, world, stage, partition, python_only):
         opt.zero_grad()
     with opt.gathered_params():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return dict(params=params, fast=opt._grads.path.fast_calls, counts=opt.step_counts(), backwards=backwards,
-                tensors=len([p for p in model.parameters() if p.requires_grad]))
+    return dict(
+        params=params,
+        fast=opt._grads.path.fast_calls,
+        counts=opt.step_counts(),
+        backwards=backwards,
+        tensors=len([p for p in model.parameters() if p.requires_grad]),
+    )
 
 
 def _matrix(rank, world):
-    return {(stage, partition, python_only): _quirky(rank, world, stage, partition, python_only)
-            for stage in (1, 2, 3) for partition in ("flat", "round_robin") for python_only in (False, True)}
+    return {
+        (stage, partition, python_only): _quirky(rank, world, stage, partition, python_only)
+        for stage in (1, 2, 3)
+        for partition in ("flat", "round_robin")
+        for python_only in (False, True)
+    }
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -63,6 +73,7 @@ def _freed(rank, world):
     import weakref
 
     from zerofast.tools.models import make_gpt
+
     out = []
     for stage in (1, 2, 3):
         model = make_gpt("tiny")
@@ -117,6 +128,7 @@ def test_the_overlapped_gathers_check_still_runs_for_every_gradient():
 
 # --- typed errors: a gradient the path cannot take ------------------------------------------------------
 
+
 class _Embedded(nn.Module):
     def __init__(self, sparse: bool):
         super().__init__()
@@ -131,9 +143,11 @@ class _Embedded(nn.Module):
 # before the gradient path's), as user code can; autograd itself rejects a tensor hook that changes a
 # gradient's dtype or shape.
 _SWAPS = {"dtype": lambda g: g.double(), "shape": lambda g: g.reshape(-1)}
-_PROBLEMS = {"sparse": "got a sparse gradient (layout Sparse)",
-             "dtype": "got a gradient of dtype torch.float64 for a parameter of dtype torch.float32",
-             "shape": "got a gradient of shape [128] for a parameter of shape [16, 8]"}
+_PROBLEMS = {
+    "sparse": "got a sparse gradient (layout Sparse)",
+    "dtype": "got a gradient of dtype torch.float64 for a parameter of dtype torch.float32",
+    "shape": "got a gradient of shape [128] for a parameter of shape [16, 8]",
+}
 
 
 def _bad_gradient(rank, world, python_only):
@@ -147,8 +161,10 @@ def _bad_gradient(rank, world, python_only):
                 opt._grads.always_python = True
                 opt._grads._enter(opt._grads.phase)
             if kind in _SWAPS:
+
                 def swap(p, f=_SWAPS[kind]):
                     p.grad.data = f(p.grad.data)
+
                 model.emb.weight.register_post_accumulate_grad_hook(swap)
             try:
                 model(torch.tensor([[1, 2, 3]])).backward()  # emb.weight's gradient comes after head's
@@ -194,10 +210,12 @@ def test_a_second_gradient_before_step_is_named(stage):
 
 # --- accumulation under no_sync() on the compiled path -----------------------------------------------------
 
+
 def _accumulate(rank, world, stage, accumulate_locally, python_only):
     model = Quirky()
-    opt = ZeroAdam(model, **zero_options(stage, bucket_mb=0.001, min_unit_mb=0,
-                                         accumulate_locally=accumulate_locally), **HYPER)
+    opt = ZeroAdam(
+        model, **zero_options(stage, bucket_mb=0.001, min_unit_mb=0, accumulate_locally=accumulate_locally), **HYPER
+    )
     if python_only:
         opt._grads.always_python = True
         opt._grads._enter(opt._grads.phase)
@@ -210,14 +228,21 @@ def _accumulate(rank, world, stage, accumulate_locally, python_only):
         opt.zero_grad()
     with opt.gathered_params():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return dict(params=params, fast=opt._grads.path.fast_calls, counts=opt.step_counts(),
-                tensors=len([p for p in model.parameters() if p.requires_grad]))
+    return dict(
+        params=params,
+        fast=opt._grads.path.fast_calls,
+        counts=opt.step_counts(),
+        tensors=len([p for p in model.parameters() if p.requires_grad]),
+    )
 
 
 def _accumulate_matrix(rank, world):
-    return {(stage, local, python_only): _accumulate(rank, world, stage, local, python_only)
-            for stage in (1, 2, 3) for local in ((False,) if stage == 1 else (False, True))
-            for python_only in (False, True)}
+    return {
+        (stage, local, python_only): _accumulate(rank, world, stage, local, python_only)
+        for stage in (1, 2, 3)
+        for local in ((False,) if stage == 1 else (False, True))
+        for python_only in (False, True)
+    }
 
 
 def test_accumulation_on_the_compiled_path_equals_pythons():
@@ -234,6 +259,7 @@ def test_accumulation_on_the_compiled_path_equals_pythons():
 
 
 # --- the step's agreement ----------------------------------------------------------------------------------
+
 
 def test_the_agreement_message_round_trips_through_its_layout():
     layout = AgreementLayout(3)

@@ -1,11 +1,11 @@
 """The multi-rank harness itself: results come back by rank, exceptions and hangs are reported."""
+
 import time
 
+import harness
 import pytest
 import torch
 import torch.distributed as dist
-
-import harness
 from harness import RankFailed, run_ranks
 
 

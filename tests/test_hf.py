@@ -4,6 +4,7 @@ on the same arguments: accumulation 2, clipping 1.0, warmup + linear schedule, w
 (tests/hf_job.py runs the jobs). Also: resuming checkpoint-2 in a fresh launch, at another stage
 and at another world size; save_model() loaded by from_pretrained; LoRA (peft) in stage 3 with
 gradient checkpointing; TRL's SFTTrainer with the mixin; the clear errors."""
+
 import importlib.util
 import json
 import os
@@ -12,7 +13,6 @@ import sys
 
 import pytest
 import torch
-
 from oracles import fp32_tol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,11 +27,20 @@ LOG_REL = 8 * fp32_tol(STEPS) + 40_000 * 2.0**-24
 
 
 def _launch(nproc, *args, timeout=600):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
     env.pop("WORLD_SIZE", None)
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-           if nproc > 1 else [sys.executable])
+    cmd = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+        if nproc > 1
+        else [sys.executable]
+    )
     out = subprocess.run(cmd + [JOB, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     return out
@@ -105,8 +114,9 @@ def test_checkpoint_holds_zerofast_shards_beside_the_trainers_files(jobs):
     assert stage3["last checkpoint complete when train() returned"]
     assert {"zerofast", "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth"} <= set(files)
     assert "optimizer.pt" not in files
-    assert {"manifest.json", "__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(os.path.join(jobs, "stage3",
-                                                                                          "checkpoint-2", "zerofast")))
+    assert {"manifest.json", "__0_0.distcp", "__1_0.distcp"} <= set(
+        os.listdir(os.path.join(jobs, "stage3", "checkpoint-2", "zerofast"))
+    )
 
 
 def test_resume_in_a_fresh_launch_at_another_stage_and_world_size(jobs):
@@ -120,6 +130,7 @@ def test_resume_in_a_fresh_launch_at_another_stage_and_world_size(jobs):
 
 def test_save_model_loads_with_from_pretrained(jobs):
     from transformers import GPT2LMHeadModel
+
     model = GPT2LMHeadModel.from_pretrained(os.path.join(jobs, "final"))
     trained = _load(jobs, "train-stage3.pt")
     assert _max_diff({n: p.detach() for n, p in model.named_parameters()}, trained) == 0.0
@@ -137,6 +148,7 @@ def test_lora_stage3_equals_ddp_and_saves_the_trained_adapter(jobs):
     assert mine and all("lora_" in n for n in mine)
     assert _max_diff(mine, ddp) <= fp32_tol(STEPS)
     from safetensors.torch import load_file
+
     saved = load_file(os.path.join(jobs, "lora-adapter", "adapter_model.safetensors"))
     assert len(saved) == len(mine)
     for name, value in saved.items():  # PEFT's names drop the adapter name: match by suffix
@@ -148,6 +160,7 @@ def test_trl_sft_trainer_with_the_mixin_trains():
     if importlib.util.find_spec("trl") is None:
         pytest.skip("trl is not installed (the Makefile pins it; it installs from the registry)")
     import tempfile
+
     with tempfile.TemporaryDirectory() as out:
         _launch(2, "sft", out)
         with open(os.path.join(out, "sft.json")) as f:
@@ -167,14 +180,18 @@ def test_resume_true_skips_a_checkpoint_whose_shards_were_never_completed(tmp_pa
             path = tmp_path / f"checkpoint-{step}" / f
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("{}")
+
     make(2, "trainer_state.json", "zerofast/manifest.json")
     make(4, "trainer_state.json", "zerofast.incomplete/__0_0.distcp")
     make(5, "trainer_state.json", "scheduler.pt")  # the shards' folder removed after a failed write
     make(6, "model.safetensors")
     with pytest.warns(UserWarning) as seen:
         assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
-    assert [str(w.message).split()[1].rsplit("/", 1)[-1] for w in seen] == ["checkpoint-6", "checkpoint-5",
-                                                                              "checkpoint-4"]
+    assert [str(w.message).split()[1].rsplit("/", 1)[-1] for w in seen] == [
+        "checkpoint-6",
+        "checkpoint-5",
+        "checkpoint-4",
+    ]
     make(8, "trainer_state.json", "optimizer.pt")  # a plain Trainer's
     assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-8")
     assert last_complete_checkpoint(str(tmp_path / "nothing")) is None
@@ -208,6 +225,5 @@ for make, message in cases:
 print("ok")
 """
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]

@@ -9,6 +9,7 @@ ZeroAdam(mesh=) shard within groups of K ranks and replicate across them.
 - On 4 pooled ranks: gradient clipping with K < W equals the flat run (the norm counts each element
   once); a ("replicate", "shard") DeviceMesh as process_group equals shard_size; bad input is named on every rank.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,10 +19,20 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-
 from harness import free_port, run_ranks
-from oracles import (HYPER, Nested, fp32_tol, full_master, max_abs_diff, model_loss, norm_rel_tol, rank_batch,
-                     single_process, zero_options)
+from oracles import (
+    HYPER,
+    Nested,
+    fp32_tol,
+    full_master,
+    max_abs_diff,
+    model_loss,
+    norm_rel_tol,
+    rank_batch,
+    single_process,
+    zero_options,
+)
+
 from zerofast import CommPolicy, ZeroAdam
 from zerofast import checkpoint as ck
 from zerofast.optim.grads import AgreementLayout
@@ -38,11 +49,33 @@ def launched(tmp_path_factory):
     """tests/hybrid_job.py on 2 x 2 ranks; every rank's results and the checkpoint's folder."""
     out = str(tmp_path_factory.mktemp("hybrid"))
     port = free_port()
-    launches = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank",
-         str(i), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-         os.path.join(ROOT, "tests", "hybrid_job.py"), out],
-        cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    launches = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "2",
+                "--node-rank",
+                str(i),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                os.path.join(ROOT, "tests", "hybrid_job.py"),
+                out,
+            ],
+            cwd=ROOT,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     logs = [p.communicate(timeout=600)[0] for p in launches]
     assert all(p.returncode == 0 for p in launches), "\n".join(logs)
     return torch.load(os.path.join(out, "results.pt"), weights_only=False), os.path.join(out, "ckpt")
@@ -54,8 +87,9 @@ def _accumulated_oracle(world: int) -> dict[str, torch.Tensor]:
     model = Nested()
     opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
     for step in range(STEPS):
-        total = sum(model_loss(model, *rank_batch(model, step * MICRO + m, r))
-                    for r in range(world) for m in range(MICRO)) / (world * MICRO)
+        total = sum(
+            model_loss(model, *rank_batch(model, step * MICRO + m, r)) for r in range(world) for m in range(MICRO)
+        ) / (world * MICRO)
         total.backward()
         opt.step()
         opt.zero_grad()
@@ -80,8 +114,9 @@ def test_hybrid_equals_single_process_adamw_and_sends_a_shard_across(launched):
             for stats in run["stats"]:
                 cross = {k: v for k, v in stats.items() if k.startswith("replicate/")}
                 # once per step: the owned gradient shard (padding included) and the agreement
-                assert cross == {"replicate/all_reduce": run["owned"], "replicate/all_reduce_flags": agreement}, \
+                assert cross == {"replicate/all_reduce": run["owned"], "replicate/all_reduce_flags": agreement}, (
                     f"{key} rank {r}: {stats}"
+                )
         # the shards of one group cover the parameters once: on average 1/K of them cross machines
         # (flat pads each bucket to a multiple of K x 4 elements: [Note: padding] in zerofast/layout.py)
         padding = runs[0]["buckets"] * 2 * 4 * 4 if partition == "flat" else 0
@@ -123,14 +158,18 @@ def _load_and_snapshot(rank, world, path, stage, partition, shard_size):
     ck.load(path, model, opt)
     with opt.gathered_params():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    out = dict(params=params, steps=opt.step_counts(),
-               **{k: opt.shard.state_pieces(k) for k in ("master", "exp_avg", "exp_avg_sq")})
+    out = dict(
+        params=params,
+        steps=opt.step_counts(),
+        **{k: opt.shard.state_pieces(k) for k in ("master", "exp_avg", "exp_avg_sq")},
+    )
     opt.remove_hooks()
     return out
 
 
-@pytest.mark.parametrize("world, stage, partition, shard_size",
-                         [(2, 3, "flat", 2), (3, 1, "greedy", None), (1, 2, "flat", None)])
+@pytest.mark.parametrize(
+    "world, stage, partition, shard_size", [(2, 3, "flat", 2), (3, 1, "greedy", None), (1, 2, "flat", None)]
+)
 def test_a_hybrid_checkpoint_loads_anywhere_bitwise(launched, world, stage, partition, shard_size):
     results, path = launched
     model_sd, optim_sd = ck.to_torch(path)
@@ -154,6 +193,7 @@ def test_a_hybrid_checkpoint_loads_anywhere_bitwise(launched, world, stage, part
 
 
 # --- on 4 pooled ranks ----------------------------------------------------------------------------
+
 
 def _clipped(rank, world, shard_size, max_norm):
     model = Nested()
@@ -190,20 +230,27 @@ def test_clipping_counts_each_gradient_element_once():
     for k in (1, 2, 4):
         params, norms = run_ranks(_clipped, 4, args=(k, max_norm))[0]
         # the norm: a sum of every element's square in another order (norm_rel_tol), per step
-        assert all(abs(a - b) <= norm_rel_tol(PARAM_BYTES // 4) * b for a, b in zip(norms, want_norms)), (k, norms,
-                                                                                                         want_norms)
+        assert all(abs(a - b) <= norm_rel_tol(PARAM_BYTES // 4) * b for a, b in zip(norms, want_norms)), (
+            k,
+            norms,
+            want_norms,
+        )
         assert max_abs_diff(params, want_params) <= fp32_tol(STEPS), k
 
 
 def _mesh_and_errors(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
+
     out = {}
     for stage in (1, 3):
         runs = {}
         for how in ("mesh", "shard_size", "checked"):
             model = Nested()
-            extra = (dict(process_group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
-                     if how == "mesh" else dict(shard_size=2))
+            extra = (
+                dict(process_group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+                if how == "mesh"
+                else dict(shard_size=2)
+            )
             # stage 1 in buckets of ~500 elements: the replicas' all_reduces coalesce several buckets' ranges
             comm = dict(bucket_mb=0.002) if stage == 1 else {}
             if how == "checked":  # every collective described first; the replicas' all_reduce in step()
@@ -233,14 +280,18 @@ def _mesh_and_errors(rank, world):
     subgroup_stats = opt.comm_stats()
     opt.remove_hooks()
     errors = []
-    for kwargs in (dict(shard_size=2 if rank < 2 else 4),  # ranks given different shard sizes
-                   dict(shard_size=3 if rank == 0 else 2),  # one of them bad on its own
-                   dict(shard_size=3), dict(shard_size=0), dict(shard_size=8), dict(shard_size=2.0),
-                   dict(process_group=init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))),
-                   dict(process_group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate"))),
-                   dict(process_group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")),
-                        shard_size=2),
-                   dict(process_group="2x2")):
+    for kwargs in (
+        dict(shard_size=2 if rank < 2 else 4),  # ranks given different shard sizes
+        dict(shard_size=3 if rank == 0 else 2),  # one of them bad on its own
+        dict(shard_size=3),
+        dict(shard_size=0),
+        dict(shard_size=8),
+        dict(shard_size=2.0),
+        dict(process_group=init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))),
+        dict(process_group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate"))),
+        dict(process_group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")), shard_size=2),
+        dict(process_group="2x2"),
+    ):
         try:
             ZeroAdam(Nested(), stage=2, **kwargs)
             errors.append(None)
@@ -262,14 +313,18 @@ def test_a_mesh_equals_shard_size_and_bad_input_is_named_on_every_rank():
             assert max_abs_diff(pc, ps) == 0, stage
             assert sc["replicate/all_reduce"] == ss["replicate/all_reduce"], (sc, ss)
             assert "replicate/all_reduce" in sm
-    expected = ["ranks were given different options: rank 0 has shard_size=2, rank 2 has shard_size=4",
-                "ranks were given different options: rank 0 has shard_size=3, rank 1 has shard_size=2",
-                "shard_size=3 must divide the number of ranks, 4", "shard_size must be None or an integer >= 1; got 0",
-                "shard_size=8 must divide the number of ranks, 4", "shard_size must be None or an integer >= 1; got 2.0",
-                "a DeviceMesh as process_group must be 2-D with mesh_dim_names=('replicate', 'shard')",
-                "a DeviceMesh as process_group must be 2-D with mesh_dim_names=('replicate', 'shard')",
-                "pass it without shard_size (got shard_size=2)",
-                "TypeError: ZeroAdam: process_group must be a torch.distributed ProcessGroup, a 2-D DeviceMesh"]
+    expected = [
+        "ranks were given different options: rank 0 has shard_size=2, rank 2 has shard_size=4",
+        "ranks were given different options: rank 0 has shard_size=3, rank 1 has shard_size=2",
+        "shard_size=3 must divide the number of ranks, 4",
+        "shard_size must be None or an integer >= 1; got 0",
+        "shard_size=8 must divide the number of ranks, 4",
+        "shard_size must be None or an integer >= 1; got 2.0",
+        "a DeviceMesh as process_group must be 2-D with mesh_dim_names=('replicate', 'shard')",
+        "a DeviceMesh as process_group must be 2-D with mesh_dim_names=('replicate', 'shard')",
+        "pass it without shard_size (got shard_size=2)",
+        "TypeError: ZeroAdam: process_group must be a torch.distributed ProcessGroup, a 2-D DeviceMesh",
+    ]
     for _, errors, _ in results:  # every rank raises the same error
         for got, want in zip(errors, expected):
             assert got is not None and want in got, (got, want)

@@ -3,6 +3,7 @@ resumes from the newest checkpoint and ends bitwise equal to an uninterrupted ru
 fewer ranks continues resharded; a stuck worker ends the job after --timeout with one message; and
 two torchrun launches of 2 ranks each (two "machines" on this one, c10d rendezvous) run stage 3
 and equal the same job on 4 local ranks (stages 1-3 on two machines: tests/test_hybrid.py). Slow (real launches); run in `make test`."""
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,8 @@ import time
 
 import pytest
 import torch
-
 from harness import free_port
+
 from zerofast import checkpoint
 from zerofast.checkpoint.io import read_small
 
@@ -25,13 +26,25 @@ JOB = ["--model", "small", "--batch", "2", "--lr", "1e-3"]
 
 
 def _train(*argv, timeout=300):
-    return subprocess.run([sys.executable, "-m", "zerofast.train", *argv], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "zerofast.train", *argv],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _start(*argv):
-    return subprocess.Popen([sys.executable, "-m", "zerofast.train", *argv], cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "zerofast.train", *argv],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _workers(pid: int) -> list[int]:
@@ -62,8 +75,11 @@ def _wait_for(path: str, proc, limit: float = 120.0) -> None:
 
 def _same_checkpoints(a: str, b: str) -> bool:
     (am, ao), (bm, bo) = checkpoint.to_torch(a), checkpoint.to_torch(b)
-    return (am.keys() == bm.keys() and all(torch.equal(am[k], bm[k]) for k in am)
-            and all(torch.equal(s[k], bo["state"][i][k]) for i, s in ao["state"].items() for k in s))
+    return (
+        am.keys() == bm.keys()
+        and all(torch.equal(am[k], bm[k]) for k in am)
+        and all(torch.equal(s[k], bo["state"][i][k]) for i, s in ao["state"].items() for k in s)
+    )
 
 
 def test_a_killed_worker_is_restarted_and_resumes_bitwise(tmp_path):
@@ -131,11 +147,36 @@ def test_two_machines_on_torchrun_equal_four_local_ranks(tmp_path, stage):
     out = _train("--nproc", "4", *job, "--save-dir", local)
     assert out.returncode == 0, out.stdout + out.stderr
     port = free_port()
-    launches = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(i),
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "zerofast.train", *job,
-         "--save-dir", nodes], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)]
+    launches = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "2",
+                "--node-rank",
+                str(i),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "-m",
+                "zerofast.train",
+                *job,
+                "--save-dir",
+                nodes,
+            ],
+            cwd=ROOT,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     logs = [p.communicate(timeout=300)[0] for p in launches]
     assert all(p.returncode == 0 for p in launches), "\n".join(logs)
     assert _same_checkpoints(os.path.join(local, "step-000003"), os.path.join(nodes, "step-000003"))
@@ -154,6 +195,7 @@ def _single_process_losses(steps: int, world: int, batch: int, lr: float) -> lis
     process on the concatenation of every rank's batch."""
     from zerofast.tools.data import corpus_tokens, text_batch
     from zerofast.tools.models import make_gpt
+
     model = make_gpt("tiny", vocab_size=256)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     tokens, seq, losses = corpus_tokens(), model.cfg.block_size, []

@@ -1,4 +1,5 @@
 """Pure-Python layer: owner assignment and the flat buffer layout, no process group."""
+
 import pytest
 
 from zerofast.layout import ALIGN, build_layout
@@ -21,8 +22,10 @@ def test_greedy_largest_first_to_least_loaded():
 
 def test_greedy_beats_round_robin_on_skewed_sizes():
     numels = [1000, 10, 10, 10, 1000, 10, 10, 10]
+
     def load(owners):
         return [sum(n for n, o in zip(numels, owners) if o == r) for r in range(4)]
+
     assert imbalance(load(greedy(numels, 4))) < imbalance(load(round_robin(numels, 4)))
 
 
@@ -53,7 +56,9 @@ def test_flat_layout(world, cap):
         widths = {b.bounds[r + 1] - b.bounds[r] for r in range(world)}
         assert len(widths) == 1, "equal slices for reduce_scatter / all_gather"
         assert layout.used_numel(b.index) <= b.numel < layout.used_numel(b.index) + world * ALIGN
-        assert layout.used_numel(b.index) <= cap or len(b.params) == 1, "only a lone oversized parameter may exceed the cap"
+        assert layout.used_numel(b.index) <= cap or len(b.params) == 1, (
+            "only a lone oversized parameter may exceed the cap"
+        )
     # Buckets follow the given (backward) order.
     flat_order = [i for b in layout.buckets for i in b.params]
     assert flat_order == order

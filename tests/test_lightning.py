@@ -4,6 +4,7 @@ gradient_clip_val=1.0, AdamW over decay / no-decay groups with a warmup schedule
 optimizer step; tests/lightning_job.py runs the jobs). Launches: the train job on 2 ranks with
 Lightning's own launcher (`python script.py`), resumes in fresh launches on 2 and on 3 ranks, and
 the pytorch_lightning package under torchrun. The argument errors are checked in this process."""
+
 import json
 import os
 import subprocess
@@ -11,7 +12,6 @@ import sys
 
 import pytest
 import torch
-
 from oracles import fp32_tol
 
 pl = pytest.importorskip("lightning.pytorch")
@@ -33,8 +33,11 @@ def _launch(nproc, *args, torchrun=False, timeout=600):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
         env.pop(key, None)
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), JOB]
-           if torchrun else [sys.executable, JOB])  # Lightning's launcher starts the other processes
+    cmd = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), JOB]
+        if torchrun
+        else [sys.executable, JOB]
+    )  # Lightning's launcher starts the other processes
     out = subprocess.run(cmd + list(args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     return out
@@ -129,6 +132,7 @@ def test_validation_predict_and_checkpoint_files_in_stage3(jobs):
     assert "state_dict" not in state and state["global_step"] == 12 and "loops" in state and state["lr_schedulers"]
     # the shards: every rank's piece, a zerofast checkpoint that reads back as the trained model
     from zerofast.checkpoint import to_torch
+
     model, _ = to_torch(os.path.join(ckpt, core.ZERO_DIR))
     trained = _params(jobs, "train-stage3")
     assert _max_diff({k: model[k].float() for k in trained}, trained) == 0.0
@@ -144,8 +148,11 @@ def test_resume_in_a_fresh_launch_equals_the_uninterrupted_run(jobs):
     stage 2 from DDPStrategy's plain Lightning checkpoint (weights and AdamW state converted), both on
     2 ranks; stage 1 on 3 ranks from a 2-rank stage-3 checkpoint. Each equals the uninterrupted run."""
     train, two, three = _json(jobs, "train"), _json(jobs, "resume2"), _json(jobs, "resume3")
-    for name, res, ref in (("stage3-from-stage2", two, "stage2"), ("stage2-from-ddp", two, "ddp"),
-                           ("stage1-from-stage3", three, "stage3")):
+    for name, res, ref in (
+        ("stage3-from-stage2", two, "stage2"),
+        ("stage2-from-ddp", two, "ddp"),
+        ("stage1-from-stage3", three, "stage3"),
+    ):
         mine, theirs = res[name], dict(train[ref], losses=train[ref]["losses"][8:])  # epochs 1-2
         # at 3 ranks rank 0 holds 2 of each step's 6 sequences, not 3: the same global batch, other local ones
         _close(mine, theirs, name, same_rank_batches=res is two)
@@ -172,6 +179,7 @@ def test_unsupported_optimizers_get_named_errors(jobs):
 
 # --- argument errors, in this process (no launch) ---------------------------------------------------
 
+
 def test_strategy_argument_errors():
     with pytest.raises(TypeError, match="unexpected argument 'find_unused_parameters'"):
         ZeroStrategy(stage=2, find_unused_parameters=True)
@@ -187,8 +195,14 @@ def test_strategy_argument_errors():
         ZeroStrategy(save_full_weights="yes")
     with pytest.raises(ValueError, match="precision='64-true' is not supported"):
         pl.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(), precision="64-true", logger=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=3), precision="bf16-true",
-                         logger=False, enable_checkpointing=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ZeroStrategy(stage=3),
+        precision="bf16-true",
+        logger=False,
+        enable_checkpointing=False,
+    )
     plugin = trainer.strategy.precision_plugin
     assert type(plugin).__name__ == "ZeroPrecision" and plugin.dtype == torch.bfloat16
     batch = plugin.convert_input((torch.zeros(2), torch.zeros(2, dtype=torch.long)))

@@ -3,6 +3,7 @@ global batch: bitwise on one rank, within a derived tolerance on 2 and 3 (every 
 round_robin, awkward shapes, a tied head, a frozen matrix, accumulation, fp16, clipping); Newton-Schulz
 once per matrix per step; the same collectives as ZeroAdam; checkpoints resumed bitwise and resharded.
 One launch per world size (the cases of a world size run one after another in its ranks)."""
+
 import math
 import os
 import tempfile
@@ -11,10 +12,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from harness import run_ranks
-from zerofast import CommPolicy, LossScalePolicy, MixedPrecisionPolicy, ZeroAdam, ZeroMuon
+
 import zerofast.checkpoint as ckpt
+from zerofast import CommPolicy, LossScalePolicy, MixedPrecisionPolicy, ZeroAdam, ZeroMuon
 from zerofast.optim import muon as muon_mod
 from zerofast.partition import greedy_by_cost, newton_schulz_flops
 
@@ -35,15 +36,15 @@ class Awkward(nn.Module):
         super().__init__()
         torch.manual_seed(3)
         self.wte = nn.Embedding(VOCAB, WIDTH)
-        self.up = nn.Linear(WIDTH, 3 * WIDTH)       # weight 24 x 8: tall
-        self.down = nn.Linear(3 * WIDTH, WIDTH)     # weight 8 x 24: wide
+        self.up = nn.Linear(WIDTH, 3 * WIDTH)  # weight 24 x 8: tall
+        self.down = nn.Linear(3 * WIDTH, WIDTH)  # weight 8 x 24: wide
         self.same = nn.ModuleList(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(3))
         self.frozen = nn.Linear(WIDTH, WIDTH, bias=False)
         self.frozen.weight.requires_grad_(False)
-        self.gate = nn.Linear(WIDTH, 1)             # weight 1 x 8
+        self.gate = nn.Linear(WIDTH, 1)  # weight 1 x 8
         self.ln = nn.LayerNorm(WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-        self.head.weight = self.wte.weight          # tied: stays AdamW
+        self.head.weight = self.wte.weight  # tied: stays AdamW
 
     def forward(self, idx, targets):
         x = self.wte(idx)
@@ -69,8 +70,10 @@ def is_muon_default(model, name):
 
 # --- the oracle -------------------------------------------------------------------------------------
 
-def single_process(world: int, steps: int, *, micro: int = 1, fp16: bool = False, max_norm=None,
-                   state=None, start: int = 0):
+
+def single_process(
+    world: int, steps: int, *, micro: int = 1, fp16: bool = False, max_norm=None, state=None, start: int = 0
+):
     """torch.optim.Muon (the 2-D non-embedding matrices) + torch.optim.AdamW (the rest) on one process
     over every rank's micro-batches, as a data-parallel user writes it: an fp32 master of each
     parameter; each (rank, micro-batch) backward separately (in the model's dtype), the gradients
@@ -117,15 +120,26 @@ def single_process(world: int, steps: int, *, micro: int = 1, fp16: bool = False
 
 # --- the ranks' side ---------------------------------------------------------------------------------
 
+
 def make(stage, partition="greedy", *, fp16=False, max_norm=None, engine=ZeroMuon, **kw):
     model = Awkward()
     comm = CommPolicy(partition=partition, bucket_mb=0.0005 if stage < 3 else None)
     if engine is ZeroAdam:
         opt = ZeroAdam(model, stage=stage, comm=comm, max_grad_norm=max_norm, **ADAMW)
     else:
-        opt = ZeroMuon(model, stage=stage, comm=comm, max_grad_norm=max_norm,
-                       mixed_precision=FP16 if fp16 else None, adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"],
-                       adamw_eps=ADAMW["eps"], adamw_weight_decay=ADAMW["weight_decay"], **MUON, **kw)
+        opt = ZeroMuon(
+            model,
+            stage=stage,
+            comm=comm,
+            max_grad_norm=max_norm,
+            mixed_precision=FP16 if fp16 else None,
+            adamw_lr=ADAMW["lr"],
+            adamw_betas=ADAMW["betas"],
+            adamw_eps=ADAMW["eps"],
+            adamw_weight_decay=ADAMW["weight_decay"],
+            **MUON,
+            **kw,
+        )
     return model, opt
 
 
@@ -151,8 +165,12 @@ def run_case(rank, stage, partition, **kw):
     model, opt = make(stage, partition, **kw)
     before = muon_mod.newton_schulz_calls()
     train(model, opt, rank, STEPS, micro=micro)
-    out = {"master": master(opt), "ns_calls": muon_mod.newton_schulz_calls() - before,
-           "comm": opt.comm_stats(), "report": opt.partition_report()}
+    out = {
+        "master": master(opt),
+        "ns_calls": muon_mod.newton_schulz_calls() - before,
+        "comm": opt.comm_stats(),
+        "report": opt.partition_report(),
+    }
     opt.remove_hooks()
     return out
 
@@ -186,8 +204,16 @@ class Probe(nn.Module):
     (step, parameter), so its gradient is G whatever the parameters are. Awkward's shapes: tall, wide,
     1 x n, three equal; an embedding and a head tied to it (AdamW, gradient G1 + G2), a bias, a frozen matrix."""
 
-    SHAPES = {"tall": (24, 8), "wide": (8, 24), "row": (1, 8), "sq0": (8, 8), "sq1": (8, 8), "sq2": (8, 8),
-              "bias": (24,), "frozen": (8, 8)}
+    SHAPES = {
+        "tall": (24, 8),
+        "wide": (8, 24),
+        "row": (1, 8),
+        "sq0": (8, 8),
+        "sq1": (8, 8),
+        "sq2": (8, 8),
+        "bias": (24,),
+        "frozen": (8, 8),
+    }
 
     def __init__(self):
         super().__init__()
@@ -215,23 +241,34 @@ def probe_oracle(steps):
         for o in opts:
             o.step()
             o.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}, \
-        {n for n, p in model.named_parameters() if any(p is q for q in muon)}
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}, {
+        n for n, p in model.named_parameters() if any(p is q for q in muon)
+    }
 
 
 def _world_one(rank, world):
     out = {}
     for stage in (1, 2, 3):
         model = Probe()
-        opt = ZeroMuon(model, stage=stage, adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"], adamw_eps=ADAMW["eps"],
-                       adamw_weight_decay=ADAMW["weight_decay"], **MUON)
+        opt = ZeroMuon(
+            model,
+            stage=stage,
+            adamw_lr=ADAMW["lr"],
+            adamw_betas=ADAMW["betas"],
+            adamw_eps=ADAMW["eps"],
+            adamw_weight_decay=ADAMW["weight_decay"],
+            **MUON,
+        )
         before = muon_mod.newton_schulz_calls()
         for step in range(STEPS):
             opt.backward(model(step))
             opt.step()
             opt.zero_grad()
-        out[stage] = {"master": opt.master_shard(), "ns_calls": muon_mod.newton_schulz_calls() - before,
-                      "muon": opt.muon_names}
+        out[stage] = {
+            "master": opt.master_shard(),
+            "ns_calls": muon_mod.newton_schulz_calls() - before,
+            "muon": opt.muon_names,
+        }
         opt.remove_hooks()
     return out
 
@@ -246,8 +283,11 @@ def _world_many(rank, world, root):
     out["fp16"] = run_case(rank, 2, "greedy", fp16=True)
     out["clip"] = run_case(rank, 1, "round_robin", max_norm=0.05)
     # The same collectives as ZeroAdam of the same layout: round_robin, and greedy by elements.
-    out["comm"] = [(comm_of(rank, stage, p, ZeroMuon, **kw), comm_of(rank, stage, p, ZeroAdam))
-                   for stage in (1, 2, 3) for p, kw in (("round_robin", {}), ("greedy", {"balance": "numel"}))]
+    out["comm"] = [
+        (comm_of(rank, stage, p, ZeroMuon, **kw), comm_of(rank, stage, p, ZeroAdam))
+        for stage in (1, 2, 3)
+        for p, kw in (("round_robin", {}), ("greedy", {"balance": "numel"}))
+    ]
     if world == 2:
         out["checkpoint"] = _checkpoint_save(rank, root)
     return out
@@ -279,12 +319,13 @@ def _checkpoint_reshard(rank, world, root):
 
 # --- assembling and comparing ------------------------------------------------------------------------
 
+
 def full(per_rank):
     shapes = {n: tuple(p.shape) for n, p in Awkward().named_parameters() if p.requires_grad}
     out = {n: torch.full((math.prod(s),), float("nan")) for n, s in shapes.items()}
     for pieces in per_rank:
         for name, offset, values in pieces:
-            out[name][offset:offset + values.numel()] = values
+            out[name][offset : offset + values.numel()] = values
     return {n: t.view(shapes[n]) for n, t in out.items()}
 
 
@@ -325,6 +366,7 @@ def max_diff(a, b):
 
 # --- the tests ---------------------------------------------------------------------------------------
 
+
 def test_one_rank_fed_identical_gradients_is_torch_muon_and_adamw():
     """Muon's matrices bitwise torch.optim.Muon; the rest within ZeroAdam's fused AdamW kernel's own
     agreement with torch.optim.AdamW (an ulp in a few percent of elements: tests/test_fused_adam.py),
@@ -336,7 +378,7 @@ def test_one_rank_fed_identical_gradients_is_torch_muon_and_adamw():
         shapes = {n: tuple(t.shape) for n, t in oracle.items()}
         got = {n: torch.full((math.prod(s),), float("nan")) for n, s in shapes.items()}
         for name, offset, values in out["master"]:
-            got[name][offset:offset + values.numel()] = values
+            got[name][offset : offset + values.numel()] = values
         for name in oracle:
             mine = got[name].view(shapes[name])
             if name in muon_names:
@@ -359,8 +401,12 @@ def test_matches_torch_on_many_ranks(world, root):
         run_ranks(_checkpoint_reshard, 3, args=(root,), timeout=120)
     oracles = {1: single_process(world, STEPS)}
     cases = [(k, 1) for k in results[0] if isinstance(k, tuple)]
-    cases += [("accumulate", dict(micro=2)), ("accumulate3", dict(micro=2)), ("fp16", dict(fp16=True)),
-              ("clip", dict(max_norm=0.05))]
+    cases += [
+        ("accumulate", dict(micro=2)),
+        ("accumulate3", dict(micro=2)),
+        ("fp16", dict(fp16=True)),
+        ("clip", dict(max_norm=0.05)),
+    ]
     for key, how in cases:
         oracle = oracles[1] if how == 1 else single_process(world, STEPS, **how)
         got = full([out[key]["master"] for out in results])
@@ -405,8 +451,12 @@ def _check_reshard(root):
 
 def test_newton_schulz_is_torch_muon():
     """The math alone: muon_update_ on random matrices is bitwise torch.optim.Muon, every adjust_lr_fn."""
-    for shape, fn, nesterov in (((24, 8), None, True), ((8, 24), "match_rms_adamw", False), ((1, 8), "original", True),
-                                ((5, 5), "spectral_unclamped", True)):
+    for shape, fn, nesterov in (
+        ((24, 8), None, True),
+        ((8, 24), "match_rms_adamw", False),
+        ((1, 8), "original", True),
+        ((5, 5), "spectral_unclamped", True),
+    ):
         torch.manual_seed(0)
         p = torch.randn(shape)
         ref = nn.Parameter(p.clone())
@@ -416,8 +466,19 @@ def test_newton_schulz_is_torch_muon():
             g = torch.randn(shape)
             ref.grad = g.clone()
             opt.step()
-            muon_mod.muon_update_(mine, g, buf, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=nesterov,
-                                  ns_coefficients=muon_mod.NS_COEFFICIENTS, ns_steps=5, eps=1e-7, adjust_lr_fn=fn)
+            muon_mod.muon_update_(
+                mine,
+                g,
+                buf,
+                lr=0.02,
+                weight_decay=0.1,
+                momentum=0.95,
+                nesterov=nesterov,
+                ns_coefficients=muon_mod.NS_COEFFICIENTS,
+                ns_steps=5,
+                eps=1e-7,
+                adjust_lr_fn=fn,
+            )
         assert torch.equal(mine, ref.detach()), (shape, fn)
         assert torch.equal(buf, opt.state[ref]["momentum_buffer"])
 

@@ -2,14 +2,30 @@
 AdamW with an fp32 master copy, fp16 dynamic loss scaling against torch.amp.GradScaler, global
 gradient clipping against torch.nn.utils.clip_grad_norm_, gradient accumulation under no_sync()
 against single-process AdamW on the combined batch; every stage, 2 and 3 ranks."""
+
 import math
 
 import pytest
 import torch
-
 from harness import run_ranks
-from oracles import (single_process_clipped, zero_options, HYPER, ULP_REL, Quirky, fp32_tol, full_master, low_precision_tol, lp_param_tol, max_abs_diff,
-                     norm_rel_tol, rank_batch, single_process_adamw, single_process_mixed, train_steps)
+from oracles import (
+    HYPER,
+    ULP_REL,
+    Quirky,
+    fp32_tol,
+    full_master,
+    low_precision_tol,
+    lp_param_tol,
+    max_abs_diff,
+    norm_rel_tol,
+    rank_batch,
+    single_process_adamw,
+    single_process_clipped,
+    single_process_mixed,
+    train_steps,
+    zero_options,
+)
+
 from zerofast import ZeroAdam
 from zerofast.tools.models import make_gpt
 
@@ -24,9 +40,12 @@ def _shapes():
 
 def _train_mixed(rank, world, stage, precision, reduce_dtype, scaler, max_norm, clip_call, steps):
     model = make_gpt("tiny")
-    opt = ZeroAdam(model, **zero_options(stage, bucket_mb=0.01, mixed_precision=precision, reduce_dtype=reduce_dtype,
-                                         **(scaler or {})),
-                   max_grad_norm=None if clip_call else max_norm, **HYPER)
+    opt = ZeroAdam(
+        model,
+        **zero_options(stage, bucket_mb=0.01, mixed_precision=precision, reduce_dtype=reduce_dtype, **(scaler or {})),
+        max_grad_norm=None if clip_call else max_norm,
+        **HYPER,
+    )
     assert all(p.dtype == DTYPES[precision] for p in model.parameters())
     history = []
 
@@ -35,6 +54,7 @@ def _train_mixed(rank, world, stage, precision, reduce_dtype, scaler, max_norm, 
 
     def after_step(step):
         history[-1][1] = opt.step_was_skipped
+
     train_steps(model, opt, rank, steps, backward=opt.backward, before_step=before_step, after_step=after_step)
     history = [tuple(h) for h in history]
     with opt.gathered_params():
@@ -59,8 +79,9 @@ def _check(results, key, world, oracle, dtype, steps, where):
         d = max_abs_diff(params, params0)
         assert d <= param_tol, f"{where} rank {rank}/{world}: parameters differ by {d:.3g}"
         # The same decisions and the same scale sequence as GradScaler, and the same norms.
-        assert [h[:2] for h in history] == [h[:2] for h in history_oracle], \
+        assert [h[:2] for h in history] == [h[:2] for h in history_oracle], (
             f"{where}: (scale, skipped) per step {[h[:2] for h in history]} != oracle's {[h[:2] for h in history_oracle]}"
+        )
         for (_, _, n), (_, skipped, n0) in zip(history, history_oracle):
             if n0 is not None and not skipped:
                 assert n is None or math.isclose(n, n0, rel_tol=ULP_REL[dtype]), f"{where}: norm {n} != torch's {n0}"
@@ -85,14 +106,18 @@ def test_bf16_matches_single_process_mixed_precision(world):
     reduces = {"fp32-reduce": torch.float32, "bf16-reduce": torch.bfloat16}
     if world == 3:
         del reduces["bf16-reduce"]
-    configs = {(name, stage): (stage, "bf16", dtype, None, None, False, STEPS)
-               for name, dtype in reduces.items() for stage in STAGES}
+    configs = {
+        (name, stage): (stage, "bf16", dtype, None, None, False, STEPS)
+        for name, dtype in reduces.items()
+        for stage in STAGES
+    }
     results = run_ranks(_run_matrix, world, args=(configs,), timeout=400)
     for name, reduce_dtype in reduces.items():
         oracle = single_process_mixed(world, STEPS, torch.bfloat16, reduce_dtype=reduce_dtype)
         for stage in STAGES:
-            _check(results, (name, stage), world, oracle, torch.bfloat16, STEPS,
-                   f"bf16 {name} stage {stage} world {world}")
+            _check(
+                results, (name, stage), world, oracle, torch.bfloat16, STEPS, f"bf16 {name} stage {stage} world {world}"
+            )
 
 
 # init_scale 2^16 overflows fp16 at once (d(scaled loss)/d(loss) = 65536 rounds to inf in fp16);
@@ -121,19 +146,27 @@ def test_fp16_loss_scaling_and_clipping_match_gradscaler(world):
 
 # --- global gradient clipping in fp32, against clip_grad_norm_ on the single-process model ---------
 
+
 def _train_clipped(rank, world, max_norm, steps):
     out = {}
     for stage in STAGES:
         for partition in ("flat", "round_robin"):
             for clip_call in (False, True):
                 model = make_gpt("tiny")
-                opt = ZeroAdam(model, **zero_options(stage, partition=partition, bucket_mb=0.01), max_grad_norm=None if clip_call else max_norm, **HYPER)
+                opt = ZeroAdam(
+                    model,
+                    **zero_options(stage, partition=partition, bucket_mb=0.01),
+                    max_grad_norm=None if clip_call else max_norm,
+                    **HYPER,
+                )
                 norms = []
                 clip = (lambda _: norms.append(float(opt.clip_grad_norm_(max_norm)))) if clip_call else None
                 train_steps(model, opt, rank, steps, before_step=clip)
                 with opt.gathered_params():
-                    out[(stage, partition, clip_call)] = ({n: p.detach().clone() for n, p in model.named_parameters()},
-                                                          norms)
+                    out[(stage, partition, clip_call)] = (
+                        {n: p.detach().clone() for n, p in model.named_parameters()},
+                        norms,
+                    )
     return out
 
 
@@ -151,7 +184,9 @@ def test_clipping_matches_clip_grad_norm(world):
             assert d <= fp32_tol(STEPS), f"{key} rank {rank}/{world}: {d:.3g} from AdamW with clip_grad_norm_"
             numel = sum(p.numel() for p in params.values())
             for n, n0 in zip(norms, want_norms):
-                assert math.isclose(n, n0, rel_tol=norm_rel_tol(numel)), f"{key}: clip_grad_norm_ returned {n}, torch {n0}"
+                assert math.isclose(n, n0, rel_tol=norm_rel_tol(numel)), (
+                    f"{key}: clip_grad_norm_ returned {n}, torch {n0}"
+                )
 
 
 # --- gradient accumulation under no_sync(), against AdamW on the combined batch ---------------------
@@ -181,7 +216,9 @@ def _train_accumulated(rank, world, steps):
     for stage, local in variants:
         for partition in ("flat", "greedy"):
             model = make_gpt("tiny")
-            opt = ZeroAdam(model, **zero_options(stage, partition=partition, bucket_mb=0.01, accumulate_locally=local), **HYPER)
+            opt = ZeroAdam(
+                model, **zero_options(stage, partition=partition, bucket_mb=0.01, accumulate_locally=local), **HYPER
+            )
             reduced = []
             for step in range(steps):
                 with opt.no_sync():
@@ -193,10 +230,17 @@ def _train_accumulated(rank, world, steps):
                 opt.step()
                 opt.zero_grad()
                 stats = opt.comm_stats()
-                reduced.append(sum(v for k, v in stats.items() if k in ("shard/all_reduce", "shard/reduce", "shard/reduce_scatter")))
+                reduced.append(
+                    sum(
+                        v for k, v in stats.items() if k in ("shard/all_reduce", "shard/reduce", "shard/reduce_scatter")
+                    )
+                )
             with opt.gathered_params():
-                out[(stage, local, partition)] = ({n: p.detach().clone() for n, p in model.named_parameters()},
-                                                  reduced, sum(b.numel for b in opt.layout.buckets) * 4)
+                out[(stage, local, partition)] = (
+                    {n: p.detach().clone() for n, p in model.named_parameters()},
+                    reduced,
+                    sum(b.numel for b in opt.layout.buckets) * 4,
+                )
     return out
 
 
@@ -211,18 +255,26 @@ def test_no_sync_accumulation_matches_the_combined_batch(world):
             assert d <= fp32_tol(STEPS), f"{where}: {d:.3g} from AdamW on the combined batch"
             # Stage 1 and accumulate_locally reduce once per step; stages 2 and 3 every micro-batch.
             times = 1 if (stage == 1 or local) else MICRO
-            assert reduced == [times * bucket_bytes] * STEPS, f"{where}: reduced {reduced}, want {times} x {bucket_bytes}"
+            assert reduced == [times * bucket_bytes] * STEPS, (
+                f"{where}: reduced {reduced}, want {times} x {bucket_bytes}"
+            )
 
 
 # --- an inf in one rank's gradient: skipped on every rank, nothing changes -------------------------
 
+
 def _snapshot(opt, model):
     with opt.gathered_params():
         params = [p.detach().clone() for p in model.parameters()]
-    return dict(params=params, master=opt.shard.master.clone(), exp_avg=opt.shard.exp_avg.clone(),
-                exp_avg_sq=opt.shard.exp_avg_sq.clone(), param_shard=opt.shard.param_shard.clone(),
-                buffers=[b.clone() for b in opt.shard.param_buffers if b.untyped_storage().nbytes()],
-                steps=opt.step_counts())
+    return dict(
+        params=params,
+        master=opt.shard.master.clone(),
+        exp_avg=opt.shard.exp_avg.clone(),
+        exp_avg_sq=opt.shard.exp_avg_sq.clone(),
+        param_shard=opt.shard.param_shard.clone(),
+        buffers=[b.clone() for b in opt.shard.param_buffers if b.untyped_storage().nbytes()],
+        steps=opt.step_counts(),
+    )
 
 
 def _inf_on_one_rank(rank, world, stage, bad_rank):
@@ -242,8 +294,11 @@ def _inf_on_one_rank(rank, world, stage, bad_rank):
         opt.step()
         after = _snapshot(opt, model)
         opt.zero_grad()
-        same = all(torch.equal(a, b) for k in ("master", "exp_avg", "exp_avg_sq", "param_shard")
-                   for a, b in [(before[k], after[k])])
+        same = all(
+            torch.equal(a, b)
+            for k in ("master", "exp_avg", "exp_avg_sq", "param_shard")
+            for a, b in [(before[k], after[k])]
+        )
         same = same and all(torch.equal(a, b) for a, b in zip(before["params"], after["params"]))
         same = same and before["steps"] == after["steps"]
         out.append((opt.step_was_skipped, same, scale, opt.loss_scale))
@@ -259,11 +314,14 @@ def test_inf_in_one_ranks_gradient_skips_the_step_everywhere(world, stage):
                 assert skipped and same, f"rank {rank}/{world} stage {stage}: the bad step was not skipped bit for bit"
                 assert new_scale == scale * 0.5
             else:
-                assert not skipped and not same, f"rank {rank}/{world} stage {stage} step {step}: a clean step did not update"
+                assert not skipped and not same, (
+                    f"rank {rank}/{world} stage {stage} step {step}: a clean step did not update"
+                )
                 assert new_scale == scale
 
 
 # --- memory follows the ZeRO paper's mixed-precision table ----------------------------------------
+
 
 def _memory_mixed(rank, world, stage):
     model = make_gpt("tiny")
@@ -274,9 +332,14 @@ def _memory_mixed(rank, world, stage):
     opt.step()
     r = opt.memory_report()
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-    return dict(report=r, grads=grads, numel=numel, shard=opt.layout.shard_numel(rank),
-                padded=sum(b.numel for b in opt.layout.buckets),
-                padding=opt.layout.shard_numel(rank) - opt.layout.owned_numel(rank))
+    return dict(
+        report=r,
+        grads=grads,
+        numel=numel,
+        shard=opt.layout.shard_numel(rank),
+        padded=sum(b.numel for b in opt.layout.buckets),
+        padding=opt.layout.shard_numel(rank) - opt.layout.owned_numel(rank),
+    )
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -302,37 +365,70 @@ def test_bf16_memory_follows_the_papers_table(world, stage):
 
 # --- bad arguments and misuse -----------------------------------------------------------------------
 
+
 def _mp(*args, **kwargs):
     from zerofast import MixedPrecisionPolicy
+
     return MixedPrecisionPolicy(*args, **kwargs)
 
 
 def _fp16_scaling(**kwargs):
     from zerofast import LossScalePolicy, MixedPrecisionPolicy
+
     return MixedPrecisionPolicy(torch.float16, loss_scale=LossScalePolicy(**kwargs))
 
 
 # (a name, the keywords, built inside the check since a policy checks its fields when built; the message)
 BAD = [
-    ("fp8", lambda: dict(mixed_precision="fp8"), "mixed_precision must be None, 'bf16', 'fp16' or a MixedPrecisionPolicy; got 'fp8'"),
-    ("int8 param", lambda: dict(mixed_precision=_mp(torch.int8)), "param_dtype must be torch.float32, torch.bfloat16 or torch.float16; got torch.int8"),
+    (
+        "fp8",
+        lambda: dict(mixed_precision="fp8"),
+        "mixed_precision must be None, 'bf16', 'fp16' or a MixedPrecisionPolicy; got 'fp8'",
+    ),
+    (
+        "int8 param",
+        lambda: dict(mixed_precision=_mp(torch.int8)),
+        "param_dtype must be torch.float32, torch.bfloat16 or torch.float16; got torch.int8",
+    ),
     ("int8 reduce", lambda: dict(mixed_precision=_mp(torch.bfloat16, torch.int8)), "reduce_dtype must be"),
-    ("bf16 reduce in fp32", lambda: dict(mixed_precision=_mp(torch.float32, torch.bfloat16)),
-     "reduce_dtype=torch.bfloat16 needs a low-precision param_dtype"),
-    ("fp16 reduce of bf16", lambda: dict(mixed_precision=_mp(torch.bfloat16, torch.float16)),
-     "reduce_dtype=torch.float16 needs param_dtype=torch.float16"),
-    ("bf16 scaling", lambda: dict(mixed_precision=_mp(torch.bfloat16, loss_scale=_fp16_scaling().loss_scale)),
-     "loss_scale applies to float16 parameters only"),
+    (
+        "bf16 reduce in fp32",
+        lambda: dict(mixed_precision=_mp(torch.float32, torch.bfloat16)),
+        "reduce_dtype=torch.bfloat16 needs a low-precision param_dtype",
+    ),
+    (
+        "fp16 reduce of bf16",
+        lambda: dict(mixed_precision=_mp(torch.bfloat16, torch.float16)),
+        "reduce_dtype=torch.float16 needs param_dtype=torch.float16",
+    ),
+    (
+        "bf16 scaling",
+        lambda: dict(mixed_precision=_mp(torch.bfloat16, loss_scale=_fp16_scaling().loss_scale)),
+        "loss_scale applies to float16 parameters only",
+    ),
     ("max_grad_norm 0", lambda: dict(max_grad_norm=0.0), "max_grad_norm must be None or a number > 0; got 0.0"),
     ("max_grad_norm -1", lambda: dict(max_grad_norm=-1), "max_grad_norm must be None or a number > 0; got -1"),
     ("init_scale", lambda: dict(mixed_precision=_fp16_scaling(init_scale=0)), "init_scale must be a number > 0; got 0"),
-    ("growth_factor", lambda: dict(mixed_precision=_fp16_scaling(growth_factor=0.5)), "growth_factor must be a number > 1; got 0.5"),
-    ("backoff_factor", lambda: dict(mixed_precision=_fp16_scaling(backoff_factor=1.5)),
-     "backoff_factor must be a number in (0, 1); got 1.5"),
-    ("growth_interval", lambda: dict(mixed_precision=_fp16_scaling(growth_interval=0)),
-     "growth_interval must be an integer >= 1; got 0"),
-    ("accumulate_locally", lambda: dict(comm=__import__("zerofast").CommPolicy(accumulate_locally="yes")),
-     "accumulate_locally must be True or False; got 'yes'"),
+    (
+        "growth_factor",
+        lambda: dict(mixed_precision=_fp16_scaling(growth_factor=0.5)),
+        "growth_factor must be a number > 1; got 0.5",
+    ),
+    (
+        "backoff_factor",
+        lambda: dict(mixed_precision=_fp16_scaling(backoff_factor=1.5)),
+        "backoff_factor must be a number in (0, 1); got 1.5",
+    ),
+    (
+        "growth_interval",
+        lambda: dict(mixed_precision=_fp16_scaling(growth_interval=0)),
+        "growth_interval must be an integer >= 1; got 0",
+    ),
+    (
+        "accumulate_locally",
+        lambda: dict(comm=__import__("zerofast").CommPolicy(accumulate_locally="yes")),
+        "accumulate_locally must be True or False; got 'yes'",
+    ),
 ]
 
 

@@ -1,12 +1,13 @@
 """The reference stages (zerofast.reference: the ZeRO textbook chapter's algorithm) against
 single-process AdamW, and their memory."""
+
 import pytest
 import torch
-
 from harness import run_ranks
 from oracles import HYPER, fp32_tol, max_abs_diff, single_process_adamw, train_steps
-from zerofast.tools.models import make_gpt
+
 from zerofast.reference import ReferenceZero, round_robin_owners
+from zerofast.tools.models import make_gpt
 
 STEPS = 5
 

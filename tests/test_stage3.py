@@ -1,17 +1,31 @@
 """ZeroAdam stage 3 on real gloo ranks: parameters sharded and gathered unit by unit with prefetch,
 against both oracles; peak gathered memory; communication against the ZeRO paper's 2Φ / 3Φ."""
+
 import re
 
 import pytest
 import torch
-
 from harness import run_ranks
-from oracles import (train_steps, zero_options, HYPER, fp32_tol, Quirky, TwiceMLP, make_scheduler, max_abs_diff, rank_batch, single_process,
-                     single_process_adamw, single_process_quirky, two_groups)
+from oracles import (
+    HYPER,
+    Quirky,
+    TwiceMLP,
+    fp32_tol,
+    make_scheduler,
+    max_abs_diff,
+    rank_batch,
+    single_process,
+    single_process_adamw,
+    single_process_quirky,
+    train_steps,
+    two_groups,
+    zero_options,
+)
+
 from zerofast import ZeroAdam
 from zerofast.optim.grads import AgreementLayout
-from zerofast.tools.models import make_gpt
 from zerofast.reference import ReferenceZero
+from zerofast.tools.models import make_gpt
 
 STEPS = 10
 PARTITIONS = ("flat", "round_robin", "greedy")
@@ -84,6 +98,7 @@ def _twice(rank, world, partition):
 
     def sample(*_):
         samples.append(opt.materialized_param_bytes())
+
     for m in model.modules():  # sample during forward and backward
         m.register_forward_pre_hook(lambda *a: sample())
         m.register_forward_hook(lambda *a: sample())
@@ -91,10 +106,16 @@ def _twice(rank, world, partition):
     train_steps(model, opt, rank, STEPS)
     unit_bytes = sorted((b.numel * 4 for b in opt.layout.buckets), reverse=True)
     head_unit = opt.unit_plan.modules.index(model.head)  # the last call in forward, the first in backward
-    return dict(params=_full_params(opt, model), peak=max(samples), shard=opt.layout.shard_numel(rank) * 4,
-                two_largest=sum(unit_bytes[:2]), comm=opt.comm_stats(),
-                head=opt.layout.buckets[opt.units.buffers.bucket(head_unit)].numel * 4,
-                phi=sum(p.numel() * 4 for p in model.parameters()), padded=sum(b.numel * 4 for b in opt.layout.buckets))
+    return dict(
+        params=_full_params(opt, model),
+        peak=max(samples),
+        shard=opt.layout.shard_numel(rank) * 4,
+        two_largest=sum(unit_bytes[:2]),
+        comm=opt.comm_stats(),
+        head=opt.layout.buckets[opt.units.buffers.bucket(head_unit)].numel * 4,
+        phi=sum(p.numel() * 4 for p in model.parameters()),
+        padded=sum(b.numel * 4 for b in opt.layout.buckets),
+    )
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -113,7 +134,9 @@ def test_module_called_twice_peak_memory_and_3phi(world, partition):
         # head: the last call of forward stays gathered into backward, which starts with it
         # ([Note: forward hands over to backward] in zerofast/stage3/runtime.py).
         gathered = sum(v for k, v in r["comm"].items() if k in ("shard/all_gather", "shard/broadcast"))
-        reduced = sum(v for k, v in r["comm"].items() if k in ("shard/reduce_scatter", "shard/reduce", "shard/all_reduce"))
+        reduced = sum(
+            v for k, v in r["comm"].items() if k in ("shard/reduce_scatter", "shard/reduce", "shard/all_reduce")
+        )
         padding = r["padded"] - r["phi"]
         assert reduced == r["phi"] + padding
         assert gathered == 2 * (r["phi"] + padding) - r["head"]
@@ -125,8 +148,12 @@ def _comm_gpt(rank, world, stage):
     _, loss = model(*rank_batch(model, 0, rank))
     loss.backward()
     opt.step()
-    return (opt.comm_stats(), sum(p.numel() * 4 for p in model.parameters()), sum(b.numel * 4 for b in opt.layout.buckets),
-            len(list(model.parameters())))
+    return (
+        opt.comm_stats(),
+        sum(p.numel() * 4 for p in model.parameters()),
+        sum(b.numel * 4 for b in opt.layout.buckets),
+        len(list(model.parameters())),
+    )
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -167,8 +194,10 @@ def _custom_units(rank, world):
     opt = ZeroAdam(model, stage=3, units=[model.blocks[0], model.blocks[1]], **HYPER)
     train_steps(model, opt, rank, STEPS)
     errors = []
-    for kwargs, pattern in [(dict(stage=2, units=[model.blocks[0]]), "units apply to stage 3 only"),
-                            (dict(stage=3, units=[torch.nn.Linear(2, 2)]), r"units\[0\] must be a submodule")]:
+    for kwargs, pattern in [
+        (dict(stage=2, units=[model.blocks[0]]), "units apply to stage 3 only"),
+        (dict(stage=3, units=[torch.nn.Linear(2, 2)]), r"units\[0\] must be a submodule"),
+    ]:
         try:
             ZeroAdam(make_gpt("tiny"), **kwargs)
             errors.append(f"{kwargs}: no error")
@@ -191,6 +220,7 @@ def _evaluate_between_steps(rank, world):
     """Lightning and Hugging Face evaluate under torch.inference_mode() (torch.no_grad() on gloo) in the
     middle of training: stage 3 gathers there too, and training goes on afterwards."""
     from oracles import Nested
+
     model = Nested()
     opt = ZeroAdam(model, stage=3, **HYPER)
     evals = []
@@ -204,6 +234,7 @@ def _evaluate_between_steps(rank, world):
 
 def test_stage3_evaluates_under_inference_mode_between_steps():
     from oracles import Nested
+
     world = 2
     want = single_process(Nested, world, 4)
     for rank, (params, evals, held, shard_bytes) in enumerate(run_ranks(_evaluate_between_steps, world)):

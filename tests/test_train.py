@@ -1,5 +1,6 @@
 """The main job and the memory estimator: measured bytes on real ranks against the ZeRO paper's
 formulas, a short real training run, and clear exits on bad arguments."""
+
 import os
 import re
 import subprocess
@@ -7,9 +8,9 @@ import sys
 
 import pytest
 import torch
-
 from harness import run_ranks
-from oracles import zero_options, HYPER, rank_batch
+from oracles import HYPER, rank_batch, zero_options
+
 from zerofast import CommPolicy, MixedPrecisionPolicy, UnitPolicy, ZeroAdam
 from zerofast.tools.estimate import estimate_memory
 from zerofast.tools.models import make_gpt
@@ -21,27 +22,36 @@ def _measured(rank, world, stage, precision="fp32"):
     model = make_gpt("tiny")
     if stage == 0:
         from torch.nn.parallel import DistributedDataParallel as DDP
+
         ddp = DDP(model)
         opt = torch.optim.AdamW(model.parameters(), **HYPER)
         _, loss = ddp(*rank_batch(model, 0, rank))
         loss.backward()
         opt.step()
         state = list(opt.state.values())
-        return {"params": sum(p.nbytes for p in model.parameters()),
-                "grads": sum(p.grad.nbytes for p in model.parameters()),
-                "optimizer": sum(s[k].nbytes for s in state for k in ("exp_avg", "exp_avg_sq"))}
-    opt = ZeroAdam(model, **zero_options(stage, bucket_mb=0.01), mixed_precision="bf16" if precision == "mixed" else None, **HYPER)
+        return {
+            "params": sum(p.nbytes for p in model.parameters()),
+            "grads": sum(p.grad.nbytes for p in model.parameters()),
+            "optimizer": sum(s[k].nbytes for s in state for k in ("exp_avg", "exp_avg_sq")),
+        }
+    opt = ZeroAdam(
+        model, **zero_options(stage, bucket_mb=0.01), mixed_precision="bf16" if precision == "mixed" else None, **HYPER
+    )
     _, loss = model(*rank_batch(model, 0, rank))
     opt.backward(loss)
     opt.step()
     r = opt.memory_report()
-    return {"params": r["params"], "grads": r["grads"] + r["grad_shard"],
-            "optimizer": r["optimizer"] + r["master_copy"]}
+    return {
+        "params": r["params"],
+        "grads": r["grads"] + r["grad_shard"],
+        "optimizer": r["optimizer"] + r["master_copy"],
+    }
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("stage, precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"),
-                                              (1, "mixed"), (2, "mixed"), (3, "mixed")])
+@pytest.mark.parametrize(
+    "stage, precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "mixed"), (2, "mixed"), (3, "mixed")]
+)
 def test_estimate_matches_measured_bytes(world, stage, precision):
     comm = CommPolicy(bucket_mb=0.01) if stage in (1, 2) else None  # stage 3's buckets are its units
     est = estimate_memory(make_gpt("tiny"), world, stage, "bf16" if precision == "mixed" else None, comm)
@@ -51,8 +61,9 @@ def test_estimate_matches_measured_bytes(world, stage, precision):
             if stage == 0:
                 assert m[kind] == want, f"DDP {kind}: measured {m[kind]} != estimate {want}"
             else:  # the table's value, plus at most what the estimate reports as zerofast's extra
-                assert want - 4 * 4 * world <= m[kind] <= want + est.zerofast_extra, \
+                assert want - 4 * 4 * world <= m[kind] <= want + est.zerofast_extra, (
                     f"stage {stage} rank {rank}/{world} {kind}: measured {m[kind]}, estimate {want} (+{est.zerofast_extra})"
+                )
 
 
 def test_estimate_formulas():
@@ -60,36 +71,51 @@ def test_estimate_formulas():
     ddp = estimate_memory(phi, 4, 0, "bf16")
     assert (ddp.params, ddp.grads, ddp.optimizer) == (2 * phi, 2 * phi, 12 * phi)  # the paper's 16Φ
     s1, s2, s3 = (estimate_memory(phi, 4, s, "bf16") for s in (1, 2, 3))
-    assert (s1.params, s1.grads, s1.optimizer) == (2 * phi, 2 * phi, 3 * phi)       # 4Φ + 12Φ/N
-    assert (s2.params, s2.grads, s2.optimizer) == (2 * phi, phi // 2, 3 * phi)      # 2Φ + 14Φ/N
-    assert (s3.params, s3.grads, s3.optimizer) == (phi // 2, phi // 2, 3 * phi)     # 16Φ/N
+    assert (s1.params, s1.grads, s1.optimizer) == (2 * phi, 2 * phi, 3 * phi)  # 4Φ + 12Φ/N
+    assert (s2.params, s2.grads, s2.optimizer) == (2 * phi, phi // 2, 3 * phi)  # 2Φ + 14Φ/N
+    assert (s3.params, s3.grads, s3.optimizer) == (phi // 2, phi // 2, 3 * phi)  # 16Φ/N
     f = estimate_memory(phi, 2, 0, None)
     assert (f.params, f.grads, f.optimizer) == (4 * phi, 4 * phi, 8 * phi)
 
 
-@pytest.mark.parametrize("make_kwargs, message", [
-    (lambda: dict(model_or_param_count=-1, world=2, stage=1), "count >= 0; got -1"),
-    (lambda: dict(model_or_param_count=10, world=0, stage=1), "world must be an integer >= 1; got 0"),
-    (lambda: dict(model_or_param_count=10, world=2, stage=4), "stage must be 0, 1, 2 or 3; got 4"),
-    (lambda: dict(model_or_param_count=10, world=2, stage=1, mixed_precision="fp8"),
-     "mixed_precision must be None, 'bf16', 'fp16' or a MixedPrecisionPolicy; got 'fp8'"),
-    # ZeroAdam's own checks, through the same code: what it rejects, the estimator rejects
-    (lambda: dict(model_or_param_count=10, world=2, stage=3, comm=CommPolicy(bucket_mb=8)),
-     "bucket_mb sets stages 1 and 2's buckets"),
-    (lambda: dict(model_or_param_count=10, world=2, stage=2, comm=CommPolicy(bucket_mb=True)),
-     "bucket_mb must be None or a number > 0; got True"),
-    (lambda: dict(model_or_param_count=10, world=2, stage=1, units=UnitPolicy(min_unit_mb=1)),
-     "units apply to stage 3 only"),
-    (lambda: dict(model_or_param_count=10, world=2, stage=0, comm=CommPolicy(bucket_buffers=-1)),
-     "bucket_buffers must be an integer >= 0"),
-])
+@pytest.mark.parametrize(
+    "make_kwargs, message",
+    [
+        (lambda: dict(model_or_param_count=-1, world=2, stage=1), "count >= 0; got -1"),
+        (lambda: dict(model_or_param_count=10, world=0, stage=1), "world must be an integer >= 1; got 0"),
+        (lambda: dict(model_or_param_count=10, world=2, stage=4), "stage must be 0, 1, 2 or 3; got 4"),
+        (
+            lambda: dict(model_or_param_count=10, world=2, stage=1, mixed_precision="fp8"),
+            "mixed_precision must be None, 'bf16', 'fp16' or a MixedPrecisionPolicy; got 'fp8'",
+        ),
+        # ZeroAdam's own checks, through the same code: what it rejects, the estimator rejects
+        (
+            lambda: dict(model_or_param_count=10, world=2, stage=3, comm=CommPolicy(bucket_mb=8)),
+            "bucket_mb sets stages 1 and 2's buckets",
+        ),
+        (
+            lambda: dict(model_or_param_count=10, world=2, stage=2, comm=CommPolicy(bucket_mb=True)),
+            "bucket_mb must be None or a number > 0; got True",
+        ),
+        (
+            lambda: dict(model_or_param_count=10, world=2, stage=1, units=UnitPolicy(min_unit_mb=1)),
+            "units apply to stage 3 only",
+        ),
+        (
+            lambda: dict(model_or_param_count=10, world=2, stage=0, comm=CommPolicy(bucket_buffers=-1)),
+            "bucket_buffers must be an integer >= 0",
+        ),
+    ],
+)
 def test_estimate_bad_arguments(make_kwargs, message):
     with pytest.raises(ValueError, match=message):
         estimate_memory(**make_kwargs())
 
 
-@pytest.mark.parametrize("name, where", [("precision", "mixed_precision="), ("bucket_mb", "comm=CommPolicy"),
-                                         ("bucket_buffers", "comm=CommPolicy")])
+@pytest.mark.parametrize(
+    "name, where",
+    [("precision", "mixed_precision="), ("bucket_mb", "comm=CommPolicy"), ("bucket_buffers", "comm=CommPolicy")],
+)
 def test_estimate_old_keywords_name_their_new_place(name, where):
     with pytest.raises(TypeError, match=f"the keyword {name}= is now {re.escape(where)}"):
         estimate_memory(10, 2, 1, **{name: 1})
@@ -109,13 +135,15 @@ def test_estimate_accepts_what_zero_adam_accepts():
 def test_estimator_imports_no_compiled_code():
     """The estimator runs where the extension was never built: with zerofast._C unimportable,
     `import zerofast`, estimate_memory and the command line all work."""
-    code = ("import sys; sys.modules['zerofast._C'] = None\n"
-            "import zerofast\n"
-            "from zerofast import CommPolicy, estimate_memory\n"
-            "print(estimate_memory(7_500_000_000, 64, 3, 'bf16').total)\n"
-            "from zerofast.tools.estimate import main\n"
-            "main(['--params', '7.5B', '--world', '64'])\n"
-            "assert 'zerofast.optim.zero_adam' not in sys.modules\n")
+    code = (
+        "import sys; sys.modules['zerofast._C'] = None\n"
+        "import zerofast\n"
+        "from zerofast import CommPolicy, estimate_memory\n"
+        "print(estimate_memory(7_500_000_000, 64, 3, 'bf16').total)\n"
+        "from zerofast.tools.estimate import main\n"
+        "main(['--params', '7.5B', '--world', '64'])\n"
+        "assert 'zerofast.optim.zero_adam' not in sys.modules\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "stage 3" in out.stdout
@@ -123,17 +151,36 @@ def test_estimator_imports_no_compiled_code():
 
 def _run(*args, timeout=300):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_train_command_loss_goes_down():
     """One launch (fp32 runs in every other launch of the main job): bf16, clipping, and hybrid
     sharding at --shard-size 1 (replicated on 2 ranks), whose report names the traffic across
     machines against its formula."""
-    out = _run("zerofast.train", "--nproc", "2", "--model", "tiny", "--steps", "12", "--stage", "3",
-               "--batch", "8", "--lr", "1e-2", "--mixed-precision", "bf16", "--max-grad-norm", "1.0",
-               "--shard-size", "1")
+    out = _run(
+        "zerofast.train",
+        "--nproc",
+        "2",
+        "--model",
+        "tiny",
+        "--steps",
+        "12",
+        "--stage",
+        "3",
+        "--batch",
+        "8",
+        "--lr",
+        "1e-2",
+        "--mixed-precision",
+        "bf16",
+        "--max-grad-norm",
+        "1.0",
+        "--shard-size",
+        "1",
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout + out.stderr
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) over 12 steps", text).groups())
@@ -143,25 +190,29 @@ def test_train_command_loss_goes_down():
     assert "= 1.00 Φ (formula: Φ/K = Φ/1" in line, line
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--stage", "4"], "--stage must be 1, 2 or 3; got 4"),
-    (["--steps", "-3"], "--steps must be 0 or more; got -3"),
-    (["--model", "huge"], "--model must be one of tiny, small; got 'huge'"),
-    (["--nproc", "0"], "--nproc must be at least 1; got 0"),
-    (["--partition", "zigzag"], "--partition must be one of flat, round_robin, greedy; got 'zigzag'"),
-    (["--mixed-precision", "fp8"], "--mixed-precision must be bf16 or fp16; got 'fp8'"),
-    (["--max-grad-norm", "0"], "--max-grad-norm must be positive; got 0.0"),
-    (["--shard-size", "0"], "--shard-size must be at least 1; got 0"),
-    (["--resume"], "--save-every, --keep, --save-async and --resume need --save-dir"),
-    (["--save-async"], "--save-every, --keep, --save-async and --resume need --save-dir"),
-    (["--save-dir", "d", "--keep", "1"], "--keep must be at least 2; got 1"),
-    (["--save-dir", "d", "--save-every", "-1"], "--save-every must be 0 or more; got -1"),
-    (["--timeout", "0"], "--timeout must be positive; got 0.0"),
-    (["--max-restarts", "-1"], "--max-restarts must be 0 or more; got -1"),
-    (["--save-dir", "d", "--resume", "--compare"], "use it without --resume"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--stage", "4"], "--stage must be 1, 2 or 3; got 4"),
+        (["--steps", "-3"], "--steps must be 0 or more; got -3"),
+        (["--model", "huge"], "--model must be one of tiny, small; got 'huge'"),
+        (["--nproc", "0"], "--nproc must be at least 1; got 0"),
+        (["--partition", "zigzag"], "--partition must be one of flat, round_robin, greedy; got 'zigzag'"),
+        (["--mixed-precision", "fp8"], "--mixed-precision must be bf16 or fp16; got 'fp8'"),
+        (["--max-grad-norm", "0"], "--max-grad-norm must be positive; got 0.0"),
+        (["--shard-size", "0"], "--shard-size must be at least 1; got 0"),
+        (["--resume"], "--save-every, --keep, --save-async and --resume need --save-dir"),
+        (["--save-async"], "--save-every, --keep, --save-async and --resume need --save-dir"),
+        (["--save-dir", "d", "--keep", "1"], "--keep must be at least 2; got 1"),
+        (["--save-dir", "d", "--save-every", "-1"], "--save-every must be 0 or more; got -1"),
+        (["--timeout", "0"], "--timeout must be positive; got 0.0"),
+        (["--max-restarts", "-1"], "--max-restarts must be 0 or more; got -1"),
+        (["--save-dir", "d", "--resume", "--compare"], "use it without --resume"),
+    ],
+)
 def test_train_bad_arguments_exit_2(argv, message, capsys):
     from zerofast.tools.train import parse_args
+
     with pytest.raises(SystemExit) as e:
         parse_args(argv)
     assert e.value.code == 2
@@ -183,20 +234,41 @@ def test_resume_continues_the_interrupted_run_bitwise(tmp_path):
     run saves asynchronously (--save-async), the whole one blocking; then a resume on 3 ranks at
     stage 2 continues from the 2-rank stage-3 checkpoint."""
     from zerofast import checkpoint
+
     common = ["zerofast.train", "--nproc", "2", "--model", "tiny", "--stage", "3", "--batch", "4", "--lr", "1e-2"]
     whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
-    for argv in ([*common, "--steps", "8", "--save-dir", whole],
-                 [*common, "--steps", "4", "--save-dir", split, "--save-every", "2", "--keep", "2", "--save-async"],
-                 [*common, "--steps", "8", "--save-dir", split, "--resume", "--keep", "2", "--save-async"]):
+    for argv in (
+        [*common, "--steps", "8", "--save-dir", whole],
+        [*common, "--steps", "4", "--save-dir", split, "--save-every", "2", "--keep", "2", "--save-async"],
+        [*common, "--steps", "8", "--save-dir", split, "--resume", "--keep", "2", "--save-async"],
+    ):
         out = _run(*argv)
         assert out.returncode == 0, out.stdout + out.stderr
     assert "resumed from" in out.stdout + out.stderr and "at step 4" in out.stdout + out.stderr
     assert sorted(os.listdir(split)) == ["step-000004", "step-000008"]  # keep=2 purged step 2
-    (a_model, a_optim), (b_model, b_optim) = (checkpoint.to_torch(os.path.join(d, "step-000008")) for d in (whole, split))
+    (a_model, a_optim), (b_model, b_optim) = (
+        checkpoint.to_torch(os.path.join(d, "step-000008")) for d in (whole, split)
+    )
     assert all(torch.equal(a_model[k], b_model[k]) for k in a_model)
     for i, state in a_optim["state"].items():
         assert all(torch.equal(state[k], b_optim["state"][i][k]) for k in state)
-    out = _run("zerofast.train", "--nproc", "3", "--model", "tiny", "--stage", "2", "--batch", "4", "--lr", "1e-2",
-               "--steps", "10", "--save-dir", split, "--resume")
+    out = _run(
+        "zerofast.train",
+        "--nproc",
+        "3",
+        "--model",
+        "tiny",
+        "--stage",
+        "2",
+        "--batch",
+        "4",
+        "--lr",
+        "1e-2",
+        "--steps",
+        "10",
+        "--save-dir",
+        split,
+        "--resume",
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "at step 8" in out.stdout + out.stderr and "over 2 steps" in out.stdout + out.stderr

@@ -3,12 +3,13 @@ in every stage, against single-process torch.optim.AdamW with torch.nn.utils.cli
 global batch: clip_grad_norm_(inf) only measuring, clip_grad_norm_(max_norm) clipping, an external
 model.zero_grad() after step() (and before a backward), zero_grad(set_to_none=False),
 optimizer.train()/eval(), step_was_skipped on an fp16 overflow, and clip_grad_value_ (3 ranks)."""
+
 import math
 
 import torch
-
 from harness import run_ranks
 from oracles import HYPER, fp32_tol, max_abs_diff, norm_rel_tol, rank_batch, single_process_clipped
+
 from zerofast import LossScalePolicy, MixedPrecisionPolicy, ZeroAdam
 from zerofast.tools.models import make_gpt
 
@@ -33,7 +34,7 @@ def _trainer_loop(rank, world):
             norms.append(float(opt.clip_grad_norm_(max_norm)))
             opt.step()
             skipped.append(opt.step_was_skipped)
-            model.zero_grad()               # what Trainer / Accelerate call after step()
+            model.zero_grad()  # what Trainer / Accelerate call after step()
             model.zero_grad(set_to_none=False)
             opt.zero_grad()
             opt.eval()
@@ -113,8 +114,12 @@ def test_clip_grad_value_matches_adamw_with_clip_grad_value():
 def _fp16_overflow(rank, world):
     model = make_gpt("tiny")
     # A loss scale of 2^40 makes the fp16 gradients overflow: the first step is skipped on every rank.
-    opt = ZeroAdam(model, stage=2, mixed_precision=MixedPrecisionPolicy(
-        torch.float16, loss_scale=LossScalePolicy(init_scale=2.0**40)), **HYPER)
+    opt = ZeroAdam(
+        model,
+        stage=2,
+        mixed_precision=MixedPrecisionPolicy(torch.float16, loss_scale=LossScalePolicy(init_scale=2.0**40)),
+        **HYPER,
+    )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     _, loss = model(*rank_batch(model, 0, rank))
     opt.backward(loss)

@@ -2,19 +2,21 @@
 each form of `units=`, and, on real gloo ranks, the parameter storage alive inside every block's
 forward and backward (at most this rank's shard + the root's unit + two block units), with the
 parameters equal to single-process AdamW's."""
+
 import pytest
 import torch
-
 from harness import run_ranks
-from oracles import zero_options, HYPER, fp32_tol, Nested, TwiceMLP, hf_gpt2, max_abs_diff, single_process, train_steps
+from oracles import HYPER, Nested, TwiceMLP, fp32_tol, hf_gpt2, max_abs_diff, single_process, train_steps, zero_options
+
 from zerofast import ZeroAdam
-from zerofast.tools.models import Block, make_gpt
 from zerofast.stage3.units import find_units, hook_needs
+from zerofast.tools.models import Block, make_gpt
 
 STEPS = 6
 TOL = fp32_tol(STEPS)  # see the tolerances in tests/oracles.py
 
 # --- which units: pure Python, no process group ---------------------------------------------------
+
 
 def _unit_names(model, units=None):
     params = [p for p in model.parameters() if p.requires_grad]
@@ -39,6 +41,7 @@ def test_default_units_follow_no_split_modules():
 
     class Marked(Nested):  # _no_split_modules wins over the ModuleList rule
         _no_split_modules = ["LayerNorm"]
+
     names = _unit_names(Marked())
     assert names == ["", "backbone.layers.0.0", "backbone.layers.1.0", "backbone.layers.2.0", "backbone.norm"]
 
@@ -80,18 +83,25 @@ def test_small_units_merge_in_module_order():
     assert plan.names == ["", "blocks.0, blocks.1, blocks.2", "blocks.3, blocks.4, blocks.5", "blocks.6, blocks.7"]
     assert [len(m) for m in plan.members] == [1, 3, 3, 2]
     assert find_units(model, params, None, block).names[1:] == [f"blocks.{i}" for i in range(8)]  # each big enough
-    assert find_units(model, params, [model.blocks[0], model.blocks[1]], 10 * block).names == ["", "blocks.0", "blocks.1"]
+    assert find_units(model, params, [model.blocks[0], model.blocks[1]], 10 * block).names == [
+        "",
+        "blocks.0",
+        "blocks.1",
+    ]
     needs = hook_needs(model, params, plan)
     assert needs[model.blocks[0]] == needs[model.blocks[2]] == (1,)  # every member gathers its unit
 
 
-@pytest.mark.parametrize("units, pattern", [
-    ("blocks", "units must be a list of submodules"),
-    (3, "units must be a list of submodules"),
-    ({torch.nn.Conv2d}, r"names the classes \['Conv2d'\], but the model holds no module of them"),
-    ([torch.nn.Linear(2, 2)], r"units\[0\] must be a submodule"),
-    ({int}, "the class int, which is not an nn.Module class"),
-])
+@pytest.mark.parametrize(
+    "units, pattern",
+    [
+        ("blocks", "units must be a list of submodules"),
+        (3, "units must be a list of submodules"),
+        ({torch.nn.Conv2d}, r"names the classes \['Conv2d'\], but the model holds no module of them"),
+        ([torch.nn.Linear(2, 2)], r"units\[0\] must be a submodule"),
+        ({int}, "the class int, which is not an nn.Module class"),
+    ],
+)
 def test_bad_units_are_named(units, pattern):
     model = make_gpt("tiny")
     with pytest.raises((TypeError, ValueError), match=pattern):
@@ -105,6 +115,7 @@ def test_the_model_itself_as_units_is_named():
 
 
 # --- on real ranks: storage alive inside every block, and exactness --------------------------------
+
 
 def _deep():
     return make_gpt("tiny", n_layer=8)
@@ -137,6 +148,7 @@ def _peak_inside_blocks(rank, world, name):
 
     def sample(*_):
         samples.append(opt.materialized_param_bytes())
+
     report = opt.units_report()
     blocks = [m for u in report if u["module"] for m in opt.unit_plan.members[u["unit"]]]
     for block in blocks:  # inside every block's forward and backward, at both ends
@@ -153,10 +165,19 @@ def _peak_inside_blocks(rank, world, name):
     root = unit_bytes[0] if report[0]["module"] == "" else 0
     block_bytes = sorted((b for u, b in zip(report, unit_bytes) if u["module"]), reverse=True)
     gathered = sum(v for k, v in opt.comm_stats().items() if k in ("shard/all_gather", "shard/broadcast"))
-    return dict(params=params, peak=max(samples), samples=len(samples), shard=shard, root=root,
-                two_blocks=sum(block_bytes[:2]), units=[u["module"] for u in report],
-                after=opt.materialized_param_bytes(), gathered=gathered, padded=sum(unit_bytes),
-                last_unit=unit_bytes[-1])
+    return dict(
+        params=params,
+        peak=max(samples),
+        samples=len(samples),
+        shard=shard,
+        root=root,
+        two_blocks=sum(block_bytes[:2]),
+        units=[u["module"] for u in report],
+        after=opt.materialized_param_bytes(),
+        gathered=gathered,
+        padded=sum(unit_bytes),
+        last_unit=unit_bytes[-1],
+    )
 
 
 def _all_models(rank, world):
@@ -173,13 +194,19 @@ def test_peak_storage_inside_blocks_and_exactness(world):
             where = f"{name}, rank {rank}/{world} (units {r['units']})"
             bound = r["shard"] + r["root"] + r["two_blocks"]
             assert r["samples"] >= 4 * STEPS, f"{where}: the block hooks did not run"
-            assert r["shard"] < r["peak"] <= bound, \
+            assert r["shard"] < r["peak"] <= bound, (
                 f"{where}: {r['peak']} bytes of parameters inside a block; shard + root + 2 blocks = {bound}"
+            )
             assert r["after"] == r["shard"], f"{where}: {r['after']} bytes held after step()"
             d = max_abs_diff(r["params"], expected)
             assert d <= TOL, f"{where}: parameters differ from single-process AdamW by {d:.3g}"
         deep = results[0]["deep GPT, small blocks merged"]
-        assert deep["units"] == ["", "blocks.0, blocks.1, blocks.2", "blocks.3, blocks.4, blocks.5", "blocks.6, blocks.7"]
+        assert deep["units"] == [
+            "",
+            "blocks.0, blocks.1, blocks.2",
+            "blocks.3, blocks.4, blocks.5",
+            "blocks.6, blocks.7",
+        ]
         # Each merged unit is gathered once per direction, handed from block to block in between,
         # but the root's unit and the last block's, which stay gathered from forward into backward
         # ([Note: forward hands over to backward] in zerofast/stage3/runtime.py): the last step
@@ -202,6 +229,7 @@ def test_prefetch_targets_match_the_plain_definition():
                 return calls[i].units
             i += step
         return ()
+
     rng = random.Random(0)
     for n in (0, 1, 2, 5, 40):
         for _ in range(20):

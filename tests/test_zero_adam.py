@@ -1,17 +1,29 @@
 """ZeroAdam stages 1 and 2 on real gloo ranks, against both oracles: single-process
 torch.optim.AdamW on the global batch, and the reference stage (zerofast.reference: the ZeRO
 textbook chapter's algorithm)."""
+
 import pytest
 import torch
-import torch.distributed as dist
-
 from harness import run_ranks
-from oracles import (zero_options, HYPER, fp32_tol, held_tensor_bytes, Quirky, make_scheduler, max_abs_diff, rank_batch, single_process_adamw,
-                     single_process_quirky, train_steps, two_groups)
+from oracles import (
+    HYPER,
+    Quirky,
+    fp32_tol,
+    held_tensor_bytes,
+    make_scheduler,
+    max_abs_diff,
+    rank_batch,
+    single_process_adamw,
+    single_process_quirky,
+    train_steps,
+    two_groups,
+    zero_options,
+)
+
 from zerofast import ZeroAdam
-from zerofast.tools.models import make_gpt
 from zerofast.partition import imbalance
 from zerofast.reference import ReferenceZero, round_robin_owners
+from zerofast.tools.models import make_gpt
 
 STEPS = 10
 PARTITIONS = ("flat", "round_robin", "greedy")
@@ -62,7 +74,10 @@ def test_stages_1_2_match_both_oracles(world):
         assert all(torch.equal(first[k], out["no_overlap"][k]) for k in first)
     # Every rank ends with the same parameters.
     for out in results[1:]:
-        assert all(torch.equal(out[("zero", 2, "flat")][k], results[0][("zero", 2, "flat")][k]) for k in out[("zero", 2, "flat")])
+        assert all(
+            torch.equal(out[("zero", 2, "flat")][k], results[0][("zero", 2, "flat")][k])
+            for k in out[("zero", 2, "flat")]
+        )
 
 
 def _train_quirky(rank, world, stage, partition, groups, scheduler, bucket_mb, steps):
@@ -71,8 +86,14 @@ def _train_quirky(rank, world, stage, partition, groups, scheduler, bucket_mb, s
     opt = ZeroAdam(model, **zero_options(stage, partition=partition, bucket_mb=bucket_mb), **HYPER, **params)
     sched = make_scheduler(opt) if scheduler else None
     frozen_before = model.frozen.detach().clone()
-    train_steps(model, opt, rank, steps, forward=lambda m, x, y, step: m(x, y, step, rank),
-                after_step=lambda _: sched.step() if sched else None)
+    train_steps(
+        model,
+        opt,
+        rank,
+        steps,
+        forward=lambda m, x, y, step: m(x, y, step, rank),
+        after_step=lambda _: sched.step() if sched else None,
+    )
     assert torch.equal(model.frozen, frozen_before), "a frozen parameter must never change"
     return _params(model)
 
@@ -119,9 +140,15 @@ def _memory(rank, world, stage, partition):
         "held": held_tensor_bytes(opt),
     }
     numel = sum(p.numel() for p in model.parameters())
-    return dict(report=report, measured=measured, numel=numel, owned=opt.layout.owned_numel(rank),
-                shard=opt.layout.shard_numel(rank), buckets=len(opt.layout.buckets),
-                padded=sum(b.numel for b in opt.layout.buckets))
+    return dict(
+        report=report,
+        measured=measured,
+        numel=numel,
+        owned=opt.layout.owned_numel(rank),
+        shard=opt.layout.shard_numel(rank),
+        buckets=len(opt.layout.buckets),
+        padded=sum(b.numel for b in opt.layout.buckets),
+    )
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -171,47 +198,78 @@ def test_different_models_fail_clearly_on_every_rank():
 def _bad_arguments(rank, world):
     model = make_gpt("tiny")
     from zerofast import CommPolicy, UnitPolicy
+
     # Each case builds its keywords inside the check: a policy checks its own fields when built.
     cases = [
         (lambda: dict(stage=4), "stage must be 1, 2 or 3; got 4"),
         (lambda: dict(stage=True), "stage must be 1, 2 or 3; got True"),
-        (lambda: dict(comm=CommPolicy(partition="zigzag")),
-         "CommPolicy: partition must be one of flat, round_robin, greedy; got 'zigzag'"),
+        (
+            lambda: dict(comm=CommPolicy(partition="zigzag")),
+            "CommPolicy: partition must be one of flat, round_robin, greedy; got 'zigzag'",
+        ),
         (lambda: dict(comm=CommPolicy(bucket_mb=0)), "CommPolicy: bucket_mb must be None or a number > 0; got 0"),
         (lambda: dict(comm=CommPolicy(bucket_mb=True)), "CommPolicy: bucket_mb must be None or a number > 0; got True"),
-        (lambda: dict(comm=CommPolicy(bucket_buffers=-1)),
-         r"bucket_buffers must be an integer >= 0 \(0: no bound\); got -1"),
-        (lambda: dict(comm=CommPolicy(bucket_buffers=1.5)),
-         r"bucket_buffers must be an integer >= 0 \(0: no bound\); got 1.5"),
+        (
+            lambda: dict(comm=CommPolicy(bucket_buffers=-1)),
+            r"bucket_buffers must be an integer >= 0 \(0: no bound\); got -1",
+        ),
+        (
+            lambda: dict(comm=CommPolicy(bucket_buffers=1.5)),
+            r"bucket_buffers must be an integer >= 0 \(0: no bound\); got 1.5",
+        ),
         (lambda: dict(comm=dict(partition="flat")), "comm must be a CommPolicy or None; got dict"),
         (lambda: dict(stage=3, comm=CommPolicy(bucket_mb=8)), "bucket_mb sets stages 1 and 2's buckets.*stage=3"),
-        (lambda: dict(stage=3, comm=CommPolicy(overlap_param_gather=True)),
-         "overlap_param_gather applies to stages 1 and 2"),
+        (
+            lambda: dict(stage=3, comm=CommPolicy(overlap_param_gather=True)),
+            "overlap_param_gather applies to stages 1 and 2",
+        ),
         (lambda: dict(lr=-1.0), "lr must be a number >= 0; got -1.0"),
         (lambda: dict(betas=(0.9, 1.0)), r"betas must be two numbers in \[0, 1\); got \(0.9, 1.0\)"),
         (lambda: dict(eps=-1e-8), "eps must be a number >= 0; got -1e-08"),
         (lambda: dict(stage=3, units=UnitPolicy(min_unit_mb=-1)), "min_unit_mb must be None or a number >= 0; got -1"),
-        (lambda: dict(stage=3, units=UnitPolicy(min_unit_mb="2")), "min_unit_mb must be None or a number >= 0; got '2'"),
-        (lambda: dict(stage=3, units=UnitPolicy(modules=[model.blocks[0]], min_unit_mb=1)),
-         "min_unit_mb=1 merges the default units.*pass one or the other"),
+        (
+            lambda: dict(stage=3, units=UnitPolicy(min_unit_mb="2")),
+            "min_unit_mb must be None or a number >= 0; got '2'",
+        ),
+        (
+            lambda: dict(stage=3, units=UnitPolicy(modules=[model.blocks[0]], min_unit_mb=1)),
+            "min_unit_mb=1 merges the default units.*pass one or the other",
+        ),
         (lambda: dict(stage=2, units=UnitPolicy(min_unit_mb=1)), "units apply to stage 3 only"),
         (lambda: dict(weight_decay=-0.1), "weight_decay must be a number >= 0; got -0.1"),
         (lambda: dict(param_groups=[{"params": [model.wte.weight]}]), "is in no param group"),
-        (lambda: dict(param_groups=[{"params": [model.wte.weight]}, {"params": list(model.parameters())}]),
-         r"wte.weight is in param_groups\[0\] and param_groups\[1\]"),
-        (lambda: dict(param_groups=[{"params": [torch.nn.Parameter(torch.zeros(3))]}]),
-         "not one of the model's trainable parameters"),
-        (lambda: dict(param_groups=[{"params": list(model.parameters()), "momentum": 0.9}]),
-         "unknown keys \\['momentum'\\]"),
-        (lambda: dict(param_groups=[{"params": list(model.parameters()), "lr": -2}]),
-         r"param_groups\[0\]: lr must be a number >= 0; got -2"),
+        (
+            lambda: dict(param_groups=[{"params": [model.wte.weight]}, {"params": list(model.parameters())}]),
+            r"wte.weight is in param_groups\[0\] and param_groups\[1\]",
+        ),
+        (
+            lambda: dict(param_groups=[{"params": [torch.nn.Parameter(torch.zeros(3))]}]),
+            "not one of the model's trainable parameters",
+        ),
+        (
+            lambda: dict(param_groups=[{"params": list(model.parameters()), "momentum": 0.9}]),
+            "unknown keys \\['momentum'\\]",
+        ),
+        (
+            lambda: dict(param_groups=[{"params": list(model.parameters()), "lr": -2}]),
+            r"param_groups\[0\]: lr must be a number >= 0; got -2",
+        ),
         (lambda: dict(adamw="yes"), "adamw must be True or False; got 'yes'"),
         (lambda: dict(comm=CommPolicy(overlap=1)), "overlap must be True or False; got 1"),
-        (lambda: dict(comm=CommPolicy(overlap_param_gather=None)), "overlap_param_gather must be True or False; got None"),
+        (
+            lambda: dict(comm=CommPolicy(overlap_param_gather=None)),
+            "overlap_param_gather must be True or False; got None",
+        ),
         (lambda: dict(comm=CommPolicy(check_collectives="yes")), "check_collectives must be True or False; got 'yes'"),
-        (lambda: dict(process_group="world"), "process_group must be a torch.distributed ProcessGroup, a 2-D DeviceMesh"),
+        (
+            lambda: dict(process_group="world"),
+            "process_group must be a torch.distributed ProcessGroup, a 2-D DeviceMesh",
+        ),
         # A keyword of before the policies names where it lives now; an unknown one is named.
-        (lambda: dict(bucket_mb=25), r"the keyword bucket_mb= moved into a policy: pass comm=CommPolicy\(bucket_mb=...\)"),
+        (
+            lambda: dict(bucket_mb=25),
+            r"the keyword bucket_mb= moved into a policy: pass comm=CommPolicy\(bucket_mb=...\)",
+        ),
         (lambda: dict(partition="greedy"), r"pass comm=CommPolicy\(partition=...\)"),
         (lambda: dict(min_unit_mb=1), r"pass units=UnitPolicy\(min_unit_mb=...\)"),
         (lambda: dict(init_scale=8.0), r"loss_scale=LossScalePolicy\(init_scale=...\)"),
@@ -219,6 +277,7 @@ def _bad_arguments(rank, world):
         (lambda: dict(bucket_size=3), "unexpected keyword argument 'bucket_size'"),
     ]
     import re
+
     failures = []
     for make_kwargs, pattern in cases:
         try:

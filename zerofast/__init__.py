@@ -12,6 +12,7 @@ The names that need the compiled extension (zerofast._C) are imported on first u
 `import zerofast` and the estimator (`python -m zerofast.estimate`, pure arithmetic) work where
 the extension was never built.
 """
+
 from importlib import import_module
 
 from .config import CommPolicy, LossScalePolicy, MixedPrecisionPolicy, UnitPolicy
@@ -31,9 +32,24 @@ _LAZY = {
     "cpu_isa": "zerofast._ops",
 }
 
-__all__ = ["ZeroAdam", "ZeroMuon", "MixedPrecisionPolicy", "LossScalePolicy", "CommPolicy", "UnitPolicy", "CollectiveError",
-           "OutOfStepError", "StepNotAppliedError", "GradientError", "estimate_memory", "estimate_traffic", "fused_adam_", "nonfinite_check_",
-           "has_cuda_kernels", "cpu_isa"]
+__all__ = [
+    "ZeroAdam",
+    "ZeroMuon",
+    "MixedPrecisionPolicy",
+    "LossScalePolicy",
+    "CommPolicy",
+    "UnitPolicy",
+    "CollectiveError",
+    "OutOfStepError",
+    "StepNotAppliedError",
+    "GradientError",
+    "estimate_memory",
+    "estimate_traffic",
+    "fused_adam_",
+    "nonfinite_check_",
+    "has_cuda_kernels",
+    "cpu_isa",
+]
 __version__ = "0.1.0"
 
 

@@ -8,6 +8,7 @@ torch.nn.utils.parametrize do) makes those frames fail their guards, so Dynamo t
 meets the hooks. See [Note: code compiled before stage 3] in zerofast/stage3/runtime.py; stage 3's
 unit hooks and stages 1-2's overlapped-gather waits both use it.
 """
+
 from __future__ import annotations
 
 import torch.nn as nn
@@ -22,8 +23,11 @@ def own_classes(modules) -> dict[nn.Module, type]:
         cls = type(module)
         sub = cls if cls in _HOOKED_SUBCLASSES else _HOOKED_CLASSES.get(cls)
         if sub is None:
-            sub = _HOOKED_CLASSES[cls] = type(cls.__name__, (cls,), {
-                "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+            sub = _HOOKED_CLASSES[cls] = type(
+                cls.__name__,
+                (cls,),
+                {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__},
+            )
             _HOOKED_SUBCLASSES.add(sub)
         module.__class__ = sub
         originals[module] = cls
@@ -31,7 +35,7 @@ def own_classes(modules) -> dict[nn.Module, type]:
 
 
 _HOOKED_CLASSES: dict[type, type] = {}  # a module class -> its hooked subclass
-_HOOKED_SUBCLASSES: set[type] = set()     # those subclasses (a module already in one stays there)
+_HOOKED_SUBCLASSES: set[type] = set()  # those subclasses (a module already in one stays there)
 
 
 def restore_classes(originals: dict[nn.Module, type]) -> None:

@@ -2,9 +2,8 @@
 
 Importing this module loads zerofast._C, which registers the ops with the dispatcher.
 """
-from __future__ import annotations
 
-from typing import Optional, Union
+from __future__ import annotations
 
 import torch
 
@@ -39,9 +38,9 @@ def fused_adam_(
     weight_decay: float,
     step: int,
     adamw: bool = True,
-    grad_scale: Union[float, torch.Tensor, None] = None,
-    found_inf: Optional[torch.Tensor] = None,
-    param_copy: Optional[torch.Tensor] = None,
+    grad_scale: float | torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    param_copy: torch.Tensor | None = None,
 ) -> None:
     """One Adam (adamw=False) or AdamW (adamw=True) step on flat fp32 state, in one pass.
 
@@ -58,17 +57,34 @@ def fused_adam_(
     scale_value, scale_tensor = _split_grad_scale(grad_scale)
     # The dispatcher routes on the "highest" device among the tensors (a meta or CUDA tensor among CPU
     # ones would reach another kernel), so mixed devices are caught here, before dispatch.
-    named = {"grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "grad_scale": scale_tensor,
-             "found_inf": found_inf, "param_copy": param_copy}
+    named = {
+        "grad": grad,
+        "exp_avg": exp_avg,
+        "exp_avg_sq": exp_avg_sq,
+        "grad_scale": scale_tensor,
+        "found_inf": found_inf,
+        "param_copy": param_copy,
+    }
     for name, t in named.items():
         if isinstance(t, torch.Tensor) and t.device != param.device:
             raise RuntimeError(f"fused_adam_: {name} is on {t.device} but param is on {param.device}")
     torch.ops.zerofast.fused_adam_(
-        param, grad, exp_avg, exp_avg_sq,
-        lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
-        weight_decay=float(weight_decay), step=_as_step(step), adamw=bool(adamw),
-        grad_scale=scale_value, grad_scale_tensor=scale_tensor,
-        found_inf=found_inf, param_copy=param_copy)
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        lr=float(lr),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(eps),
+        weight_decay=float(weight_decay),
+        step=_as_step(step),
+        adamw=bool(adamw),
+        grad_scale=scale_value,
+        grad_scale_tensor=scale_tensor,
+        found_inf=found_inf,
+        param_copy=param_copy,
+    )
 
 
 def nonfinite_check_(grad: torch.Tensor, found_inf: torch.Tensor) -> None:
@@ -81,7 +97,7 @@ def nonfinite_check_(grad: torch.Tensor, found_inf: torch.Tensor) -> None:
     torch.ops.zerofast.nonfinite_check_(grad, found_inf)
 
 
-def _split_grad_scale(grad_scale) -> tuple[float, Optional[torch.Tensor]]:
+def _split_grad_scale(grad_scale) -> tuple[float, torch.Tensor | None]:
     if grad_scale is None:
         return 1.0, None
     if isinstance(grad_scale, torch.Tensor):
@@ -100,8 +116,24 @@ def _as_step(step) -> int:
 
 
 @torch.library.register_fake("zerofast::fused_adam_")
-def _fused_adam_fake(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
-                     adamw, grad_scale, grad_scale_tensor, found_inf, param_copy):
+def _fused_adam_fake(
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+    adamw,
+    grad_scale,
+    grad_scale_tensor,
+    found_inf,
+    param_copy,
+):
     # Mutates its arguments in place and returns nothing: no output to describe.
     return None
 

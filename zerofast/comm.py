@@ -24,12 +24,12 @@ a torch.distributed collective issued from here is the communication's too (_col
 other error (a GradientError naming a parameter, running out of memory, a bug) is raised as itself,
 on the rank where it happened, and never says that a peer failed.
 """
+
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,7 @@ class OutOfStepError(RuntimeError):
 @dataclass
 class Where:
     """Where this rank is, for error messages: steps completed, and the phase of the current one."""
+
     step: int = 0
     micro_batch: int = 0
     phase: str = "forward"
@@ -67,7 +68,7 @@ class Where:
         return f"step {self.step + 1}, {self.phase}, after {m} micro-batch{'' if m == 1 else 'es'}"
 
 
-def group_timeout(group: dist.ProcessGroup) -> Optional[timedelta]:
+def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
     """The timeout a process group's collectives wait for (None where the backend does not say)."""
     for device in ("cpu", "cuda"):
         try:
@@ -88,12 +89,22 @@ def collectives_for(backend: str, flat: bool) -> tuple[_C.Collective, _C.Collect
 
 
 class BucketComm:
-    def __init__(self, group: dist.ProcessGroup, layout: Layout, rank: int, grad_shard: torch.Tensor,
-                 gather_group: dist.ProcessGroup | None = None, grad_buckets: list[torch.Tensor] | None = None,
-                 max_buffers: int = 0, check_collectives: bool = False,
-                 replicate_group: dist.ProcessGroup | None = None,
-                 replicate_grads_group: dist.ProcessGroup | None = None, replicate_min_bytes: int = 0,
-                 dp_rank: int | None = None, dp_world: int | None = None):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        layout: Layout,
+        rank: int,
+        grad_shard: torch.Tensor,
+        gather_group: dist.ProcessGroup | None = None,
+        grad_buckets: list[torch.Tensor] | None = None,
+        max_buffers: int = 0,
+        check_collectives: bool = False,
+        replicate_group: dist.ProcessGroup | None = None,
+        replicate_grads_group: dist.ProcessGroup | None = None,
+        replicate_min_bytes: int = 0,
+        dp_rank: int | None = None,
+        dp_world: int | None = None,
+    ):
         """group: the shard group (the ranks `layout` is cut for); grad_buckets: stage 1's persistent
         buckets, which .grad are views of (else buffers come from a pool); max_buffers: at most this
         many pooled buffers alive at once, 0 for no bound ([Note: buffers in flight] in
@@ -136,12 +147,12 @@ class BucketComm:
         self.dp_world = self.world if dp_world is None else dp_world
         self.device = grad_shard.device
         self._agreements: Counter = Counter()  # payload bytes of the step's small all_reduces
-        self.where = Where()             # see [Note: faults]
+        self.where = Where()  # see [Note: faults]
         self.timeout = group_timeout(group)
         self.check = check_collectives
         self._checked = {id(self.group): 0, id(self.gather_group): 0, id(replicate_group): 0}  # per group, in order
 
-    def share_bookkeeping(self, main: "BucketComm") -> None:
+    def share_bookkeeping(self, main: BucketComm) -> None:
         """A second BucketComm gathering on `main`'s gather group (stage 3's frozen parameters): one
         `where` for error messages and one check sequence per group, shared with `main`."""
         self.where = main.where
@@ -158,7 +169,10 @@ class BucketComm:
         launches reduces without Python). A shard group of one rank moves nothing: not counted."""
         out = dict(self._agreements)
         if self.world > 1:
-            for name, nbytes in ((self.reduce_name, self._impl.reduce_bytes), (self.gather_name, self._impl.gather_bytes)):
+            for name, nbytes in (
+                (self.reduce_name, self._impl.reduce_bytes),
+                (self.gather_name, self._impl.gather_bytes),
+            ):
                 if nbytes:
                     out["shard/" + name] = out.get("shard/" + name, 0) + nbytes
         else:
@@ -185,7 +199,8 @@ class BucketComm:
         return CollectiveError(
             f"ZeroAdam (rank {self.dp_rank} of {self.dp_world}): {what} failed at {self.where.describe()}: another "
             f"rank died, is stuck or is out of step (the wait is bounded by the process group's timeout, "
-            f"{timeout}). Backend: {first}")
+            f"{timeout}). Backend: {first}"
+        )
 
     def run(self, what, fn, *args):
         """fn: a call into the compiled engine (BucketComm, GradPath). Only its CommError (a c10d call
@@ -214,21 +229,30 @@ class BucketComm:
         difference raises OutOfStepError on every rank, naming each rank's description."""
         seq = self._checked[id(group)]
         self._checked[id(group)] = seq + 1
-        mine = torch.tensor([seq, _KINDS.index(kind), bucket, numel, self.where.step, self.where.micro_batch],
-                            dtype=torch.int64, device=self.device)  # NCCL takes device tensors only
+        mine = torch.tensor(
+            [seq, _KINDS.index(kind), bucket, numel, self.where.step, self.where.micro_batch],
+            dtype=torch.int64,
+            device=self.device,
+        )  # NCCL takes device tensors only
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         self._collective(f"the check of {kind} {bucket}", dist.all_gather, everyone, mine, group)
         rows = [t.tolist() for t in everyone]
         if any(r != rows[0] for r in rows):
+
             def show(r):
-                return (f"#{r[0]} {_KINDS[r[1]]} bucket {r[2]} of {r[3]} elements at step {r[4] + 1} "
-                        f"micro-batch {r[5] + 1}")
+                return (
+                    f"#{r[0]} {_KINDS[r[1]]} bucket {r[2]} of {r[3]} elements at step {r[4] + 1} micro-batch {r[5] + 1}"
+                )
+
             raise OutOfStepError(
                 f"ZeroAdam (rank {self.dp_rank}): the ranks are out of step at {self.where.describe()}; the "
                 f"collective each rank was about to issue: "
-                + "; ".join(f"rank {dist.get_global_rank(group, r) if group is not dist.group.WORLD else r}: "
-                            f"{show(row)}" for r, row in enumerate(rows))
-                + ". Every rank must run the same micro-batches, steps and (stage 3) modules in the same order")
+                + "; ".join(
+                    f"rank {dist.get_global_rank(group, r) if group is not dist.group.WORLD else r}: {show(row)}"
+                    for r, row in enumerate(rows)
+                )
+                + ". Every rank must run the same micro-batches, steps and (stage 3) modules in the same order"
+            )
 
     def check_forward(self) -> None:
         """check_collectives, stage 3: a forward's start is checked on the reduce group too. The
@@ -254,8 +278,9 @@ class BucketComm:
     def gather_start(self, bucket: int, param_buffer: torch.Tensor) -> None:
         if self.check:
             self._verify("gather", bucket, param_buffer.numel(), self.gather_group)
-        self.run(lambda: f"the gather of bucket {bucket} ({self.gather_name})", self._impl.gather_start,
-                  bucket, param_buffer)
+        self.run(
+            lambda: f"the gather of bucket {bucket} ({self.gather_name})", self._impl.gather_start, bucket, param_buffer
+        )
 
     def gather_wait(self, bucket: int) -> None:
         self.run(lambda: f"the gather of bucket {bucket} ({self.gather_name})", self._impl.gather_wait, bucket)
@@ -267,14 +292,20 @@ class BucketComm:
         if self.check:
             self._verify("agree_used", 0, t.numel(), self.group)
         self._agreements["shard/all_reduce_flags"] += t.numel() * t.element_size()
-        self._collective("the step's agreement (all_reduce of flags and counters)", dist.all_reduce, t,
-                         dist.ReduceOp.MAX, self.group)
+        self._collective(
+            "the step's agreement (all_reduce of flags and counters)", dist.all_reduce, t, dist.ReduceOp.MAX, self.group
+        )
         if self.replicate_group is not None:
             if self.check:
                 self._verify("agree_used", 0, t.numel(), self.replicate_group)
             self._agreements["replicate/all_reduce_flags"] += t.numel() * t.element_size()
-            self._collective("the step's agreement across replicas (all_reduce of flags and counters)",
-                             dist.all_reduce, t, dist.ReduceOp.MAX, self.replicate_group)
+            self._collective(
+                "the step's agreement across replicas (all_reduce of flags and counters)",
+                dist.all_reduce,
+                t,
+                dist.ReduceOp.MAX,
+                self.replicate_group,
+            )
 
     def all_reduce_sum(self, t: torch.Tensor) -> None:
         """A small agreement (overflow flag and squared gradient norm), counted too: over the shard
@@ -282,8 +313,13 @@ class BucketComm:
         if self.check:
             self._verify("agree_stats", 0, t.numel(), self.group)
         self._agreements["shard/all_reduce_stats"] += t.numel() * t.element_size()
-        self._collective("the step's agreement on overflow and gradient norm (all_reduce)", dist.all_reduce, t,
-                         dist.ReduceOp.SUM, self.group)
+        self._collective(
+            "the step's agreement on overflow and gradient norm (all_reduce)",
+            dist.all_reduce,
+            t,
+            dist.ReduceOp.SUM,
+            self.group,
+        )
 
     def all_reduce_replicas(self, shards: list[torch.Tensor]) -> None:
         """Hybrid sharding with check_collectives: sum this rank's reduced gradient shard over its
@@ -300,8 +336,16 @@ class BucketComm:
             if self.check:
                 self._verify("replicate", i, t.numel(), self.replicate_group)
             self._agreements["replicate/all_reduce"] += t.numel() * t.element_size()
-            works.append(self._collective("the all_reduce of the gradient shard across replicas", dist.all_reduce,
-                                          t, dist.ReduceOp.SUM, self.replicate_group, True))
+            works.append(
+                self._collective(
+                    "the all_reduce of the gradient shard across replicas",
+                    dist.all_reduce,
+                    t,
+                    dist.ReduceOp.SUM,
+                    self.replicate_group,
+                    True,
+                )
+            )
         for w in works:
             self._collective("the all_reduce of the gradient shard across replicas", w.wait)
 
@@ -322,8 +366,13 @@ class BucketComm:
         alive (in use + kept) at once since reset_peak(), the budget, and how often it was exceeded
         because no reduce was in flight to wait for."""
         i = self._impl
-        return {"live": i.live_buffers, "peak_live": i.peak_live_buffers, "peak_alive": i.peak_alive_buffers,
-                "max": i.max_buffers, "over_budget": i.over_budget}
+        return {
+            "live": i.live_buffers,
+            "peak_live": i.peak_live_buffers,
+            "peak_alive": i.peak_alive_buffers,
+            "max": i.max_buffers,
+            "over_budget": i.over_budget,
+        }
 
     def reset_peak(self) -> None:
         self._impl.reset_peak()

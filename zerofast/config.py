@@ -13,11 +13,13 @@ reads the plan; none re-derives the stage from an argument or infers it from a t
 This module imports no compiled code (the estimator, `python -m zerofast.estimate`, runs where the
 extension was never built) and holds every default and every check of ZeroAdam's options.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 
@@ -60,21 +62,25 @@ def _check_bool(owner: str, name: str, value) -> None:
 
 # --- the policies ---------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class LossScalePolicy:
     """fp16's dynamic loss scaling, named and behaving as torch.amp.GradScaler's: the loss is
     multiplied by the scale (opt.backward(loss)); a step whose gradients hold an inf or nan is
     skipped and the scale multiplied by backoff_factor; after growth_interval clean steps in a row it
     is multiplied by growth_factor ([Note: loss scaling] in zerofast/optim/precision.py)."""
+
     init_scale: float = 2.0**16
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
 
     def __post_init__(self):
-        for name, ok, bound in (("init_scale", lambda v: v > 0, "> 0"),
-                                ("growth_factor", lambda v: v > 1, "> 1"),
-                                ("backoff_factor", lambda v: 0 < v < 1, "in (0, 1)")):
+        for name, ok, bound in (
+            ("init_scale", lambda v: v > 0, "> 0"),
+            ("growth_factor", lambda v: v > 1, "> 1"),
+            ("backoff_factor", lambda v: 0 < v < 1, "in (0, 1)"),
+        ):
             value = getattr(self, name)
             if not (_is_number(value) and ok(value)):
                 raise ValueError(f"LossScalePolicy: {name} must be a number {bound}; got {value!r}")
@@ -94,30 +100,43 @@ class MixedPrecisionPolicy:
     loss_scale: fp16's dynamic loss scaling (None: LossScalePolicy()'s defaults); float16 only.
     `mixed_precision="bf16"` is MixedPrecisionPolicy(torch.bfloat16), "fp16" MixedPrecisionPolicy(torch.float16).
     """
+
     param_dtype: torch.dtype = torch.float32
-    reduce_dtype: Optional[torch.dtype] = None
-    loss_scale: Optional[LossScalePolicy] = None
+    reduce_dtype: torch.dtype | None = None
+    loss_scale: LossScalePolicy | None = None
 
     def __post_init__(self):
         if self.param_dtype not in _PARAM_DTYPES:
-            raise ValueError(f"MixedPrecisionPolicy: param_dtype must be torch.float32, torch.bfloat16 or "
-                             f"torch.float16; got {self.param_dtype!r}")
+            raise ValueError(
+                f"MixedPrecisionPolicy: param_dtype must be torch.float32, torch.bfloat16 or "
+                f"torch.float16; got {self.param_dtype!r}"
+            )
         if self.reduce_dtype is not None and self.reduce_dtype not in _PARAM_DTYPES:
-            raise ValueError(f"MixedPrecisionPolicy: reduce_dtype must be None, torch.float32, torch.bfloat16 or "
-                             f"torch.float16; got {self.reduce_dtype!r}")
+            raise ValueError(
+                f"MixedPrecisionPolicy: reduce_dtype must be None, torch.float32, torch.bfloat16 or "
+                f"torch.float16; got {self.reduce_dtype!r}"
+            )
         if self.param_dtype == torch.float32 and self.reduce_dtype not in (None, torch.float32):
-            raise ValueError(f"MixedPrecisionPolicy: reduce_dtype={self.reduce_dtype} needs a low-precision "
-                             f"param_dtype; fp32 parameters reduce in float32")
+            raise ValueError(
+                f"MixedPrecisionPolicy: reduce_dtype={self.reduce_dtype} needs a low-precision "
+                f"param_dtype; fp32 parameters reduce in float32"
+            )
         if self.reduce_dtype == torch.float16 and self.param_dtype != torch.float16:
-            raise ValueError(f"MixedPrecisionPolicy: reduce_dtype=torch.float16 needs param_dtype=torch.float16 "
-                             f"(whose loss scaling catches overflow); got param_dtype={self.param_dtype}")
+            raise ValueError(
+                f"MixedPrecisionPolicy: reduce_dtype=torch.float16 needs param_dtype=torch.float16 "
+                f"(whose loss scaling catches overflow); got param_dtype={self.param_dtype}"
+            )
         if self.loss_scale is not None:
             if not isinstance(self.loss_scale, LossScalePolicy):
-                raise TypeError(f"MixedPrecisionPolicy: loss_scale must be a LossScalePolicy or None; "
-                                f"got {type(self.loss_scale).__name__}")
+                raise TypeError(
+                    f"MixedPrecisionPolicy: loss_scale must be a LossScalePolicy or None; "
+                    f"got {type(self.loss_scale).__name__}"
+                )
             if self.param_dtype != torch.float16:
-                raise ValueError(f"MixedPrecisionPolicy: loss_scale applies to float16 parameters only; got "
-                                 f"param_dtype={self.param_dtype} (bf16 and fp32 need no loss scaling)")
+                raise ValueError(
+                    f"MixedPrecisionPolicy: loss_scale applies to float16 parameters only; got "
+                    f"param_dtype={self.param_dtype} (bf16 and fp32 need no loss scaling)"
+                )
 
 
 @dataclass(frozen=True)
@@ -140,13 +159,14 @@ class CommPolicy:
     check_collectives: before every collective, check that every rank is about to issue the same
       one (None: on when ZEROFAST_DEBUG=1); one small blocking all_gather per collective.
     """
+
     partition: str = "flat"
-    bucket_mb: Optional[float] = None
+    bucket_mb: float | None = None
     bucket_buffers: int = DEFAULT_BUCKET_BUFFERS
     overlap: bool = True
     overlap_param_gather: bool = False
     accumulate_locally: bool = False
-    check_collectives: Optional[bool] = None
+    check_collectives: bool | None = None
 
     def __post_init__(self):
         if self.partition not in PARTITIONS:
@@ -178,53 +198,58 @@ class UnitPolicy:
       Units given as `modules` are kept as given, so the two are not combined.
     `units=X` on ZeroAdam is UnitPolicy(modules=X).
     """
+
     modules: UnitSpec = None
-    min_unit_mb: Optional[float] = None
+    min_unit_mb: float | None = None
 
     def __post_init__(self):
         m = self.min_unit_mb
         if m is not None and not (_is_number(m) and m >= 0):
             raise ValueError(f"UnitPolicy: min_unit_mb must be None or a number >= 0; got {m!r}")
         if m is not None and self.modules is not None:
-            raise ValueError(f"UnitPolicy: min_unit_mb={m!r} merges the default units, and units given as modules "
-                             f"are kept as given; pass one or the other")
+            raise ValueError(
+                f"UnitPolicy: min_unit_mb={m!r} merges the default units, and units given as modules "
+                f"are kept as given; pass one or the other"
+            )
 
 
 # --- the plan -------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Plan:
     """Every option of a ZeroAdam resolved, and the facts each part of the optimizer acts on.
     Built once by resolve_plan; frozen."""
+
     stage: int
     partition: str
-    adamw: bool                         # decoupled weight decay (AdamW); False: Adam's L2 term
-    max_grad_norm: Optional[float]      # clip the global gradient norm at every step
-    param_dtype: torch.dtype            # the model's parameters
-    reduce_dtype: torch.dtype           # gradients in buckets, reduces and (stages 2, 3) the shard
-    loss_scale: Optional[LossScalePolicy]  # fp16 only: dynamic loss scaling
-    bucket_bytes: int                   # stages 1 and 2: gradient bytes per bucket (0 in stage 3)
-    replicate_bytes: int                # hybrid sharding: the replicas' all_reduces hold at least this
-    first_bucket_bytes: int             # the first bucket in backward order holds at most this
-    bucket_buffers: int                 # pooled gradient buffers alive at once (0: no bound)
-    overlap: bool                       # reduce each bucket in backward as soon as it is complete
-    overlap_param_gather: bool          # stages 1 and 2: the gather overlaps the next forward
-    check_collectives: bool             # every collective first checked across ranks (ZEROFAST_DEBUG=1)
-    unit_modules: UnitSpec              # stage 3: the unit modules as given (None: the default rule)
-    min_unit_bytes: int                 # stage 3, default units: merge units smaller than this
+    adamw: bool  # decoupled weight decay (AdamW); False: Adam's L2 term
+    max_grad_norm: float | None  # clip the global gradient norm at every step
+    param_dtype: torch.dtype  # the model's parameters
+    reduce_dtype: torch.dtype  # gradients in buckets, reduces and (stages 2, 3) the shard
+    loss_scale: LossScalePolicy | None  # fp16 only: dynamic loss scaling
+    bucket_bytes: int  # stages 1 and 2: gradient bytes per bucket (0 in stage 3)
+    replicate_bytes: int  # hybrid sharding: the replicas' all_reduces hold at least this
+    first_bucket_bytes: int  # the first bucket in backward order holds at most this
+    bucket_buffers: int  # pooled gradient buffers alive at once (0: no bound)
+    overlap: bool  # reduce each bucket in backward as soon as it is complete
+    overlap_param_gather: bool  # stages 1 and 2: the gather overlaps the next forward
+    check_collectives: bool  # every collective first checked across ranks (ZEROFAST_DEBUG=1)
+    unit_modules: UnitSpec  # stage 3: the unit modules as given (None: the default rule)
+    min_unit_bytes: int  # stage 3, default units: merge units smaller than this
     # The facts, one per behaviour that differs between stages and precisions:
-    params_sharded: bool                # stage 3: parameters live in a shard, gathered unit by unit
-    grads_sharded: bool                 # stages 2, 3: after its reduce a rank keeps only its gradient shard
-    grads_as_bucket_views: bool         # stage 1 reducing in its own dtype: .grad are views of persistent
-                                        # buckets reduced in place ([Note: grads as bucket views])
-    gather_after_step: bool             # stages 1, 2: step() gathers the updated parameters (stage 3:
-                                        # the next forward does)
-    accumulates_locally: bool           # under no_sync(), .grad accumulates and one reduce follows
-    separate_master: bool               # low-precision parameters: an fp32 master shard of its own
+    params_sharded: bool  # stage 3: parameters live in a shard, gathered unit by unit
+    grads_sharded: bool  # stages 2, 3: after its reduce a rank keeps only its gradient shard
+    grads_as_bucket_views: bool  # stage 1 reducing in its own dtype: .grad are views of persistent
+    # buckets reduced in place ([Note: grads as bucket views])
+    gather_after_step: bool  # stages 1, 2: step() gathers the updated parameters (stage 3:
+    # the next forward does)
+    accumulates_locally: bool  # under no_sync(), .grad accumulates and one reduce follows
+    separate_master: bool  # low-precision parameters: an fp32 master shard of its own
 
     @property
-    def mixed_precision(self) -> Optional[str]:
-        """"bf16", "fp16" or None: the shortcut name of param_dtype."""
+    def mixed_precision(self) -> str | None:
+        """ "bf16", "fp16" or None: the shortcut name of param_dtype."""
         return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.param_dtype)
 
     @property
@@ -240,8 +265,9 @@ def precision_policy(mixed_precision) -> MixedPrecisionPolicy:
         return mixed_precision
     if isinstance(mixed_precision, str) and mixed_precision in LOW_DTYPES:
         return MixedPrecisionPolicy(LOW_DTYPES[mixed_precision])
-    raise ValueError(f"ZeroAdam: mixed_precision must be None, 'bf16', 'fp16' or a MixedPrecisionPolicy; "
-                     f"got {mixed_precision!r}")
+    raise ValueError(
+        f"ZeroAdam: mixed_precision must be None, 'bf16', 'fp16' or a MixedPrecisionPolicy; got {mixed_precision!r}"
+    )
 
 
 def unit_policy(units) -> UnitPolicy:
@@ -268,8 +294,9 @@ def check_hyper(where: str, g: dict) -> None:
     lr, betas, eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
     if not (_is_number(lr) and lr >= 0):
         raise ValueError(f"ZeroAdam{where}: lr must be a number >= 0; got {lr!r}")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
-            and all(_is_number(b) and 0.0 <= b < 1.0 for b in betas)):
+    if not (
+        isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_number(b) and 0.0 <= b < 1.0 for b in betas)
+    ):
         raise ValueError(f"ZeroAdam{where}: betas must be two numbers in [0, 1); got {betas!r}")
     if not (_is_number(eps) and eps >= 0):
         raise ValueError(f"ZeroAdam{where}: eps must be a number >= 0; got {eps!r}")
@@ -277,8 +304,9 @@ def check_hyper(where: str, g: dict) -> None:
         raise ValueError(f"ZeroAdam{where}: weight_decay must be a number >= 0; got {wd!r}")
 
 
-def resolve_plan(stage: int, *, adamw: bool = True, max_grad_norm: Optional[float] = None,
-                 mixed_precision=None, comm=None, units=None) -> Plan:
+def resolve_plan(
+    stage: int, *, adamw: bool = True, max_grad_norm: float | None = None, mixed_precision=None, comm=None, units=None
+) -> Plan:
     """The one place ZeroAdam's options are checked together and their defaults filled in.
     mixed_precision, comm and units as ZeroAdam takes them (shortcuts included)."""
     check_stage(stage)
@@ -287,15 +315,21 @@ def resolve_plan(stage: int, *, adamw: bool = True, max_grad_norm: Optional[floa
         raise ValueError(f"ZeroAdam: max_grad_norm must be None or a number > 0; got {max_grad_norm!r}")
     precision, comm_p, unit_p = precision_policy(mixed_precision), comm_policy(comm), unit_policy(units)
     if stage < 3 and unit_p != UnitPolicy():
-        raise ValueError(f"ZeroAdam: units apply to stage 3 only (stages 1 and 2 gather by bucket); got "
-                         f"units={unit_p} with stage={stage}")
+        raise ValueError(
+            f"ZeroAdam: units apply to stage 3 only (stages 1 and 2 gather by bucket); got "
+            f"units={unit_p} with stage={stage}"
+        )
     if stage == 3 and comm_p.bucket_mb is not None:
-        raise ValueError(f"ZeroAdam: CommPolicy.bucket_mb sets stages 1 and 2's buckets; stage 3 reduces and "
-                         f"gathers one bucket per unit (see UnitPolicy); got bucket_mb={comm_p.bucket_mb!r} "
-                         f"with stage=3")
+        raise ValueError(
+            f"ZeroAdam: CommPolicy.bucket_mb sets stages 1 and 2's buckets; stage 3 reduces and "
+            f"gathers one bucket per unit (see UnitPolicy); got bucket_mb={comm_p.bucket_mb!r} "
+            f"with stage=3"
+        )
     if stage == 3 and comm_p.overlap_param_gather:
-        raise ValueError("ZeroAdam: CommPolicy.overlap_param_gather applies to stages 1 and 2 (stage 3 gathers "
-                         "each unit in the next forward anyway); got it with stage=3")
+        raise ValueError(
+            "ZeroAdam: CommPolicy.overlap_param_gather applies to stages 1 and 2 (stage 3 gathers "
+            "each unit in the next forward anyway); got it with stage=3"
+        )
     param_dtype = precision.param_dtype
     reduce_dtype = precision.reduce_dtype or param_dtype
     reduce_size = _itemsize(reduce_dtype)
@@ -303,21 +337,30 @@ def resolve_plan(stage: int, *, adamw: bool = True, max_grad_norm: Optional[floa
     bucket_mb = comm_p.bucket_mb if comm_p.bucket_mb is not None else DEFAULT_BUCKET_MB.get(stage, 0.0)
     min_unit_mb = DEFAULT_MIN_UNIT_MB if unit_p.min_unit_mb is None else float(unit_p.min_unit_mb)
     return Plan(
-        stage=stage, partition=comm_p.partition, adamw=adamw,
+        stage=stage,
+        partition=comm_p.partition,
+        adamw=adamw,
         max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, loss_scale=loss_scale,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        loss_scale=loss_scale,
         bucket_bytes=max(reduce_size, int(bucket_mb * 2**20)) if stage < 3 else 0,
         # the shard group's bucket size (stage 3, whose buckets are its units: stage 2's)
         replicate_bytes=max(reduce_size, int((bucket_mb or DEFAULT_BUCKET_MB[2]) * 2**20)),
-        first_bucket_bytes=FIRST_BUCKET_BYTES, bucket_buffers=comm_p.bucket_buffers,
-        overlap=comm_p.overlap, overlap_param_gather=comm_p.overlap_param_gather,
+        first_bucket_bytes=FIRST_BUCKET_BYTES,
+        bucket_buffers=comm_p.bucket_buffers,
+        overlap=comm_p.overlap,
+        overlap_param_gather=comm_p.overlap_param_gather,
         check_collectives=debug_from_env() if comm_p.check_collectives is None else comm_p.check_collectives,
         unit_modules=unit_p.modules if stage == 3 else None,
         min_unit_bytes=int(min_unit_mb * 2**20) if stage == 3 and unit_p.modules is None else 0,
-        params_sharded=stage == 3, grads_sharded=stage >= 2,
+        params_sharded=stage == 3,
+        grads_sharded=stage >= 2,
         grads_as_bucket_views=stage == 1 and reduce_dtype == param_dtype,
-        gather_after_step=stage < 3, accumulates_locally=stage == 1 or comm_p.accumulate_locally,
-        separate_master=param_dtype != torch.float32)
+        gather_after_step=stage < 3,
+        accumulates_locally=stage == 1 or comm_p.accumulate_locally,
+        separate_master=param_dtype != torch.float32,
+    )
 
 
 def collective_names(backend: str, flat: bool) -> tuple[str, str]:
@@ -362,6 +405,7 @@ def reject_moved(who: str, given: dict) -> None:
     """A clear error for keywords that moved into a policy (or never existed)."""
     for name in given:
         if name in MOVED_KEYWORDS:
-            raise TypeError(f"{who}: the keyword {name}= moved into a policy: pass {MOVED_KEYWORDS[name]} "
-                            f"(see README, 'ZeroAdam')")
+            raise TypeError(
+                f"{who}: the keyword {name}= moved into a policy: pass {MOVED_KEYWORDS[name]} (see README, 'ZeroAdam')"
+            )
         raise TypeError(f"{who} got an unexpected keyword argument {name!r}")

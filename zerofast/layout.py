@@ -14,6 +14,7 @@ which the CUDA kernel's vector loads need. Padding is zero in gradients and neve
 Owner partitions ("round_robin", "greedy") need no padding: a bucket's parameters are grouped by
 owner, so each owner's part is one contiguous segment, reduced to and broadcast from that owner.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,35 +25,37 @@ ALIGN = 4  # elements: 16 bytes of fp32, one CUDA vector access
 @dataclass(frozen=True)
 class Slot:
     """Where one parameter lives."""
-    param: int   # index in the engine's parameter list
+
+    param: int  # index in the engine's parameter list
     bucket: int  # bucket index
     offset: int  # first element inside the bucket's flat buffer
-    numel: int   # elements
+    numel: int  # elements
 
 
 @dataclass(frozen=True)
 class Bucket:
     index: int
-    params: tuple[int, ...]   # parameter indices in buffer order
-    numel: int                # buffer length, padding included
-    bounds: tuple[int, ...]   # world + 1 offsets: rank r owns [bounds[r], bounds[r + 1])
+    params: tuple[int, ...]  # parameter indices in buffer order
+    numel: int  # buffer length, padding included
+    bounds: tuple[int, ...]  # world + 1 offsets: rank r owns [bounds[r], bounds[r + 1])
 
 
 @dataclass(frozen=True)
 class Piece:
     """The part of one parameter inside one rank's owned range of one bucket."""
-    param: int         # parameter index
-    bucket: int        # bucket index
-    bucket_offset: int # first element inside the bucket buffer
+
+    param: int  # parameter index
+    bucket: int  # bucket index
+    bucket_offset: int  # first element inside the bucket buffer
     param_offset: int  # first element inside the flattened parameter
-    numel: int         # elements
+    numel: int  # elements
     state_offset: int  # first element inside the rank's flat shard buffers (grads, Adam state)
 
 
 @dataclass(frozen=True)
 class Layout:
     world: int
-    flat: bool               # True: equal padded slices per rank; False: one segment per owner
+    flat: bool  # True: equal padded slices per rank; False: one segment per owner
     buckets: tuple[Bucket, ...]
     slots: tuple[Slot, ...]  # indexed by parameter
 
@@ -90,8 +93,9 @@ class Layout:
                 s = self.slots[i]
                 start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
                 if start < end:
-                    pieces.append(Piece(i, b.index, start, start - s.offset, end - start,
-                                        offsets[b.index] + start - lo))
+                    pieces.append(
+                        Piece(i, b.index, start, start - s.offset, end - start, offsets[b.index] + start - lo)
+                    )
         return pieces
 
 
@@ -114,8 +118,14 @@ def _group_into_buckets(order: list[int], numels: list[int], cap: int, first_cap
     return buckets
 
 
-def build_layout(numels: list[int], order: list[int], world: int, bucket_numel: int,
-                 owners: list[int] | None = None, first_bucket_numel: int | None = None) -> Layout:
+def build_layout(
+    numels: list[int],
+    order: list[int],
+    world: int,
+    bucket_numel: int,
+    owners: list[int] | None = None,
+    first_bucket_numel: int | None = None,
+) -> Layout:
     """Lay parameters (given by numel, in `order`) out in buckets of at most `bucket_numel` elements
     (the first at most `first_bucket_numel`, when given: a small first bucket starts communication
     early in backward, as DDP's 1 MiB first bucket does).
@@ -131,8 +141,9 @@ def build_layout(numels: list[int], order: list[int], world: int, bucket_numel: 
     return layout_from_groups(numels, _group_into_buckets(order, numels, bucket_numel, first), world, owners)
 
 
-def layout_from_groups(numels: list[int], groups: list[list[int]], world: int,
-                       owners: list[int] | None = None) -> Layout:
+def layout_from_groups(
+    numels: list[int], groups: list[list[int]], world: int, owners: list[int] | None = None
+) -> Layout:
     """One bucket per group of parameter indices, in the given order (stage 3: one per unit)."""
     if sorted(i for g in groups for i in g) != list(range(len(numels))):
         raise ValueError("groups must hold every parameter index exactly once")
@@ -163,6 +174,7 @@ def bind_views(params: list, layout: Layout, buffers: list) -> None:
     """Make each parameter a view of its slot in `buffers` (one flat buffer per bucket of `layout`),
     its values copied in first: what the optimizer's and stage 3's frozen flat buffers both do."""
     import torch
+
     with torch.no_grad():
         for i, p in enumerate(params):
             s = layout.slots[i]

@@ -9,6 +9,7 @@ Pure Python, no process group. Three partitions:
 - "flat": intra-tensor, as FSDP and DeepSpeed do: no owner per tensor; each bucket is one buffer cut
   into world equal slices (see layout.py), so every rank owns the same number of elements.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -38,7 +39,7 @@ def newton_schulz_flops(shape: tuple[int, ...], ns_steps: int) -> int:
     (2 p^3, the addmm) and X' = aX + BX (2 p^2 q): ns_steps * (4 p^2 q + 2 p^3)."""
     m, n = shape
     p, q = min(m, n), max(m, n)
-    return ns_steps * (4 * p * p * q + 2 * p ** 3)
+    return ns_steps * (4 * p * p * q + 2 * p**3)
 
 
 def greedy_by_cost(numels: list[int], costs: list[int], world: int) -> list[int]:

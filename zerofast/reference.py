@@ -21,9 +21,10 @@ global batch and runs under the same loop as ZeroAdam (`loss.backward(); opt.ste
 Stage 3's gathers are driven by hooks (a forward pre-hook and a hook on the forward's outputs'
 gradients) instead of lines in the training loop.
 """
+
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -42,9 +43,16 @@ def round_robin_owners(names: Iterable[str], world_size: int) -> dict[str, int]:
 class ReferenceZero:
     """The chapter's stage `stage` (1, 2 or 3) as an optimizer: step() and zero_grad()."""
 
-    def __init__(self, model: nn.Module, stage: int, lr: float = 1e-3, betas=(0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0,
-                 process_group: Optional[dist.ProcessGroup] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        stage: int,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        process_group: dist.ProcessGroup | None = None,
+    ):
         if stage not in (1, 2, 3):
             raise ValueError(f"ReferenceZero: stage must be 1, 2 or 3; got {stage!r}")
         self.model = model
@@ -57,9 +65,11 @@ class ReferenceZero:
         for t in list(model.parameters()) + list(model.buffers()):  # everyone starts from rank 0's
             dist.broadcast(t.data, src=self._global(0), group=process_group)
         owned = [p for n, p in self.params if self.owner[n] == self.rank]
-        self.optimizer = (torch.optim.AdamW(owned, lr=lr, betas=betas, eps=eps,
-                                            weight_decay=weight_decay, foreach=False)
-                          if owned else None)
+        self.optimizer = (
+            torch.optim.AdamW(owned, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+            if owned
+            else None
+        )
         self._full_shape = {n: p.shape for n, p in self.params}
         if stage == 3:
             self._release_params()
@@ -127,8 +137,7 @@ class ReferenceZero:
         self._release_params()
         needs_grad = [t for t in output_tensors(output) if t.requires_grad]
         if needs_grad:  # gather again as soon as backward reaches the model's outputs
-            torch.autograd.graph.register_multi_grad_hook(
-                needs_grad, lambda grads: self._gather_params(), mode="any")
+            torch.autograd.graph.register_multi_grad_hook(needs_grad, lambda grads: self._gather_params(), mode="any")
 
     # --- reports --------------------------------------------------------------------------------
 
@@ -140,4 +149,3 @@ class ReferenceZero:
             "grads": sum(p.grad.nbytes for _, p in self.params if p.grad is not None),
             "optimizer": sum(s[k].nbytes for s in state for k in ("exp_avg", "exp_avg_sq") if k in s),
         }
-

@@ -19,11 +19,11 @@ replication (DDP's traffic, with the fused step). FSDP2's HSDP is the same arran
 "replicate" outer, "shard" inner); a DeviceMesh with those dims is accepted as ZeroAdam's
 process_group (keeping ZeroAdam's keywords few: a mesh is the data-parallel ranks, with their groups).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
 
 import torch.distributed as dist
 
@@ -32,13 +32,13 @@ __all__ = ["Topology", "resolve_topology"]
 
 @dataclass(frozen=True)
 class Topology:
-    group: dist.ProcessGroup            # every data-parallel rank (the average divides by its size)
-    rank: int                           # in `group`
+    group: dist.ProcessGroup  # every data-parallel rank (the average divides by its size)
+    rank: int  # in `group`
     world: int
-    shard_group: dist.ProcessGroup      # the ranks sharing one copy of the state (== group when flat)
+    shard_group: dist.ProcessGroup  # the ranks sharing one copy of the state (== group when flat)
     shard_rank: int
     shard_size: int
-    replicate_group: Optional[dist.ProcessGroup]  # the ranks holding this rank's shard (None: no replica)
+    replicate_group: dist.ProcessGroup | None  # the ranks holding this rank's shard (None: no replica)
     replicas: int
 
     @property
@@ -57,8 +57,10 @@ def check_shard_size(shard_size, world: int, who: str = "ZeroAdam") -> int:
     if not (_is_int(shard_size) and shard_size >= 1):
         raise ValueError(f"{who}: shard_size must be None or an integer >= 1; got {shard_size!r}")
     if shard_size > world or world % shard_size:
-        raise ValueError(f"{who}: shard_size={shard_size} must divide the number of ranks, {world} (the ranks form "
-                         f"{world}/shard_size groups of shard_size consecutive ranks)")
+        raise ValueError(
+            f"{who}: shard_size={shard_size} must divide the number of ranks, {world} (the ranks form "
+            f"{world}/shard_size groups of shard_size consecutive ranks)"
+        )
     return shard_size
 
 
@@ -69,25 +71,37 @@ def _global(group: dist.ProcessGroup, r: int) -> int:
 def mesh_groups(mesh, who: str = "ZeroAdam") -> tuple[int, int]:
     """A DeviceMesh as ZeroAdam takes it: 2-D, dims named ("replicate", "shard"). Returns its (replicas, shard size)."""
     from torch.distributed.device_mesh import DeviceMesh
+
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"{who}: the mesh must be a torch.distributed.device_mesh.DeviceMesh; got "
-                        f"{type(mesh).__name__}")
+        raise TypeError(
+            f"{who}: the mesh must be a torch.distributed.device_mesh.DeviceMesh; got {type(mesh).__name__}"
+        )
     if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != ("replicate", "shard"):
-        raise ValueError(f"{who}: a DeviceMesh as process_group must be 2-D with mesh_dim_names=('replicate', 'shard') (replicate across the "
-                         f"outer dim, shard within the inner one, as FSDP2's HSDP); got a {mesh.ndim}-D mesh of shape "
-                         f"{tuple(mesh.shape)} with mesh_dim_names={mesh.mesh_dim_names}")
+        raise ValueError(
+            f"{who}: a DeviceMesh as process_group must be 2-D with mesh_dim_names=('replicate', 'shard') (replicate across the "
+            f"outer dim, shard within the inner one, as FSDP2's HSDP); got a {mesh.ndim}-D mesh of shape "
+            f"{tuple(mesh.shape)} with mesh_dim_names={mesh.mesh_dim_names}"
+        )
     return mesh.size(0), mesh.size(1)
 
 
-def resolve_topology(group: dist.ProcessGroup, shard_size: int, timeout: Optional[timedelta], mesh=None) -> Topology:
+def resolve_topology(group: dist.ProcessGroup, shard_size: int, timeout: timedelta | None, mesh=None) -> Topology:
     """The groups of `group`'s ranks for shard_size (already checked: check_shard_size), or those of
     `mesh`. Every rank of `group` calls it (new_group is collective)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if mesh is not None:
         replicas, k = mesh_groups(mesh)
         shard_group, replicate_group = mesh.get_group("shard"), mesh.get_group("replicate")
-        return Topology(group, rank, world, shard_group, dist.get_rank(shard_group), k,
-                        replicate_group if replicas > 1 else None, replicas)
+        return Topology(
+            group,
+            rank,
+            world,
+            shard_group,
+            dist.get_rank(shard_group),
+            k,
+            replicate_group if replicas > 1 else None,
+            replicas,
+        )
     if shard_size == world:
         return Topology(group, rank, world, group, rank, world, None, 1)
     replicas = world // shard_size
@@ -95,8 +109,10 @@ def resolve_topology(group: dist.ProcessGroup, shard_size: int, timeout: Optiona
     # the world (tensor x data parallel), whose other ranks never call here; every rank makes its
     # shard group, then its replicate group, so the members of each agree on its name.
     g, i = divmod(rank, shard_size)
-    shard_group = dist.new_group([_global(group, g * shard_size + j) for j in range(shard_size)], timeout=timeout,
-                                 use_local_synchronization=True)
-    replicate_group = dist.new_group([_global(group, h * shard_size + i) for h in range(replicas)], timeout=timeout,
-                                     use_local_synchronization=True)
+    shard_group = dist.new_group(
+        [_global(group, g * shard_size + j) for j in range(shard_size)], timeout=timeout, use_local_synchronization=True
+    )
+    replicate_group = dist.new_group(
+        [_global(group, h * shard_size + i) for h in range(replicas)], timeout=timeout, use_local_synchronization=True
+    )
     return Topology(group, rank, world, shard_group, i, shard_size, replicate_group, replicas)

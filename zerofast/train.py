@@ -1,4 +1,5 @@
 """`python -m zerofast.train`: the main job, in zerofast/tools/train.py."""
+
 import sys
 
 from .tools.train import main

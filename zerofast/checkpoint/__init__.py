@@ -28,23 +28,46 @@ It reads the optimizer only through its typed accessors (zerofast/optim/zero_ada
 to the state"; ShardState's accessors); the optimizer imports this package (state_dict), not the
 other way round.
 """
+
 from __future__ import annotations
 
+from .background import AsyncSave, in_flight
+from .background import settle as wait
 from .convert import from_torch, to_torch
 from .dcp import boxes, load_state_dict, state_dict
 from .export import export
-from .background import AsyncSave, in_flight
-from .background import settle as wait
 from .io import INCOMPLETE, MANIFEST, SMALL, info, latest, load, save, staging_bytes, upgrade
 from .safe import SafeLoadPlanner, SafeReader, UnsafeCheckpoint
 
-__all__ = ["save", "load", "latest", "wait", "in_flight", "AsyncSave", "staging_bytes", "to_torch", "from_torch", "export", "info", "upgrade", "state_dict",
-           "load_state_dict", "boxes", "main", "SafeReader", "SafeLoadPlanner", "UnsafeCheckpoint", "MANIFEST", "SMALL",
-           "INCOMPLETE"]
+__all__ = [
+    "save",
+    "load",
+    "latest",
+    "wait",
+    "in_flight",
+    "AsyncSave",
+    "staging_bytes",
+    "to_torch",
+    "from_torch",
+    "export",
+    "info",
+    "upgrade",
+    "state_dict",
+    "load_state_dict",
+    "boxes",
+    "main",
+    "SafeReader",
+    "SafeLoadPlanner",
+    "UnsafeCheckpoint",
+    "MANIFEST",
+    "SMALL",
+    "INCOMPLETE",
+]
 
 
 def main(argv=None) -> int:
     """`python -m zerofast.checkpoint info|export ...` (zerofast/checkpoint/__main__.py), as a call.
     Imported when called: importing __main__ with the package would make `python -m` warn."""
     from .__main__ import main as cli
+
     return cli(argv)

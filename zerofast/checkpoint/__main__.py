@@ -1,6 +1,7 @@
 """`python -m zerofast.checkpoint info|export|upgrade ...`: inspect a checkpoint, export its model as
 one safetensors file, in one process without a process group (neither runs code from the checkpoint:
 [Note: safe checkpoints]); or convert a trusted checkpoint of an older zerofast (upgrade)."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,9 @@ from .io import MANIFEST, info, latest, upgrade
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m zerofast.checkpoint", description="Inspect or export a zerofast checkpoint.")
+    p = argparse.ArgumentParser(
+        prog="python -m zerofast.checkpoint", description="Inspect or export a zerofast checkpoint."
+    )
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="the model as one safetensors file, streamed tensor by tensor")
     e.add_argument("path", help="a checkpoint, or a folder of them (its latest complete one)")
@@ -20,8 +23,11 @@ def main(argv=None) -> int:
     e.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     i = sub.add_parser("info", help="how the checkpoint was saved and what it holds")
     i.add_argument("path", help="a checkpoint, or a folder of them (its latest complete one)")
-    u = sub.add_parser("upgrade", help="convert a checkpoint of an older zerofast (its small state a pickle) to "
-                                       "JSON; reading the pickle can run code: only for a checkpoint you trust")
+    u = sub.add_parser(
+        "upgrade",
+        help="convert a checkpoint of an older zerofast (its small state a pickle) to "
+        "JSON; reading the pickle can run code: only for a checkpoint you trust",
+    )
     u.add_argument("path")
     u.add_argument("--trust-pickle", action="store_true", help="say that you trust the checkpoint's origin")
     args = p.parse_args(argv)

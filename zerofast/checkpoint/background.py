@@ -20,6 +20,7 @@ the one being written, nor the newest complete one.
   waited for is printed at exit). A then() callback's failure is a warning: the checkpoint is
   written, and callbacks run on some ranks only.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -28,14 +29,14 @@ import os
 import sys
 import threading
 import warnings
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch.distributed as dist
 
 __all__ = ["AsyncSave", "submit", "settle", "in_flight", "checkpoint_group"]
 
-_EXECUTOR: Optional[concurrent.futures.ThreadPoolExecutor] = None
-_IN_FLIGHT: Optional["AsyncSave"] = None
+_EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
+_IN_FLIGHT: AsyncSave | None = None
 _GROUPS: dict[tuple[int, ...], tuple[object, dist.ProcessGroup]] = {}  # ranks: (the default group then, group)
 _LOCK = threading.Lock()
 
@@ -45,7 +46,7 @@ class AsyncSave:
 
     def __init__(self, path: str):
         self.path = path
-        self._future: Optional[concurrent.futures.Future] = None
+        self._future: concurrent.futures.Future | None = None
         self._reported = False
         self._lock = threading.Lock()
         self._then: list[Callable[[], None]] = []
@@ -71,8 +72,11 @@ class AsyncSave:
         try:
             fn()
         except Exception as err:  # noqa: BLE001
-            warnings.warn(f"zerofast.checkpoint: after the asynchronous save of {self.path} was written, "
-                          f"{getattr(fn, '__qualname__', fn)} failed: {type(err).__name__}: {err}", stacklevel=2)
+            warnings.warn(
+                f"zerofast.checkpoint: after the asynchronous save of {self.path} was written, "
+                f"{getattr(fn, '__qualname__', fn)} failed: {type(err).__name__}: {err}",
+                stacklevel=2,
+            )
 
     def then(self, fn: Callable[[], None]) -> None:
         """Run fn() once the checkpoint is complete, on the writer thread as part of the save (now,
@@ -90,25 +94,28 @@ class AsyncSave:
         """Whether the write has ended (written, or failed: wait() says which)."""
         return self._future.done()
 
-    def wait(self, timeout: Optional[float] = None) -> str:
+    def wait(self, timeout: float | None = None) -> str:
         """Block until the checkpoint is complete (its folder exists); return its path. A failed
         write raises RuntimeError naming the path (and the cause)."""
         try:
             self._future.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"zerofast.checkpoint: the asynchronous save of {self.path} is still being written "
-                               f"after {timeout} s") from None
+            raise TimeoutError(
+                f"zerofast.checkpoint: the asynchronous save of {self.path} is still being written after {timeout} s"
+            ) from None
         except BaseException as err:  # noqa: BLE001 (DCP's CheckpointException is a BaseException)
             if not self._future.done() or self._future.exception() is not err:
                 raise  # an interrupt of this wait (KeyboardInterrupt), not the writer's error
             self._reported = True
-            raise RuntimeError(f"zerofast.checkpoint: the asynchronous save of {self.path} failed: "
-                               f"{type(err).__name__}: {err}") from err
+            raise RuntimeError(
+                f"zerofast.checkpoint: the asynchronous save of {self.path} failed: {type(err).__name__}: {err}"
+            ) from err
         return self.path
 
     def __repr__(self) -> str:
-        state = "written" if self.done() and self._future.exception() is None else (
-            "failed" if self.done() else "writing")
+        state = (
+            "written" if self.done() and self._future.exception() is None else ("failed" if self.done() else "writing")
+        )
         return f"AsyncSave({self.path!r}, {state})"
 
 
@@ -167,11 +174,14 @@ def _report_at_exit() -> None:
     pending = _IN_FLIGHT
     if pending is not None and pending.done() and not pending._reported and pending._future.exception() is not None:
         err = pending._future.exception()
-        print(f"zerofast.checkpoint: the asynchronous save of {pending.path} failed and nothing waited for it: "
-              f"{type(err).__name__}: {err}", file=sys.stderr)
+        print(
+            f"zerofast.checkpoint: the asynchronous save of {pending.path} failed and nothing waited for it: "
+            f"{type(err).__name__}: {err}",
+            file=sys.stderr,
+        )
 
 
-def in_flight() -> Optional[AsyncSave]:
+def in_flight() -> AsyncSave | None:
     """This process's asynchronous save not yet waited for, if any."""
     return _IN_FLIGHT
 

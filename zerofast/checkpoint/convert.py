@@ -10,10 +10,11 @@ dict indexes its own parameters from 0, in the order of its param_groups' lists,
 torch.optim.Muon(opt.muon_names' parameters) and torch.optim.AdamW(the other trainable parameters)
 load them as they are. The checkpoint's groups say which they are (use_muon, as Keller Jordan's
 MuonWithAuxAdam marks its groups)."""
+
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as torch_dcp
@@ -47,8 +48,14 @@ def _torch_state_dict(groups: list[dict], defaults: dict, state_of) -> dict[str,
     group order; state_of(name) is a parameter's state (None: none yet)."""
     names = [n for g in groups for n in g["params"]]
     index = {n: i for i, n in enumerate(names)}
-    torch_groups = [{**defaults, **{k: (tuple(v) if isinstance(v, list) else v) for k, v in g.items()
-                                    if k in defaults}, "params": [index[n] for n in g["params"]]} for g in groups]
+    torch_groups = [
+        {
+            **defaults,
+            **{k: (tuple(v) if isinstance(v, list) else v) for k, v in g.items() if k in defaults},
+            "params": [index[n] for n in g["params"]],
+        }
+        for g in groups
+    ]
     state = {index[n]: s for n in names if (s := state_of(n)) is not None}
     return {"state": state, "param_groups": torch_groups}
 
@@ -63,39 +70,71 @@ def to_torch(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     read_manifest(path)  # every file checked, the metadata through the allowlist: [Note: safe checkpoints]
     small = read_small(path)
     meta = safe.read_metadata(os.path.join(path, ".metadata")).state_dict_metadata
-    model_sd = {k[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
-                for k, md in meta.items() if k.startswith("model.") and hasattr(md, "size")}
+    model_sd = {
+        k[len("model.") :]: torch.empty(md.size, dtype=md.properties.dtype)
+        for k, md in meta.items()
+        if k.startswith("model.") and hasattr(md, "size")
+    }
     names = [n for g in small["param_groups"] for n in g["params"]]
     missing = [n for n in names if n not in model_sd]
     if missing:
-        raise ValueError(f"zerofast.checkpoint.to_torch: {os.path.join(path, '.metadata')} has no entry for "
-                         f"{missing[0]!r}, which the small state names: the checkpoint is damaged")
+        raise ValueError(
+            f"zerofast.checkpoint.to_torch: {os.path.join(path, '.metadata')} has no entry for "
+            f"{missing[0]!r}, which the small state names: the checkpoint is damaged"
+        )
     muon = {n for g in small["param_groups"] if g.get("use_muon") for n in g["params"]}
-    moments = {n: ({"momentum_buffer": torch.empty(model_sd[n].shape)} if n in muon else
-                   {"exp_avg": torch.empty(model_sd[n].shape), "exp_avg_sq": torch.empty(model_sd[n].shape)})
-               for n in names}
+    moments = {
+        n: (
+            {"momentum_buffer": torch.empty(model_sd[n].shape)}
+            if n in muon
+            else {"exp_avg": torch.empty(model_sd[n].shape), "exp_avg_sq": torch.empty(model_sd[n].shape)}
+        )
+        for n in names
+    }
     with sharded_tensors():
-        torch_dcp.load({"model": model_sd, "optim": moments}, storage_reader=safe.SafeReader(path),
-                       planner=safe.SafeLoadPlanner(), no_dist=True)
+        torch_dcp.load(
+            {"model": model_sd, "optim": moments},
+            storage_reader=safe.SafeReader(path),
+            planner=safe.SafeLoadPlanner(),
+            no_dist=True,
+        )
     if any("use_muon" in g for g in small["param_groups"]):  # ZeroMuon's
         steps = small["steps"]
         return model_sd, {
-            "muon": _torch_state_dict([g for g in small["param_groups"] if g["use_muon"]], _muon_defaults(),
-                                      lambda n: moments[n] if steps[n] > 0 else None),
-            "adamw": _torch_state_dict([g for g in small["param_groups"] if not g["use_muon"]], _adamw_defaults(),
-                                       lambda n: {"step": torch.tensor(float(steps[n])), **moments[n]}
-                                       if steps[n] > 0 else None)}
+            "muon": _torch_state_dict(
+                [g for g in small["param_groups"] if g["use_muon"]],
+                _muon_defaults(),
+                lambda n: moments[n] if steps[n] > 0 else None,
+            ),
+            "adamw": _torch_state_dict(
+                [g for g in small["param_groups"] if not g["use_muon"]],
+                _adamw_defaults(),
+                lambda n: {"step": torch.tensor(float(steps[n])), **moments[n]} if steps[n] > 0 else None,
+            ),
+        }
     defaults = _adamw_defaults()
     index = {n: i for i, n in enumerate(names)}
-    groups = [{**defaults, **{k: (tuple(v) if k == "betas" else v) for k, v in g.items() if k != "params"},
-               "params": [index[n] for n in g["params"]]} for g in small["param_groups"]]
-    state = {index[n]: {"step": torch.tensor(float(small["steps"][n])), **moments[n]}
-             for n in names if small["steps"][n] > 0}
+    groups = [
+        {
+            **defaults,
+            **{k: (tuple(v) if k == "betas" else v) for k, v in g.items() if k != "params"},
+            "params": [index[n] for n in g["params"]],
+        }
+        for g in small["param_groups"]
+    ]
+    state = {
+        index[n]: {"step": torch.tensor(float(small["steps"][n])), **moments[n]} for n in names if small["steps"][n] > 0
+    }
     return model_sd, {"state": state, "param_groups": groups}
 
 
-def from_torch(model_state_dict: dict[str, torch.Tensor], optim_state_dict: Optional[dict], model: nn.Module,
-               opt: ZeroAdam, param_order: Optional[list[torch.Tensor]] = None) -> None:
+def from_torch(
+    model_state_dict: dict[str, torch.Tensor],
+    optim_state_dict: dict | None,
+    model: nn.Module,
+    opt: ZeroAdam,
+    param_order: list[torch.Tensor] | None = None,
+) -> None:
     """Continue a plain-torch run in ZeroAdam: `model_state_dict` (model.state_dict() of the same
     architecture) and, optionally, the state dict of torch.optim.AdamW, in full on every rank; each
     rank keeps what it owns. param_order: the model's parameters in the order of that state dict's
@@ -103,13 +142,15 @@ def from_torch(model_state_dict: dict[str, torch.Tensor], optim_state_dict: Opti
     g["params"]] of an AdamW built the same way); default model.parameters(), or the trainable ones."""
     missing = [k for k in model.state_dict(keep_vars=True) if k not in model_state_dict]
     if missing:
-        raise ValueError(f"zerofast.checkpoint.from_torch: model_state_dict has no {missing[0]} "
-                         f"({len(missing)} keys missing)")
+        raise ValueError(
+            f"zerofast.checkpoint.from_torch: model_state_dict has no {missing[0]} ({len(missing)} keys missing)"
+        )
     for key, value in model.state_dict(keep_vars=True).items():
         given = model_state_dict[key]
         if tuple(given.shape) != tuple(value.shape):
-            raise ValueError(f"zerofast.checkpoint.from_torch: {key} has shape {tuple(given.shape)}, the model "
-                             f"{tuple(value.shape)}")
+            raise ValueError(
+                f"zerofast.checkpoint.from_torch: {key} has shape {tuple(given.shape)}, the model {tuple(value.shape)}"
+            )
     names = [n for n, _ in opt.named_params]
     moments, groups = {}, groups_by_name(opt)  # without an AdamW state dict: zero moments, our hyper-parameters
     muon = [opt.is_muon(i) for i in range(len(names))] if hasattr(opt, "is_muon") else None
@@ -119,9 +160,13 @@ def from_torch(model_state_dict: dict[str, torch.Tensor], optim_state_dict: Opti
         order = _adamw_param_order(optim_state_dict, model, opt, param_order)
         moments = {order[k]: v for k, v in optim_state_dict["state"].items() if order[k] is not None}
         keys = ("lr", "betas", "eps", "weight_decay")
-        groups = [{**{k: g[k] for k in keys if k in g}, "params": [names[order[k]] for k in g["params"]
-                                                                 if order[k] is not None]}
-                  for g in optim_state_dict["param_groups"]]
+        groups = [
+            {
+                **{k: g[k] for k in keys if k in g},
+                "params": [names[order[k]] for k in g["params"] if order[k] is not None],
+            }
+            for g in optim_state_dict["param_groups"]
+        ]
     opt.quiesce()  # nothing in flight writes the state while it is replaced
     full = {}
     with torch.no_grad():
@@ -139,9 +184,17 @@ def from_torch(model_state_dict: dict[str, torch.Tensor], optim_state_dict: Opti
         opt.shard.load_pieces(kind, {i: m[kind] for i, m in moments.items() if kind in m})
     # torch.optim.Muon keeps no step count: a matrix with a momentum buffer takes the run's (AdamW's largest)
     run_steps = max([int(m["step"]) for m in moments.values() if "step" in m], default=1)
-    finish_load(opt, {"steps": {n: (int(moments[i]["step"]) if "step" in moments[i] else run_steps)
-                                if i in moments else 0 for i, n in enumerate(names)},
-                      "param_groups": groups, "loss_scaler": None})
+    finish_load(
+        opt,
+        {
+            "steps": {
+                n: (int(moments[i]["step"]) if "step" in moments[i] else run_steps) if i in moments else 0
+                for i, n in enumerate(names)
+            },
+            "param_groups": groups,
+            "loss_scaler": None,
+        },
+    )
 
 
 def _from_muon_and_adamw(optim_state_dict, opt, muon: list[bool], param_order):
@@ -149,13 +202,20 @@ def _from_muon_and_adamw(optim_state_dict, opt, muon: list[bool], param_order):
     param_order None (each indexes its own parameters in model order: [Note: ZeroMuon's torch state
     dicts]) or {"muon": [...], "adamw": [...]}. Returns (state by parameter index, groups by name)."""
     if not (isinstance(optim_state_dict, dict) and set(optim_state_dict) == {"muon", "adamw"}):
-        raise ValueError(f"zerofast.checkpoint.from_torch: a ZeroMuon takes {{'muon': torch.optim.Muon's state dict, "
-                         f"'adamw': torch.optim.AdamW's}}; got a dict with keys {sorted(optim_state_dict)}")
+        raise ValueError(
+            f"zerofast.checkpoint.from_torch: a ZeroMuon takes {{'muon': torch.optim.Muon's state dict, "
+            f"'adamw': torch.optim.AdamW's}}; got a dict with keys {sorted(optim_state_dict)}"
+        )
     names = [n for n, _ in opt.named_params]
     moments, groups = {}, []
-    for kind, use_muon, keys in (("muon", True, ("lr", "momentum", "nesterov", "weight_decay", "ns_coefficients",
-                                                 "ns_steps", "eps", "adjust_lr_fn")),
-                                 ("adamw", False, ("lr", "betas", "eps", "weight_decay"))):
+    for kind, use_muon, keys in (
+        (
+            "muon",
+            True,
+            ("lr", "momentum", "nesterov", "weight_decay", "ns_coefficients", "ns_steps", "eps", "adjust_lr_fn"),
+        ),
+        ("adamw", False, ("lr", "betas", "eps", "weight_decay")),
+    ):
         sd = optim_state_dict[kind]
         if param_order is not None:
             order = [opt.param_index(p) for p in param_order[kind]]
@@ -163,28 +223,40 @@ def _from_muon_and_adamw(optim_state_dict, opt, muon: list[bool], param_order):
             order = [i for i in range(len(names)) if muon[i] == use_muon]
         count = sum(len(g["params"]) for g in sd["param_groups"])
         if count != len(order):
-            raise ValueError(f"zerofast.checkpoint.from_torch: optim_state_dict[{kind!r}] holds {count} parameters; "
-                             f"this ZeroMuon has {len(order)} {kind} parameters")
+            raise ValueError(
+                f"zerofast.checkpoint.from_torch: optim_state_dict[{kind!r}] holds {count} parameters; "
+                f"this ZeroMuon has {len(order)} {kind} parameters"
+            )
         moments.update({order[k]: v for k, v in sd["state"].items() if order[k] is not None})
-        groups += [{**{k: g[k] for k in keys if k in g}, "use_muon": use_muon,
-                    "params": [names[order[k]] for k in g["params"] if order[k] is not None]}
-                   for g in sd["param_groups"]]
+        groups += [
+            {
+                **{k: g[k] for k in keys if k in g},
+                "use_muon": use_muon,
+                "params": [names[order[k]] for k in g["params"] if order[k] is not None],
+            }
+            for g in sd["param_groups"]
+        ]
     return moments, groups
 
 
-def _adamw_param_order(optim_state_dict: dict, model: nn.Module, opt: ZeroAdam,
-                       param_order: Optional[list[torch.Tensor]]) -> list[Optional[int]]:
+def _adamw_param_order(
+    optim_state_dict: dict, model: nn.Module, opt: ZeroAdam, param_order: list[torch.Tensor] | None
+) -> list[int | None]:
     """Index k of the AdamW state dict -> ZeroAdam's parameter index (None: not managed)."""
     count = sum(len(g["params"]) for g in optim_state_dict["param_groups"])
     if param_order is not None:
         if len(param_order) != count:
-            raise ValueError(f"zerofast.checkpoint.from_torch: the optimizer state dict holds {count} parameters; "
-                             f"param_order has {len(param_order)}")
+            raise ValueError(
+                f"zerofast.checkpoint.from_torch: the optimizer state dict holds {count} parameters; "
+                f"param_order has {len(param_order)}"
+            )
         return [opt.param_index(p) for p in param_order]
     everything = list(model.parameters())
     trainable = [p for p in everything if p.requires_grad]
     params = everything if count == len(everything) else trainable if count == len(trainable) else None
     if params is None:
-        raise ValueError(f"zerofast.checkpoint.from_torch: the optimizer state dict holds {count} parameters; the "
-                         f"model has {len(everything)} ({len(trainable)} trainable)")
+        raise ValueError(
+            f"zerofast.checkpoint.from_torch: the optimizer state dict holds {count} parameters; the "
+            f"model has {len(everything)} ({len(trainable)} trainable)"
+        )
     return [opt.param_index(p) for p in params]

@@ -26,11 +26,12 @@ layout (a pure function), so the ShardedTensors are built without a collective, 
 written, and DCP's own resharding reads, for the loading configuration's boxes, whatever saved
 chunks overlap them: any world size, stage or partition on either side.
 """
+
 from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -42,20 +43,31 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 if TYPE_CHECKING:  # annotations only: the optimizer imports this package, not the other way round
     from ..optim.zero_adam import ZeroAdam
 
-__all__ = ["boxes", "facts", "tensors", "small_state", "finish_load", "groups_by_name", "state_dict",
-           "load_state_dict", "sharded_tensors", "Staging"]
+__all__ = [
+    "boxes",
+    "facts",
+    "tensors",
+    "small_state",
+    "finish_load",
+    "groups_by_name",
+    "state_dict",
+    "load_state_dict",
+    "sharded_tensors",
+    "Staging",
+]
 
 
 class Facts(NamedTuple):
     """The optimizer's configuration as a checkpoint needs it."""
-    rank: int                  # among every data-parallel rank (the save's and load's group)
+
+    rank: int  # among every data-parallel rank (the save's and load's group)
     world_size: int
     group: dist.ProcessGroup
     stage: int
     partition: str
     precision: str  # "fp32", "bf16" or "fp16"
-    shard_rank: int            # among the ranks sharing the state, which its layout is cut for
-    shard_size: int            # ([Note: hybrid sharding] in zerofast/topology.py; the world when flat)
+    shard_rank: int  # among the ranks sharing the state, which its layout is cut for
+    shard_size: int  # ([Note: hybrid sharding] in zerofast/topology.py; the world when flat)
     shard_group: dist.ProcessGroup
 
 
@@ -63,11 +75,21 @@ def facts(opt: ZeroAdam) -> Facts:
     """The one place the checkpoint reads the optimizer's configuration: its resolved plan."""
     plan = opt.plan
     topo = opt.topology
-    return Facts(opt.rank, opt.world_size, opt.group, plan.stage, plan.partition, plan.mixed_precision or "fp32",
-                 topo.shard_rank, topo.shard_size, topo.shard_group)
+    return Facts(
+        opt.rank,
+        opt.world_size,
+        opt.group,
+        plan.stage,
+        plan.partition,
+        plan.mixed_precision or "fp32",
+        topo.shard_rank,
+        topo.shard_size,
+        topo.shard_group,
+    )
 
 
 # --- flat ranges as rectangular chunks: see [Note: flat slices as chunks] --------------------------
+
 
 def boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
     """The flat range [lo, hi) of a row-major tensor of `shape`, as rectangular chunks:
@@ -88,10 +110,13 @@ def boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...
         r = lo // row
         out += [((r,) + o, (1,) + z, r * row + f) for o, z, f in boxes(shape[1:], lo - r * row, row)]
     if first_full < last_full:
-        out.append(((first_full,) + (0,) * (len(shape) - 1), (last_full - first_full,) + tuple(shape[1:]),
-                    first_full * row))
+        out.append(
+            ((first_full,) + (0,) * (len(shape) - 1), (last_full - first_full,) + tuple(shape[1:]), first_full * row)
+        )
     if last_full * row < hi:  # the head of a partial last row
-        out += [((last_full,) + o, (1,) + z, last_full * row + f) for o, z, f in boxes(shape[1:], 0, hi - last_full * row)]
+        out += [
+            ((last_full,) + o, (1,) + z, last_full * row + f) for o, z, f in boxes(shape[1:], 0, hi - last_full * row)
+        ]
     return out
 
 
@@ -112,7 +137,7 @@ class _Chunks:
     values are their shard in the parameters' dtype ([Note: frozen parameters in stage 3]). With
     `staged`, the trainable values are views of its copy instead of the live state."""
 
-    def __init__(self, opt: ZeroAdam, frozen: bool = False, staged: Optional[Staging] = None):
+    def __init__(self, opt: ZeroAdam, frozen: bool = False, staged: Staging | None = None):
         self.facts = facts(opt)
         # The boxes of every rank of this rank's shard group. Under hybrid sharding each replica
         # describes the same boxes, and DCP's planner writes each box once, the replicas splitting
@@ -127,8 +152,9 @@ class _Chunks:
         else:
             layout, self.dtype, self.device = opt.layout, torch.float32, opt.shard.device
             self.view = opt.shard.piece_view if staged is None else staged.piece_view
-        self.global_ranks = [dist.get_global_rank(group, r) if group is not dist.group.WORLD else r
-                             for r in range(world)]
+        self.global_ranks = [
+            dist.get_global_rank(group, r) if group is not dist.group.WORLD else r for r in range(world)
+        ]
         # per parameter: [(rank, offsets, sizes)] over every rank; this rank's: [(piece, offsets, sizes, start)]
         self.all: list[list[tuple[int, tuple, tuple]]] = [[] for _ in self.shapes]
         self.mine: list[list[tuple]] = [[] for _ in self.shapes]
@@ -150,24 +176,31 @@ class _Chunks:
             n = 1
             for s in sizes:
                 n *= s
-            box = _exact(flat[lo:lo + n].view(sizes))
+            box = _exact(flat[lo : lo + n].view(sizes))
             local.append(Shard(box, self._meta(offsets, sizes, self.facts.shard_rank, flat.device)))
         dev = local[0].tensor.device if local else self.device
         metas = [self._meta(o, z, r, dev) for r, o, z in self.all[i]]
-        props = TensorProperties(dtype=self.dtype, layout=torch.strided, requires_grad=False,
-                                 memory_format=torch.contiguous_format, pin_memory=False)
+        props = TensorProperties(
+            dtype=self.dtype,
+            layout=torch.strided,
+            requires_grad=False,
+            memory_format=torch.contiguous_format,
+            pin_memory=False,
+        )
         meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size(self.shapes[i]), tensor_properties=props)
         return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta, process_group=self.facts.group)
 
     def _meta(self, offsets, sizes, rank, device) -> ShardMetadata:
         where = "cpu" if device.type == "cpu" else f"cuda:{device.index}"
-        return ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes),
-                             placement=f"rank:{self.global_ranks[rank]}/{where}")
+        return ShardMetadata(
+            shard_offsets=list(offsets), shard_sizes=list(sizes), placement=f"rank:{self.global_ranks[rank]}/{where}"
+        )
 
 
 # --- the state dict: views into the live state (save reads them, load writes them) -----------------
 
-def _model_entries(model: nn.Module, opt: ZeroAdam, chunks: _Chunks, staged: Optional[Staging] = None) -> dict[str, Any]:
+
+def _model_entries(model: nn.Module, opt: ZeroAdam, chunks: _Chunks, staged: Staging | None = None) -> dict[str, Any]:
     """Every key of model.state_dict(): managed parameters from the fp32 master, in their shape;
     stage 3's frozen parameters from their shard, as chunks too; other frozen parameters and buffers
     as the model holds them (replicated on every rank; with `staged`, buffers from its copy)."""
@@ -183,7 +216,9 @@ def _model_entries(model: nn.Module, opt: ZeroAdam, chunks: _Chunks, staged: Opt
             out[key] = frozen[j]
             continue
         if i is None:
-            out[key] = value.detach() if staged is None or isinstance(value, nn.Parameter) else staged.buffer(key, value)
+            out[key] = (
+                value.detach() if staged is None or isinstance(value, nn.Parameter) else staged.buffer(key, value)
+            )
             continue
         if i not in master:  # a tied weight: one ShardedTensor under each of its names
             master[i] = chunks.sharded(i, "master")
@@ -194,11 +229,13 @@ def _model_entries(model: nn.Module, opt: ZeroAdam, chunks: _Chunks, staged: Opt
 def _optim_entries(opt: ZeroAdam, chunks: _Chunks) -> dict[str, Any]:
     """Per parameter name, its optimizer state by kind (opt.state_kinds: Adam's exp_avg and
     exp_avg_sq, or a ZeroMuon matrix's momentum_buffer)."""
-    return {name: {kind: chunks.sharded(i, kind) for kind in opt.state_kinds(i)}
-            for i, (name, _) in enumerate(opt.named_params)}
+    return {
+        name: {kind: chunks.sharded(i, kind) for kind in opt.state_kinds(i)}
+        for i, (name, _) in enumerate(opt.named_params)
+    }
 
 
-def tensors(model: nn.Module, opt: ZeroAdam, staged: Optional[Staging] = None) -> dict[str, Any]:
+def tensors(model: nn.Module, opt: ZeroAdam, staged: Staging | None = None) -> dict[str, Any]:
     """The checkpoint's tensors as a DCP state dict ({"model": ..., "optim": ...}), views into the
     live state: dcp.save reads them, dcp.load writes into them. See the module docstring. With
     `staged` (an asynchronous save): the state is copied into it first, and the trainable values and
@@ -241,8 +278,9 @@ class Staging:
                 if out is None or out.numel() != numel:
                     out = self.flat[kind] = self._host(opt.shard.exp_avg, (numel,), torch.float32)
                 for pc in opt.shard.pieces:
-                    out[pc.state_offset:pc.state_offset + pc.numel].copy_(opt.shard.piece_view(pc, kind),
-                                                                          non_blocking=True)
+                    out[pc.state_offset : pc.state_offset + pc.numel].copy_(
+                        opt.shard.piece_view(pc, kind), non_blocking=True
+                    )
         self._device = device
 
     def buffer(self, key: str, live: torch.Tensor) -> torch.Tensor:
@@ -264,7 +302,8 @@ class Staging:
         # (imported here: a Staging exists only beside a live optimizer, and the CLI's readers of this
         # module must not need the compiled extension that state.py loads)
         from ..optim.state import storage_of
-        return self.flat[storage_of(kind)][pc.state_offset:pc.state_offset + pc.numel]
+
+        return self.flat[storage_of(kind)][pc.state_offset : pc.state_offset + pc.numel]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in [*self.flat.values(), *self.buffers.values()])
@@ -273,15 +312,20 @@ class Staging:
 def groups_by_name(opt: ZeroAdam) -> list[dict]:
     """opt.param_groups with each parameter given by its name."""
     names = [n for n, _ in opt.named_params]
-    return [{**{k: v for k, v in g.items() if k != "params"},
-             "params": [names[opt.param_index(p)] for p in g["params"]]} for g in opt.param_groups]
+    return [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[opt.param_index(p)] for p in g["params"]]}
+        for g in opt.param_groups
+    ]
 
 
 def small_state(opt: ZeroAdam) -> dict[str, Any]:
     """What is the same on every rank and small: step counts, param_groups by parameter name, the
     loss scaler. Rank 0 writes it beside DCP's files (zerofast.json, as JSON), with the caller's `extra`."""
-    return {"steps": opt.shard.step_counts(), "param_groups": groups_by_name(opt),
-            "loss_scaler": dict(opt.loss_scaler_state())}
+    return {
+        "steps": opt.shard.step_counts(),
+        "param_groups": groups_by_name(opt),
+        "loss_scaler": dict(opt.loss_scaler_state()),
+    }
 
 
 def finish_load(opt: ZeroAdam, small: dict[str, Any]) -> None:
@@ -315,18 +359,23 @@ def sharded_tensors():
 
 # --- binding to the optimizer: ZeroAdam.state_dict / load_state_dict ------------------------------
 
+
 def state_dict(opt: ZeroAdam) -> dict[str, Any]:
     """ZeroAdam.state_dict(): tensors() (model and optimizer tensors, this rank's pieces, views of
     the live state) and "zerofast": small_state() as JSON bytes ([Note: safe checkpoints]), one
     opaque item for DCP."""
     from . import safe
+
     return {**tensors(opt.model, opt), "zerofast": safe.dumps(small_state(opt), "ZeroAdam.state_dict()")}
 
 
 def load_state_dict(opt: ZeroAdam, loaded: dict[str, Any]) -> None:
     """ZeroAdam.load_state_dict(): after dcp.load filled a state_dict() of this optimizer."""
     if not isinstance(loaded, dict) or not isinstance(loaded.get("zerofast"), bytes) or "optim" not in loaded:
-        raise ValueError("ZeroAdam.load_state_dict: pass the dict from this optimizer's state_dict() after "
-                         "torch.distributed.checkpoint.load filled it (or use zerofast.checkpoint.load)")
+        raise ValueError(
+            "ZeroAdam.load_state_dict: pass the dict from this optimizer's state_dict() after "
+            "torch.distributed.checkpoint.load filled it (or use zerofast.checkpoint.load)"
+        )
     from . import safe
+
     finish_load(opt, safe.loads(loaded["zerofast"], "ZeroAdam.load_state_dict: the state dict's 'zerofast' entry"))

@@ -1,5 +1,6 @@
 """Export: a checkpoint's model entry as one safetensors file, streamed chunk by chunk from DCP's
 data files, in one process without a process group ([Note: streaming export])."""
+
 from __future__ import annotations
 
 import itertools
@@ -17,9 +18,18 @@ from .io import read_manifest
 
 __all__ = ["export"]
 
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                       torch.uint8: "U8", torch.bool: "BOOL"}
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def export(path: str, out: str, dtype: str = "fp32") -> None:
@@ -34,13 +44,18 @@ def export(path: str, out: str, dtype: str = "fp32") -> None:
     want = torch.float32 if dtype == "fp32" else torch.bfloat16
     metadata = safe.read_metadata(os.path.join(path, ".metadata"))
     where = {(index.fqn, tuple(index.offset)): info for index, info in metadata.storage_data.items()}
-    entries = [(k, md) for k, md in metadata.state_dict_metadata.items() if k.startswith("model.") and hasattr(md, "size")]
+    entries = [
+        (k, md) for k, md in metadata.state_dict_metadata.items() if k.startswith("model.") and hasattr(md, "size")
+    ]
     header, starts, offset = {}, {}, 0
     for key, md in entries:
         kept = want if md.properties.dtype.is_floating_point else md.properties.dtype
         nbytes = torch.Size(md.size).numel() * _itemsize(kept)
-        header[key[len("model."):]] = {"dtype": _SAFETENSORS_DTYPES[kept], "shape": list(md.size),
-                                       "data_offsets": [offset, offset + nbytes]}
+        header[key[len("model.") :]] = {
+            "dtype": _SAFETENSORS_DTYPES[kept],
+            "shape": list(md.size),
+            "data_offsets": [offset, offset + nbytes],
+        }
         starts[key] = offset
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -57,8 +72,10 @@ def export(path: str, out: str, dtype: str = "fp32") -> None:
                     info = where[(key, tuple(chunk.offsets))]
                     _copy_chunk(path, info, md, chunk, kept, f, base + starts[key])
         except (KeyError, StopIteration, IndexError, zipfile.BadZipFile) as err:  # metadata and data disagree
-            raise ValueError(f"zerofast.checkpoint.export: {os.path.join(path, '.metadata')} and the data files "
-                             f"disagree ({type(err).__name__}: {err}): the checkpoint is damaged") from None
+            raise ValueError(
+                f"zerofast.checkpoint.export: {os.path.join(path, '.metadata')} and the data files "
+                f"disagree ({type(err).__name__}: {err}): the checkpoint is damaged"
+            ) from None
     os.replace(tmp, out)
 
 
@@ -110,14 +127,18 @@ def _copy_chunk(path: str, info, md, chunk, kept: torch.dtype, out, out_base: in
     stored = md.properties.dtype
     shape, sizes, offsets = list(md.size), list(chunk.sizes), list(chunk.offsets)
     if getattr(info, "transform_descriptors", None):
-        raise ValueError(f"zerofast.checkpoint.export: {info.relative_path} holds transformed data "
-                         f"({info.transform_descriptors}); export reads plain DCP records only")
+        raise ValueError(
+            f"zerofast.checkpoint.export: {info.relative_path} holds transformed data "
+            f"({info.transform_descriptors}); export reads plain DCP records only"
+        )
     with open(os.path.join(path, info.relative_path), "rb") as f:
         start, nbytes, crc = _values_of(f, info)
         numel = torch.Size(sizes).numel()
         if nbytes != numel * _itemsize(stored):
-            raise ValueError(f"zerofast.checkpoint.export: a chunk in {info.relative_path} holds "
-                             f"{nbytes} bytes, its box {numel * _itemsize(stored)}")
+            raise ValueError(
+                f"zerofast.checkpoint.export: a chunk in {info.relative_path} holds "
+                f"{nbytes} bytes, its box {numel * _itemsize(stored)}"
+            )
         # The longest run contiguous in both: the trailing dimensions the box spans entirely, and one more.
         k = len(shape)
         while k > 0 and (k == len(shape) or sizes[k] == shape[k]):
@@ -125,17 +146,18 @@ def _copy_chunk(path: str, info, md, chunk, kept: torch.dtype, out, out_base: in
             if sizes[k] != shape[k]:
                 break
         run = torch.Size(sizes[k:]).numel() if shape else 1
-        strides = [torch.Size(shape[d + 1:]).numel() for d in range(len(shape))]
+        strides = [torch.Size(shape[d + 1 :]).numel() for d in range(len(shape))]
         block = memoryview(bytearray(min(_BLOCK - _BLOCK % _itemsize(stored), run * _itemsize(stored))))
         f.seek(start)
         got_crc = 0
         for index in _row_major(sizes[:k]):
             flat = sum((offsets[d] + index[d]) * strides[d] for d in range(k)) + sum(
-                offsets[d] * strides[d] for d in range(k, len(shape)))
+                offsets[d] * strides[d] for d in range(k, len(shape))
+            )
             out.seek(out_base + flat * _itemsize(kept))
             left = run * _itemsize(stored)
             while left:
-                n = f.readinto(block[:min(left, len(block))])
+                n = f.readinto(block[: min(left, len(block))])
                 if not n:
                     raise ValueError(f"zerofast.checkpoint.export: {info.relative_path} ends inside a chunk")
                 left -= n
@@ -145,8 +167,10 @@ def _copy_chunk(path: str, info, md, chunk, kept: torch.dtype, out, out_base: in
                 else:
                     out.write(block[:n])
         if got_crc != crc:
-            raise ValueError(f"zerofast.checkpoint.export: a chunk in {info.relative_path} is damaged (its CRC "
-                             f"differs from the one stored with it)")
+            raise ValueError(
+                f"zerofast.checkpoint.export: a chunk in {info.relative_path} is damaged (its CRC "
+                f"differs from the one stored with it)"
+            )
 
 
 def _values_of(f, info) -> tuple[int, int, int]:
@@ -165,8 +189,7 @@ def _values_of(f, info) -> tuple[int, int, int]:
     f.seek(info.offset + entry.header_offset)
     header = f.read(30)  # the entry's local header: its name and extra field come next, then the values
     if len(header) < 30 or header[:4] != b"PK\x03\x04":
-        raise ValueError(f"zerofast.checkpoint.export: {info.relative_path} has no zip entry where its "
-                         f"directory says")
+        raise ValueError(f"zerofast.checkpoint.export: {info.relative_path} has no zip entry where its directory says")
     name_len, extra_len = struct.unpack("<HH", header[26:30])
     return info.offset + entry.header_offset + 30 + name_len + extra_len, entry.file_size, entry.CRC
 

@@ -17,6 +17,7 @@ saved: later saves at the same step, one with no update in between say), then by
 wall-clock time, which a clock step, another machine's clock or a copied folder can reorder.
 keep=K purges by the same order.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ import os
 import shutil
 import time
 import weakref
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -38,8 +39,18 @@ from .dcp import Staging, facts, finish_load, sharded_tensors, small_state, tens
 if TYPE_CHECKING:
     from ..optim.zero_adam import ZeroAdam
 
-__all__ = ["save", "load", "latest", "info", "read_manifest", "read_small", "upgrade", "MANIFEST", "SMALL",
-           "INCOMPLETE"]
+__all__ = [
+    "save",
+    "load",
+    "latest",
+    "info",
+    "read_manifest",
+    "read_small",
+    "upgrade",
+    "MANIFEST",
+    "SMALL",
+    "INCOMPLETE",
+]
 
 MANIFEST = "manifest.json"
 SMALL = "zerofast.json"
@@ -48,8 +59,15 @@ INCOMPLETE = ".incomplete"
 FORMAT = "zerofast-checkpoint-2"
 
 
-def save(path: str, model: nn.Module, opt: ZeroAdam, *, extra: Optional[dict] = None,
-         keep: Optional[int] = None, blocking: bool = True) -> Union[str, AsyncSave]:
+def save(
+    path: str,
+    model: nn.Module,
+    opt: ZeroAdam,
+    *,
+    extra: dict | None = None,
+    keep: int | None = None,
+    blocking: bool = True,
+) -> str | AsyncSave:
     """Write a checkpoint of `model` and its ZeroAdam `opt` to the folder `path` (every rank calls
     it; each writes only what it owns). `extra` (LR scheduler state, data position, RNG: plain
     values, tensors, numpy arrays; stored as JSON, [Note: safe checkpoints]) comes back from load().
@@ -68,8 +86,10 @@ def save(path: str, model: nn.Module, opt: ZeroAdam, *, extra: Optional[dict] = 
     if not isinstance(blocking, bool):
         raise TypeError(f"zerofast.checkpoint.save: blocking must be True or False; got {blocking!r}")
     if os.path.exists(path):
-        raise FileExistsError(f"zerofast.checkpoint.save: {path} exists; a checkpoint is never overwritten "
-                              f"(choose a new folder per save, e.g. step-000100)")
+        raise FileExistsError(
+            f"zerofast.checkpoint.save: {path} exists; a checkpoint is never overwritten "
+            f"(choose a new folder per save, e.g. step-000100)"
+        )
     small = safe.dumps_small(small_state(opt), extra)  # every rank: a bad `extra` fails on all alike
     steps = opt.step_counts()
     manifest = _manifest(opt, step=max(steps.values(), default=0))
@@ -95,7 +115,7 @@ def save(path: str, model: nn.Module, opt: ZeroAdam, *, extra: Optional[dict] = 
     return background.submit(path, lambda: _write(path, state, group, f.rank, small, manifest, keep))
 
 
-_STAGING: "weakref.WeakKeyDictionary[ZeroAdam, Staging]" = weakref.WeakKeyDictionary()
+_STAGING: weakref.WeakKeyDictionary[ZeroAdam, Staging] = weakref.WeakKeyDictionary()
 
 
 def staging_bytes(opt: ZeroAdam) -> int:
@@ -104,7 +124,7 @@ def staging_bytes(opt: ZeroAdam) -> int:
     return 0 if staged is None else staged.nbytes()
 
 
-def _write(path: str, state: dict, group, rank: int, small: bytes, manifest: dict, keep: Optional[int]) -> None:
+def _write(path: str, state: dict, group, rank: int, small: bytes, manifest: dict, keep: int | None) -> None:
     """Write `state` (live views, or a staged copy) as the checkpoint `path`, every rank of `group`
     calling: DCP into path + ".incomplete", then rank 0 adds the small state and the manifest,
     renames the folder and purges ([Note: atomic checkpoints]). A failure is raised by every rank:
@@ -120,7 +140,7 @@ def _write(path: str, state: dict, group, rank: int, small: bytes, manifest: dic
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     dist.barrier(group=group)
-    failed: Optional[BaseException] = None
+    failed: BaseException | None = None
     if rank == 0:
         try:
             root = os.path.dirname(os.path.abspath(path))
@@ -152,13 +172,17 @@ def load(path: str, model: nn.Module, opt: ZeroAdam) -> dict:
     _check_manifest(path, opt)
     small = read_small(path)
     with sharded_tensors():
-        torch_dcp.load(tensors(model, opt), storage_reader=safe.SafeReader(path), planner=safe.SafeLoadPlanner(),
-                       process_group=facts(opt).group)
+        torch_dcp.load(
+            tensors(model, opt),
+            storage_reader=safe.SafeReader(path),
+            planner=safe.SafeLoadPlanner(),
+            process_group=facts(opt).group,
+        )
     finish_load(opt, small)
     return small["extra"]
 
 
-def latest(root: str) -> Optional[str]:
+def latest(root: str) -> str | None:
     """The latest complete checkpoint folder under `root` (by the optimizer step recorded in its
     manifest, then by its save counter, then by name: [Note: which checkpoint is the latest]), or
     None."""
@@ -200,11 +224,18 @@ def _purge(root: str, keep: int, written: str) -> None:
 def _manifest(opt: ZeroAdam, step: int) -> dict:
     """The manifest but its save counter (rank 0 adds it when the folder is complete)."""
     from .. import __version__
+
     f = facts(opt)
     return {
-        "format": FORMAT, "created": time.time(), "world_size": f.world_size, "shard_size": f.shard_size,
-        "stage": f.stage, "partition": f.partition, "precision": f.precision,
-        "zerofast": __version__, "torch": torch.__version__,
+        "format": FORMAT,
+        "created": time.time(),
+        "world_size": f.world_size,
+        "shard_size": f.shard_size,
+        "stage": f.stage,
+        "partition": f.partition,
+        "precision": f.precision,
+        "zerofast": __version__,
+        "torch": torch.__version__,
         "step": step,
         "params": [{"name": n, "shape": list(p.shape), "dtype": str(p.dtype)} for n, p in opt.named_params],
     }
@@ -214,22 +245,28 @@ def _check_manifest(path: str, opt: ZeroAdam) -> None:
     """Every rank reads the manifest itself, so a mismatch is the same error everywhere, never a hang."""
     if not os.path.exists(path):
         if os.path.exists(path + INCOMPLETE):
-            raise FileNotFoundError(f"zerofast.checkpoint.load: {path} was never completed (only {path}{INCOMPLETE} "
-                                    f"exists: the save was interrupted); use latest() to find the last complete one")
+            raise FileNotFoundError(
+                f"zerofast.checkpoint.load: {path} was never completed (only {path}{INCOMPLETE} "
+                f"exists: the save was interrupted); use latest() to find the last complete one"
+            )
         raise FileNotFoundError(f"zerofast.checkpoint.load: no checkpoint at {path}")
     saved = read_manifest(path)["params"]
     mine = [(n, list(p.shape)) for n, p in opt.named_params]
     theirs = [(e["name"], e["shape"]) for e in saved]
     for k, (a, b) in enumerate(zip(theirs, mine)):
         if a != b:
-            raise ValueError(f"zerofast.checkpoint.load: parameter {k} differs: the checkpoint has {a[0]} of shape "
-                             f"{tuple(a[1])}, the model has {b[0]} of shape {tuple(b[1])}")
+            raise ValueError(
+                f"zerofast.checkpoint.load: parameter {k} differs: the checkpoint has {a[0]} of shape "
+                f"{tuple(a[1])}, the model has {b[0]} of shape {tuple(b[1])}"
+            )
     if len(theirs) != len(mine):
-        raise ValueError(f"zerofast.checkpoint.load: the checkpoint has {len(theirs)} trainable parameters, the "
-                         f"model {len(mine)}")
+        raise ValueError(
+            f"zerofast.checkpoint.load: the checkpoint has {len(theirs)} trainable parameters, the model {len(mine)}"
+        )
 
 
 # --- looking inside without a process group -------------------------------------------------------
+
 
 def read_manifest(path: str) -> dict:
     """The manifest, after checking every file the checkpoint is made of: the manifest's fields,
@@ -251,8 +288,10 @@ def read_manifest(path: str) -> dict:
     small = read_small(path)
     names = {e["name"] for e in manifest["params"]}
     if set(small["steps"]) != names or not {n for g in small["param_groups"] for n in g["params"]} <= names:
-        raise ValueError(f"zerofast.checkpoint: {os.path.join(path, SMALL)} does not match {manifest_path} (other "
-                         f"parameter names): the files are from different checkpoints, or were altered")
+        raise ValueError(
+            f"zerofast.checkpoint: {os.path.join(path, SMALL)} does not match {manifest_path} (other "
+            f"parameter names): the files are from different checkpoints, or were altered"
+        )
     ends: dict[str, int] = {}
     for item in safe.read_metadata(os.path.join(path, ".metadata"), keep=True).storage_data.values():
         ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
@@ -261,13 +300,14 @@ def read_manifest(path: str) -> dict:
         if not os.path.isfile(data):
             raise FileNotFoundError(f"zerofast.checkpoint: {data} is missing")
         if os.path.getsize(data) < end:
-            raise ValueError(f"zerofast.checkpoint: {data} is truncated: {os.path.getsize(data):,} bytes, the "
-                             f"metadata needs {end:,}")
+            raise ValueError(
+                f"zerofast.checkpoint: {data} is truncated: {os.path.getsize(data):,} bytes, the metadata needs {end:,}"
+            )
     return manifest
 
 
 def _sharded_by(m: dict) -> str:
-    """", sharded in groups of K" for a hybrid-sharded save (a manifest without the field: flat)."""
+    """ ", sharded in groups of K" for a hybrid-sharded save (a manifest without the field: flat)."""
     k = m.get("shard_size", m["world_size"])
     return f" (sharded in groups of {k}, replicated across {m['world_size'] // k})" if k != m["world_size"] else ""
 
@@ -281,20 +321,34 @@ def _valid_shard_size(m: dict) -> bool:
 def _manifest_fields(manifest_path: str) -> dict:
     """manifest.json as JSON, its fields checked (format, step, save counter, parameters)."""
     m = safe.read_json(manifest_path)
-    ok = (isinstance(m, dict) and isinstance(m.get("format"), str)
-          and all(isinstance(m.get(k, 0), int) and not isinstance(m.get(k, 0), bool) for k in ("step", "save_counter")))
+    ok = (
+        isinstance(m, dict)
+        and isinstance(m.get("format"), str)
+        and all(isinstance(m.get(k, 0), int) and not isinstance(m.get(k, 0), bool) for k in ("step", "save_counter"))
+    )
     if ok and m["format"] == FORMAT:
-        ok = (all(isinstance(m.get(k), int) and not isinstance(m.get(k), bool)
-                  for k in ("world_size", "stage", "step", "save_counter"))
-              and all(isinstance(m.get(k), str) for k in ("partition", "precision", "zerofast", "torch"))
-              and _valid_shard_size(m)
-              and isinstance(m.get("params"), list)
-              and all(isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("dtype"), str)
-                      and isinstance(e.get("shape"), list) and all(isinstance(d, int) for d in e["shape"])
-                      for e in m["params"]))
+        ok = (
+            all(
+                isinstance(m.get(k), int) and not isinstance(m.get(k), bool)
+                for k in ("world_size", "stage", "step", "save_counter")
+            )
+            and all(isinstance(m.get(k), str) for k in ("partition", "precision", "zerofast", "torch"))
+            and _valid_shard_size(m)
+            and isinstance(m.get("params"), list)
+            and all(
+                isinstance(e, dict)
+                and isinstance(e.get("name"), str)
+                and isinstance(e.get("dtype"), str)
+                and isinstance(e.get("shape"), list)
+                and all(isinstance(d, int) for d in e["shape"])
+                for e in m["params"]
+            )
+        )
     if not ok:
-        raise ValueError(f"zerofast.checkpoint: {manifest_path} is not a zerofast manifest (its fields are missing "
-                         f"or of the wrong type): the file is damaged or was altered")
+        raise ValueError(
+            f"zerofast.checkpoint: {manifest_path} is not a zerofast manifest (its fields are missing "
+            f"or of the wrong type): the file is damaged or was altered"
+        )
     return m
 
 
@@ -304,24 +358,33 @@ def read_small(path: str) -> dict:
     where = os.path.join(path, SMALL)
     with open(where, "rb") as f:
         small = safe.loads(f.read(), where)
-    ok = (isinstance(small, dict) and {"steps", "param_groups", "loss_scaler", "extra"} <= small.keys()
-          and isinstance(small["steps"], dict)
-          and all(isinstance(k, str) and isinstance(v, int) for k, v in small["steps"].items())
-          and isinstance(small["param_groups"], list)
-          and all(isinstance(g, dict) and isinstance(g.get("params"), list)
-                  and all(isinstance(n, str) for n in g["params"]) for g in small["param_groups"])
-          and (small["loss_scaler"] is None or isinstance(small["loss_scaler"], dict)))
+    ok = (
+        isinstance(small, dict)
+        and {"steps", "param_groups", "loss_scaler", "extra"} <= small.keys()
+        and isinstance(small["steps"], dict)
+        and all(isinstance(k, str) and isinstance(v, int) for k, v in small["steps"].items())
+        and isinstance(small["param_groups"], list)
+        and all(
+            isinstance(g, dict) and isinstance(g.get("params"), list) and all(isinstance(n, str) for n in g["params"])
+            for g in small["param_groups"]
+        )
+        and (small["loss_scaler"] is None or isinstance(small["loss_scaler"], dict))
+    )
     if not ok:
-        raise ValueError(f"zerofast.checkpoint: {where} is not a zerofast small state (its fields are missing or "
-                         f"of the wrong type): the file is damaged or was altered")
+        raise ValueError(
+            f"zerofast.checkpoint: {where} is not a zerofast small state (its fields are missing or "
+            f"of the wrong type): the file is damaged or was altered"
+        )
     return small
 
 
 def _refuse_legacy(path: str, fmt: str) -> None:
     if fmt == "zerofast-checkpoint-1" and os.path.isfile(os.path.join(path, LEGACY_SMALL)):
-        raise ValueError(f"zerofast.checkpoint: {path} was written by an older zerofast, whose small state "
-                         f"({LEGACY_SMALL}) is a pickle, which can run code when opened. If you trust where it came "
-                         f"from, convert it once: python -m zerofast.checkpoint upgrade {path} --trust-pickle")
+        raise ValueError(
+            f"zerofast.checkpoint: {path} was written by an older zerofast, whose small state "
+            f"({LEGACY_SMALL}) is a pickle, which can run code when opened. If you trust where it came "
+            f"from, convert it once: python -m zerofast.checkpoint upgrade {path} --trust-pickle"
+        )
     raise ValueError(f"zerofast.checkpoint: {path} has format {fmt!r}; this zerofast reads {FORMAT!r}")
 
 
@@ -335,11 +398,14 @@ def upgrade(path: str, trust_pickle: bool = False) -> None:
     if manifest["format"] == FORMAT and not os.path.exists(legacy):
         return
     if manifest["format"] != "zerofast-checkpoint-1" or not os.path.isfile(legacy):
-        raise ValueError(f"zerofast.checkpoint.upgrade: {path} is not a format-1 zerofast checkpoint "
-                         f"(format {manifest['format']!r})")
+        raise ValueError(
+            f"zerofast.checkpoint.upgrade: {path} is not a format-1 zerofast checkpoint (format {manifest['format']!r})"
+        )
     if not trust_pickle:
-        raise ValueError(f"zerofast.checkpoint.upgrade: reading {legacy} unpickles it, which runs whatever code it "
-                         f"names; pass trust_pickle=True (--trust-pickle) only for a checkpoint you trust")
+        raise ValueError(
+            f"zerofast.checkpoint.upgrade: reading {legacy} unpickles it, which runs whatever code it "
+            f"names; pass trust_pickle=True (--trust-pickle) only for a checkpoint you trust"
+        )
     small = torch.load(legacy, weights_only=False)
     data = safe.dumps(small, where=legacy)
     with open(os.path.join(path, SMALL + ".tmp"), "wb") as out:
@@ -359,9 +425,11 @@ def info(path: str) -> str:
     files = sorted(os.listdir(path))
     size = sum(os.path.getsize(os.path.join(path, f)) for f in files)
     step = f", optimizer step {m['step']} (save {m['save_counter']} in its folder)" if "step" in m else ""
-    return "\n".join([
-        f"{path}: zerofast checkpoint ({m['format']}), zerofast {m['zerofast']}, torch {m['torch']}",
-        f"saved by {m['world_size']} ranks{_sharded_by(m)}, stage {m['stage']}, {m['partition']} partition, "
-        f"{m['precision']}{step}",
-        f"{len(m['params'])} trainable parameters, {numel:,} elements; {len(files)} files, {size:,} bytes",
-    ])
+    return "\n".join(
+        [
+            f"{path}: zerofast checkpoint ({m['format']}), zerofast {m['zerofast']}, torch {m['torch']}",
+            f"saved by {m['world_size']} ranks{_sharded_by(m)}, stage {m['stage']}, {m['partition']} partition, "
+            f"{m['precision']}{step}",
+            f"{len(m['params'])} trainable parameters, {numel:,} elements; {len(files)} files, {size:,} bytes",
+        ]
+    )

@@ -25,6 +25,7 @@ What is written stays plain DCP, so dcp.load(..., no_dist=True) still reads our 
 A damaged file (truncated, not JSON, the wrong fields) is an error naming the file and what is
 wrong, raised alike by every rank (each reads the files itself, before any collective).
 """
+
 from __future__ import annotations
 
 import base64
@@ -41,8 +42,17 @@ import torch.distributed.checkpoint as torch_dcp
 from torch.distributed.checkpoint import metadata as dcp_meta
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-__all__ = ["UnsafeCheckpoint", "encode", "decode", "dumps", "loads", "read_json", "read_metadata",
-           "SafeReader", "SafeLoadPlanner"]
+__all__ = [
+    "UnsafeCheckpoint",
+    "encode",
+    "decode",
+    "dumps",
+    "loads",
+    "read_json",
+    "read_metadata",
+    "SafeReader",
+    "SafeLoadPlanner",
+]
 
 
 class UnsafeCheckpoint(ValueError):
@@ -73,8 +83,10 @@ def encode(obj: Any, where: str = "extra") -> Any:
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj) and _TAG not in obj:
             return {k: encode(v, f"{where}[{k!r}]") for k, v in obj.items()}
-        return {_TAG: "dict", "v": [[encode(k, f"{where} key {k!r}"), encode(v, f"{where}[{k!r}]")]
-                                    for k, v in obj.items()]}
+        return {
+            _TAG: "dict",
+            "v": [[encode(k, f"{where} key {k!r}"), encode(v, f"{where}[{k!r}]")] for k, v in obj.items()],
+        }
     if isinstance(obj, (bytes, bytearray)):
         return {_TAG: "bytes", "v": base64.b64encode(bytes(obj)).decode()}
     if isinstance(obj, torch.dtype):
@@ -82,22 +94,32 @@ def encode(obj: Any, where: str = "extra") -> Any:
     if isinstance(obj, torch.Tensor):
         t = obj.detach().to("cpu").contiguous()
         raw = t.view(torch.uint8) if t.dim() and t.numel() else t.reshape(-1).view(torch.uint8)
-        return {_TAG: "tensor", "v": {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                                      "data": base64.b64encode(raw.numpy().tobytes()).decode()}}
+        return {
+            _TAG: "tensor",
+            "v": {
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "data": base64.b64encode(raw.numpy().tobytes()).decode(),
+            },
+        }
     try:
         import numpy as np
     except ImportError:  # pragma: no cover (numpy comes with torch's wheels)
         np = None
     if np is not None and isinstance(obj, np.ndarray) and obj.dtype.kind in "biuf":
         a = np.ascontiguousarray(obj)
-        return {_TAG: "ndarray", "v": {"dtype": a.dtype.str, "shape": list(a.shape),
-                                       "data": base64.b64encode(a.tobytes()).decode()}}
+        return {
+            _TAG: "ndarray",
+            "v": {"dtype": a.dtype.str, "shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode()},
+        }
     if np is not None and isinstance(obj, np.generic):
         return encode(obj.item(), where)
-    raise TypeError(f"zerofast.checkpoint.save: {where} is a {type(obj).__module__}.{type(obj).__qualname__}; "
-                    f"a checkpoint stores None, bool, int, float, str, bytes, lists, tuples, dicts, torch dtypes, "
-                    f"tensors and numpy arrays (as JSON, so that opening it can never run code): store a "
-                    f"state_dict() or plain values instead")
+    raise TypeError(
+        f"zerofast.checkpoint.save: {where} is a {type(obj).__module__}.{type(obj).__qualname__}; "
+        f"a checkpoint stores None, bool, int, float, str, bytes, lists, tuples, dicts, torch dtypes, "
+        f"tensors and numpy arrays (as JSON, so that opening it can never run code): store a "
+        f"state_dict() or plain values instead"
+    )
 
 
 def decode(obj: Any, where: str = "zerofast.json") -> Any:
@@ -131,6 +153,7 @@ def decode(obj: Any, where: str = "zerofast.json") -> Any:
             return flat.view(dtype).reshape(shape).clone()
         if kind == "ndarray":
             import numpy as np
+
             dt = np.dtype(v["dtype"])
             if dt.kind not in "biuf":
                 raise ValueError(f"numpy dtype {dt} is not plain numbers")
@@ -159,8 +182,9 @@ def dumps(obj: Any, where: str = "extra") -> bytes:
 
 def dumps_small(small: dict, extra: Any) -> bytes:
     """zerofast.json's bytes: the small state with the caller's `extra` (errors name extra[...])."""
-    return json.dumps({**encode(small, "the small state"), "extra": encode(extra, "extra")},
-                      separators=(",", ":"), allow_nan=False).encode()
+    return json.dumps(
+        {**encode(small, "the small state"), "extra": encode(extra, "extra")}, separators=(",", ":"), allow_nan=False
+    ).encode()
 
 
 def loads(data: bytes, where: str) -> Any:
@@ -171,8 +195,9 @@ def _parse_json(data: bytes, where: str) -> Any:
     try:
         return json.loads(data.decode("utf-8"), parse_constant=_no_constant)
     except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as err:
-        raise ValueError(f"{where}: not valid JSON ({err}); the file is damaged, truncated or not a zerofast "
-                         f"checkpoint's") from None
+        raise ValueError(
+            f"{where}: not valid JSON ({err}); the file is damaged, truncated or not a zerofast checkpoint's"
+        ) from None
 
 
 def _no_constant(name):
@@ -187,16 +212,29 @@ def read_json(path: str) -> Any:
 
 # --- DCP's .metadata --------------------------------------------------------------------------------
 
+
 def _allowed() -> dict[tuple[str, str], Any]:
     """What a DCP .metadata pickle may name (torch 2.4 to 2.14 write these): DCP's metadata classes,
     the storage layout's record, torch.Size, the path type of checkpoint_id; dtypes and layouts by
     name below."""
     from torch.distributed.checkpoint import filesystem
-    out = {("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-           ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
-           ("collections", "OrderedDict"): __import__("collections").OrderedDict}
-    for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-                 "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"):
+
+    out = {
+        ("torch", "Size"): torch.Size,
+        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
+        ("collections", "OrderedDict"): __import__("collections").OrderedDict,
+    }
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    ):
         if hasattr(dcp_meta, name):
             out["torch.distributed.checkpoint.metadata", name] = getattr(dcp_meta, name)
     for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
@@ -213,18 +251,25 @@ class _MetadataUnpickler(pickle._Unpickler):  # noqa: SLF001 (the pure-Python on
         super().__init__(f)
         self.path = path
         self.allowed = _allowed()
-        self.buildable = tuple(c for c in self.allowed.values() if isinstance(c, type) and c.__module__.startswith(
-            "torch.distributed.checkpoint"))
+        self.buildable = tuple(
+            c
+            for c in self.allowed.values()
+            if isinstance(c, type) and c.__module__.startswith("torch.distributed.checkpoint")
+        )
 
     def find_class(self, module: str, name: str):
         got = self.allowed.get((module, name))
         if got is not None:
             return got
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
-        raise UnsafeCheckpoint(f"{self.path}: refusing to load {module}.{name}: a DCP .metadata file holds only "
-                               f"DCP's metadata classes, and this one names something else (it was not written by "
-                               f"torch.distributed.checkpoint, or was altered); nothing from it was run")
+        raise UnsafeCheckpoint(
+            f"{self.path}: refusing to load {module}.{name}: a DCP .metadata file holds only "
+            f"DCP's metadata classes, and this one names something else (it was not written by "
+            f"torch.distributed.checkpoint, or was altered); nothing from it was run"
+        )
 
     def persistent_load(self, pid):
         raise UnsafeCheckpoint(f"{self.path}: refusing a persistent id in DCP metadata")
@@ -232,9 +277,11 @@ class _MetadataUnpickler(pickle._Unpickler):  # noqa: SLF001 (the pure-Python on
     def load_build(self):
         inst = self.stack[-2]
         if type(inst) not in self.buildable:
-            raise UnsafeCheckpoint(f"{self.path}: refusing to set the state of a {type(inst).__name__} "
-                                   f"({getattr(inst, '__qualname__', inst)!r}) in DCP metadata: only DCP's metadata "
-                                   f"objects have state there; nothing from it was run")
+            raise UnsafeCheckpoint(
+                f"{self.path}: refusing to set the state of a {type(inst).__name__} "
+                f"({getattr(inst, '__qualname__', inst)!r}) in DCP metadata: only DCP's metadata "
+                f"objects have state there; nothing from it was run"
+            )
         super().load_build()
 
     dispatch = dict(pickle._Unpickler.dispatch)  # noqa: SLF001
@@ -265,14 +312,22 @@ def read_metadata(path: str, keep: bool = False) -> dcp_meta.Metadata:
     except UnsafeCheckpoint:
         raise
     except Exception as err:  # noqa: BLE001 (any parse failure of a damaged file: name the file)
-        raise ValueError(f"{path}: not a readable DCP metadata file ({type(err).__name__}: {err}); the file is "
-                         f"damaged or truncated ({len(data):,} bytes)") from None
-    if not (isinstance(meta, dcp_meta.Metadata) and isinstance(meta.state_dict_metadata, dict)
-            and isinstance(meta.storage_data, dict)):
+        raise ValueError(
+            f"{path}: not a readable DCP metadata file ({type(err).__name__}: {err}); the file is "
+            f"damaged or truncated ({len(data):,} bytes)"
+        ) from None
+    if not (
+        isinstance(meta, dcp_meta.Metadata)
+        and isinstance(meta.state_dict_metadata, dict)
+        and isinstance(meta.storage_data, dict)
+    ):
         raise ValueError(f"{path}: not DCP metadata (it holds a {type(meta).__name__})")
     for index, info in meta.storage_data.items():
-        if not (isinstance(getattr(info, "relative_path", None), str) and isinstance(getattr(info, "offset", None), int)
-                and isinstance(getattr(info, "length", None), int)):
+        if not (
+            isinstance(getattr(info, "relative_path", None), str)
+            and isinstance(getattr(info, "offset", None), int)
+            and isinstance(getattr(info, "length", None), int)
+        ):
             raise ValueError(f"{path}: a damaged storage record for {getattr(index, 'fqn', index)!r}")
         if os.path.isabs(info.relative_path) or ".." in pathlib.PurePath(info.relative_path).parts:
             raise UnsafeCheckpoint(f"{path}: a storage record points outside the checkpoint: {info.relative_path!r}")
@@ -300,11 +355,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as err:
-            raise UnsafeCheckpoint(f"refusing to load the checkpoint's entry {read_item.dest_index.fqn!r}: its pickle "
-                                   f"names something torch.load(weights_only=True) does not build; nothing from it "
-                                   f"was run") from err
+            raise UnsafeCheckpoint(
+                f"refusing to load the checkpoint's entry {read_item.dest_index.fqn!r}: its pickle "
+                f"names something torch.load(weights_only=True) does not build; nothing from it "
+                f"was run"
+            ) from err
         if self.flatten_state_dict:
             from torch.distributed.checkpoint import default_planner  # the helper DefaultLoadPlanner uses
+
             default_planner.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj

@@ -21,6 +21,7 @@ strategy.py, plugins/precision/precision.py); a change there may move them. What
     schedulers' state, written by rank 0 through Lightning's CheckpointIO); the module's whole
     state_dict only with save_full_weights=True.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,7 +29,7 @@ import functools
 import os
 import shutil
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -38,9 +39,9 @@ from .. import checkpoint as zckpt
 from ..config import MixedPrecisionPolicy, check_stage, resolve_plan
 from ..optim.zero_adam import ZeroAdam
 
-ZERO_DIR = "zerofast"             # <checkpoint>/zerofast: the sharded zerofast checkpoint
+ZERO_DIR = "zerofast"  # <checkpoint>/zerofast: the sharded zerofast checkpoint
 LIGHTNING_FILE = "lightning.ckpt"  # <checkpoint>/lightning.ckpt: Lightning's own state, by rank 0
-WRITING = ".writing"              # the folder while it is written; renamed when complete
+WRITING = ".writing"  # the folder while it is written; renamed when complete
 
 # Lightning's precision flag -> ZeroAdam's mixed_precision ("-mixed" and "-true" alike: the model runs
 # in that dtype over an fp32 master shard, as DeepSpeed's bf16 / fp16 do; fp16 with loss scaling).
@@ -49,14 +50,13 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # The precision plugins Lightning's connector builds from a flag alone; any other plugin is the user's.
 _FLAG_PLUGINS = {"Precision", "MixedPrecision", "HalfPrecision", "DoublePrecision"}
 # Keys of torch.optim.Adam(W)'s param groups that choose its implementation, not its mathematics.
-_TORCH_ADAM_KEYS = {"foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay", "amsgrad",
-                    "maximize"}
+_TORCH_ADAM_KEYS = {"foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay", "amsgrad", "maximize"}
 _HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
 # The LightningModules a ZeroAdam built here manages: a second strategy must not lay out another.
-_MANAGED: "weakref.WeakKeyDictionary[nn.Module, ZeroAdam]" = weakref.WeakKeyDictionary()
+_MANAGED: weakref.WeakKeyDictionary[nn.Module, ZeroAdam] = weakref.WeakKeyDictionary()
 
 
-def _zero_dtype(precision: str) -> Optional[torch.dtype]:
+def _zero_dtype(precision: str) -> torch.dtype | None:
     return _DTYPES.get(PRECISIONS[precision])
 
 
@@ -70,13 +70,15 @@ class ZeroPrecisionMixin:
     def __init__(self, precision: str = "32-true") -> None:
         super().__init__()
         if precision not in PRECISIONS:
-            raise ValueError(f"ZeroStrategy: precision={precision!r} is not supported; choose one of "
-                             f"{', '.join(PRECISIONS)} (zerofast keeps an fp32 master and Adam state)")
+            raise ValueError(
+                f"ZeroStrategy: precision={precision!r} is not supported; choose one of "
+                f"{', '.join(PRECISIONS)} (zerofast keeps an fp32 master and Adam state)"
+            )
         self.precision = precision
-        self.zero: Optional[ZeroAdam] = None  # set by the strategy once the optimizer exists
+        self.zero: ZeroAdam | None = None  # set by the strategy once the optimizer exists
 
     @property
-    def dtype(self) -> Optional[torch.dtype]:
+    def dtype(self) -> torch.dtype | None:
         return _zero_dtype(self.precision)
 
     def convert_input(self, data: Any) -> Any:
@@ -134,52 +136,72 @@ def _schedulers(scheduler) -> list:
     return found
 
 
-def zero_from(optimizer, module: nn.Module, stage: Optional[int], options: dict) -> ZeroAdam:
+def zero_from(optimizer, module: nn.Module, stage: int | None, options: dict) -> ZeroAdam:
     """The ZeroAdam that trains `module`: `optimizer` itself if it is one built on it, else one with
     torch.optim.AdamW's / Adam's parameter groups and hyper-parameters (frozen parameters left out,
     the groups' other keys, a scheduler's initial_lr, carried over)."""
     if isinstance(optimizer, ZeroAdam):
         if optimizer.model is not module:
-            raise ValueError(f"ZeroStrategy: configure_optimizers returned a ZeroAdam built on "
-                             f"{type(optimizer.model).__name__}, not on the LightningModule; build it as "
-                             f"ZeroAdam(self, ...)")
+            raise ValueError(
+                f"ZeroStrategy: configure_optimizers returned a ZeroAdam built on "
+                f"{type(optimizer.model).__name__}, not on the LightningModule; build it as "
+                f"ZeroAdam(self, ...)"
+            )
         given = [k for k, v in dict(options, stage=stage).items() if v is not None]
         if given:
-            raise ValueError(f"ZeroStrategy: {', '.join(sorted(given))} given to ZeroStrategy and a ZeroAdam "
-                             f"returned by configure_optimizers; set them in one place (the ZeroAdam's)")
+            raise ValueError(
+                f"ZeroStrategy: {', '.join(sorted(given))} given to ZeroStrategy and a ZeroAdam "
+                f"returned by configure_optimizers; set them in one place (the ZeroAdam's)"
+            )
         return optimizer
     kind = type(optimizer)
     if kind not in (torch.optim.AdamW, torch.optim.Adam):
-        raise TypeError(f"ZeroStrategy: configure_optimizers returned {kind.__module__}.{kind.__qualname__}; "
-                        f"ZeroStrategy trains with ZeroAdam, converted from torch.optim.AdamW or torch.optim.Adam "
-                        f"(their parameter groups and hyper-parameters), or a ZeroAdam built on the "
-                        f"LightningModule (ZeroAdam(self, ...))")
+        raise TypeError(
+            f"ZeroStrategy: configure_optimizers returned {kind.__module__}.{kind.__qualname__}; "
+            f"ZeroStrategy trains with ZeroAdam, converted from torch.optim.AdamW or torch.optim.Adam "
+            f"(their parameter groups and hyper-parameters), or a ZeroAdam built on the "
+            f"LightningModule (ZeroAdam(self, ...))"
+        )
     for g, group in enumerate(optimizer.param_groups):
         for flag in ("amsgrad", "maximize"):
             if group.get(flag):
-                raise ValueError(f"ZeroStrategy: {kind.__name__}.param_groups[{g}] has {flag}=True, which ZeroAdam "
-                                 f"does not implement")
+                raise ValueError(
+                    f"ZeroStrategy: {kind.__name__}.param_groups[{g}] has {flag}=True, which ZeroAdam "
+                    f"does not implement"
+                )
     adamw = kind is torch.optim.AdamW or bool(optimizer.defaults.get("decoupled_weight_decay", False))
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
     left_out = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in in_optimizer]
     if left_out:
-        raise ValueError(f"ZeroStrategy: {left_out[0]} is trainable (requires_grad=True) but in no parameter group "
-                         f"of the {kind.__name__} ({len(left_out)} such); ZeroAdam trains every trainable parameter "
-                         f"of the module: set requires_grad=False on those it should not train")
+        raise ValueError(
+            f"ZeroStrategy: {left_out[0]} is trainable (requires_grad=True) but in no parameter group "
+            f"of the {kind.__name__} ({len(left_out)} such); ZeroAdam trains every trainable parameter "
+            f"of the module: set requires_grad=False on those it should not train"
+        )
 
     def hyper(group: dict) -> dict:
         lr = group["lr"]
-        return dict(lr=float(lr.item() if isinstance(lr, torch.Tensor) else lr),
-                    betas=tuple(float(b.item() if isinstance(b, torch.Tensor) else b) for b in group["betas"]),
-                    eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
+        return dict(
+            lr=float(lr.item() if isinstance(lr, torch.Tensor) else lr),
+            betas=tuple(float(b.item() if isinstance(b, torch.Tensor) else b) for b in group["betas"]),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+        )
 
     # Frozen parameters are in no ZeroAdam group (torch.optim skips them: they get no gradient); an
     # emptied group stays, so group i is still the scheduler's group i.
-    groups = [dict(hyper(group), params=[p for p in group["params"] if p.requires_grad])
-              for group in optimizer.param_groups]
+    groups = [
+        dict(hyper(group), params=[p for p in group["params"] if p.requires_grad]) for group in optimizer.param_groups
+    ]
     first = groups[0]
-    zero = ZeroAdam(module, stage=2 if stage is None else stage, adamw=adamw, param_groups=groups,
-                    **{k: first[k] for k in _HYPER_KEYS}, **{k: v for k, v in options.items() if v is not None})
+    zero = ZeroAdam(
+        module,
+        stage=2 if stage is None else stage,
+        adamw=adamw,
+        param_groups=groups,
+        **{k: first[k] for k in _HYPER_KEYS},
+        **{k: v for k, v in options.items() if v is not None},
+    )
     for mine, theirs in zip(zero.param_groups, optimizer.param_groups):
         for key, value in theirs.items():  # a scheduler's keys (initial_lr, max_lr, ...), the user's own
             if key not in mine and key not in _TORCH_ADAM_KEYS:
@@ -219,26 +241,53 @@ class ZeroStrategyMixin:
     The rest are DDPStrategy's: accelerator, parallel_devices, cluster_environment, checkpoint_io,
     precision_plugin (a ZeroPrecision), process_group_backend, timeout, start_method.
     """
+
     strategy_name = "zero"
 
-    def __init__(self, stage: Optional[int] = None, *, mixed_precision=None, units=None, comm=None,
-                 shard_size: Optional[int] = None, save_full_weights: bool = False, save_async: bool = False,
-                 **ddp_arguments: Any) -> None:
-        allowed = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
-                   "process_group_backend", "timeout", "start_method"}
+    def __init__(
+        self,
+        stage: int | None = None,
+        *,
+        mixed_precision=None,
+        units=None,
+        comm=None,
+        shard_size: int | None = None,
+        save_full_weights: bool = False,
+        save_async: bool = False,
+        **ddp_arguments: Any,
+    ) -> None:
+        allowed = {
+            "accelerator",
+            "parallel_devices",
+            "cluster_environment",
+            "checkpoint_io",
+            "precision_plugin",
+            "process_group_backend",
+            "timeout",
+            "start_method",
+        }
         unknown = sorted(set(ddp_arguments) - allowed)
         if unknown:
-            raise TypeError(f"ZeroStrategy: unexpected argument {unknown[0]!r}: ZeroStrategy takes stage, "
-                            f"mixed_precision, units, comm, shard_size, save_full_weights, save_async and DDPStrategy's "
-                            f"{', '.join(sorted(allowed))} (the model is never wrapped in DDP, so DDP's own "
-                            f"arguments do not apply)")
+            raise TypeError(
+                f"ZeroStrategy: unexpected argument {unknown[0]!r}: ZeroStrategy takes stage, "
+                f"mixed_precision, units, comm, shard_size, save_full_weights, save_async and DDPStrategy's "
+                f"{', '.join(sorted(allowed))} (the model is never wrapped in DDP, so DDP's own "
+                f"arguments do not apply)"
+            )
         if stage is not None:
             check_stage(stage)
         # Every combination ZeroAdam rejects is named now, not at fit().
-        resolve_plan(2 if stage is None else stage, adamw=True, max_grad_norm=None, mixed_precision=mixed_precision,
-                     comm=comm, units=units)
-        if shard_size is not None and not (isinstance(shard_size, int) and not isinstance(shard_size, bool)
-                                           and shard_size >= 1):
+        resolve_plan(
+            2 if stage is None else stage,
+            adamw=True,
+            max_grad_norm=None,
+            mixed_precision=mixed_precision,
+            comm=comm,
+            units=units,
+        )
+        if shard_size is not None and not (
+            isinstance(shard_size, int) and not isinstance(shard_size, bool) and shard_size >= 1
+        ):
             raise ValueError(f"ZeroStrategy: shard_size must be None or an integer >= 1; got {shard_size!r}")
         if not isinstance(save_full_weights, bool):
             raise TypeError(f"ZeroStrategy: save_full_weights must be a bool; got {save_full_weights!r}")
@@ -248,9 +297,9 @@ class ZeroStrategyMixin:
         self.zero_stage = stage
         self.zero_options = dict(mixed_precision=mixed_precision, units=units, comm=comm, shard_size=shard_size)
         self.save_full_weights = save_full_weights
-        self.zero: Optional[ZeroAdam] = None
+        self.zero: ZeroAdam | None = None
         self._restored_zero = False  # load_checkpoint loaded the sharded state: nothing left for Lightning
-        self._torch_order: Optional[list] = None
+        self._torch_order: list | None = None
         super().__init__(**ddp_arguments)
 
     # --- precision: whatever the connector builds from the flag becomes a ZeroPrecision -----------
@@ -266,8 +315,10 @@ class ZeroStrategyMixin:
             return
         name = type(plugin).__name__
         if name not in _FLAG_PLUGINS:
-            raise ValueError(f"ZeroStrategy: the precision plugin {name} is not supported; pass precision= one of "
-                             f"{', '.join(PRECISIONS)} (ZeroAdam's mixed precision)")
+            raise ValueError(
+                f"ZeroStrategy: the precision plugin {name} is not supported; pass precision= one of "
+                f"{', '.join(PRECISIONS)} (ZeroAdam's mixed precision)"
+            )
         self._precision_plugin = self._precision_class(getattr(plugin, "precision", "32-true"))
 
     def _mixed_precision(self):
@@ -278,21 +329,27 @@ class ZeroStrategyMixin:
             return wanted
         given_dtype = given.param_dtype if isinstance(given, MixedPrecisionPolicy) else _DTYPES.get(given)
         if given_dtype != dtype:
-            raise ValueError(f"ZeroStrategy: mixed_precision={given!r} disagrees with the Trainer's "
-                             f"precision={self.precision_plugin.precision!r}; the flag sets the dtype")
+            raise ValueError(
+                f"ZeroStrategy: mixed_precision={given!r} disagrees with the Trainer's "
+                f"precision={self.precision_plugin.precision!r}; the flag sets the dtype"
+            )
         return given
 
     # --- setup: no DDP; the optimizer becomes ZeroAdam --------------------------------------------
 
     def setup(self, trainer) -> None:
         if self._layer_sync is not None:
-            raise ValueError("ZeroStrategy: sync_batchnorm=True is not supported (ZeroAdam lays out the module's "
-                             "parameters when built; the conversion would replace modules under it)")
+            raise ValueError(
+                "ZeroStrategy: sync_batchnorm=True is not supported (ZeroAdam lays out the module's "
+                "parameters when built; the conversion would replace modules under it)"
+            )
         fitting = trainer.state.fn == "fit"
         if self.zero is not None:  # this strategy trained the module: ZeroAdam's state is the model's
             if fitting:
-                raise RuntimeError("ZeroStrategy: fit() was called again on a strategy whose ZeroAdam trained "
-                                   "this module; make a new Trainer (and resume with ckpt_path=...)")
+                raise RuntimeError(
+                    "ZeroStrategy: fit() was called again on a strategy whose ZeroAdam trained "
+                    "this module; make a new Trainer (and resume with ckpt_path=...)"
+                )
             self.accelerator.setup(trainer)
             self.setup_precision_plugin()
             return
@@ -310,23 +367,30 @@ class ZeroStrategyMixin:
         super().setup_optimizers(trainer)
         module = self.lightning_module
         if len(self.optimizers) != 1:
-            raise ValueError(f"ZeroStrategy: configure_optimizers returned {len(self.optimizers)} optimizers; "
-                             f"ZeroStrategy trains the module with one ZeroAdam")
+            raise ValueError(
+                f"ZeroStrategy: configure_optimizers returned {len(self.optimizers)} optimizers; "
+                f"ZeroStrategy trains the module with one ZeroAdam"
+            )
         if module in _MANAGED:
-            raise RuntimeError("ZeroStrategy: this LightningModule is already managed by a ZeroAdam (an earlier "
-                               "fit); make a new module and resume from a checkpoint")
+            raise RuntimeError(
+                "ZeroStrategy: this LightningModule is already managed by a ZeroAdam (an earlier "
+                "fit); make a new module and resume from a checkpoint"
+            )
         given = self.optimizers[0]
         # The order of a plain checkpoint's AdamW state (load_model_state_dict): this optimizer's.
         self._torch_order = [p for group in given.param_groups for p in group["params"]]
         if isinstance(given, ZeroAdam):
             wanted = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.precision_plugin.dtype)
             if given.plan.mixed_precision != wanted:
-                raise ValueError(f"ZeroStrategy: the ZeroAdam's mixed_precision={given.plan.mixed_precision!r} "
-                                 f"disagrees with the Trainer's precision={self.precision_plugin.precision!r}")
+                raise ValueError(
+                    f"ZeroStrategy: the ZeroAdam's mixed_precision={given.plan.mixed_precision!r} "
+                    f"disagrees with the Trainer's precision={self.precision_plugin.precision!r}"
+                )
             zero = zero_from(given, module, self.zero_stage, self.zero_options)
         else:
-            zero = zero_from(given, module, self.zero_stage,
-                             dict(self.zero_options, mixed_precision=self._mixed_precision()))
+            zero = zero_from(
+                given, module, self.zero_stage, dict(self.zero_options, mixed_precision=self._mixed_precision())
+            )
         for config in self.lr_scheduler_configs:
             for scheduler in _schedulers(config.scheduler):
                 if getattr(scheduler, "optimizer", None) is given:
@@ -413,7 +477,7 @@ class ZeroStrategyMixin:
             return super().optimizer_state(optimizer)
         return {}  # in the sharded zerofast/ folder
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """Every rank calls it (Trainer.save_checkpoint, ModelCheckpoint). The folder `filepath` is
         written as `filepath.writing` and renamed when complete (with save_async: by the writer
         thread, once the shards are written); one already there (ModelCheckpoint's last.ckpt, saved
@@ -421,8 +485,10 @@ class ZeroStrategyMixin:
         if self.zero is None:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
-            raise TypeError("ZeroStrategy: storage_options is not supported (the shards are written with "
-                            "torch.distributed.checkpoint)")
+            raise TypeError(
+                "ZeroStrategy: storage_options is not supported (the shards are written with "
+                "torch.distributed.checkpoint)"
+            )
         zckpt.wait()  # the previous asynchronous save (it may be this path's) first
         path = os.path.abspath(self.broadcast(os.fspath(filepath)))  # rank 0's path on every rank
         tmp = path + WRITING
@@ -432,8 +498,9 @@ class ZeroStrategyMixin:
             os.makedirs(tmp)
         self.barrier("ZeroStrategy.save_checkpoint")
         # every rank its shard (save_async: copied now, written by the writer thread)
-        written = zckpt.save(os.path.join(tmp, ZERO_DIR), self.lightning_module, self.zero,
-                             blocking=not self.save_async)
+        written = zckpt.save(
+            os.path.join(tmp, ZERO_DIR), self.lightning_module, self.zero, blocking=not self.save_async
+        )
         if self.is_global_zero:
             rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             if self.save_full_weights:
@@ -454,7 +521,7 @@ class ZeroStrategyMixin:
             return
         super().remove_checkpoint(filepath)
 
-    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = os.fspath(checkpoint_path)
         zero_dir = os.path.join(path, ZERO_DIR)
         if not os.path.isdir(zero_dir):  # a plain Lightning checkpoint (DDP's ...): load_model_state_dict converts
@@ -478,8 +545,13 @@ class ZeroStrategyMixin:
         if len(states) != 1:
             raise ValueError(f"ZeroStrategy: the checkpoint holds {len(states)} optimizers' states; ZeroAdam is one")
         fitting = self.lightning_module.trainer.state.fn == "fit"
-        zckpt.from_torch(checkpoint["state_dict"], states[0] if fitting else None, self.lightning_module, self.zero,
-                         param_order=self._torch_order)
+        zckpt.from_torch(
+            checkpoint["state_dict"],
+            states[0] if fitting else None,
+            self.lightning_module,
+            self.zero,
+            param_order=self._torch_order,
+        )
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
         if self.zero is None:

@@ -27,13 +27,13 @@ them. What maps to what:
   - save_model(): a consolidated model (config + safetensors, or a PEFT adapter) from
     opt.full_state_dict(), gathered unit by unit.
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
 import shutil
 import warnings
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -46,14 +46,24 @@ from .. import checkpoint as zckpt
 from ..config import MixedPrecisionPolicy
 from ..optim.zero_adam import ZeroAdam
 
-__all__ = ["ZeroTrainer", "ZeroTrainerMixin", "last_complete_checkpoint"]  # and ZeroSFTTrainer, made on first use where trl imports
+__all__ = [
+    "ZeroTrainer",
+    "ZeroTrainerMixin",
+    "last_complete_checkpoint",
+]  # and ZeroSFTTrainer, made on first use where trl imports
 
 ZERO_DIR = "zerofast"  # checkpoint-N/zerofast: the sharded zerofast checkpoint
 _ADAMW = {OptimizerNames.ADAMW_TORCH, OptimizerNames.ADAMW_TORCH_FUSED}
 # ZeroAdam options that TrainingArguments owns: zero= must not repeat them.
-_FROM_ARGS = {"lr": "learning_rate", "betas": "adam_beta1 / adam_beta2", "eps": "adam_epsilon",
-              "weight_decay": "weight_decay", "max_grad_norm": "max_grad_norm",
-              "param_groups": "the Trainer's decay / no-decay groups", "adamw": "optim"}
+_FROM_ARGS = {
+    "lr": "learning_rate",
+    "betas": "adam_beta1 / adam_beta2",
+    "eps": "adam_epsilon",
+    "weight_decay": "weight_decay",
+    "max_grad_norm": "max_grad_norm",
+    "param_groups": "the Trainer's decay / no-decay groups",
+    "adamw": "optim",
+}
 
 
 class _ZeroAccelerator(Accelerator):
@@ -66,7 +76,8 @@ class _ZeroAccelerator(Accelerator):
     never moves a model ZeroAdam manages; prepare_optimizer keeps ZeroAdam as it is (Accelerate's
     AcceleratedOptimizer would round-trip its state_dict, a DCP dict of shards, through
     move_to_device); no_sync, backward and clip_grad_norm_ are ZeroAdam's."""
-    _zero: Optional[ZeroAdam] = None
+
+    _zero: ZeroAdam | None = None
 
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
         if self._zero is not None:
@@ -118,7 +129,7 @@ class ZeroTrainerMixin:
     bf16 / fp16: mixed_precision may be given only to refine them, e.g. a MixedPrecisionPolicy with
     reduce_dtype=torch.float32)."""
 
-    def __init__(self, *args, zero: Optional[dict] = None, save_async: bool = False, **kwargs):
+    def __init__(self, *args, zero: dict | None = None, save_async: bool = False, **kwargs):
         if not isinstance(save_async, bool):
             raise TypeError(f"ZeroTrainer: save_async must be True or False; got {save_async!r}")
         self.save_async = save_async
@@ -127,13 +138,16 @@ class ZeroTrainerMixin:
         zero = dict(zero or {})
         for key, arg in _FROM_ARGS.items():
             if key in zero:
-                raise ValueError(f"ZeroTrainer: zero={{'{key}': ...}} is set by TrainingArguments ({arg}); "
-                                 f"set it there")
+                raise ValueError(
+                    f"ZeroTrainer: zero={{'{key}': ...}} is set by TrainingArguments ({arg}); set it there"
+                )
         self.zero = zero
         optimizers = kwargs.get("optimizers", (None, None))
         if optimizers[0] is not None and not isinstance(optimizers[0], ZeroAdam):
-            raise ValueError(f"ZeroTrainer: optimizers=({type(optimizers[0]).__name__}, ...) next to zero=; the "
-                             f"trainer builds its ZeroAdam (pass optimizers=(None, scheduler), or a ZeroAdam)")
+            raise ValueError(
+                f"ZeroTrainer: optimizers=({type(optimizers[0]).__name__}, ...) next to zero=; the "
+                f"trainer builds its ZeroAdam (pass optimizers=(None, scheduler), or a ZeroAdam)"
+            )
         if kwargs.get("optimizer_cls_and_kwargs") is not None:
             raise ValueError("ZeroTrainer: optimizer_cls_and_kwargs= next to zero=; the trainer builds ZeroAdam")
         super().__init__(*args, **kwargs)
@@ -144,17 +158,23 @@ class ZeroTrainerMixin:
         if a.n_gpu > 1:
             raise ValueError(f"ZeroTrainer: one process per GPU (torchrun), not nn.DataParallel over {a.n_gpu}")
         if a.fp16_full_eval or a.bf16_full_eval:
-            raise ValueError("ZeroTrainer: fp16_full_eval / bf16_full_eval cast the model, whose parameters "
-                             "ZeroAdam owns; use bf16= / fp16=")
+            raise ValueError(
+                "ZeroTrainer: fp16_full_eval / bf16_full_eval cast the model, whose parameters "
+                "ZeroAdam owns; use bf16= / fp16="
+            )
         if a.auto_find_batch_size:
-            raise ValueError("ZeroTrainer: auto_find_batch_size retries a step after running out of memory, "
-                             "which leaves ZeroAdam's collectives in flight; set the batch size")
+            raise ValueError(
+                "ZeroTrainer: auto_find_batch_size retries a step after running out of memory, "
+                "which leaves ZeroAdam's collectives in flight; set the batch size"
+            )
         if a.device.type not in ("cpu", "cuda"):
             raise ValueError(f"ZeroTrainer: the device is {a.device.type!r}; zerofast runs on CPU and CUDA")
         ga = a.accelerator_config.gradient_accumulation_kwargs or {}
         if ga.get("sync_each_batch") and a.gradient_accumulation_steps > 1:
-            raise ValueError("ZeroTrainer: gradient_accumulation_kwargs sync_each_batch: ZeroAdam's no_sync "
-                             "decides what each micro-batch communicates")
+            raise ValueError(
+                "ZeroTrainer: gradient_accumulation_kwargs sync_each_batch: ZeroAdam's no_sync "
+                "decides what each micro-batch communicates"
+            )
         if getattr(self.model, "is_loaded_in_4bit", False) or getattr(self.model, "is_loaded_in_8bit", False):
             raise ValueError("ZeroTrainer: quantized (bitsandbytes) models are not supported")
         if a.optim not in _ADAMW:
@@ -191,11 +211,16 @@ class ZeroTrainerMixin:
         given = self.zero.get("mixed_precision")
         if given is None:
             return wanted
-        dtype = given.param_dtype if isinstance(given, MixedPrecisionPolicy) else {
-            "bf16": torch.bfloat16, "fp16": torch.float16}.get(given)
+        dtype = (
+            given.param_dtype
+            if isinstance(given, MixedPrecisionPolicy)
+            else {"bf16": torch.bfloat16, "fp16": torch.float16}.get(given)
+        )
         if {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype) != wanted:
-            raise ValueError(f"ZeroTrainer: zero={{'mixed_precision': {given!r}}} disagrees with the arguments' "
-                             f"bf16={self.args.bf16}, fp16={self.args.fp16}")
+            raise ValueError(
+                f"ZeroTrainer: zero={{'mixed_precision': {given!r}}} disagrees with the arguments' "
+                f"bf16={self.args.bf16}, fp16={self.args.fp16}"
+            )
         return given
 
     def create_optimizer(self, model=None):
@@ -206,13 +231,20 @@ class ZeroTrainerMixin:
         _ensure_process_group(self.args.device)
         decay = set(self.get_decay_parameter_names(opt_model))
         named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
-        groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
-                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ]
         options = dict(self.zero, mixed_precision=self._mixed_precision())
-        self.optimizer = ZeroAdam(opt_model, lr=self.args.learning_rate,
-                                  betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon,
-                                  weight_decay=self.args.weight_decay, param_groups=[g for g in groups if g["params"]],
-                                  **options)
+        self.optimizer = ZeroAdam(
+            opt_model,
+            lr=self.args.learning_rate,
+            betas=(self.args.adam_beta1, self.args.adam_beta2),
+            eps=self.args.adam_epsilon,
+            weight_decay=self.args.weight_decay,
+            param_groups=[g for g in groups if g["params"]],
+            **options,
+        )
         self.accelerator._zero = self.optimizer
         return self.optimizer
 
@@ -226,7 +258,7 @@ class ZeroTrainerMixin:
 
     # --- saving ----------------------------------------------------------------------------------
 
-    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False):
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """A consolidated model that from_pretrained loads (with PEFT: the adapter), written by the
         ranks that save (args.should_save) from opt.full_state_dict(): gathered unit by unit, so no
         rank holds more than the model on the CPU plus one unit. Every rank must call it."""
@@ -265,9 +297,13 @@ class ZeroTrainerMixin:
         handle = zckpt.in_flight()
         if limit and self.args.should_save and handle is not None:
             from transformers.trainer_utils import rotate_checkpoints
+
             run_dir, best = self._get_output_dir(trial=trial), self.state.best_model_checkpoint
-            handle.then(lambda: rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
-                                                   best_model_checkpoint=best, use_mtime=True))
+            handle.then(
+                lambda: rotate_checkpoints(
+                    output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=True
+                )
+            )
         if self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps:
             zckpt.wait()
 
@@ -299,11 +335,15 @@ class ZeroTrainerMixin:
         path = os.path.join(checkpoint, ZERO_DIR)
         if not os.path.isdir(path) and not os.path.isdir(path + zckpt.INCOMPLETE):  # (load names an unfinished one)
             if os.path.isfile(os.path.join(checkpoint, "optimizer.pt")):
-                raise ValueError(f"ZeroTrainer: {checkpoint} was written by a plain Trainer (optimizer.pt, no "
-                                 f"{ZERO_DIR}/); convert it with zerofast.checkpoint.from_torch")
+                raise ValueError(
+                    f"ZeroTrainer: {checkpoint} was written by a plain Trainer (optimizer.pt, no "
+                    f"{ZERO_DIR}/); convert it with zerofast.checkpoint.from_torch"
+                )
             # Not silently on with fresh Adam moments and schedule (what the Trainer would do).
-            raise ValueError(f"ZeroTrainer: {checkpoint} holds no optimizer state (no {ZERO_DIR}/): it was saved with "
-                             f"save_only_model, or its save never completed; resume from a complete checkpoint")
+            raise ValueError(
+                f"ZeroTrainer: {checkpoint} holds no optimizer state (no {ZERO_DIR}/): it was saved with "
+                f"save_only_model, or its save never completed; resume from a complete checkpoint"
+            )
         zckpt.load(path, self.model, self.optimizer)
         with warnings.catch_warnings(record=True):
             self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
@@ -314,28 +354,33 @@ class ZeroTrainerMixin:
         zckpt.load(os.path.join(self.state.best_model_checkpoint, ZERO_DIR), self.model, self.optimizer)
 
 
-def last_complete_checkpoint(output_dir: str) -> Optional[str]:
+def last_complete_checkpoint(output_dir: str) -> str | None:
     """The highest checkpoint-N under output_dir with its trainer_state.json and a complete zerofast/
     folder (or a plain Trainer's optimizer.pt, which resuming then names), or None. train(resume_from_checkpoint=True) resumes from it: a run killed
     while checkpoint-N's shards were still being written (save_async, or a blocking save cut short)
     leaves checkpoint-N with only zerofast.incomplete, which the Trainer's get_last_checkpoint
     (transformers 5.24) would pick."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
     found = []
     for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
-        step = name[len(PREFIX_CHECKPOINT_DIR) + 1:]
+        step = name[len(PREFIX_CHECKPOINT_DIR) + 1 :]
         folder = os.path.join(output_dir, name)
         if name.startswith(PREFIX_CHECKPOINT_DIR + "-") and step.isdigit() and os.path.isdir(folder):
             found.append((int(step), folder))
     for _, folder in sorted(found, reverse=True):
         zero = os.path.join(folder, ZERO_DIR)
-        optimizer_saved = (os.path.isfile(os.path.join(zero, zckpt.MANIFEST))
-                           or os.path.isfile(os.path.join(folder, "optimizer.pt")))  # a plain Trainer's: named later
+        optimizer_saved = os.path.isfile(os.path.join(zero, zckpt.MANIFEST)) or os.path.isfile(
+            os.path.join(folder, "optimizer.pt")
+        )  # a plain Trainer's: named later
         if optimizer_saved and os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME)):
             return folder
-        warnings.warn(f"ZeroTrainer: {folder} was never completed (no {TRAINER_STATE_NAME}, or its {ZERO_DIR}/ "
-                      f"unfinished); "
-                      f"resuming from an earlier checkpoint", stacklevel=3)
+        warnings.warn(
+            f"ZeroTrainer: {folder} was never completed (no {TRAINER_STATE_NAME}, or its {ZERO_DIR}/ "
+            f"unfinished); "
+            f"resuming from an earlier checkpoint",
+            stacklevel=3,
+        )
     return None
 
 
@@ -349,8 +394,11 @@ def __getattr__(name: str):
             from trl import SFTTrainer
         except ImportError as e:
             raise AttributeError(f"zerofast.integrations.hf.ZeroSFTTrainer needs trl ({e})") from e
-        cls = type("ZeroSFTTrainer", (ZeroTrainerMixin, SFTTrainer), {
-            "__module__": __name__, "__doc__": "trl.SFTTrainer with ZeroAdam: ZeroSFTTrainer(..., zero={...})."})
+        cls = type(
+            "ZeroSFTTrainer",
+            (ZeroTrainerMixin, SFTTrainer),
+            {"__module__": __name__, "__doc__": "trl.SFTTrainer with ZeroAdam: ZeroSFTTrainer(..., zero={...})."},
+        )
         globals()[name] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,6 +8,7 @@
 For the `pytorch_lightning` package the same classes are in zerofast.integrations.pytorch_lightning.
 What maps to what, and the version it is written against: zerofast/integrations/_lightning.py.
 """
+
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 

@@ -8,6 +8,7 @@
 For the `lightning` package (lightning.pytorch) the same classes are in zerofast.integrations.lightning.
 What maps to what, and the version it is written against: zerofast/integrations/_lightning.py.
 """
+
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 

@@ -6,8 +6,10 @@ compiled extension through this package."""
 def __getattr__(name: str):
     if name == "ZeroAdam":
         from .zero_adam import ZeroAdam
+
         return ZeroAdam
     if name == "ZeroMuon":
         from .muon import ZeroMuon
+
         return ZeroMuon
     raise AttributeError(f"module 'zerofast.optim' has no attribute {name!r}")

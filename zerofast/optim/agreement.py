@@ -1,11 +1,11 @@
 """The step's agreement as data: where each flag and counter sits in phase 2's one small
 all_reduce(MAX) message, and what the ranks agreed on. Pure Python (no compiled code), so that the
 estimator (zerofast/tools/estimate.py) counts the message's bytes from the same layout."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional
-
+from typing import ClassVar
 
 # [Note: the step's agreement]
 # Phase 2's one small all_reduce(MAX) carries, besides which parameters got a gradient, this rank's
@@ -26,11 +26,13 @@ from typing import ClassVar, Optional
 # elementwise kernels over memory that already exists, and phase 4 (stages 1 and 2) only moves the
 # updated owned ranges, which a checkpoint reads from their owners.
 
+
 @dataclass(frozen=True)
 class AgreementLayout:
     """The int64 message of the step's agreement, all_reduced with MAX: `params` flags (the
     parameter got a gradient on this rank), then each counter of COUNTERS as two entries, its value
     and its negation, then the failure flag (0, or 1 + the rank that failed before the update)."""
+
     params: int
     COUNTERS: ClassVar[tuple[str, ...]] = ("steps", "micro_batches", "reduces", "gathers")
 
@@ -51,7 +53,7 @@ class AgreementLayout:
     def numel(self) -> int:
         return self.failed + 1
 
-    def pack(self, used: list[bool], counts: dict[str, int], failed_rank: Optional[int]) -> list[int]:
+    def pack(self, used: list[bool], counts: dict[str, int], failed_rank: int | None) -> list[int]:
         """This rank's message: counts holds a value for every name of COUNTERS."""
         message = [0] * self.numel
         message[self.used] = [int(u) for u in used]
@@ -60,7 +62,7 @@ class AgreementLayout:
         message[self.failed] = 0 if failed_rank is None else failed_rank + 1
         return message
 
-    def read(self, agreed: list[int]) -> "Agreed":
+    def read(self, agreed: list[int]) -> Agreed:
         """The message after the all_reduce(MAX)."""
         ranges = {}
         for name in self.COUNTERS:
@@ -73,9 +75,10 @@ class AgreementLayout:
 @dataclass(frozen=True)
 class Agreed:
     """What the ranks agreed on: AgreementLayout.read."""
-    used: list[bool]                     # the parameter got a gradient on some rank
-    ranges: dict[str, tuple[int, int]]   # each counter's (smallest, largest) over the ranks
-    failed_rank: Optional[int]           # a rank that failed before the update (the highest), or None
+
+    used: list[bool]  # the parameter got a gradient on some rank
+    ranges: dict[str, tuple[int, int]]  # each counter's (smallest, largest) over the ranks
+    failed_rank: int | None  # a rank that failed before the update (the highest), or None
 
     def same(self, name: str) -> bool:
         smallest, largest = self.ranges[name]

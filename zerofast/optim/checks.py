@@ -3,6 +3,7 @@ checked in zerofast/config.py): the parameter groups, the parameters' dtypes and
 cross-rank agreement on the model (one all_gather_object, then rank 0's values broadcast), each
 raising a clear error naming the argument and the value it got, or the first mismatch across
 ranks, never a hang later."""
+
 from __future__ import annotations
 
 import torch
@@ -17,12 +18,16 @@ GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 def check_process_group(process_group) -> None:
     from torch.distributed.device_mesh import DeviceMesh
+
     if process_group is not None and not isinstance(process_group, (dist.ProcessGroup, DeviceMesh)):
-        raise TypeError(f"ZeroAdam: process_group must be a torch.distributed ProcessGroup, a 2-D DeviceMesh "
-                        f"(\"replicate\", \"shard\") or None; got {type(process_group).__name__}")
+        raise TypeError(
+            f"ZeroAdam: process_group must be a torch.distributed ProcessGroup, a 2-D DeviceMesh "
+            f'("replicate", "shard") or None; got {type(process_group).__name__}'
+        )
     if not dist.is_initialized():
-        raise RuntimeError("ZeroAdam needs torch.distributed initialized (dist.init_process_group); "
-                           "world size 1 works too")
+        raise RuntimeError(
+            "ZeroAdam needs torch.distributed initialized (dist.init_process_group); world size 1 works too"
+        )
 
 
 def check_dtypes(names: list[str], params: list, param_dtype: torch.dtype) -> None:
@@ -31,12 +36,16 @@ def check_dtypes(names: list[str], params: list, param_dtype: torch.dtype) -> No
     dtype, device = params[0].dtype, params[0].device
     for n, p in zip(names, params):
         if p.dtype != dtype or p.device != device:
-            raise ValueError(f"ZeroAdam needs every trainable parameter on one device with one dtype: "
-                             f"{names[0]} is {dtype} on {device}, {n} is {p.dtype} on {p.device}")
+            raise ValueError(
+                f"ZeroAdam needs every trainable parameter on one device with one dtype: "
+                f"{names[0]} is {dtype} on {device}, {n} is {p.dtype} on {p.device}"
+            )
     if dtype != torch.float32 and param_dtype == torch.float32:
-        raise ValueError(f"ZeroAdam: the model's parameters are {dtype}; without mixed_precision they must be "
-                         f"float32 (they are the master copy). Pass the fp32 model with "
-                         f"mixed_precision='bf16' or 'fp16' to train in low precision")
+        raise ValueError(
+            f"ZeroAdam: the model's parameters are {dtype}; without mixed_precision they must be "
+            f"float32 (they are the master copy). Pass the fp32 model with "
+            f"mixed_precision='bf16' or 'fp16' to train in low precision"
+        )
 
 
 def build_groups(param_groups, named, defaults) -> list[dict]:
@@ -52,16 +61,22 @@ def build_groups(param_groups, named, defaults) -> list[dict]:
             raise ValueError(f"ZeroAdam: param_groups[{g}] must be a dict with a 'params' list; got {group!r}")
         unknown = set(group) - {"params", *GROUP_KEYS}
         if unknown:
-            raise ValueError(f"ZeroAdam: param_groups[{g}] has unknown keys {sorted(unknown)}; "
-                             f"allowed: params, {', '.join(GROUP_KEYS)}")
+            raise ValueError(
+                f"ZeroAdam: param_groups[{g}] has unknown keys {sorted(unknown)}; "
+                f"allowed: params, {', '.join(GROUP_KEYS)}"
+            )
         members = list(group["params"])
         for p in members:
             if id(p) not in name_of:
-                raise ValueError(f"ZeroAdam: param_groups[{g}] holds a tensor of shape {tuple(p.shape)} that is "
-                                 f"not one of the model's trainable parameters")
+                raise ValueError(
+                    f"ZeroAdam: param_groups[{g}] holds a tensor of shape {tuple(p.shape)} that is "
+                    f"not one of the model's trainable parameters"
+                )
             if id(p) in seen:
-                raise ValueError(f"ZeroAdam: {name_of[id(p)]} is in param_groups[{seen[id(p)]}] and "
-                                 f"param_groups[{g}]; each parameter belongs to one group")
+                raise ValueError(
+                    f"ZeroAdam: {name_of[id(p)]} is in param_groups[{seen[id(p)]}] and "
+                    f"param_groups[{g}]; each parameter belongs to one group"
+                )
             seen[id(p)] = g
         full = dict(defaults, **{k: v for k, v in group.items() if k != "params"}, params=members)
         full["betas"] = tuple(full["betas"])
@@ -69,14 +84,16 @@ def build_groups(param_groups, named, defaults) -> list[dict]:
         groups.append(full)
     missing = [name_of[id(p)] for p in params if id(p) not in seen]
     if missing:
-        raise ValueError(f"ZeroAdam: trainable parameter {missing[0]} is in no param group "
-                         f"({len(missing)} missing in all)")
+        raise ValueError(
+            f"ZeroAdam: trainable parameter {missing[0]} is in no param group ({len(missing)} missing in all)"
+        )
     return groups
 
 
 def _signature(model: nn.Module) -> list[tuple]:
-    return ([("param", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()]
-            + [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in model.named_buffers()])
+    return [("param", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()] + [
+        ("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in model.named_buffers()
+    ]
 
 
 def data_parallel_group(process_group, shard_size):
@@ -84,6 +101,7 @@ def data_parallel_group(process_group, shard_size):
     ([Note: hybrid sharding] in zerofast/topology.py): from process_group (None: the world) and
     shard_size, or from a 2-D DeviceMesh given as process_group."""
     from torch.distributed.device_mesh import DeviceMesh
+
     if not isinstance(process_group, DeviceMesh):
         group = process_group if process_group is not None else dist.group.WORLD
         # The raw value first, on every rank: a value bad on some ranks only must fail on all of
@@ -92,13 +110,17 @@ def data_parallel_group(process_group, shard_size):
         dist.all_gather_object(everyone, repr(shard_size), group=group)
         for r, value in enumerate(everyone):
             if value != everyone[0]:
-                raise ValueError(f"ZeroAdam: ranks were given different options: rank 0 has shard_size={everyone[0]}, "
-                                 f"rank {r} has shard_size={value}")
+                raise ValueError(
+                    f"ZeroAdam: ranks were given different options: rank 0 has shard_size={everyone[0]}, "
+                    f"rank {r} has shard_size={value}"
+                )
         return group, check_shard_size(shard_size, dist.get_world_size(group)), None
     mesh = process_group
     if shard_size is not None:
-        raise ValueError(f"ZeroAdam: a DeviceMesh as process_group gives the shard groups itself (its \"shard\" "
-                         f"dim); pass it without shard_size (got shard_size={shard_size!r})")
+        raise ValueError(
+            f'ZeroAdam: a DeviceMesh as process_group gives the shard groups itself (its "shard" '
+            f"dim); pass it without shard_size (got shard_size={shard_size!r})"
+        )
     _replicas, k = mesh_groups(mesh)
     ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
     if sorted(ranks) == list(range(dist.get_world_size())):
@@ -117,11 +139,15 @@ def check_same_across_ranks(model: nn.Module, group) -> None:
             continue
         for a, b in zip(reference, sig):
             if a != b:
-                raise ValueError(f"ZeroAdam: ranks hold different models: rank 0 has {a[0]} {a[1]} "
-                                 f"{a[2]} {a[3]} (requires_grad={a[4]}), rank {rank} has {b[0]} {b[1]} "
-                                 f"{b[2]} {b[3]} (requires_grad={b[4]})")
-        raise ValueError(f"ZeroAdam: ranks hold different models: rank 0 has {len(reference)} parameters "
-                         f"and buffers, rank {rank} has {len(sig)}")
+                raise ValueError(
+                    f"ZeroAdam: ranks hold different models: rank 0 has {a[0]} {a[1]} "
+                    f"{a[2]} {a[3]} (requires_grad={a[4]}), rank {rank} has {b[0]} {b[1]} "
+                    f"{b[2]} {b[3]} (requires_grad={b[4]})"
+                )
+        raise ValueError(
+            f"ZeroAdam: ranks hold different models: rank 0 has {len(reference)} parameters "
+            f"and buffers, rank {rank} has {len(sig)}"
+        )
 
 
 def broadcast_from_rank0(model: nn.Module, group) -> None:

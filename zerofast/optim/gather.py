@@ -13,9 +13,10 @@ it, when the parameter's bucket has not been waited for by then (zerofast/optim/
 best-effort: if another module of the same bucket ran its pre-hook in between, the flag is cleared
 and the early read goes unnoticed. opt.gathered_params() (and the next step()) wait for everything.
 """
+
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
@@ -35,8 +36,8 @@ class ParamGather:
             self.comm.gather_start(b, self.param_buffers[b])
             self.pending[b] = True
 
-    def wait(self, buckets: Optional[Iterable[int]] = None) -> None:
-        for b in (range(len(self.pending)) if buckets is None else buckets):
+    def wait(self, buckets: Iterable[int] | None = None) -> None:
+        for b in range(len(self.pending)) if buckets is None else buckets:
             if self.pending[b]:
                 self.comm.gather_wait(b)
                 self.pending[b] = False
@@ -47,8 +48,13 @@ class ParamGather:
         index_of = {id(p): i for i, p in enumerate(params)}
         handles, hooked = [], []
         for module in model.modules():
-            buckets = sorted({self.layout.slots[index_of[id(p)]].bucket
-                              for p in module.parameters(recurse=False) if id(p) in index_of})
+            buckets = sorted(
+                {
+                    self.layout.slots[index_of[id(p)]].bucket
+                    for p in module.parameters(recurse=False)
+                    if id(p) in index_of
+                }
+            )
             if buckets:
                 handles.append(module.register_forward_pre_hook(_WaitFor(self, tuple(buckets))))
                 hooked.append(module)

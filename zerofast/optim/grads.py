@@ -18,22 +18,23 @@ next bucket to launch) is the compiled GradPath's alone. The notes sit beside th
 describe: [Note: the step's agreement] at AgreementLayout (zerofast/optim/agreement.py), [Note: accumulation] at no_sync(),
 [Note: unused parameters] at flush(), [Note: global gradient clipping] at clip().
 """
+
 from __future__ import annotations
 
 import contextlib
 import enum
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
 from .. import _C, _ops
 from ..comm import BucketComm, OutOfStepError
-from .agreement import AgreementLayout, Agreed  # noqa: F401  ([Note: the step's agreement])
-from .gather import ParamGather
 from ..config import Plan
 from ..layout import Layout
+from .agreement import Agreed, AgreementLayout  # noqa: F401  ([Note: the step's agreement])
+from .gather import ParamGather
 from .precision import LossScaler
 from .state import ShardState
 
@@ -45,6 +46,7 @@ class StepNotAppliedError(RuntimeError):
 class StepPhase(enum.Enum):
     """Where the step is, for its gradients (GradReducer.phase). Inside no_sync(): NO_SYNC and
     NO_SYNC_REDUCING; outside it, the others."""
+
     IDLE = "idle"
     """Outside no_sync(), no gradient of this step in a bucket yet: zero_grad() may clear .grad
     (gradients accumulated only locally under an earlier no_sync() are dropped with it)."""
@@ -70,10 +72,11 @@ class StepPhase(enum.Enum):
 @dataclass
 class Prepared:
     """What phase 2 agreed on, for the rest of the step."""
-    used: list[bool]            # which parameters got a gradient on some rank
-    found_inf: bool             # some rank's gradient shard holds an inf or nan (fp16 only)
-    norm: Optional[torch.Tensor]  # global norm of the averaged, unscaled gradient (when clipping)
-    grad_factor: float          # the clip coefficients so far (1.0: none)
+
+    used: list[bool]  # which parameters got a gradient on some rank
+    found_inf: bool  # some rank's gradient shard holds an inf or nan (fp16 only)
+    norm: torch.Tensor | None  # global norm of the averaged, unscaled gradient (when clipping)
+    grad_factor: float  # the clip coefficients so far (1.0: none)
 
 
 class GradReducer:
@@ -81,11 +84,21 @@ class GradReducer:
     the flush and the agreement. Every gradient's state (which parameters got a gradient, each
     slot's, each bucket's missing count, the next bucket to launch) is the compiled GradPath's."""
 
-    def __init__(self, params: list[torch.nn.Parameter], names: list[str], layout: Layout, comm: BucketComm,
-                 shard: ShardState, plan: Plan, *, scaler: LossScaler, gather: ParamGather):
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        names: list[str],
+        layout: Layout,
+        comm: BucketComm,
+        shard: ShardState,
+        plan: Plan,
+        *,
+        scaler: LossScaler,
+        gather: ParamGather,
+    ):
         self.params, self.names, self.layout, self.comm = params, names, layout, comm
         self.plan = plan
-        self.shard = shard                    # where the reduces leave this rank's owned gradients
+        self.shard = shard  # where the reduces leave this rank's owned gradients
         # Stage 1: each parameter's slot in the persistent buckets, which .grad is pointed at
         # ([Note: grads as bucket views] in csrc/buckets.cpp); None where gradients are copied.
         self.views = shard.grad_views(params)
@@ -100,11 +113,20 @@ class GradReducer:
         # The compiled path calls back through weak references: it must not keep this reducer (and
         # with it the optimizer) alive, since the garbage collector cannot see references held in C++.
         me = weakref.ref(self)
-        self.path = _C.GradPath(comm._impl, params, names, [s.bucket for s in slots], [s.offset for s in slots],
-                                [len(b.params) for b in layout.buckets], self.views or [], plan.grads_sharded,
-                                plan.overlap,
-                                _Callback(me, "_on_grad"), _Callback(me, "_on_error"),
-                                _Callback(me, "_before_launch") if comm.check else None)
+        self.path = _C.GradPath(
+            comm._impl,
+            params,
+            names,
+            [s.bucket for s in slots],
+            [s.offset for s in slots],
+            [len(b.params) for b in layout.buckets],
+            self.views or [],
+            plan.grads_sharded,
+            plan.overlap,
+            _Callback(me, "_on_grad"),
+            _Callback(me, "_on_error"),
+            _Callback(me, "_before_launch") if comm.check else None,
+        )
         self.begin_step()
 
     # --- the step's phase -----------------------------------------------------------------------
@@ -117,10 +139,10 @@ class GradReducer:
             for p in self.params:
                 p.grad = None
         self.reduced_micro_batches = 0  # no_sync micro-batches already reduced into the shard
-        self.micro_batches = 0          # backwards that gave gradients in this step
+        self.micro_batches = 0  # backwards that gave gradients in this step
         self.comm.where.micro_batch = 0
-        self._prepared: Optional[Prepared] = None  # phase 2's result, in PREPARED
-        self.path.begin_step()          # every slot empty, nothing used, no backward running
+        self._prepared: Prepared | None = None  # phase 2's result, in PREPARED
+        self.path.begin_step()  # every slot empty, nothing used, no backward running
         self._enter(StepPhase.IDLE)
         self.comm.new_step()
 
@@ -145,8 +167,11 @@ class GradReducer:
         if not self.path.in_backward:  # the first gradient of this backward
             self._backward_starts()
         bucket = self.layout.slots[index].bucket
-        self.comm.run(lambda: f"the gradient path at bucket {bucket} (its copy, or a reduce it launched or "
-                              f"waited for)", self.path.take, index)
+        self.comm.run(
+            lambda: f"the gradient path at bucket {bucket} (its copy, or a reduce it launched or waited for)",
+            self.path.take,
+            index,
+        )
 
     def _backward_starts(self) -> None:
         """Queue the backward's end, and enter the phase its gradients put the step in."""
@@ -162,8 +187,10 @@ class GradReducer:
         """A communication failure (CommError) in the compiled hook, raised as Python's path raises
         it. Only those come here; a GradientError the hook raises itself."""
         bucket = self.layout.slots[index].bucket
-        raise self.comm.failed(f"the gradient path at bucket {bucket} (its copy, or a reduce it launched or "
-                               f"waited for)", _C.CommError(message))
+        raise self.comm.failed(
+            f"the gradient path at bucket {bucket} (its copy, or a reduce it launched or waited for)",
+            _C.CommError(message),
+        )
 
     def _before_launch(self, bucket: int) -> None:
         """check_collectives: every rank describes the reduce it is about to launch."""
@@ -174,16 +201,20 @@ class GradReducer:
         if self.scaler.enabled and not self.scaler.in_scaled_backward:
             raise RuntimeError(
                 f"ZeroAdam(mixed_precision='fp16'): {name} got a gradient from a backward that did not "
-                f"scale the loss; call opt.backward(loss) instead of loss.backward() ([Note: loss scaling])")
+                f"scale the loss; call opt.backward(loss) instead of loss.backward() ([Note: loss scaling])"
+            )
         if self.gather.pending[self.layout.slots[index].bucket]:
             raise RuntimeError(
                 f"ZeroAdam(overlap_param_gather=True): {name} was used while its gather was still in flight "
                 f"(read outside the forward of a module that holds it); this step's result would be wrong. "
                 f"Read it inside its module's forward, or pass overlap_param_gather=False. See "
-                f"[Note: overlapped parameter gather]")
+                f"[Note: overlapped parameter gather]"
+            )
         if self.phase is StepPhase.PREPARED:
-            raise RuntimeError(f"ZeroAdam: {name} got a gradient after clip_grad_norm_() and before step(); "
-                               f"clip after the last backward of the step")
+            raise RuntimeError(
+                f"ZeroAdam: {name} got a gradient after clip_grad_norm_() and before step(); "
+                f"clip after the last backward of the step"
+            )
 
     def _end_backward(self) -> None:
         """End of a backward that gave this optimizer gradients: one more micro-batch (counted, so
@@ -219,8 +250,10 @@ class GradReducer:
         if self.phase.in_no_sync:
             raise RuntimeError("ZeroAdam.no_sync() is already active: no_sync() blocks cannot be nested")
         if self.phase is StepPhase.PREPARED:
-            raise RuntimeError("ZeroAdam.no_sync() was entered after clip_grad_norm_() and before step(); "
-                               "clip after the last backward of the step, then call step()")
+            raise RuntimeError(
+                "ZeroAdam.no_sync() was entered after clip_grad_norm_() and before step(); "
+                "clip after the last backward of the step, then call step()"
+            )
         self._enter(StepPhase.NO_SYNC if self.phase is StepPhase.IDLE else StepPhase.NO_SYNC_REDUCING)
         try:
             yield
@@ -233,9 +266,11 @@ class GradReducer:
 
     def zero_grad(self, set_to_none: bool) -> None:
         if self.phase not in (StepPhase.IDLE, StepPhase.NO_SYNC):
-            raise RuntimeError("ZeroAdam.zero_grad() was called between backward and step(): this step's "
-                               "gradients are already being reduced across ranks and would still be "
-                               "applied; call step() first (or zero_grad() only at the start of an iteration)")
+            raise RuntimeError(
+                "ZeroAdam.zero_grad() was called between backward and step(): this step's "
+                "gradients are already being reduced across ranks and would still be "
+                "applied; call step() first (or zero_grad() only at the start of an iteration)"
+            )
         self.path.begin_step()  # locally accumulated gradients are dropped: no slot holds one now
         self.micro_batches = 0  # micro-batches accumulated only locally are dropped with their gradients
         self.comm.where.micro_batch = 0
@@ -262,10 +297,13 @@ class GradReducer:
     def flush(self) -> None:
         """Launch what backward did not: each bucket not launched yet, with a locally accumulated
         gradient where one is waiting and zeros for a parameter without gradient here."""
-        self.comm.run("an earlier reduce, or the reduce of a bucket backward left incomplete (filled and launched "
-                      "at the end of the micro-batch)", self.path.flush)
+        self.comm.run(
+            "an earlier reduce, or the reduce of a bucket backward left incomplete (filled and launched "
+            "at the end of the micro-batch)",
+            self.path.flush,
+        )
 
-    def prepare(self, need_norm: bool, world_size: int, check: Optional[Callable[[], None]] = None) -> Prepared:
+    def prepare(self, need_norm: bool, world_size: int, check: Callable[[], None] | None = None) -> Prepared:
         """Phase 2, once per step (step() or an earlier clip_grad_norm_()): every bucket reduced, the
         ranks agreed on which parameters got a gradient, that they are in step, and that none failed
         before the update ([Note: the step's agreement]), and, where loss scaling or clipping needs
@@ -274,7 +312,9 @@ class GradReducer:
         if self.phase is StepPhase.PREPARED:  # clip_grad_norm_() or clip_grad_value_() ran it
             if need_norm and self._prepared.norm is None:  # clip_grad_value_(): the norm of the clamped gradient
                 sumsq = torch.zeros(1, dtype=torch.float32, device=self.shard.grad_shard.device)
-                sumsq[0] = sum(torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in self.shard.owned_grads())
+                sumsq[0] = sum(
+                    torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in self.shard.owned_grads()
+                )
                 self.comm.all_reduce_sum(sumsq)
                 self._prepared.norm = sumsq[0].sqrt() / (world_size * self.scaler.scale)
             return self._prepared
@@ -291,10 +331,12 @@ class GradReducer:
             local_used = self.path.used()
             message = AgreementLayout(len(local_used))
             reduce_hash, gather_hash = self.comm.order_hashes()
-            counts = dict(steps=where.step, micro_batches=self.micro_batches, reduces=reduce_hash,
-                          gathers=gather_hash)
-            flags = torch.tensor(message.pack(local_used, counts, None if failure is None else self.comm.dp_rank),
-                                 dtype=torch.int64, device=device)
+            counts = dict(steps=where.step, micro_batches=self.micro_batches, reduces=reduce_hash, gathers=gather_hash)
+            flags = torch.tensor(
+                message.pack(local_used, counts, None if failure is None else self.comm.dp_rank),
+                dtype=torch.int64,
+                device=device,
+            )
             self.comm.all_reduce_max(flags)
             agreed = message.read(flags.tolist())
             if not (agreed.same("steps") and agreed.same("micro_batches")):
@@ -303,21 +345,26 @@ class GradReducer:
                     f"ZeroAdam (rank {self.comm.dp_rank}): the ranks are out of step at step() of step {where.step + 1}: "
                     f"they have taken {steps[0]} to {steps[1]} steps and run {micro[0]} to {micro[1]} micro-batches "
                     f"(this rank: {where.step} and {self.micro_batches}). Every rank must run the same "
-                    f"micro-batches and call step() as often; nothing was applied")
+                    f"micro-batches and call step() as often; nothing was applied"
+                )
             if not (agreed.same("reduces") and agreed.same("gathers")):
-                which = ("gathers (stage 3: the modules ran in another order)" if not agreed.same("gathers")
-                         else "reduces")
+                which = (
+                    "gathers (stage 3: the modules ran in another order)" if not agreed.same("gathers") else "reduces"
+                )
                 raise OutOfStepError(
                     f"ZeroAdam (rank {self.comm.dp_rank}): the ranks are out of step at step() of step {where.step + 1}: "
                     f"they issued different {which} in this step, so collectives paired up wrongly and this "
                     f"step's gradients are not to be trusted; nothing was applied. Every rank must run the same "
-                    f"modules in the same order; ZEROFAST_DEBUG=1 names the first collective that differs")
+                    f"modules in the same order; ZEROFAST_DEBUG=1 names the first collective that differs"
+                )
             self.comm.wait_reduces()
         if agreed.failed_rank is not None:
             self.begin_step()  # this step's gradients are dropped; nothing was applied
-            note = (f"ZeroAdam: step {where.step + 1} was not applied on any rank: rank {agreed.failed_rank} failed "
-                    f"before the update; parameters and optimizer state are those after step {where.step} on every "
-                    f"rank, and this step's gradients are dropped")
+            note = (
+                f"ZeroAdam: step {where.step + 1} was not applied on any rank: rank {agreed.failed_rank} failed "
+                f"before the update; parameters and optimizer state are those after step {where.step} on every "
+                f"rank, and this step's gradients are dropped"
+            )
             if failure is not None:
                 failure.add_note(note)
                 raise failure
@@ -374,7 +421,7 @@ class GradReducer:
 class _Callback:
     """A method of the GradReducer, called by the compiled path through a weak reference."""
 
-    def __init__(self, ref: "weakref.ref[GradReducer]", name: str):
+    def __init__(self, ref: weakref.ref[GradReducer], name: str):
         self.ref, self.name = ref, name
 
     def __call__(self, *args) -> None:

@@ -3,10 +3,10 @@ the trainable parameters' layout (buckets, owners, slices), stage 3's units and 
 frozen parameters. Pure Python over the model and the plan, no process group and no compiled code,
 so the optimizer and the estimator's traffic counts (zerofast/tools/estimate.py) read one answer.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -20,18 +20,18 @@ from ..stage3.units import UnitPlan, find_units
 
 @dataclass(frozen=True)
 class Layouts:
-    names: list[str]                        # the trainable parameters, in the optimizer's order
+    names: list[str]  # the trainable parameters, in the optimizer's order
     params: list[nn.Parameter]
-    layout: Layout                          # theirs, over `world` ranks
-    unit_plan: Optional[UnitPlan]           # stage 3: which parameters gather together
-    unit_params: list[nn.Parameter]         # stage 3: the unit plan's parameters, in model order
-    unit_buckets: Optional[list[Optional[int]]]  # stage 3: each unit's trainable bucket (None: none)
+    layout: Layout  # theirs, over `world` ranks
+    unit_plan: UnitPlan | None  # stage 3: which parameters gather together
+    unit_params: list[nn.Parameter]  # stage 3: the unit plan's parameters, in model order
+    unit_buckets: list[int | None] | None  # stage 3: each unit's trainable bucket (None: none)
     frozen_named: list[tuple[str, nn.Parameter]]  # stage 3: the frozen parameters it shards
-    frozen_layout: Optional[Layout]         # and their layout, one bucket per unit that has any
-    frozen_bucket_of: Optional[list[Optional[int]]]
+    frozen_layout: Layout | None  # and their layout, one bucket per unit that has any
+    frozen_bucket_of: list[int | None] | None
 
 
-def plan_layouts(model: nn.Module, plan: Plan, world: int, costs: Optional[list[int]] = None) -> Layouts:
+def plan_layouts(model: nn.Module, plan: Plan, world: int, costs: list[int] | None = None) -> Layouts:
     """The layouts ZeroAdam(model, ...) with `plan` builds when `world` ranks share the state.
     costs: per trainable parameter, its step cost for partition "greedy" (ZeroMuon's
     Newton-Schulz FLOPs: zerofast.partition.greedy_by_cost); None: greedy by elements."""
@@ -43,18 +43,27 @@ def plan_layouts(model: nn.Module, plan: Plan, world: int, costs: Optional[list[
         bucket_numel = max(1, plan.bucket_bytes // reduce_size)
         order = list(reversed(range(len(numels))))  # backward order: see [Note: bucket order]
         first_bucket_numel = min(bucket_numel, plan.first_bucket_bytes // reduce_size)
-        layout = build_layout(numels, order, world, bucket_numel, owners_for(plan.partition, numels, world, costs),
-                              first_bucket_numel)
+        layout = build_layout(
+            numels, order, world, bucket_numel, owners_for(plan.partition, numels, world, costs), first_bucket_numel
+        )
         return Layouts(names, params, layout, None, [], None, [], None, None)
     # Stage 3 shards the frozen parameters too: [Note: frozen parameters in stage 3] (those in the
     # parameters' dtype and on their device; any other is left to the model).
     device = params[0].device
-    frozen_named = [(n, p) for n, p in model.named_parameters() if not p.requires_grad
-                    and p.dtype == plan.param_dtype and p.device == device]
+    frozen_named = [
+        (n, p)
+        for n, p in model.named_parameters()
+        if not p.requires_grad and p.dtype == plan.param_dtype and p.device == device
+    ]
     sharded = {id(p) for p in params} | {id(p) for _, p in frozen_named}
     unit_params = [p for p in model.parameters() if id(p) in sharded]
-    unit_plan = find_units(model, unit_params, plan.unit_modules, plan.min_unit_bytes,
-                           torch.empty(0, dtype=plan.param_dtype).element_size())
+    unit_plan = find_units(
+        model,
+        unit_params,
+        plan.unit_modules,
+        plan.min_unit_bytes,
+        torch.empty(0, dtype=plan.param_dtype).element_size(),
+    )
     # one bucket per unit with trainable parameters, in backward order
     trainable_index = {id(p): i for i, p in enumerate(params)}
     parts, _ = split_units(unit_plan.groups, [id(p) in trainable_index for p in unit_params])
@@ -65,7 +74,9 @@ def plan_layouts(model: nn.Module, plan: Plan, world: int, costs: Optional[list[
         frozen_index = {id(p): j for j, (_, p) in enumerate(frozen_named)}
         _, fparts = split_units(unit_plan.groups, [id(p) not in frozen_index for p in unit_params])
         fparts = [[frozen_index[id(unit_params[i])] for i in part] for part in fparts]
-        frozen_layout, frozen_bucket_of = unit_layout(fparts, [p.numel() for _, p in frozen_named], world,
-                                                      plan.partition)
-    return Layouts(names, params, layout, unit_plan, unit_params, unit_buckets, frozen_named, frozen_layout,
-                   frozen_bucket_of)
+        frozen_layout, frozen_bucket_of = unit_layout(
+            fparts, [p.numel() for _, p in frozen_named], world, plan.partition
+        )
+    return Layouts(
+        names, params, layout, unit_plan, unit_params, unit_buckets, frozen_named, frozen_layout, frozen_bucket_of
+    )

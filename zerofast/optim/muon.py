@@ -37,11 +37,11 @@ gradient), in fp32: with a factor of exactly 1 (one rank, no scaling, no clippin
 as is, so one rank is bitwise torch.optim.Muon. Clipping's norm is phase 2's global norm over the raw
 gradients of every parameter, Muon's and AdamW's alike, as torch.nn.utils.clip_grad_norm_ sees them.
 """
+
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Optional, Union
 
 import torch
 import torch.nn as nn
@@ -76,6 +76,7 @@ def newton_schulz_calls() -> int:
 # here; the same ops in the same order as torch 2.14's _single_tensor_muon, which tests/test_muon.py checks
 # bitwise.
 
+
 def zeropower_via_newtonschulz(grad: torch.Tensor, ns_coefficients, ns_steps: int, eps: float) -> torch.Tensor:
     """torch's quintic Newton-Schulz orthogonalization of a 2-D matrix, in bf16 as torch runs it
     (the iteration tolerates bf16's rounding; the result is applied to the fp32 parameter)."""
@@ -94,7 +95,7 @@ def zeropower_via_newtonschulz(grad: torch.Tensor, ns_coefficients, ns_steps: in
     return ortho.T if tall else ortho
 
 
-def adjust_lr(lr: float, adjust_lr_fn: Optional[str], shape: tuple[int, ...]) -> float:
+def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: tuple[int, ...]) -> float:
     """torch.optim.Muon's learning-rate adjustment for a matrix of `shape` (fan-out, fan-in)."""
     rows, cols = shape[:2]
     if adjust_lr_fn is None or adjust_lr_fn == "original":
@@ -108,9 +109,20 @@ def adjust_lr(lr: float, adjust_lr_fn: Optional[str], shape: tuple[int, ...]) ->
     return lr * ratio
 
 
-def muon_update_(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor, *, lr: float,
-                 weight_decay: float, momentum: float, nesterov: bool, ns_coefficients, ns_steps: int, eps: float,
-                 adjust_lr_fn: Optional[str]) -> None:
+def muon_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor,
+    *,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    ns_coefficients,
+    ns_steps: int,
+    eps: float,
+    adjust_lr_fn: str | None,
+) -> None:
     """One torch.optim.Muon step of one fp32 matrix, in place (param and momentum_buffer)."""
     momentum_buffer.lerp_(grad, 1 - momentum)
     update = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
@@ -120,6 +132,7 @@ def muon_update_(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch
 
 
 # --- phase 3 over this rank's owned matrices ----------------------------------------------------------
+
 
 class MuonShard:
     """This rank's owned Muon matrices (whole tensors: [Note: Muon on whole-matrix owners]), each a
@@ -131,9 +144,11 @@ class MuonShard:
         self.pieces: list[Piece] = [pc for pc in shard.pieces if is_muon[pc.param]]
         for pc in self.pieces:  # an owner partition never splits a tensor; say so if that ever changes
             if pc.param_offset != 0 or pc.numel != math.prod(shapes[pc.param]):
-                raise RuntimeError(f"ZeroMuon: {names[pc.param]} is split across ranks (elements "
-                                   f"{pc.param_offset}..{pc.param_offset + pc.numel} of {math.prod(shapes[pc.param])}); "
-                                   f"Muon needs each matrix whole on its owner")
+                raise RuntimeError(
+                    f"ZeroMuon: {names[pc.param]} is split across ranks (elements "
+                    f"{pc.param_offset}..{pc.param_offset + pc.numel} of {math.prod(shapes[pc.param])}); "
+                    f"Muon needs each matrix whole on its owner"
+                )
 
     def apply(self, used: list[bool], param_groups: list[dict], group_of: list[int], grad_scale: float) -> None:
         """Muon's step for every owned, used matrix; the gradient range times grad_scale is the
@@ -149,8 +164,12 @@ class MuonShard:
             if grad.dtype != torch.float32 or grad_scale != 1.0:
                 grad = grad.to(torch.float32) * grad_scale
             master, copy = shard.master_and_copy(pc.bucket, pc.bucket_offset, state)
-            muon_update_(master.view(shape), grad, shard.piece_view(pc, "momentum_buffer").view(shape),
-                         **{k: group[k] for k in MUON_KEYS})
+            muon_update_(
+                master.view(shape),
+                grad,
+                shard.piece_view(pc, "momentum_buffer").view(shape),
+                **{k: group[k] for k in MUON_KEYS},
+            )
             if copy is not None:  # the low-precision parameter: the master's rounding, as the Adam kernel leaves it
                 copy.copy_(master)
         shard.count_steps(used)
@@ -173,8 +192,10 @@ def select_muon(model: nn.Module, named: list[tuple[str, nn.Parameter]], muon_pa
         chosen = [bool(muon_params(n, p)) for n, p in named]
     else:
         if isinstance(muon_params, (str, torch.Tensor)):
-            raise TypeError(f"ZeroMuon: muon_params must be None, a callable (name, parameter) -> bool, or a "
-                            f"collection of parameters or names; got a single {type(muon_params).__name__}")
+            raise TypeError(
+                f"ZeroMuon: muon_params must be None, a callable (name, parameter) -> bool, or a "
+                f"collection of parameters or names; got a single {type(muon_params).__name__}"
+            )
         all_ids = {id(p) for p in model.parameters()}
         all_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         ids = set()
@@ -185,17 +206,22 @@ def select_muon(model: nn.Module, named: list[tuple[str, nn.Parameter]], muon_pa
                 ids.add(id(model.get_parameter(item)))
             elif isinstance(item, torch.Tensor):
                 if id(item) not in all_ids:
-                    raise ValueError(f"ZeroMuon: muon_params holds a tensor of shape {tuple(item.shape)} that is "
-                                     f"not a parameter of the model")
+                    raise ValueError(
+                        f"ZeroMuon: muon_params holds a tensor of shape {tuple(item.shape)} that is "
+                        f"not a parameter of the model"
+                    )
                 ids.add(id(item))
             else:
-                raise TypeError(f"ZeroMuon: muon_params must hold parameters or parameter names; got "
-                                f"{type(item).__name__} {item!r}")
+                raise TypeError(
+                    f"ZeroMuon: muon_params must hold parameters or parameter names; got {type(item).__name__} {item!r}"
+                )
         chosen = [id(p) in ids for _, p in named]
     for (name, p), c in zip(named, chosen):
         if c and p.ndim != 2:
-            raise ValueError(f"ZeroMuon: muon_params selects {name} of shape {tuple(p.shape)}; Muon updates 2-D "
-                             f"matrices only (pass muon_params to leave it to AdamW)")
+            raise ValueError(
+                f"ZeroMuon: muon_params selects {name} of shape {tuple(p.shape)}; Muon updates 2-D "
+                f"matrices only (pass muon_params to leave it to AdamW)"
+            )
     return chosen
 
 
@@ -213,11 +239,14 @@ def check_muon_hyper(where: str, g: dict) -> None:
     if not (isinstance(coef, (tuple, list)) and len(coef) == 3 and all(_is_number(c) for c in coef)):
         raise ValueError(f"ZeroMuon{where}: ns_coefficients must be three numbers (a, b, c); got {coef!r}")
     if g["adjust_lr_fn"] not in ADJUST_LR_FNS:
-        raise ValueError(f"ZeroMuon{where}: adjust_lr_fn must be one of {', '.join(map(repr, ADJUST_LR_FNS))}; "
-                         f"got {g['adjust_lr_fn']!r}")
+        raise ValueError(
+            f"ZeroMuon{where}: adjust_lr_fn must be one of {', '.join(map(repr, ADJUST_LR_FNS))}; "
+            f"got {g['adjust_lr_fn']!r}"
+        )
 
 
 # --- the optimizer front -------------------------------------------------------------------------------
+
 
 class ZeroMuon(ZeroAdam):
     """Muon on the model's 2-D hidden matrices and AdamW on everything else, each matrix's Muon step
@@ -240,34 +269,72 @@ class ZeroMuon(ZeroAdam):
       with no parameters is left out); an LR scheduler sets each group's lr.
     """
 
-    def __init__(self, model: nn.Module, stage: int = 2, lr: float = 1e-3, momentum: float = 0.95,
-                 nesterov: bool = True, weight_decay: float = 0.1, ns_steps: int = NS_STEPS,
-                 ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = EPS,
-                 adjust_lr_fn: Optional[str] = None, *, adamw_lr: float = 1e-3,
-                 adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
-                 adamw_weight_decay: float = 0.01, muon_params: MuonParams = None, balance: str = "cost",
-                 max_grad_norm: Optional[float] = None, mixed_precision=None, units=None, comm=None,
-                 process_group=None, shard_size: Optional[int] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        stage: int = 2,
+        lr: float = 1e-3,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.1,
+        ns_steps: int = NS_STEPS,
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        eps: float = EPS,
+        adjust_lr_fn: str | None = None,
+        *,
+        adamw_lr: float = 1e-3,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.01,
+        muon_params: MuonParams = None,
+        balance: str = "cost",
+        max_grad_norm: float | None = None,
+        mixed_precision=None,
+        units=None,
+        comm=None,
+        process_group=None,
+        shard_size: int | None = None,
+    ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"ZeroMuon: model must be an nn.Module; got {type(model).__name__}")
         comm = CommPolicy(partition="greedy") if comm is None else comm_policy(comm)
         if comm.partition == "flat":
-            raise ValueError("ZeroMuon: comm=CommPolicy(partition='flat') cuts matrices across ranks, and Muon's "
-                             "Newton-Schulz needs each matrix whole; use partition='greedy' (the default) or "
-                             "'round_robin', which give each matrix one owner")
+            raise ValueError(
+                "ZeroMuon: comm=CommPolicy(partition='flat') cuts matrices across ranks, and Muon's "
+                "Newton-Schulz needs each matrix whole; use partition='greedy' (the default) or "
+                "'round_robin', which give each matrix one owner"
+            )
         if balance not in BALANCES:
             raise ValueError(f"ZeroMuon: balance must be one of {', '.join(map(repr, BALANCES))}; got {balance!r}")
-        self._muon_hyper = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-                                ns_coefficients=tuple(ns_coefficients) if isinstance(ns_coefficients, (tuple, list))
-                                else ns_coefficients, ns_steps=ns_steps, eps=eps, adjust_lr_fn=adjust_lr_fn)
+        self._muon_hyper = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            ns_coefficients=tuple(ns_coefficients) if isinstance(ns_coefficients, (tuple, list)) else ns_coefficients,
+            ns_steps=ns_steps,
+            eps=eps,
+            adjust_lr_fn=adjust_lr_fn,
+        )
         check_muon_hyper("", self._muon_hyper)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._is_muon = select_muon(model, named, muon_params)
         self._balance = balance
-        super().__init__(model, stage, lr=adamw_lr, betas=adamw_betas, eps=adamw_eps,
-                         weight_decay=adamw_weight_decay, adamw=True, max_grad_norm=max_grad_norm,
-                         mixed_precision=mixed_precision, units=units, comm=comm, process_group=process_group,
-                         shard_size=shard_size)
+        super().__init__(
+            model,
+            stage,
+            lr=adamw_lr,
+            betas=adamw_betas,
+            eps=adamw_eps,
+            weight_decay=adamw_weight_decay,
+            adamw=True,
+            max_grad_norm=max_grad_norm,
+            mixed_precision=mixed_precision,
+            units=units,
+            comm=comm,
+            process_group=process_group,
+            shard_size=shard_size,
+        )
         self.muon = MuonShard(self.shard, self._is_muon, [tuple(p.shape) for p in self._params], self._names)
 
     # --- ZeroAdam's hooks ------------------------------------------------------------------------------
@@ -282,7 +349,7 @@ class ZeroMuon(ZeroAdam):
             groups.append(dict({k: defaults[k] for k in ADAMW_KEYS}, params=adamw, use_muon=False))
         return groups
 
-    def _partition_costs(self) -> Optional[list[int]]:
+    def _partition_costs(self) -> list[int] | None:
         if self._balance == "numel":
             return None
         return self.ns_costs()

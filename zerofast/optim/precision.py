@@ -24,22 +24,23 @@ part of the kernel's grad_scale. A reduce in fp16 can itself overflow (two finit
 sum is not); that is caught the same way, one reason to reduce in float32
 (MixedPrecisionPolicy(torch.float16, reduce_dtype=torch.float32)).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn as nn
 
 from ..config import LossScalePolicy
 
+
 class LossScaler:
     """fp16's dynamic loss scale, with torch.amp.GradScaler's rule and rounding: halve (backoff) on
     a step with an inf or nan, grow after growth_interval clean steps in a row; the scale is kept
     in float32, as GradScaler's tensor is. See [Note: loss scaling]."""
 
-    def __init__(self, policy: Optional[LossScalePolicy]):
+    def __init__(self, policy: LossScalePolicy | None):
         """policy: the plan's loss scaling (fp16 only); None: disabled, the scale stays 1."""
         self.enabled = policy is not None
         self.scale = to_f32(policy.init_scale) if policy is not None else 1.0
@@ -101,4 +102,5 @@ class InputCast:
             if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.dtype:
                 return x.to(self.dtype)
             return x
+
         return torch.utils._pytree.tree_map(cast, (args, kwargs))

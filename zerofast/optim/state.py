@@ -8,10 +8,11 @@ is (parameter, offset into the flattened parameter, numel) at `state_offset` in 
 and `bucket_offset` in its bucket. Phase 3 of a step (the fused Adam update) runs here, over it.
 Checkpoints and reports read it through the accessors below, never through its tensors' names.
 """
+
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 
@@ -23,11 +24,12 @@ from ..layout import Layout, Piece, bind_views
 @dataclass(frozen=True)
 class Run:
     """A contiguous range of this rank's shard that one fused_adam_ call updates."""
-    bucket: int        # which parameter buffer
-    bucket_lo: int     # first element inside that buffer
-    state_lo: int      # first element inside the shard buffers (grads, exp_avg, exp_avg_sq)
+
+    bucket: int  # which parameter buffer
+    bucket_lo: int  # first element inside that buffer
+    state_lo: int  # first element inside the shard buffers (grads, exp_avg, exp_avg_sq)
     numel: int
-    group: int         # parameter group index
+    group: int  # parameter group index
     params: tuple[int, ...]  # the parameters it touches (their step counts advance together)
 
 
@@ -48,8 +50,9 @@ class ShardState:
         shard = layout.shard_numel(rank)
         self.param_buffers = [torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buckets]
         # Stage 1 with gradient views: the full gradients, one flat bucket each, reduced in place.
-        self.grad_buckets = ([torch.zeros(b.numel, dtype=reduce_dtype, device=device) for b in layout.buckets]
-                             if grad_views else [])
+        self.grad_buckets = (
+            [torch.zeros(b.numel, dtype=reduce_dtype, device=device) for b in layout.buckets] if grad_views else []
+        )
         # 1D, this rank's reduced gradients (empty with grad_views: they stay in grad_buckets).
         self.grad_shard = torch.zeros(0 if grad_views else shard, dtype=reduce_dtype, device=device)
         # Stage 3's parameter shard, in the parameters' dtype, which the next forward gathers
@@ -63,14 +66,15 @@ class ShardState:
         originals = [p.detach() for p in params]
         bind_views(params, layout, self.param_buffers)
         with torch.no_grad():
-            for pc in (self.pieces if mixed else []):
-                src = originals[pc.param].reshape(-1)[pc.param_offset:pc.param_offset + pc.numel]
-                self.master[pc.state_offset:pc.state_offset + pc.numel].copy_(src)
+            for pc in self.pieces if mixed else []:
+                src = originals[pc.param].reshape(-1)[pc.param_offset : pc.param_offset + pc.numel]
+                self.master[pc.state_offset : pc.state_offset + pc.numel].copy_(src)
 
     # --- phase 3 --------------------------------------------------------------------------------
 
-    def apply_adam(self, used: list[bool], param_groups: list[dict], group_of: list[int], adamw: bool,
-                   grad_scale: float) -> None:
+    def apply_adam(
+        self, used: list[bool], param_groups: list[dict], group_of: list[int], adamw: bool, grad_scale: float
+    ) -> None:
         """The fused AdamW step over every owned range of a used parameter, the gradient shard
         multiplied by grad_scale (1/N, unscaling and clipping together)."""
         for run in self.runs(used, group_of):
@@ -80,10 +84,19 @@ class ShardState:
             master, copy = self.master_and_copy(run.bucket, run.bucket_lo, state)
             _ops.fused_adam_(
                 master,
-                self.grad_range(run.bucket, run.bucket_lo, state), self.exp_avg[state], self.exp_avg_sq[state],
-                lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                weight_decay=group["weight_decay"], step=self.steps[run.params[0]] + 1,
-                adamw=adamw, grad_scale=grad_scale, param_copy=copy)
+                self.grad_range(run.bucket, run.bucket_lo, state),
+                self.exp_avg[state],
+                self.exp_avg_sq[state],
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                step=self.steps[run.params[0]] + 1,
+                adamw=adamw,
+                grad_scale=grad_scale,
+                param_copy=copy,
+            )
         self.count_steps(used)
 
     def count_steps(self, used: list[bool]) -> None:
@@ -101,11 +114,20 @@ class ShardState:
                 continue
             key = (pc.bucket, group_of[pc.param], self.steps[pc.param])
             last = runs[-1] if runs else None
-            if (last is not None and (last.bucket, last.group, self.steps[last.params[0]]) == key
-                    and last.bucket_lo + last.numel == pc.bucket_offset
-                    and last.state_lo + last.numel == pc.state_offset):
-                runs[-1] = Run(last.bucket, last.bucket_lo, last.state_lo, last.numel + pc.numel,
-                               last.group, last.params + (pc.param,))
+            if (
+                last is not None
+                and (last.bucket, last.group, self.steps[last.params[0]]) == key
+                and last.bucket_lo + last.numel == pc.bucket_offset
+                and last.state_lo + last.numel == pc.state_offset
+            ):
+                runs[-1] = Run(
+                    last.bucket,
+                    last.bucket_lo,
+                    last.state_lo,
+                    last.numel + pc.numel,
+                    last.group,
+                    last.params + (pc.param,),
+                )
             else:
                 runs.append(Run(pc.bucket, pc.bucket_offset, pc.state_offset, pc.numel, key[1], (pc.param,)))
         return runs
@@ -122,24 +144,31 @@ class ShardState:
         shard, or the owned range of each of stage 1's buckets."""
         if not self.plan.grads_as_bucket_views:
             return [self.grad_shard]
-        return [g.narrow(0, b.bounds[self.rank], b.bounds[self.rank + 1] - b.bounds[self.rank])
-                for g, b in zip(self.grad_buckets, self.layout.buckets)]
+        return [
+            g.narrow(0, b.bounds[self.rank], b.bounds[self.rank + 1] - b.bounds[self.rank])
+            for g, b in zip(self.grad_buckets, self.layout.buckets)
+        ]
 
     def grad_views(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor] | None:
         """Each parameter's slot in stage 1's gradient buckets, shaped as the parameter (None
         without grad_views)."""
         if not self.plan.grads_as_bucket_views:
             return None
-        return [self.grad_buckets[s.bucket].narrow(0, s.offset, s.numel).view_as(p)
-                for s, p in zip(self.layout.slots, params)]
+        return [
+            self.grad_buckets[s.bucket].narrow(0, s.offset, s.numel).view_as(p)
+            for s, p in zip(self.layout.slots, params)
+        ]
 
     def master_and_copy(self, bucket: int, bucket_lo: int, state: slice):
         """The fp32 master of an owned range (bucket `bucket` from `bucket_lo`; `state` in the shard
         buffers), and the low-precision parameters its update is written to (None in fp32, where
         the master is the parameter)."""
         # Stage 3 keeps its parameters in the shard (the unit buffers are released by now).
-        params = (self.param_shard[state] if self.plan.params_sharded
-                  else self.param_buffers[bucket].narrow(0, bucket_lo, state.stop - state.start))
+        params = (
+            self.param_shard[state]
+            if self.plan.params_sharded
+            else self.param_buffers[bucket].narrow(0, bucket_lo, state.stop - state.start)
+        )
         if self.plan.separate_master:
             return self.master[state], params
         return params, None
@@ -155,8 +184,10 @@ class ShardState:
         """This rank's part of "master", "exp_avg" or "exp_avg_sq", as (parameter name, offset into
         the flattened parameter, fp32 values) pieces, copied."""
         _check_kind("state_pieces", kind)
-        return [(self.names[pc.param], pc.param_offset, self.piece_view(pc, kind).detach().float().clone())
-                for pc in self.pieces]
+        return [
+            (self.names[pc.param], pc.param_offset, self.piece_view(pc, kind).detach().float().clone())
+            for pc in self.pieces
+        ]
 
     def piece_view(self, pc: Piece, kind: str) -> torch.Tensor:
         """The live 1-D values of "master", "exp_avg" or "exp_avg_sq" for one of this rank's
@@ -176,7 +207,7 @@ class ShardState:
         with torch.no_grad():
             for pc in self.pieces:
                 if pc.param in full:
-                    src = full[pc.param].reshape(-1)[pc.param_offset:pc.param_offset + pc.numel]
+                    src = full[pc.param].reshape(-1)[pc.param_offset : pc.param_offset + pc.numel]
                     self.piece_view(pc, kind).copy_(src)
 
     def sync_params_from_master(self) -> None:
@@ -210,14 +241,19 @@ class ShardState:
     def materialized_param_bytes(self) -> int:
         """Bytes of parameter storage that exist now: the parameter buffers' storage (stage 3: only
         the units gathered at this moment; stages 1 and 2: always all) plus stage 3's own shard."""
-        return (sum(b.untyped_storage().nbytes() for b in self.param_buffers)
-                + self.param_shard.numel() * self.param_shard.element_size())
+        return (
+            sum(b.untyped_storage().nbytes() for b in self.param_buffers)
+            + self.param_shard.numel() * self.param_shard.element_size()
+        )
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held now, by kind: parameters (materialized), their padding, the gradient shard,
         Adam's moments, the separate fp32 master (0 in fp32: the parameters are their own), and
         stage 1's gradient buckets (padding included), which are its full gradients."""
-        def size(t): return t.numel() * t.element_size()
+
+        def size(t):
+            return t.numel() * t.element_size()
+
         return {
             "params": self.materialized_param_bytes(),
             "param_padding": sum(b.numel - self.layout.used_numel(b.index) for b in self.layout.buckets)

@@ -29,30 +29,31 @@ Two runs with the same inputs give bitwise-identical results: the layout is a pu
 parameter list and the plan, buckets are launched in a fixed order, the collectives reduce in
 a fixed order for a fixed world size, and the fused kernel is elementwise.
 """
+
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Optional, TypedDict
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import checks as _checks
 from ..comm import BucketComm, group_timeout
 from ..config import Plan, check_hyper, reject_moved, resolve_plan
-from .gather import ParamGather
-from .grads import GradReducer
 from ..layout import Layout
-from .layouts import plan_layouts
 from ..partition import imbalance
-from .precision import InputCast, LossScaler, cast_unmanaged
 from ..stage3.frozen import FrozenShard, placeholder_grad_shard
 from ..stage3.runtime import UnitBuffers, UnitPart, UnitTracker
 from ..stage3.units import UnitPlan, hook_needs
-from .state import ShardState
 from ..topology import Topology, resolve_topology
+from . import checks as _checks
+from .gather import ParamGather
+from .grads import GradReducer
+from .layouts import plan_layouts
+from .precision import InputCast, LossScaler, cast_unmanaged
+from .state import ShardState
 
 __all__ = ["ZeroAdam"]
 
@@ -92,16 +93,31 @@ class ZeroAdam(torch.optim.Optimizer):
     the phase and the collective ([Note: faults] in zerofast/comm.py).
     """
 
-    def __init__(self, model: nn.Module, stage: int = 2, lr: float = 1e-3, betas=(0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, adamw: bool = True,
-                 param_groups: Optional[list[dict]] = None, *, max_grad_norm: Optional[float] = None,
-                 mixed_precision=None, units=None, comm=None,
-                 process_group=None, shard_size: Optional[int] = None, **moved):
+    def __init__(
+        self,
+        model: nn.Module,
+        stage: int = 2,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adamw: bool = True,
+        param_groups: list[dict] | None = None,
+        *,
+        max_grad_norm: float | None = None,
+        mixed_precision=None,
+        units=None,
+        comm=None,
+        process_group=None,
+        shard_size: int | None = None,
+        **moved,
+    ):
         reject_moved("ZeroAdam", moved)
         if not isinstance(model, nn.Module):
             raise TypeError(f"ZeroAdam: model must be an nn.Module; got {type(model).__name__}")
-        plan = resolve_plan(stage, adamw=adamw, max_grad_norm=max_grad_norm, mixed_precision=mixed_precision,
-                            comm=comm, units=units)
+        plan = resolve_plan(
+            stage, adamw=adamw, max_grad_norm=max_grad_norm, mixed_precision=mixed_precision, comm=comm, units=units
+        )
         check_hyper("", dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         _checks.check_process_group(process_group)
         self.plan: Plan = plan
@@ -137,34 +153,58 @@ class ZeroAdam(torch.optim.Optimizer):
         self._hooks = []
         if plan.separate_master:  # see [Note: mixed precision]; before stage 3 lays out the frozen parameters
             cast_unmanaged(model, plan.param_dtype)
-            self._hooks.append(model.register_forward_pre_hook(InputCast(plan.param_dtype), prepend=True,
-                                                               with_kwargs=True))
+            self._hooks.append(
+                model.register_forward_pre_hook(InputCast(plan.param_dtype), prepend=True, with_kwargs=True)
+            )
         layouts = plan_layouts(model, plan, self.shard_size, self._partition_costs())
         # Stage 3 shards the frozen parameters too: [Note: frozen parameters in stage 3].
         self._frozen_named = layouts.frozen_named
         self._unit_params: list[nn.Parameter] = layouts.unit_params  # the unit plan's parameters, in model order
-        self.unit_plan: Optional[UnitPlan] = layouts.unit_plan
+        self.unit_plan: UnitPlan | None = layouts.unit_plan
         self._unit_buckets = layouts.unit_buckets  # stage 3: each unit's trainable bucket
         self.layout: Layout = layouts.layout
         self.shard = ShardState(self.layout, self.shard_rank, self._names, self._params, plan)
-        self.frozen: Optional[FrozenShard] = None
+        self.frozen: FrozenShard | None = None
         if layouts.frozen_layout is not None:
-            self.frozen = FrozenShard(layouts.frozen_layout, self.shard_rank, [n for n, _ in self._frozen_named],
-                                      [p for _, p in self._frozen_named], layouts.frozen_bucket_of)
-        self._frozen_comm: Optional[BucketComm] = None  # the frozen part's gathers (_shard_params)
+            self.frozen = FrozenShard(
+                layouts.frozen_layout,
+                self.shard_rank,
+                [n for n, _ in self._frozen_named],
+                [p for _, p in self._frozen_named],
+                layouts.frozen_bucket_of,
+            )
+        self._frozen_comm: BucketComm | None = None  # the frozen part's gathers (_shard_params)
         topo = self.topology
-        self.comm = BucketComm(topo.shard_group, self.layout, self.shard_rank, self.shard.grad_shard,
-                               self._gather_group() if plan.params_sharded else None, self.shard.grad_buckets,
-                               plan.bucket_buffers, plan.check_collectives, replicate_group=topo.replicate_group,
-                               replicate_grads_group=self._second_group(topo.replicate_group),
-                               replicate_min_bytes=plan.replicate_bytes, dp_rank=self.rank, dp_world=self.world_size)
+        self.comm = BucketComm(
+            topo.shard_group,
+            self.layout,
+            self.shard_rank,
+            self.shard.grad_shard,
+            self._gather_group() if plan.params_sharded else None,
+            self.shard.grad_buckets,
+            plan.bucket_buffers,
+            plan.check_collectives,
+            replicate_group=topo.replicate_group,
+            replicate_grads_group=self._second_group(topo.replicate_group),
+            replicate_min_bytes=plan.replicate_bytes,
+            dp_rank=self.rank,
+            dp_world=self.world_size,
+        )
         self._scaler = LossScaler(plan.loss_scale)
         self._gather = ParamGather(self.comm, self.layout, self.shard.param_buffers)
         if plan.overlap_param_gather:
             self._hooks += self._gather.register_waits(model, self._params)
-        self.units: Optional[UnitTracker] = self._shard_params() if plan.params_sharded else None
-        self._grads = GradReducer(self._params, self._names, self.layout, self.comm, self.shard, plan,
-                                  scaler=self._scaler, gather=self._gather)
+        self.units: UnitTracker | None = self._shard_params() if plan.params_sharded else None
+        self._grads = GradReducer(
+            self._params,
+            self._names,
+            self.layout,
+            self.comm,
+            self.shard,
+            plan,
+            scaler=self._scaler,
+            gather=self._gather,
+        )
         self._step_skipped = False  # fp16: the last step() found an inf or nan and skipped
         self._last_comm: dict = {}
 
@@ -177,13 +217,13 @@ class ZeroAdam(torch.optim.Optimizer):
         return self.plan.partition
 
     @property
-    def mixed_precision(self) -> Optional[str]:
-        """"bf16", "fp16" or None, as the mixed_precision= shortcut names the parameters' dtype."""
+    def mixed_precision(self) -> str | None:
+        """ "bf16", "fp16" or None, as the mixed_precision= shortcut names the parameters' dtype."""
         return self.plan.mixed_precision
 
     # --- construction ---------------------------------------------------------------------------
 
-    def _second_group(self, group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    def _second_group(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
         """A second group of the same ranks (None for None): collectives whose order is set by
         timing (stage 3's gathers, the replicas' gradient all_reduces during backward) get a group
         of their own, so they never pair up with another kind of collective."""
@@ -203,22 +243,38 @@ class ZeroAdam(torch.optim.Optimizer):
         if self.frozen is not None:  # gathers only, on the same gather group: no reduce, no gradient shard
             fz = self.frozen
             self._frozen_comm = BucketComm(
-                self.topology.shard_group, fz.layout, self.shard_rank,
+                self.topology.shard_group,
+                fz.layout,
+                self.shard_rank,
                 placeholder_grad_shard(fz.layout.shard_numel(self.shard_rank), self.plan.reduce_dtype, fz.device),
-                self.comm.gather_group, None, 0, self.plan.check_collectives, dp_rank=self.rank,
-                dp_world=self.world_size)
+                self.comm.gather_group,
+                None,
+                0,
+                self.plan.check_collectives,
+                dp_rank=self.rank,
+                dp_world=self.world_size,
+            )
             self._frozen_comm.share_bookkeeping(self.comm)
             frozen = UnitPart(fz.buffers, fz.shard, fz.layout, self._frozen_comm, fz.bucket_of)
-        buffers = UnitBuffers(self.shard.param_buffers, self.shard.param_shard, self.layout, self.shard_rank, self.comm,
-                              self._unit_buckets, frozen)
+        buffers = UnitBuffers(
+            self.shard.param_buffers,
+            self.shard.param_shard,
+            self.layout,
+            self.shard_rank,
+            self.comm,
+            self._unit_buckets,
+            frozen,
+        )
         buffers.shard_out()
         return UnitTracker(self.model, hook_needs(self.model, self._unit_params, self.unit_plan), buffers)
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_constructed", False):
-            raise RuntimeError("ZeroAdam.add_param_group: parameter groups are fixed at construction (the flat "
-                               "buffers, shards and collectives are laid out over them); pass every group as "
-                               "ZeroAdam(model, param_groups=[...])")
+            raise RuntimeError(
+                "ZeroAdam.add_param_group: parameter groups are fixed at construction (the flat "
+                "buffers, shards and collectives are laid out over them); pass every group as "
+                "ZeroAdam(model, param_groups=[...])"
+            )
         super().add_param_group(param_group)
 
     # --- the training loop's calls --------------------------------------------------------------
@@ -259,20 +315,25 @@ class ZeroAdam(torch.optim.Optimizer):
 
     def _step(self) -> None:
         if self._grads.phase.in_no_sync:
-            raise RuntimeError("ZeroAdam.step() was called inside `with opt.no_sync():`; no_sync() wraps "
-                               "the micro-batches whose gradients are only accumulated, and step() follows "
-                               "the last backward, outside it")
+            raise RuntimeError(
+                "ZeroAdam.step() was called inside `with opt.no_sync():`; no_sync() wraps "
+                "the micro-batches whose gradients are only accumulated, and step() follows "
+                "the last backward, outside it"
+            )
         where = self.comm.where
         where.phase = "step() (phase 2: the reduces and the agreement)"
         self.quiesce()  # last step's gathers, if some module never ran; stage 3: none stays gathered across the update
-        prep = self._grads.prepare(self.plan.max_grad_norm is not None, self.world_size,  # phase 2
-                                   check=self._check_update)
+        prep = self._grads.prepare(
+            self.plan.max_grad_norm is not None,
+            self.world_size,  # phase 2
+            check=self._check_update,
+        )
         if self.plan.max_grad_norm is not None:
             self._grads.clip(prep, self.plan.max_grad_norm)
         anything = any(prep.used)  # agreed: the same on every rank
         if anything and not prep.found_inf:
             self._update(prep.used, prep.grad_factor / (self.world_size * self._scaler.scale))  # phase 3
-            if self.plan.gather_after_step:     # phase 4 (stage 3: the next forward gathers)
+            if self.plan.gather_after_step:  # phase 4 (stage 3: the next forward gathers)
                 where.phase = "step() (phase 4: the parameter gather)"
                 with torch.profiler.record_function("zerofast::gather"):
                     self._gather.start()
@@ -298,7 +359,7 @@ class ZeroAdam(torch.optim.Optimizer):
         """The torch.optim param_groups over the trainable (name, parameter) pairs `named`."""
         return _checks.build_groups(param_groups, named, defaults)
 
-    def _partition_costs(self) -> Optional[list[int]]:
+    def _partition_costs(self) -> list[int] | None:
         """Per trainable parameter, its step cost for partition "greedy" (None: balance elements)."""
         return None
 
@@ -325,7 +386,8 @@ class ZeroAdam(torch.optim.Optimizer):
                     f"ZeroAdam: {name}.requires_grad changed from {trainable} to {param.requires_grad} after "
                     f"ZeroAdam was built; its buffers and optimizer state are laid out over the parameters "
                     f"trainable at construction, so {'its gradient would be ignored' if param.requires_grad else 'it would silently stop training'}. "
-                    f"Set requires_grad before building ZeroAdam (or build a new one)")
+                    f"Set requires_grad before building ZeroAdam (or build a new one)"
+                )
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients' global norm to max_norm, as torch.nn.utils.clip_grad_norm_ on the
@@ -351,8 +413,10 @@ class ZeroAdam(torch.optim.Optimizer):
         if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
             raise ValueError(f"ZeroAdam.{method}: {arg} must be a number > 0; got {value!r}")
         if self._grads.phase.in_no_sync:
-            raise RuntimeError(f"ZeroAdam.{method}() was called inside `with opt.no_sync():`; clip after "
-                               f"the last backward of the step, outside it")
+            raise RuntimeError(
+                f"ZeroAdam.{method}() was called inside `with opt.no_sync():`; clip after "
+                f"the last backward of the step, outside it"
+            )
         self.comm.where.phase = f"{method}() (the reduces and the agreement)"
         return self._grads.prepare(norm, self.world_size, check=self._check_update)
 
@@ -387,7 +451,7 @@ class ZeroAdam(torch.optim.Optimizer):
         finally:
             self.units.release_all()
 
-    def full_state_dict(self, keep: bool = True, device="cpu") -> Optional[dict[str, torch.Tensor]]:
+    def full_state_dict(self, keep: bool = True, device="cpu") -> dict[str, torch.Tensor] | None:
         """model.state_dict() with every tensor whole, copied to `device` (default the CPU): what a
         consolidated save (Hugging Face's save_pretrained, safetensors) writes. Stage 3 gathers one
         unit at a time, so no rank holds more than the copies plus one gathered unit. Every rank must
@@ -436,10 +500,19 @@ class ZeroAdam(torch.optim.Optimizer):
             params = [self._unit_params[i] for i in group]
             numel = sum(p.numel() for p in params)
             frozen = [p for p in params if not p.requires_grad]
-            report.append({"unit": u, "module": name, "class": type(self.unit_plan.modules[u]).__name__,
-                           "modules": len(self.unit_plan.members[u]), "tensors": len(group), "numel": numel,
-                           "bytes": numel * size, "frozen_tensors": len(frozen),
-                           "frozen_numel": sum(p.numel() for p in frozen)})
+            report.append(
+                {
+                    "unit": u,
+                    "module": name,
+                    "class": type(self.unit_plan.modules[u]).__name__,
+                    "modules": len(self.unit_plan.members[u]),
+                    "tensors": len(group),
+                    "numel": numel,
+                    "bytes": numel * size,
+                    "frozen_tensors": len(frozen),
+                    "frozen_numel": sum(p.numel() for p in frozen),
+                }
+            )
         return report
 
     def memory_report(self) -> dict:
@@ -501,12 +574,14 @@ class ZeroAdam(torch.optim.Optimizer):
         # accessors at the end of the class; imported here, not at the top, because importing
         # torch.distributed.checkpoint costs ~0.8 s and only checkpointing needs it.
         from ..checkpoint import dcp
+
         return dcp.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Finish restoring after dcp.load filled a state_dict() of this optimizer (step counts,
         hyper-parameters, loss scale, low-precision parameters, the gather of stages 1 and 2)."""
         from ..checkpoint import dcp  # lazy: see state_dict()
+
         dcp.load_state_dict(self, state_dict)
 
     def remove_hooks(self) -> None:
@@ -527,7 +602,7 @@ class ZeroAdam(torch.optim.Optimizer):
         is parameter i of the layout, of the step counts and of a checkpoint."""
         return tuple(zip(self._names, self._params))
 
-    def param_index(self, param: torch.Tensor) -> Optional[int]:
+    def param_index(self, param: torch.Tensor) -> int | None:
         """The index of a managed parameter in named_params (by identity), or None for any
         other tensor (a frozen parameter, a buffer)."""
         return self._index_of.get(id(param))
@@ -547,7 +622,7 @@ class ZeroAdam(torch.optim.Optimizer):
         self.frozen.layout); empty in stages 1 and 2 ([Note: frozen parameters in stage 3])."""
         return tuple(self._frozen_named)
 
-    def frozen_index(self, param: torch.Tensor) -> Optional[int]:
+    def frozen_index(self, param: torch.Tensor) -> int | None:
         """The index of a sharded frozen parameter in frozen_named_params (by identity), or None."""
         return self._frozen_index_of.get(id(param))
 
@@ -586,6 +661,7 @@ class ZeroAdam(torch.optim.Optimizer):
 
 class ScalerState(TypedDict):
     """ZeroAdam.loss_scaler_state(): fp16's loss scale, as torch.amp.GradScaler keeps it."""
+
     scale: float
     growth_tracker: int  # clean steps in a row since the scale last changed
     enabled: bool

@@ -27,9 +27,10 @@ Checkpoints save a frozen parameter from its shard as DCP chunks, like the train
 ([Note: flat slices as chunks] in zerofast/checkpoint/dcp.py), so DCP reshards it on load into any
 world size or stage.
 """
+
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import torch
 
@@ -43,13 +44,14 @@ def split_units(groups: list[list[int]], trainable: list[bool]) -> tuple[list[li
     return ([[i for i in g if trainable[i]] for g in groups], [[i for i in g if not trainable[i]] for g in groups])
 
 
-def unit_layout(parts: list[list[int]], numels: list[int], world: int, partition: str,
-                costs: Optional[list[int]] = None) -> tuple[Layout, list[Optional[int]]]:
+def unit_layout(
+    parts: list[list[int]], numels: list[int], world: int, partition: str, costs: list[int] | None = None
+) -> tuple[Layout, list[int | None]]:
     """A Layout with one bucket per non-empty part, in backward order (the last unit first: [Note:
     bucket order]); parts[u] indexes into `numels` (and `costs`, greedy's step costs, when given).
     Returns it and each unit's bucket (None: empty)."""
     order = [u for u in reversed(range(len(parts))) if parts[u]]
-    bucket_of: list[Optional[int]] = [None] * len(parts)
+    bucket_of: list[int | None] = [None] * len(parts)
     for b, u in enumerate(order):
         bucket_of[u] = b
     layout = layout_from_groups(numels, [parts[u] for u in order], world, owners_for(partition, numels, world, costs))
@@ -61,8 +63,9 @@ class FrozenShard:
     them) and this rank's shard. Built with every buffer full; UnitBuffers.shard_out copies the owned
     ranges out and releases them."""
 
-    def __init__(self, layout: Layout, rank: int, names: list[str], params: list[torch.nn.Parameter],
-                 bucket_of: list[Optional[int]]):
+    def __init__(
+        self, layout: Layout, rank: int, names: list[str], params: list[torch.nn.Parameter], bucket_of: list[int | None]
+    ):
         self.layout, self.rank, self.names, self.bucket_of = layout, rank, names, bucket_of
         dtype, device = params[0].dtype, params[0].device
         self.buffers = [torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buckets]
@@ -81,14 +84,14 @@ class FrozenShard:
     def piece_view(self, pc: Piece) -> torch.Tensor:
         """The live 1-D values of one of this rank's pieces, a view into the shard (a checkpoint's
         save reads it, its load writes it, with the units released)."""
-        return self.shard[pc.state_offset:pc.state_offset + pc.numel]
+        return self.shard[pc.state_offset : pc.state_offset + pc.numel]
 
     def load_pieces(self, full: Mapping[int, torch.Tensor]) -> None:
         """Write this rank's pieces from whole tensors, by frozen parameter index."""
         with torch.no_grad():
             for pc in self.pieces:
                 if pc.param in full:
-                    src = full[pc.param].reshape(-1)[pc.param_offset:pc.param_offset + pc.numel]
+                    src = full[pc.param].reshape(-1)[pc.param_offset : pc.param_offset + pc.numel]
                     self.piece_view(pc).copy_(src)
 
 

@@ -105,13 +105,13 @@ stage-3 model of the class: correct by the note above. isinstance is unchanged; 
 subclass; remove() puts the original classes back. Tested by tests/test_compile.py
 (test_stage3_after_code_compiled_without_it).
 """
+
 from __future__ import annotations
 
 import enum
 import functools
-from dataclasses import dataclass
 from collections.abc import Callable, Mapping
-from typing import Optional
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -121,12 +121,13 @@ from ..layout import Layout
 
 
 class UnitState(enum.Enum):
-    SHARDED = "sharded"      # storage released; only this rank's shard exists
+    SHARDED = "sharded"  # storage released; only this rank's shard exists
     GATHERING = "gathering"  # storage allocated, a gather collective in flight (a prefetch)
-    GATHERED = "gathered"    # full parameters in place
+    GATHERED = "gathered"  # full parameters in place
 
 
 # --- the unit buffers --------------------------------------------------------------------------------
+
 
 @dataclass
 class UnitPart:
@@ -134,11 +135,12 @@ class UnitPart:
     stage 3]): its flat buffers (one per bucket; the model's parameters are views of them), this
     rank's shard, the layout addressing both, the BucketComm that gathers its buckets, and which
     bucket holds each unit's part (None: the unit has no parameter of this kind)."""
+
     buffers: list[torch.Tensor]
     shard: torch.Tensor
     layout: Layout
     comm: object
-    bucket_of: list[Optional[int]]
+    bucket_of: list[int | None]
 
 
 class UnitBuffers:
@@ -149,10 +151,18 @@ class UnitBuffers:
     with their unit ([Note: frozen parameters in stage 3]); then unit_buckets maps each unit to its
     trainable bucket (None: the unit is frozen only)."""
 
-    def __init__(self, buffers: list[torch.Tensor], shard: torch.Tensor, layout: Layout, rank: int, comm,
-                 unit_buckets: Optional[list[Optional[int]]] = None, frozen: Optional[UnitPart] = None):
-        self.buffers = buffers           # per bucket, 1D; the model's parameters are views of them
-        self.shard = shard               # 1D, layout.shard_numel(rank): this rank's owned ranges
+    def __init__(
+        self,
+        buffers: list[torch.Tensor],
+        shard: torch.Tensor,
+        layout: Layout,
+        rank: int,
+        comm,
+        unit_buckets: list[int | None] | None = None,
+        frozen: UnitPart | None = None,
+    ):
+        self.buffers = buffers  # per bucket, 1D; the model's parameters are views of them
+        self.shard = shard  # 1D, layout.shard_numel(rank): this rank's owned ranges
         self.layout, self.rank, self.comm = layout, rank, comm
         if unit_buckets is None:
             unit_buckets = [len(buffers) - 1 - u for u in range(len(buffers))]
@@ -162,7 +172,7 @@ class UnitBuffers:
             self.parts.append(frozen)
         self._offsets = [part.layout.shard_offsets(rank) for part in self.parts]
 
-    def bucket(self, unit: int) -> Optional[int]:
+    def bucket(self, unit: int) -> int | None:
         """The trainable bucket of unit `unit` (None: it holds frozen parameters only)."""
         return self.parts[0].bucket_of[unit]
 
@@ -171,7 +181,7 @@ class UnitBuffers:
         for part, offsets in zip(self.parts, self._offsets):
             for b in range(len(part.buffers)):
                 lo, hi = part.layout.owned_range(b, self.rank)
-                part.shard[offsets[b]:offsets[b] + hi - lo].copy_(part.buffers[b][lo:hi])
+                part.shard[offsets[b] : offsets[b] + hi - lo].copy_(part.buffers[b][lo:hi])
         for u in range(self.num_units):
             self.release(u)
 
@@ -183,7 +193,7 @@ class UnitBuffers:
             buf = part.buffers[b]
             buf.untyped_storage().resize_(buf.numel() * buf.element_size())
             lo, hi = part.layout.owned_range(b, self.rank)
-            buf[lo:hi].copy_(part.shard[offsets[b]:offsets[b] + hi - lo])
+            buf[lo:hi].copy_(part.shard[offsets[b] : offsets[b] + hi - lo])
             part.comm.gather_start(b, buf)
 
     def gather_wait(self, unit: int) -> None:
@@ -199,11 +209,14 @@ class UnitBuffers:
     def materialized_bytes(self, first: int = 0) -> int:
         """Bytes of the parts from `first` on (1: the frozen part) that exist now: their gathered
         buffers and their shards."""
-        return sum(sum(b.untyped_storage().nbytes() for b in part.buffers) + part.shard.numel() * part.shard.element_size()
-                   for part in self.parts[first:])
+        return sum(
+            sum(b.untyped_storage().nbytes() for b in part.buffers) + part.shard.numel() * part.shard.element_size()
+            for part in self.parts[first:]
+        )
 
 
 # --- the hooks ---------------------------------------------------------------------------------------
+
 
 class _PostBackward(torch.autograd.Function):
     """Identity in forward; in backward, tells the unit tracker that the module's backward is done."""
@@ -222,6 +235,7 @@ class _PostBackward(torch.autograd.Function):
 @dataclass
 class _Call:
     """One forward call of a module that gathered (see [Note: stage 3 lifecycle])."""
+
     module: nn.Module
     units: tuple[int, ...]
 
@@ -231,16 +245,18 @@ class UnitTracker:
 
     def __init__(self, model: nn.Module, needs: dict[nn.Module, tuple[int, ...]], buffers: UnitBuffers):
         self.model = model
-        self.needs = needs                      # module -> units it holds while it runs
+        self.needs = needs  # module -> units it holds while it runs
         self.buffers = buffers
         n = buffers.num_units
         self.state = [UnitState.SHARDED] * n
-        self.refs = [0] * n                     # running modules (forward or backward) holding each unit
-        self.carried = [False] * n              # kept gathered for the next call: [Note: merging small units]
-        self._into_backward: set[int] = set()   # this forward's units kept for backward: [Note: forward hands over to backward]
-        self._calls = _CallList()               # this step's gathering calls, in forward order
-        self._previous = _CallList()            # the last complete forward's: the prefetch order
-        self._running: list[Optional[int]] = [] # per running forward call: its index in _calls (None: skipped)
+        self.refs = [0] * n  # running modules (forward or backward) holding each unit
+        self.carried = [False] * n  # kept gathered for the next call: [Note: merging small units]
+        self._into_backward: set[int] = (
+            set()
+        )  # this forward's units kept for backward: [Note: forward hands over to backward]
+        self._calls = _CallList()  # this step's gathering calls, in forward order
+        self._previous = _CallList()  # the last complete forward's: the prefetch order
+        self._running: list[int | None] = []  # per running forward call: its index in _calls (None: skipped)
         self._callback_queued = False
         self.handles = []
         for module in needs:
@@ -380,7 +396,8 @@ class UnitTracker:
                 outputs[0].register_hook(_BeforeBackward(self, self._calls, k))
             else:
                 torch.autograd.graph.register_multi_grad_hook(
-                    outputs, lambda grads, calls=self._calls, k=k: self._pre_backward(calls, k), mode="any")
+                    outputs, lambda grads, calls=self._calls, k=k: self._pre_backward(calls, k), mode="any"
+                )
 
     @torch.compiler.disable
     def _pre_backward(self, calls: list[_Call], k: int) -> None:
@@ -426,7 +443,7 @@ class UnitTracker:
 class _BeforeBackward:
     """The gradient hook on a one-output module's output: its backward is about to run."""
 
-    def __init__(self, tracker: "UnitTracker", calls: "_CallList", k: int):
+    def __init__(self, tracker: UnitTracker, calls: _CallList, k: int):
         self.tracker, self.calls, self.k = tracker, calls, k
 
     def __call__(self, grad: torch.Tensor) -> None:

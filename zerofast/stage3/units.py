@@ -19,10 +19,11 @@ gradient is complete only at the very end of backward ([Note: bucket order]).
 `opt.units_report()` lists what each unit holds.
 
 """
+
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch.nn as nn
 
@@ -30,10 +31,11 @@ import torch.nn as nn
 @dataclass(frozen=True)
 class UnitPlan:
     """The units of a model, in order: unit 0 is the root's (if any parameter is left for it)."""
-    groups: list[list[int]]     # groups[u]: indices (into the managed parameters) of unit u's parameters
-    modules: list[nn.Module]    # modules[u]: the (first) module defining unit u (the root for the root's unit)
-    names: list[str]            # names[u]: the qualified names of its modules, ", "-joined ("" for the root)
-    has_root_unit: bool         # unit 0 is the root's remaining parameters
+
+    groups: list[list[int]]  # groups[u]: indices (into the managed parameters) of unit u's parameters
+    modules: list[nn.Module]  # modules[u]: the (first) module defining unit u (the root for the root's unit)
+    names: list[str]  # names[u]: the qualified names of its modules, ", "-joined ("" for the root)
+    has_root_unit: bool  # unit 0 is the root's remaining parameters
     members: list[tuple[nn.Module, ...]] = ()  # members[u]: every module of unit u (several when merged)
 
 
@@ -43,24 +45,30 @@ def unit_modules(model: nn.Module, units) -> list[nn.Module]:
     if units is None:
         return default_unit_modules(model)
     if isinstance(units, nn.Module):
-        raise TypeError(f"ZeroAdam: units must be a list of submodules, a module class, a set of classes or a "
-                        f"callable module -> bool; got the module {type(units).__name__} itself "
-                        f"(wrap it in a list: units=[module])")
+        raise TypeError(
+            f"ZeroAdam: units must be a list of submodules, a module class, a set of classes or a "
+            f"callable module -> bool; got the module {type(units).__name__} itself "
+            f"(wrap it in a list: units=[module])"
+        )
     if isinstance(units, type):
         return _outermost(model, _class_policy(model, [units]))
     if callable(units):
         return _outermost(model, units)
     if isinstance(units, (str, bytes)) or not isinstance(units, Iterable):
-        raise TypeError(f"ZeroAdam: units must be a list of submodules, a module class, a set of classes or a "
-                        f"callable module -> bool; got {units!r}")
+        raise TypeError(
+            f"ZeroAdam: units must be a list of submodules, a module class, a set of classes or a "
+            f"callable module -> bool; got {units!r}"
+        )
     items = list(units)
     if items and all(isinstance(u, type) for u in items):
         return _outermost(model, _class_policy(model, items))
     mine = {id(m) for m in model.modules()}
     for k, u in enumerate(items):
         if not isinstance(u, nn.Module) or id(u) not in mine:
-            raise ValueError(f"ZeroAdam: units[{k}] must be a submodule of the model (or every item a module "
-                             f"class); got {type(u).__name__}")
+            raise ValueError(
+                f"ZeroAdam: units[{k}] must be a submodule of the model (or every item a module "
+                f"class); got {type(u).__name__}"
+            )
     return items
 
 
@@ -70,8 +78,10 @@ def _class_policy(model: nn.Module, classes: list) -> Callable[[nn.Module], bool
             raise ValueError(f"ZeroAdam: units names the class {c.__name__}, which is not an nn.Module class")
     present = {type(m) for m in model.modules()}
     if not any(issubclass(t, tuple(classes)) for t in present):
-        raise ValueError(f"ZeroAdam: units names the classes {sorted(c.__name__ for c in classes)}, but the model "
-                         f"holds no module of them")
+        raise ValueError(
+            f"ZeroAdam: units names the classes {sorted(c.__name__ for c in classes)}, but the model "
+            f"holds no module of them"
+        )
     return lambda m: isinstance(m, tuple(classes))
 
 
@@ -99,6 +109,7 @@ def _outermost(model: nn.Module, policy: Callable[[nn.Module], bool]) -> list[nn
                 found.append(child)
             else:
                 walk(child)
+
     walk(model)
     return _with_params(found)
 
@@ -112,6 +123,7 @@ def _children_of_module_lists(model: nn.Module) -> list[nn.Module]:
                 found.extend(child.children())
             else:
                 walk(child)
+
     walk(model)
     return _with_params(found)
 
@@ -133,8 +145,9 @@ def _with_params(modules: list[nn.Module]) -> list[nn.Module]:
     return out
 
 
-def find_units(model: nn.Module, params: list[nn.Parameter], units=None, min_unit_bytes: int = 0,
-               element_size: int = 4) -> UnitPlan:
+def find_units(
+    model: nn.Module, params: list[nn.Parameter], units=None, min_unit_bytes: int = 0, element_size: int = 4
+) -> UnitPlan:
     """Group the managed parameters (indices into `params`) into units: the root's rest first, then
     one per unit module in the order given (module order for the policies). With the default
     units (units=None), units of fewer than min_unit_bytes are merged with their neighbours in
@@ -154,8 +167,7 @@ def find_units(model: nn.Module, params: list[nn.Parameter], units=None, min_uni
     names = [", ".join(ns) for _, ns, _ in singles]
     rest = [i for i, p in enumerate(params) if id(p) not in claimed]
     if rest:
-        return UnitPlan([rest] + groups, [model] + [m[0] for m in members], [""] + names, True,
-                        [(model,)] + members)
+        return UnitPlan([rest] + groups, [model] + [m[0] for m in members], [""] + names, True, [(model,)] + members)
     return UnitPlan(groups, [m[0] for m in members], names, False, members)
 
 
@@ -168,11 +180,13 @@ def find_units(model: nn.Module, params: list[nn.Parameter], units=None, min_uni
 # (see UnitTracker: carried) instead of being released and gathered again between them; so is a
 # unit whose module runs twice in a row. Consecutive calls of one unit cost one gather.
 
+
 def _merge_small(singles, min_bytes: int, nbytes: list[int]):
     merged, current = [], None
 
     def size(group):
         return sum(nbytes[i] for i in group[2])
+
     for item in singles:
         if size(item) >= min_bytes:
             if current is not None:

@@ -1,5 +1,6 @@
 """Training text shipped inside the package (written for zerofast; nothing is downloaded), as bytes,
 and the batches each rank draws from it."""
+
 from __future__ import annotations
 
 import torch
@@ -32,5 +33,5 @@ def text_batch(tokens: torch.Tensor, batch: int, seq: int, seed: int) -> tuple[t
     """`batch` random windows of `seq` tokens and their next-token targets, reproducible from seed."""
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, tokens.numel() - seq - 1, (batch,), generator=g)
-    windows = torch.stack([tokens[s:s + seq + 1] for s in starts.tolist()])
+    windows = torch.stack([tokens[s : s + seq + 1] for s in starts.tolist()])
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

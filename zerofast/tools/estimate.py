@@ -20,6 +20,7 @@ it reduces in another dtype (then it copies, as stage 2 does, and keeps a reduce
 Pure arithmetic: the options are checked and resolved by zerofast/config.py, the same code as
 ZeroAdam's, so the estimator accepts exactly what ZeroAdam accepts; no compiled code is imported.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,20 +30,28 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..config import (DEFAULT_BUCKET_MB, CommPolicy, check_stage, collective_names, comm_policy, precision_policy,
-                      resolve_plan, unit_policy)
+from ..config import (
+    DEFAULT_BUCKET_MB,
+    CommPolicy,
+    check_stage,
+    collective_names,
+    comm_policy,
+    precision_policy,
+    resolve_plan,
+    unit_policy,
+)
 from ..layout import ALIGN
 from ..optim.agreement import AgreementLayout
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    stage: int             # 0 is DDP
+    stage: int  # 0 is DDP
     world: int
-    params: int            # bytes per rank
+    params: int  # bytes per rank
     grads: int
     optimizer: int
-    zerofast_extra: int    # bucket buffers, padding, stage 1's gradient shard (0 for DDP)
+    zerofast_extra: int  # bucket buffers, padding, stage 1's gradient shard (0 for DDP)
 
     @property
     def total(self) -> int:
@@ -50,12 +59,16 @@ class MemoryEstimate:
 
 
 # Where the estimator's keywords of before the policies live now.
-_MOVED = {"precision": "mixed_precision= (None, 'bf16', 'fp16' or a MixedPrecisionPolicy, as ZeroAdam takes it)",
-          "bucket_mb": "comm=CommPolicy(bucket_mb=...)", "bucket_buffers": "comm=CommPolicy(bucket_buffers=...)"}
+_MOVED = {
+    "precision": "mixed_precision= (None, 'bf16', 'fp16' or a MixedPrecisionPolicy, as ZeroAdam takes it)",
+    "bucket_mb": "comm=CommPolicy(bucket_mb=...)",
+    "bucket_buffers": "comm=CommPolicy(bucket_buffers=...)",
+}
 
 
-def estimate_memory(model_or_param_count, world: int, stage: int, mixed_precision=None, comm=None, units=None,
-                    shard_size=None, **moved) -> MemoryEstimate:
+def estimate_memory(
+    model_or_param_count, world: int, stage: int, mixed_precision=None, comm=None, units=None, shard_size=None, **moved
+) -> MemoryEstimate:
     """Per-rank bytes of parameters, gradients and optimizer state for DDP (stage 0) or a ZeRO stage,
     by the paper's formulas, plus the buffers ZeroAdam adds. mixed_precision, comm and units as
     ZeroAdam takes them (stage 0 checks them alone). Stage 3's buckets are its units, whose size
@@ -72,12 +85,16 @@ def estimate_memory(model_or_param_count, world: int, stage: int, mixed_precisio
     if isinstance(model_or_param_count, nn.Module):
         numel = sum(p.numel() for p in model_or_param_count.parameters() if p.requires_grad)
         frozen = sum(p.numel() for p in model_or_param_count.parameters() if not p.requires_grad)
-    elif isinstance(model_or_param_count, int) and not isinstance(model_or_param_count, bool) \
-            and model_or_param_count >= 0:
+    elif (
+        isinstance(model_or_param_count, int)
+        and not isinstance(model_or_param_count, bool)
+        and model_or_param_count >= 0
+    ):
         numel = model_or_param_count
     else:
-        raise ValueError(f"estimate_memory: model_or_param_count must be an nn.Module or a count >= 0; "
-                         f"got {model_or_param_count!r}")
+        raise ValueError(
+            f"estimate_memory: model_or_param_count must be an nn.Module or a count >= 0; got {model_or_param_count!r}"
+        )
     if not (isinstance(world, int) and not isinstance(world, bool) and world >= 1):
         raise ValueError(f"estimate_memory: world must be an integer >= 1; got {world!r}")
     check_stage(stage, "estimate_memory", stages=(0, 1, 2, 3))
@@ -93,7 +110,7 @@ def estimate_memory(model_or_param_count, world: int, stage: int, mixed_precisio
         bucket_bytes = plan.bucket_bytes or int(DEFAULT_BUCKET_MB[2] * 2**20)  # stage 3: a unit's stand-in
         buffers, views = plan.bucket_buffers, plan.grads_as_bucket_views
     p_bytes, r_bytes = _itemsize(param_dtype), _itemsize(reduce_dtype)
-    g_bytes = p_bytes if stage < 2 else r_bytes      # full gradients in the parameters' dtype
+    g_bytes = p_bytes if stage < 2 else r_bytes  # full gradients in the parameters' dtype
     o_bytes = 8 + (4 if param_dtype != torch.float32 else 0)  # m, v and a separate fp32 master
     shard = -(-numel // shards)  # ceil: this rank's part
     params = p_bytes * (shard if stage == 3 else numel)
@@ -114,6 +131,7 @@ def estimate_memory(model_or_param_count, world: int, stage: int, mixed_precisio
 
 # --- traffic: the bytes comm_stats() reports, without running a step ---------------------------------
 
+
 def check_shard_size(shard_size, world: int, who: str) -> int:
     """shard_size as ZeroAdam takes it (None: world, flat ZeRO): an integer K >= 1 dividing world."""
     if shard_size is None:
@@ -121,8 +139,10 @@ def check_shard_size(shard_size, world: int, who: str) -> int:
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
         raise ValueError(f"{who}: shard_size must be None or an integer >= 1; got {shard_size!r}")
     if shard_size > world or world % shard_size:
-        raise ValueError(f"{who}: shard_size={shard_size} must divide world={world} (the ranks form world/shard_size "
-                         f"groups of shard_size consecutive ranks)")
+        raise ValueError(
+            f"{who}: shard_size={shard_size} must divide world={world} (the ranks form world/shard_size "
+            f"groups of shard_size consecutive ranks)"
+        )
     return shard_size
 
 
@@ -134,12 +154,13 @@ AGREEMENT_EXTRA = AgreementLayout(0).numel
 @dataclass(frozen=True)
 class Op:
     """The collectives of one kind a rank issues in one step, for the traffic and the time model."""
-    group: str    # "shard" (the K ranks sharing the state) or "replicate" (the W/K holding the same shard)
-    name: str     # the collective, as comm_stats() names it
-    nbytes: int   # payload bytes per step, counted as comm_stats() counts them
-    calls: int    # collective calls per step (each pays the latency term)
-    phase: str    # the compute it can hide behind: "forward", "backward", or "step" (none)
-    ranks: int    # ranks in the group
+
+    group: str  # "shard" (the K ranks sharing the state) or "replicate" (the W/K holding the same shard)
+    name: str  # the collective, as comm_stats() names it
+    nbytes: int  # payload bytes per step, counted as comm_stats() counts them
+    calls: int  # collective calls per step (each pays the latency term)
+    phase: str  # the compute it can hide behind: "forward", "backward", or "step" (none)
+    ranks: int  # ranks in the group
 
     @property
     def key(self) -> str:
@@ -166,9 +187,10 @@ def stage3_gathers(model: nn.Module, layouts) -> tuple[list[int], list[int]]:
     The first step gathers more: with no previous order to go by, a merged unit is gathered again by
     each of its modules (nothing is carried)."""
     from ..stage3.units import hook_needs
+
     needs = hook_needs(model, layouts.unit_params, layouts.unit_plan)
-    calls: list[tuple[int, ...]] = []       # the gathering calls, in forward order
-    events: list[tuple[str, int]] = []      # ("pre" | "post", call), nested as the calls run
+    calls: list[tuple[int, ...]] = []  # the gathering calls, in forward order
+    events: list[tuple[str, int]] = []  # ("pre" | "post", call), nested as the calls run
     seen: set[int] = set()
 
     def walk(module: nn.Module, held: frozenset) -> None:
@@ -257,16 +279,30 @@ def stage3_gathers(model: nn.Module, layouts) -> tuple[list[int], list[int]]:
     return forward, out
 
 
-def traffic_ops(model_or_param_count, world: int, stage: int, shard_size=None, mixed_precision=None, comm=None,
-                units=None, backend: str = "nccl", rank: int = 0, micro_batches: int = 1,
-                max_grad_norm=None) -> list[Op]:
+def traffic_ops(
+    model_or_param_count,
+    world: int,
+    stage: int,
+    shard_size=None,
+    mixed_precision=None,
+    comm=None,
+    units=None,
+    backend: str = "nccl",
+    rank: int = 0,
+    micro_batches: int = 1,
+    max_grad_norm=None,
+) -> list[Op]:
     """The collectives behind estimate_traffic, with their call counts and the phase each can overlap."""
     who = "estimate_traffic"
     is_module = isinstance(model_or_param_count, nn.Module)
-    if not is_module and not (isinstance(model_or_param_count, int) and not isinstance(model_or_param_count, bool)
-                              and model_or_param_count >= 1):
-        raise ValueError(f"{who}: model_or_param_count must be an nn.Module or a count >= 1; "
-                         f"got {model_or_param_count!r}")
+    if not is_module and not (
+        isinstance(model_or_param_count, int)
+        and not isinstance(model_or_param_count, bool)
+        and model_or_param_count >= 1
+    ):
+        raise ValueError(
+            f"{who}: model_or_param_count must be an nn.Module or a count >= 1; got {model_or_param_count!r}"
+        )
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"{who}: world must be an integer >= 1; got {world!r}")
     check_stage(stage, who, stages=(1, 2, 3))
@@ -283,11 +319,12 @@ def traffic_ops(model_or_param_count, world: int, stage: int, shard_size=None, m
     reduces = 1 if plan.accumulates_locally else micro_batches  # [Note: accumulation] in zerofast/optim/grads.py
     flat = plan.partition == "flat"
     reduce_name, gather_name = collective_names(backend, flat)
-    gather_step: list[tuple[int, int]] = []             # stages 1, 2: (bytes, calls) after the update
-    gather_fwd: list[tuple[int, int]] = []              # stage 3: per micro-batch
+    gather_step: list[tuple[int, int]] = []  # stages 1, 2: (bytes, calls) after the update
+    gather_fwd: list[tuple[int, int]] = []  # stage 3: per micro-batch
     gather_bwd: list[tuple[int, int]] = []
     if is_module:
         from ..optim.layouts import plan_layouts
+
         model = model_or_param_count
         layouts = plan_layouts(model, plan, shards)
         layout = layouts.layout
@@ -295,19 +332,27 @@ def traffic_ops(model_or_param_count, world: int, stage: int, shard_size=None, m
         reduce_numel = sum(b.numel for b in layout.buckets)
         reduce_calls = sum(1 if flat else _owners(b) for b in layout.buckets)
         shard_numel = layout.shard_numel(shard_rank)
-        replicate_calls = _replicate_calls([b.bounds[shard_rank + 1] - b.bounds[shard_rank] for b in layout.buckets],
-                                           r_bytes, plan)
+        replicate_calls = _replicate_calls(
+            [b.bounds[shard_rank + 1] - b.bounds[shard_rank] for b in layout.buckets], r_bytes, plan
+        )
         if stage < 3:
-            gather_step = [(b.numel * p_bytes, _gather_calls(backend, flat, _owners(b), shards)) for b in layout.buckets]
+            gather_step = [
+                (b.numel * p_bytes, _gather_calls(backend, flat, _owners(b), shards)) for b in layout.buckets
+            ]
         else:
+
             def unit_cost(u: int) -> tuple[int, int]:
                 nbytes = calls = 0
-                for lay, bucket_of in ((layout, layouts.unit_buckets), (layouts.frozen_layout, layouts.frozen_bucket_of)):
+                for lay, bucket_of in (
+                    (layout, layouts.unit_buckets),
+                    (layouts.frozen_layout, layouts.frozen_bucket_of),
+                ):
                     if lay is not None and bucket_of[u] is not None:
                         b = lay.buckets[bucket_of[u]]
                         nbytes += b.numel * p_bytes
                         calls += _gather_calls(backend, flat, _owners(b), shards)
                 return nbytes, calls
+
             fwd, bwd = stage3_gathers(model, layouts)
             gather_fwd, gather_bwd = [unit_cost(u) for u in fwd], [unit_cost(u) for u in bwd]
     else:  # a count: no tensors, no padding; buckets of the plan's size (stage 3: estimate_memory's stand-in)
@@ -326,12 +371,25 @@ def traffic_ops(model_or_param_count, world: int, stage: int, shard_size=None, m
     flags = 8 * AgreementLayout(tensors).numel
     ops: list[Op] = []
     if shards > 1:  # a group of one moves nothing
-        ops.append(Op("shard", reduce_name, reduces * reduce_numel * r_bytes, reduces * reduce_calls, "backward", shards))
-        for phase, parts, times in (("step", gather_step, 1), ("forward", gather_fwd, micro_batches),
-                                    ("backward", gather_bwd, micro_batches)):
+        ops.append(
+            Op("shard", reduce_name, reduces * reduce_numel * r_bytes, reduces * reduce_calls, "backward", shards)
+        )
+        for phase, parts, times in (
+            ("step", gather_step, 1),
+            ("forward", gather_fwd, micro_batches),
+            ("backward", gather_bwd, micro_batches),
+        ):
             if parts:
-                ops.append(Op("shard", gather_name, times * sum(b for b, _ in parts), times * sum(c for _, c in parts),
-                              phase, shards))
+                ops.append(
+                    Op(
+                        "shard",
+                        gather_name,
+                        times * sum(b for b, _ in parts),
+                        times * sum(c for _, c in parts),
+                        phase,
+                        shards,
+                    )
+                )
         ops.append(Op("shard", "all_reduce_flags", flags, 1, "step", shards))
         if plan.scales_loss or plan.max_grad_norm is not None:  # overflow flag and squared norm: 2 x fp32
             ops.append(Op("shard", "all_reduce_stats", 8, 1, "step", shards))
@@ -355,9 +413,19 @@ def _replicate_calls(owned: list[int], r_bytes: int, plan) -> int:
     return calls
 
 
-def estimate_traffic(model_or_param_count, world: int, stage: int, shard_size=None, mixed_precision=None,
-                     comm=None, units=None, backend: str = "nccl", rank: int = 0, micro_batches: int = 1,
-                     max_grad_norm=None) -> dict[str, int]:
+def estimate_traffic(
+    model_or_param_count,
+    world: int,
+    stage: int,
+    shard_size=None,
+    mixed_precision=None,
+    comm=None,
+    units=None,
+    backend: str = "nccl",
+    rank: int = 0,
+    micro_batches: int = 1,
+    max_grad_norm=None,
+) -> dict[str, int]:
     """The payload bytes per collective that `opt.comm_stats()` reports on rank `rank` after a step
     of ZeroAdam(model, stage, shard_size=..., mixed_precision=..., comm=..., units=...,
     max_grad_norm=...) on `world` ranks of `backend`, with `micro_batches` backwards per step
@@ -371,8 +439,19 @@ def estimate_traffic(model_or_param_count, world: int, stage: int, shard_size=No
     For a parameter count it is an approximation: no padding, no per-tensor agreement flags (it
     knows no tensors), and stage 3's units taken as stage 2's default bucket size."""
     totals: dict[str, int] = {}
-    for op in traffic_ops(model_or_param_count, world, stage, shard_size, mixed_precision, comm, units, backend,
-                          rank, micro_batches, max_grad_norm):
+    for op in traffic_ops(
+        model_or_param_count,
+        world,
+        stage,
+        shard_size,
+        mixed_precision,
+        comm,
+        units,
+        backend,
+        rank,
+        micro_batches,
+        max_grad_norm,
+    ):
         totals[op.key] = totals.get(op.key, 0) + op.nbytes
     return totals
 
@@ -394,8 +473,10 @@ def format_table(rows: list[MemoryEstimate]) -> str:
     lines = [head]
     for r in rows:
         name = "DDP" if r.stage == 0 else f"stage {r.stage}"
-        lines.append(f"{name:10s} {format_bytes(r.params):>12s} {format_bytes(r.grads):>12s} {format_bytes(r.optimizer):>12s} "
-                     f"{format_bytes(r.zerofast_extra):>12s} {format_bytes(r.total):>12s}")
+        lines.append(
+            f"{name:10s} {format_bytes(r.params):>12s} {format_bytes(r.grads):>12s} {format_bytes(r.optimizer):>12s} "
+            f"{format_bytes(r.zerofast_extra):>12s} {format_bytes(r.total):>12s}"
+        )
     return "\n".join(lines)
 
 
@@ -422,6 +503,7 @@ def parse_count(text: str) -> int:
 def _link_table(params: int, world: int, stages, shard_size, precision, backend: str, gpus_per_node: int) -> str:
     """Bytes per GPU per step of each collective, and the link it crosses (ranks numbered node by node)."""
     from .timemodel import Cluster, link_of
+
     cluster = Cluster(gpus_per_node=gpus_per_node)
     k = world if shard_size is None else shard_size
     lines = [f"{'':10s} {'collective':28s} {'bytes/GPU/step':>15s}  link"]
@@ -439,10 +521,13 @@ def _link_table(params: int, world: int, stages, shard_size, precision, backend:
 
 def _time_table(args, p) -> str:
     from .timemodel import Cluster, Link, format_seconds, step_time
-    cluster = Cluster(gpus_per_node=args.gpus_per_node,
-                      intra=Link("intra-node", args.intra_bw, args.intra_latency),
-                      inter=Link("inter-node", args.inter_bw, args.inter_latency),
-                      flops=args.tflops * 1e12)
+
+    cluster = Cluster(
+        gpus_per_node=args.gpus_per_node,
+        intra=Link("intra-node", args.intra_bw, args.intra_latency),
+        inter=Link("inter-node", args.inter_bw, args.inter_latency),
+        flops=args.tflops * 1e12,
+    )
     if args.global_tokens is not None:
         tokens = args.global_tokens // args.world
     else:
@@ -452,26 +537,43 @@ def _time_table(args, p) -> str:
     if args.shard_size is None and args.world > g and args.world % g == 0:
         sizes.append(g)  # flat against hybrid with a node per shard group
     stages = [args.stage] if args.stage is not None else [1, 2, 3]
-    head = (f"{'':8s} {'K':>5s} {'intra B':>10s} {'inter B':>10s} {'intra t':>9s} {'inter t':>9s} "
-            f"{'compute':>9s} {'exposed':>9s} {'step':>9s} {'mem/GPU':>10s}")
-    lines = [f"Φ = {args.params:,}, W = {args.world} GPUs ({g} per node), {tokens:,} tokens/GPU/step, "
-             f"{args.tflops:g} TFLOP/s, intra {args.intra_bw / 1e9:g} GB/s {args.intra_latency * 1e6:g} us, "
-             f"inter {args.inter_bw / 1e9:g} GB/s {args.inter_latency * 1e6:g} us, "
-             f"{'overlapped' if args.overlap else 'no overlap'}", head]
+    head = (
+        f"{'':8s} {'K':>5s} {'intra B':>10s} {'inter B':>10s} {'intra t':>9s} {'inter t':>9s} "
+        f"{'compute':>9s} {'exposed':>9s} {'step':>9s} {'mem/GPU':>10s}"
+    )
+    lines = [
+        f"Φ = {args.params:,}, W = {args.world} GPUs ({g} per node), {tokens:,} tokens/GPU/step, "
+        f"{args.tflops:g} TFLOP/s, intra {args.intra_bw / 1e9:g} GB/s {args.intra_latency * 1e6:g} us, "
+        f"inter {args.inter_bw / 1e9:g} GB/s {args.inter_latency * 1e6:g} us, "
+        f"{'overlapped' if args.overlap else 'no overlap'}",
+        head,
+    ]
     for s in stages:
         for k in sizes:
             kk = args.world if k is None else k
             try:
-                t = step_time(args.params, args.world, s, tokens, k, cluster, _PRECISIONS[args.precision],
-                              args.backend, args.micro_batches, args.overlap)
+                t = step_time(
+                    args.params,
+                    args.world,
+                    s,
+                    tokens,
+                    k,
+                    cluster,
+                    _PRECISIONS[args.precision],
+                    args.backend,
+                    args.micro_batches,
+                    args.overlap,
+                )
                 mem = estimate_memory(args.params, args.world, s, _PRECISIONS[args.precision], shard_size=k)
             except ValueError as e:
                 p.error(str(e))
-            lines.append(f"{'stage ' + str(s):8s} {kk:>5d} {format_bytes(t.bytes.get('intra-node', 0)):>10s} "
-                         f"{format_bytes(t.bytes.get('inter-node', 0)):>10s} "
-                         f"{format_seconds(t.comm.get('intra-node', 0.0)):>9s} "
-                         f"{format_seconds(t.comm.get('inter-node', 0.0)):>9s} {format_seconds(t.compute):>9s} "
-                         f"{format_seconds(t.exposed):>9s} {format_seconds(t.step):>9s} {format_bytes(mem.total):>10s}")
+            lines.append(
+                f"{'stage ' + str(s):8s} {kk:>5d} {format_bytes(t.bytes.get('intra-node', 0)):>10s} "
+                f"{format_bytes(t.bytes.get('inter-node', 0)):>10s} "
+                f"{format_seconds(t.comm.get('intra-node', 0.0)):>9s} "
+                f"{format_seconds(t.comm.get('inter-node', 0.0)):>9s} {format_seconds(t.compute):>9s} "
+                f"{format_seconds(t.exposed):>9s} {format_seconds(t.step):>9s} {format_bytes(mem.total):>10s}"
+            )
     return "\n".join(lines)
 
 
@@ -487,44 +589,90 @@ def main(argv=None) -> int:
                 return parse(text)
             except ValueError as e:
                 raise argparse.ArgumentTypeError(str(e)) from None
+
         f.__name__ = what
         return f
 
-    p = argparse.ArgumentParser(prog="python -m zerofast.estimate",
-                                description="Per-rank memory of DDP and ZeRO stages 1-3 by the ZeRO paper's formulas, "
-                                            "the bytes each step moves on each link, and (--time) a step-time model.")
-    p.add_argument("--params", type=parse_count, required=True,
-                   help="trainable parameters (Φ): 7000000, 7e9, 7.5B, 350M, 1.2T, 125K")
+    p = argparse.ArgumentParser(
+        prog="python -m zerofast.estimate",
+        description="Per-rank memory of DDP and ZeRO stages 1-3 by the ZeRO paper's formulas, "
+        "the bytes each step moves on each link, and (--time) a step-time model.",
+    )
+    p.add_argument(
+        "--params",
+        type=parse_count,
+        required=True,
+        help="trainable parameters (Φ): 7000000, 7e9, 7.5B, 350M, 1.2T, 125K",
+    )
     p.add_argument("--world", type=int, required=True, help="data-parallel ranks (N)")
     p.add_argument("--stage", type=int, default=None, help="one stage (0 = DDP, 1, 2, 3); default: all")
-    p.add_argument("--shard-size", type=int, default=None,
-                   help="hybrid sharding: the state is sharded over K consecutive ranks and replicated world/K "
-                        "times (ZeroAdam's shard_size; default: world, flat ZeRO)")
-    p.add_argument("--precision", default="mixed",
-                   help="mixed or bf16 (2+2+12 bytes), fp16 (the same), or fp32 (4+4+8); default mixed")
-    p.add_argument("--bucket-mb", type=float, default=None,
-                   help="ZeroAdam's CommPolicy.bucket_mb, stages 1 and 2 (default 25 for stage 1, 8 for stage 2)")
-    p.add_argument("--bucket-buffers", type=int, default=CommPolicy.bucket_buffers,
-                   help=f"ZeroAdam's CommPolicy.bucket_buffers (default {CommPolicy.bucket_buffers}; 0: no bound)")
+    p.add_argument(
+        "--shard-size",
+        type=int,
+        default=None,
+        help="hybrid sharding: the state is sharded over K consecutive ranks and replicated world/K "
+        "times (ZeroAdam's shard_size; default: world, flat ZeRO)",
+    )
+    p.add_argument(
+        "--precision",
+        default="mixed",
+        help="mixed or bf16 (2+2+12 bytes), fp16 (the same), or fp32 (4+4+8); default mixed",
+    )
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=None,
+        help="ZeroAdam's CommPolicy.bucket_mb, stages 1 and 2 (default 25 for stage 1, 8 for stage 2)",
+    )
+    p.add_argument(
+        "--bucket-buffers",
+        type=int,
+        default=CommPolicy.bucket_buffers,
+        help=f"ZeroAdam's CommPolicy.bucket_buffers (default {CommPolicy.bucket_buffers}; 0: no bound)",
+    )
     p.add_argument("--backend", default="nccl", help="nccl (default) or gloo: which collectives each layout uses")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node: which groups stay on one node (8)")
     t = p.add_argument_group("step time (--time): see [Note: the time model] in zerofast/tools/timemodel.py")
     t.add_argument("--time", action="store_true", help="predict communication and step time, flat against hybrid")
     t.add_argument("--tokens-per-rank", type=int, default=16384, help="tokens per GPU per step (default 16384)")
-    t.add_argument("--global-tokens", type=parse_count, default=None,
-                   help="tokens per step over all GPUs instead (a fixed global batch: 4M, 2e6)")
+    t.add_argument(
+        "--global-tokens",
+        type=parse_count,
+        default=None,
+        help="tokens per step over all GPUs instead (a fixed global batch: 4M, 2e6)",
+    )
     t.add_argument("--micro-batches", type=int, default=1, help="backwards per step (default 1)")
     t.add_argument("--tflops", type=float, default=400.0, help="achieved TFLOP/s per GPU (default 400)")
-    t.add_argument("--intra-bw", type=typed(parse_rate, "bandwidth"), default=parse_rate("300GB/s"),
-                   help="intra-node bus bandwidth per GPU (default 300GB/s, NVLink)")
-    t.add_argument("--intra-latency", type=typed(parse_seconds, "latency"), default=parse_seconds("5us"),
-                   help="intra-node latency per hop (default 5us)")
-    t.add_argument("--inter-bw", type=typed(parse_rate, "bandwidth"), default=parse_rate("400Gb/s"),
-                   help="inter-node bandwidth per GPU (default 400Gb/s = 50 GB/s)")
-    t.add_argument("--inter-latency", type=typed(parse_seconds, "latency"), default=parse_seconds("10us"),
-                   help="inter-node latency per hop (default 10us)")
-    t.add_argument("--no-overlap", dest="overlap", action="store_false",
-                   help="every collective exposed (communication and compute share the same cores)")
+    t.add_argument(
+        "--intra-bw",
+        type=typed(parse_rate, "bandwidth"),
+        default=parse_rate("300GB/s"),
+        help="intra-node bus bandwidth per GPU (default 300GB/s, NVLink)",
+    )
+    t.add_argument(
+        "--intra-latency",
+        type=typed(parse_seconds, "latency"),
+        default=parse_seconds("5us"),
+        help="intra-node latency per hop (default 5us)",
+    )
+    t.add_argument(
+        "--inter-bw",
+        type=typed(parse_rate, "bandwidth"),
+        default=parse_rate("400Gb/s"),
+        help="inter-node bandwidth per GPU (default 400Gb/s = 50 GB/s)",
+    )
+    t.add_argument(
+        "--inter-latency",
+        type=typed(parse_seconds, "latency"),
+        default=parse_seconds("10us"),
+        help="inter-node latency per hop (default 10us)",
+    )
+    t.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="every collective exposed (communication and compute share the same cores)",
+    )
     args = p.parse_args(argv)
     if args.params < 0:
         p.error(f"--params must be 0 or more; got {args.params}")
@@ -554,8 +702,11 @@ def main(argv=None) -> int:
     try:
         comm = CommPolicy(bucket_mb=args.bucket_mb, bucket_buffers=args.bucket_buffers)
     except ValueError as e:
-        p.error(str(e).replace("CommPolicy: bucket_mb", "--bucket-mb").replace("CommPolicy: bucket_buffers",
-                                                                               "--bucket-buffers"))
+        p.error(
+            str(e)
+            .replace("CommPolicy: bucket_mb", "--bucket-mb")
+            .replace("CommPolicy: bucket_buffers", "--bucket-buffers")
+        )
     if args.time:
         if args.stage == 0:
             p.error("--time models ZeRO stages 1-3; got --stage 0")
@@ -570,8 +721,11 @@ def main(argv=None) -> int:
         # option applies to the others; asked for stage 3 alone, it is ZeroAdam's error.
         stage_comm = CommPolicy(bucket_buffers=comm.bucket_buffers) if s == 3 and args.stage is None else comm
         try:
-            rows.append(estimate_memory(args.params, args.world, s, _PRECISIONS[args.precision], stage_comm,
-                                        shard_size=args.shard_size))
+            rows.append(
+                estimate_memory(
+                    args.params, args.world, s, _PRECISIONS[args.precision], stage_comm, shard_size=args.shard_size
+                )
+            )
         except ValueError as e:
             p.error(str(e))
     k = f", sharded over K = {args.shard_size} (x{args.world // args.shard_size} replicas)" if args.shard_size else ""
@@ -579,9 +733,19 @@ def main(argv=None) -> int:
     print(format_table(rows))
     if args.params > 0 and any(s > 0 for s in stages):
         print(f"\nCommunication per step ({args.backend}, {args.gpus_per_node} GPUs per node; a count: no padding)")
-        print(_link_table(args.params, args.world, stages, args.shard_size, _PRECISIONS[args.precision], args.backend,
-                          args.gpus_per_node))
+        print(
+            _link_table(
+                args.params,
+                args.world,
+                stages,
+                args.shard_size,
+                _PRECISIONS[args.precision],
+                args.backend,
+                args.gpus_per_node,
+            )
+        )
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,7 @@
 """A small GPT (token + position embeddings, pre-norm blocks, tied output head) for demos, tests
 and benchmarks. Its input embedding and output head share one weight, so a tied parameter is always
 exercised."""
+
 from __future__ import annotations
 
 import math
@@ -13,8 +14,8 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class GPTConfig:
-    vocab_size: int = 256      # byte-level by default
-    block_size: int = 64       # longest sequence
+    vocab_size: int = 256  # byte-level by default
+    block_size: int = 64  # longest sequence
     n_layer: int = 2
     n_head: int = 2
     n_embd: int = 32

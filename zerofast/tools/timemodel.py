@@ -33,6 +33,7 @@ does not scale as 6 * params * tokens (attention at long sequences).
 With overlap=False every collective is exposed (a machine whose communication and compute share
 the same cores: this machine's gloo ranks).
 """
+
 from __future__ import annotations
 
 import re
@@ -44,19 +45,19 @@ from .estimate import Op, traffic_ops
 @dataclass(frozen=True)
 class Link:
     name: str
-    bandwidth: float   # bytes/s, bus bandwidth per GPU
-    latency: float     # seconds per hop
+    bandwidth: float  # bytes/s, bus bandwidth per GPU
+    latency: float  # seconds per hop
     reduce_rate: float = float("inf")  # bytes/s of the reduction arithmetic (the model's gamma; GPUs: no cost)
 
 
 @dataclass(frozen=True)
 class Cluster:
     gpus_per_node: int = 8
-    intra: Link = Link("intra-node", 300e9, 5e-6)        # NVLink: ~300 GB/s bus bandwidth per GPU
-    inter: Link = Link("inter-node", 400e9 / 8, 10e-6)   # a 400 Gb/s NIC per GPU
-    flops: float = 400e12         # achieved FLOP/s per GPU (about 40% of an H100's dense bf16 peak)
+    intra: Link = Link("intra-node", 300e9, 5e-6)  # NVLink: ~300 GB/s bus bandwidth per GPU
+    inter: Link = Link("inter-node", 400e9 / 8, 10e-6)  # a 400 Gb/s NIC per GPU
+    flops: float = 400e12  # achieved FLOP/s per GPU (about 40% of an H100's dense bf16 peak)
     update_bandwidth: float = 2e12  # bytes/s the Adam update streams (HBM, below its ~3.3 TB/s peak)
-    update_bytes: int = 32        # bytes read and written per owned element (master, m, v, grad, param)
+    update_bytes: int = 32  # bytes read and written per owned element (master, m, v, grad, param)
 
 
 def collective_time(name: str, nbytes: float, calls: int, ranks: int, link: Link) -> float:
@@ -70,7 +71,11 @@ def collective_time(name: str, nbytes: float, calls: int, ranks: int, link: Link
     if base.startswith("all_reduce"):
         return 2 * (n - 1) / n * nbytes / link.bandwidth + calls * 2 * (n - 1) * link.latency + gamma
     if base in ("reduce_scatter", "all_gather"):
-        return (n - 1) / n * nbytes / link.bandwidth + calls * (n - 1) * link.latency + (gamma if base == "reduce_scatter" else 0.0)
+        return (
+            (n - 1) / n * nbytes / link.bandwidth
+            + calls * (n - 1) * link.latency
+            + (gamma if base == "reduce_scatter" else 0.0)
+        )
     if base in ("broadcast", "reduce"):
         return nbytes / link.bandwidth + calls * (n - 1) * link.latency + (gamma if base == "reduce" else 0.0)
     raise ValueError(f"collective_time: no cost model for the collective {name!r}")
@@ -81,20 +86,20 @@ def link_of(group: str, world: int, shard_size: int, cluster: Cluster) -> Link:
     g = cluster.gpus_per_node
     if group == "shard":  # K consecutive ranks, starting at a multiple of K
         one_node = shard_size <= g and g % shard_size == 0
-    else:                 # ranks r, r + K, r + 2K, ...: on one node only if the whole world is
+    else:  # ranks r, r + K, r + 2K, ...: on one node only if the whole world is
         one_node = world <= g
     return cluster.intra if one_node else cluster.inter
 
 
 @dataclass
 class StepTime:
-    compute: float                      # forward + backward + update, seconds
+    compute: float  # forward + backward + update, seconds
     forward: float
     backward: float
     update: float
-    comm: dict[str, float]              # seconds of communication per link name
-    bytes: dict[str, int]               # bytes per step per link name (this rank)
-    exposed: float                      # communication not hidden behind compute
+    comm: dict[str, float]  # seconds of communication per link name
+    bytes: dict[str, int]  # bytes per step per link name (this rank)
+    exposed: float  # communication not hidden behind compute
     phases: dict[str, float] = field(default_factory=dict)  # communication seconds per phase
 
     @property
@@ -102,8 +107,16 @@ class StepTime:
         return self.compute + self.exposed
 
 
-def predict(ops: list[Op], world: int, shard_size: int, cluster: Cluster, forward: float, backward: float,
-            update: float, overlap: bool = True) -> StepTime:
+def predict(
+    ops: list[Op],
+    world: int,
+    shard_size: int,
+    cluster: Cluster,
+    forward: float,
+    backward: float,
+    update: float,
+    overlap: bool = True,
+) -> StepTime:
     """Step time from the step's collectives (traffic_ops) and its compute: [Note: the time model]."""
     comm: dict[str, float] = {}
     nbytes: dict[str, int] = {}
@@ -115,15 +128,15 @@ def predict(ops: list[Op], world: int, shard_size: int, cluster: Cluster, forwar
         nbytes[link.name] = nbytes.get(link.name, 0) + op.nbytes
         phases[op.phase] += t
     if overlap:
-        exposed = (max(0.0, phases["forward"] - forward) + max(0.0, phases["backward"] - backward)
-                   + phases["step"])
+        exposed = max(0.0, phases["forward"] - forward) + max(0.0, phases["backward"] - backward) + phases["step"]
     else:
         exposed = sum(phases.values())
     return StepTime(forward + backward + update, forward, backward, update, comm, nbytes, exposed, phases)
 
 
-def compute_times(params: int, tokens: int, world: int, shard_size: int, stage: int,
-                  cluster: Cluster) -> tuple[float, float, float]:
+def compute_times(
+    params: int, tokens: int, world: int, shard_size: int, stage: int, cluster: Cluster
+) -> tuple[float, float, float]:
     """(forward, backward, update) seconds per step on one GPU: 2 and 4 FLOPs per parameter per
     token, and the Adam update of this rank's 1/K of the elements (all of them without sharding)."""
     flops = 6 * params * tokens
@@ -131,14 +144,33 @@ def compute_times(params: int, tokens: int, world: int, shard_size: int, stage: 
     return flops / 3 / cluster.flops, 2 * flops / 3 / cluster.flops, update
 
 
-def step_time(params: int, world: int, stage: int, tokens: int, shard_size=None, cluster: Cluster = Cluster(),
-              mixed_precision="bf16", backend: str = "nccl", micro_batches: int = 1, overlap: bool = True,
-              model=None, comm=None) -> StepTime:
+def step_time(
+    params: int,
+    world: int,
+    stage: int,
+    tokens: int,
+    shard_size=None,
+    cluster: Cluster = Cluster(),
+    mixed_precision="bf16",
+    backend: str = "nccl",
+    micro_batches: int = 1,
+    overlap: bool = True,
+    model=None,
+    comm=None,
+) -> StepTime:
     """The predicted step of `params` parameters (or of `model`, exactly, when given) on `world`
     GPUs, `tokens` tokens per GPU per step."""
     k = world if shard_size is None else shard_size
-    ops = traffic_ops(model if model is not None else params, world, stage, k, mixed_precision, comm,
-                      backend=backend, micro_batches=micro_batches)
+    ops = traffic_ops(
+        model if model is not None else params,
+        world,
+        stage,
+        k,
+        mixed_precision,
+        comm,
+        backend=backend,
+        micro_batches=micro_batches,
+    )
     fwd, bwd, upd = compute_times(params, tokens, world, k, stage, cluster)
     return predict(ops, world, k, cluster, fwd, bwd, upd, overlap)
 

@@ -13,6 +13,7 @@ shows a progress bar on rank 0, and ends with a table per rank: parameter, gradi
 bytes measured next to the ZeRO paper's memory table (Rajbhandari et al., 2020), and the
 communication per step next to the paper's 2Φ (stages 1 and 2) / 3Φ (stage 3).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,20 +22,19 @@ import os
 import sys
 import time
 from datetime import timedelta
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ..checkpoint import latest, load, save
 from ..comm import CollectiveError, OutOfStepError
-from ..optim.grads import StepNotAppliedError
-from .data import corpus_tokens, text_batch
-from .estimate import format_bytes, estimate_memory
-from .models import CONFIGS, make_gpt
-from ..optim.zero_adam import ZeroAdam
 from ..config import CommPolicy
+from ..optim.grads import StepNotAppliedError
+from ..optim.zero_adam import ZeroAdam
 from ..partition import PARTITIONS
+from .data import corpus_tokens, text_batch
+from .estimate import estimate_memory, format_bytes
+from .models import CONFIGS, make_gpt
 
 log = logging.getLogger("zerofast.train")
 
@@ -49,33 +49,64 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")
     p.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
     p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl with GPUs, else gloo)")
-    p.add_argument("--mixed-precision", default=None,
-                   help="bf16 or fp16 (fp16 with dynamic loss scaling); default fp32")
+    p.add_argument(
+        "--mixed-precision", default=None, help="bf16 or fp16 (fp16 with dynamic loss scaling); default fp32"
+    )
     p.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm to this")
-    p.add_argument("--shard-size", type=int, default=None, metavar="K",
-                   help="hybrid sharding: shard within groups of K consecutive ranks (a machine), replicate "
-                        "across them (default: every rank, flat ZeRO)")
-    p.add_argument("--compare", action="store_true",
-                   help="also run the same steps under DDP and the reference stage; print loss differences and step-time ratios")
-    p.add_argument("--plot", default=None, metavar="PNG",
-                   help="draw measured memory per rank (DDP and stages 1-3) as stacked bars into PNG")
-    p.add_argument("--save-dir", default=None, metavar="DIR",
-                   help="write a sharded checkpoint (zerofast.checkpoint) into DIR/step-NNNNNN every --save-every "
-                        "steps and after the last step")
+    p.add_argument(
+        "--shard-size",
+        type=int,
+        default=None,
+        metavar="K",
+        help="hybrid sharding: shard within groups of K consecutive ranks (a machine), replicate "
+        "across them (default: every rank, flat ZeRO)",
+    )
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run the same steps under DDP and the reference stage; print loss differences and step-time ratios",
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="draw measured memory per rank (DDP and stages 1-3) as stacked bars into PNG",
+    )
+    p.add_argument(
+        "--save-dir",
+        default=None,
+        metavar="DIR",
+        help="write a sharded checkpoint (zerofast.checkpoint) into DIR/step-NNNNNN every --save-every "
+        "steps and after the last step",
+    )
     p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (default: only at the end)")
     p.add_argument("--keep", type=int, default=None, help="keep only the newest K checkpoints (K >= 2)")
-    p.add_argument("--save-async", action="store_true",
-                   help="save in the background: each rank copies its shard and training goes on while a thread "
-                        "writes it (zerofast.checkpoint.save(blocking=False)); the job waits for the last one")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest complete checkpoint in --save-dir (model, optimizer, step, data "
-                        "position, RNG), at any world size or stage; start afresh if there is none")
-    p.add_argument("--timeout", type=float, default=60.0,
-                   help="seconds any collective may wait for the other ranks (default 60; the process groups' "
-                        "timeout): a stuck rank ends the job after this, a dead one at once")
-    p.add_argument("--max-restarts", type=int, default=0,
-                   help="torchrun restarts the workers up to this many times after a failure; with --save-dir they "
-                        "resume from the newest checkpoint (default 0)")
+    p.add_argument(
+        "--save-async",
+        action="store_true",
+        help="save in the background: each rank copies its shard and training goes on while a thread "
+        "writes it (zerofast.checkpoint.save(blocking=False)); the job waits for the last one",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in --save-dir (model, optimizer, step, data "
+        "position, RNG), at any world size or stage; start afresh if there is none",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds any collective may wait for the other ranks (default 60; the process groups' "
+        "timeout): a stuck rank ends the job after this, a dead one at once",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="torchrun restarts the workers up to this many times after a failure; with --save-dir they "
+        "resume from the newest checkpoint (default 0)",
+    )
     args = p.parse_args(argv)
     if not args.timeout > 0:
         p.error(f"--timeout must be positive; got {args.timeout}")
@@ -129,8 +160,16 @@ def launch(argv: list[str], nproc: int, max_restarts: int) -> int:
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        torchrun_main(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-                       "-m", "zerofast.train", *_without_nproc(argv)])
+        torchrun_main(
+            [
+                "--standalone",
+                f"--nproc-per-node={nproc}",
+                f"--max-restarts={max_restarts}",
+                "-m",
+                "zerofast.train",
+                *_without_nproc(argv),
+            ]
+        )
     except ChildFailedError:  # the workers said why on stderr; torchrun printed its summary
         return 1
     return 0
@@ -185,33 +224,47 @@ def _make_optimizer(kind: str, model, args, stage: int):
     """kind: "zero" (ZeroAdam at `stage`), "ddp", or "reference" (the reference stage `stage`)."""
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
+
         wrapped = DDP(model)
         return wrapped, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     if kind == "reference":
         from ..reference import ReferenceZero
+
         return model, ReferenceZero(model, stage=stage, lr=args.lr, weight_decay=0.1)
-    return model, ZeroAdam(model, stage=stage, lr=args.lr, weight_decay=0.1, mixed_precision=args.mixed_precision,
-                           max_grad_norm=args.max_grad_norm, comm=CommPolicy(partition=args.partition),
-                           shard_size=args.shard_size)
+    return model, ZeroAdam(
+        model,
+        stage=stage,
+        lr=args.lr,
+        weight_decay=0.1,
+        mixed_precision=args.mixed_precision,
+        max_grad_norm=args.max_grad_norm,
+        comm=CommPolicy(partition=args.partition),
+        shard_size=args.shard_size,
+    )
 
 
 def _measure(kind: str, model, opt) -> dict[str, int]:
     """Bytes this rank holds now, counted from the tensors."""
     if isinstance(opt, ZeroAdam):
         r = opt.memory_report()
-        return {"params": r["params"] + r["frozen_params"], "grads": r["grads"] + r["grad_shard"],
-                "optimizer": r["optimizer"] + r["master_copy"],
-                "buckets": r["bucket_buffers"] + r["bucket_pool"]}
+        return {
+            "params": r["params"] + r["frozen_params"],
+            "grads": r["grads"] + r["grad_shard"],
+            "optimizer": r["optimizer"] + r["master_copy"],
+            "buckets": r["bucket_buffers"] + r["bucket_pool"],
+        }
     if hasattr(opt, "memory_held"):  # the reference stage counts its own
         return {**opt.memory_held(), "buckets": 0}
     state = list(opt.state.values())
-    return {"params": sum(p.nbytes for p in model.parameters()),
-            "grads": sum(p.grad.nbytes for p in model.parameters() if p.grad is not None),
-            "optimizer": sum(s[k].nbytes for s in state for k in ("exp_avg", "exp_avg_sq") if k in s),
-            "buckets": 0}
+    return {
+        "params": sum(p.nbytes for p in model.parameters()),
+        "grads": sum(p.grad.nbytes for p in model.parameters() if p.grad is not None),
+        "optimizer": sum(s[k].nbytes for s in state for k in ("exp_avg", "exp_avg_sq") if k in s),
+        "buckets": 0,
+    }
 
 
-def run(kind: str, args, device, steps: int, progress: bool, stage: Optional[int] = None):
+def run(kind: str, args, device, steps: int, progress: bool, stage: int | None = None):
     """Train a fresh model `steps` steps (the main run: from the newest checkpoint with --resume,
     writing checkpoints with --save-dir) with `kind` at `stage` (None: --stage); return losses,
     seconds per step, measured bytes, comm."""
@@ -227,9 +280,11 @@ def run(kind: str, args, device, steps: int, progress: bool, stage: Optional[int
     if progress and rank == 0 and isinstance(opt, ZeroAdam) and opt.stage == 3:
         units = opt.units_report()
         largest = max(units, key=lambda u: u["bytes"])
-        sys.stderr.write(f"stage 3: {len(units)} units ({', '.join(u['module'] or '(root)' for u in units[:3])}"
-                         f"{', ...' if len(units) > 3 else ''}); the largest, {largest['module'] or '(root)'}, "
-                         f"holds {format_bytes(largest['bytes'])}\n")
+        sys.stderr.write(
+            f"stage 3: {len(units)} units ({', '.join(u['module'] or '(root)' for u in units[:3])}"
+            f"{', ...' if len(units) > 3 else ''}); the largest, {largest['module'] or '(root)'}, "
+            f"holds {format_bytes(largest['bytes'])}\n"
+        )
     for step in range(start, steps):
         x, y = text_batch(tokens, args.batch, seq, seed=step * world + rank)  # the data position is the step
         t0 = time.perf_counter()
@@ -249,14 +304,21 @@ def run(kind: str, args, device, steps: int, progress: bool, stage: Optional[int
         try:
             dist.all_reduce(mean_loss)
         except RuntimeError as e:  # the job's own collective: the same one-line report as ZeroAdam's
-            raise CollectiveError(f"zerofast.train (rank {rank} of {world}): the loss average after step {step + 1} "
-                                  f"failed: another rank died or is stuck. Backend: {str(e).strip().splitlines()[0]}") from e
+            raise CollectiveError(
+                f"zerofast.train (rank {rank} of {world}): the loss average after step {step + 1} "
+                f"failed: another rank died or is stuck. Backend: {str(e).strip().splitlines()[0]}"
+            ) from e
         losses.append(mean_loss.item() / world)
         bar.update(step, losses[-1], args.batch * seq * world / times[-1])
         if checkpoints and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps):
-            written = save(os.path.join(args.save_dir, f"step-{step + 1:06d}"), model, opt, keep=args.keep,
-                           extra={"step": step + 1, "rng": torch.get_rng_state(), "losses": losses},
-                           blocking=not args.save_async)
+            written = save(
+                os.path.join(args.save_dir, f"step-{step + 1:06d}"),
+                model,
+                opt,
+                keep=args.keep,
+                extra={"step": step + 1, "rng": torch.get_rng_state(), "losses": losses},
+                blocking=not args.save_async,
+            )
             if step + 1 == steps and args.save_async:
                 written.wait()  # the last one: complete before the job reports and exits
     comm = opt.comm_stats() if isinstance(opt, ZeroAdam) else {}
@@ -295,13 +357,19 @@ def report(args, measured_all, comm, numel, world) -> None:
     p_bytes = 2 if args.mixed_precision else 4
     phi = p_bytes * numel
     table = "2 + 2 + 12" if args.mixed_precision else "4 + 4 + 8"
-    print(f"\nper rank, bytes after step() ({args.mixed_precision or 'fp32'}: {table} per parameter; "
-          f"estimate = the ZeRO paper's memory table)")
-    print(f"{'rank':>4s} {'params':>12s} {'(est)':>12s} {'grads':>12s} {'(est)':>12s} "
-          f"{'optimizer':>12s} {'(est)':>12s} {'buckets':>10s}")
+    print(
+        f"\nper rank, bytes after step() ({args.mixed_precision or 'fp32'}: {table} per parameter; "
+        f"estimate = the ZeRO paper's memory table)"
+    )
+    print(
+        f"{'rank':>4s} {'params':>12s} {'(est)':>12s} {'grads':>12s} {'(est)':>12s} "
+        f"{'optimizer':>12s} {'(est)':>12s} {'buckets':>10s}"
+    )
     for r, m in enumerate(measured_all):
-        print(f"{r:4d} {m['params']:12,d} {est.params:12,d} {m['grads']:12,d} {est.grads:12,d} "
-              f"{m['optimizer']:12,d} {est.optimizer:12,d} {m['buckets']:10,d}")
+        print(
+            f"{r:4d} {m['params']:12,d} {est.params:12,d} {m['grads']:12,d} {est.grads:12,d} "
+            f"{m['optimizer']:12,d} {est.optimizer:12,d} {m['buckets']:10,d}"
+        )
     paper = 3 if args.stage == 3 else 2
     k = args.shard_size or world
     for group, formula, f_bytes in (("shard", f"{paper}Φ", paper * phi), ("replicate", f"Φ/K = Φ/{k}", phi // k)):
@@ -309,15 +377,21 @@ def report(args, measured_all, comm, numel, world) -> None:
         if not mine:
             continue
         moved = sum(v for name, v in mine.items() if not name.split("/")[-1].startswith("all_reduce_"))
-        where = ("within each group of K ranks" if group == "shard" else "across machines, between the replicas") \
-            if k != world else "between all ranks"
-        print(f"communication per step, {group} ({where}): {moved:,d} bytes = {moved / phi:.2f} Φ (formula: "
-              f"{formula} = {f_bytes:,d}; Φ = {phi:,d} bytes of {args.mixed_precision or 'fp32'} parameters)  "
-              f"by collective: {mine}")
+        where = (
+            ("within each group of K ranks" if group == "shard" else "across machines, between the replicas")
+            if k != world
+            else "between all ranks"
+        )
+        print(
+            f"communication per step, {group} ({where}): {moved:,d} bytes = {moved / phi:.2f} Φ (formula: "
+            f"{formula} = {f_bytes:,d}; Φ = {phi:,d} bytes of {args.mixed_precision or 'fp32'} parameters)  "
+            f"by collective: {mine}"
+        )
 
 
 def plot(path: str, rows: dict[str, list[dict]], numel: int, precision: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -351,9 +425,15 @@ def _init_process_group(backend: str, timeout: timedelta) -> None:
         dist.init_process_group(backend, timeout=timeout)
         return
     from torch.distributed.rendezvous import rendezvous
+
     store, rank, world = next(rendezvous("env://", timeout=timeout))
-    dist.init_process_group(backend, store=dist.PrefixStore(f"zerofast/attempt-{attempt}", store), rank=rank,
-                            world_size=world, timeout=timeout)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"zerofast/attempt-{attempt}", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+    )
 
 
 def exit_on_fault(error: BaseException) -> None:
@@ -379,15 +459,27 @@ def _worker(args: argparse.Namespace) -> None:
     device = _device(backend)
     if rank == 0:
         n = sum(p.numel() for p in _model(args).parameters())
-        log.info("training a %s GPT (%.2fM parameters) on %d ranks (%s): ZeroAdam stage %d, %s partition%s",
-                 args.model, n / 1e6, world, backend, args.stage, args.partition,
-                 f", sharded in groups of {args.shard_size}" if args.shard_size not in (None, world) else "")
+        log.info(
+            "training a %s GPT (%.2fM parameters) on %d ranks (%s): ZeroAdam stage %d, %s partition%s",
+            args.model,
+            n / 1e6,
+            world,
+            backend,
+            args.stage,
+            args.partition,
+            f", sharded in groups of {args.shard_size}" if args.shard_size not in (None, world) else "",
+        )
     losses, times, measured, comm, numel = run("zero", args, device, args.steps, progress=True)
     everyone: list = [None] * world
     dist.all_gather_object(everyone, measured)
     if rank == 0 and losses:
-        log.info("loss %.4f -> %.4f over %d steps, %.0f ms per step", losses[0], losses[-1], len(losses),
-                 1e3 * _median(times))
+        log.info(
+            "loss %.4f -> %.4f over %d steps, %.0f ms per step",
+            losses[0],
+            losses[-1],
+            len(losses),
+            1e3 * _median(times),
+        )
         if all(everyone):
             report(args, everyone, comm, numel, world)
     if args.compare and args.steps > 0:
@@ -395,13 +487,22 @@ def _worker(args: argparse.Namespace) -> None:
         if rank == 0:
             for kind, (other, other_times, *_rest) in results.items():
                 diff = max(abs(a - b) for a, b in zip(losses, other))
-                log.info("vs %-9s largest loss difference %.2e; step time ZeroAdam / %s = %.2f%s",
-                         kind, diff, kind, _median(times) / _median(other_times),
-                         f" ({kind} trains in fp32, ZeroAdam in {args.mixed_precision})" if args.mixed_precision else "")
+                log.info(
+                    "vs %-9s largest loss difference %.2e; step time ZeroAdam / %s = %.2f%s",
+                    kind,
+                    diff,
+                    kind,
+                    _median(times) / _median(other_times),
+                    f" ({kind} trains in fp32, ZeroAdam in {args.mixed_precision})" if args.mixed_precision else "",
+                )
     if args.plot:
         rows = {}
-        for kind, stage, label in (("ddp", None, "DDP"), ("zero", 1, "stage 1"), ("zero", 2, "stage 2"),
-                                   ("zero", 3, "stage 3")):
+        for kind, stage, label in (
+            ("ddp", None, "DDP"),
+            ("zero", 1, "stage 1"),
+            ("zero", 2, "stage 2"),
+            ("zero", 3, "stage 3"),
+        ):
             _, _, m, _, _ = run(kind, args, device, 2, progress=False, stage=stage)
             per_rank: list = [None] * world
             dist.all_gather_object(per_rank, m)
