@@ -37,7 +37,7 @@ BUILT   := $(VENV)/.zerofast-built-cuda-$(ZEROFAST_CUDA)
 endif
 SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu) setup.py pyproject.toml
 
-.PHONY: setup build demo test lint format bench cmake clean
+.PHONY: setup build demo test lint format docs bench cmake clean
 
 setup: $(BUILT)
 
@@ -80,6 +80,12 @@ format: $(DEPS)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/clang-format -i $(CXX_SOURCES)
 
+# The documentation (mkdocs.yml, docs/): built with --strict, so a broken link, anchor or nav entry
+# fails, into site/ (git-ignored). tests/test_docs.py runs the same build. NO_MKDOCS_2_WARNING quiets
+# mkdocs-material's banner about MkDocs 2.0, which is not a warning about these pages.
+docs: $(DEPS)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 bench: $(BUILT)
 	$(PY) -m pytest -q benchmarks --benchmark-only --benchmark-columns=min,median,max,rounds
 
@@ -91,4 +97,4 @@ cmake: $(DEPS)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" cmake --build build-cmake/cpu -j2
 
 clean:
-	rm -rf build build-cmake zerofast/_C*.so *.egg-info $(VENV)/.zerofast-built-cuda-*
+	rm -rf build build-cmake site zerofast/_C*.so *.egg-info $(VENV)/.zerofast-built-cuda-*

@@ -81,7 +81,7 @@ def test_hf_trainer(benchmark, tmp_path, system, tuning):
 
 
 def teardown_module():
-    """The table README carries: step time and its ratio to Trainer + DDP, memory per rank."""
+    """The table docs/benchmarks.md carries: step time and its ratio to Trainer + DDP, memory per rank."""
     if not _RESULTS:
         return
     lines = [

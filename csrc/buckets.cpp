@@ -437,12 +437,12 @@ void BucketComm::reset_counts() {
 // A flat layout needs "every rank ends with the sum of its slice" in and "every rank ends with
 // every slice" out. On NCCL those are reduce_scatter and all_gather, the ring-optimal pair. gloo's
 // own implementations of the two are slower than other collectives with the same result, measured
-// on this project's 2-rank CPU machines for a 25.6 MB bucket: reduce_scatter 34 ms against
+// on 2 CPU ranks (gloo over loopback) for a 25.6 MB bucket: reduce_scatter 34 ms against
 // all_reduce 21 ms (then keep the own slice), and all_gather 19-26 ms against one broadcast per
 // rank's slice 8 ms. So on gloo the flat layout reduces with all_reduce and gathers with
 // broadcasts (zerofast/comm.py chooses); the numbers are the same, only the wire protocol differs.
 // Re-measured for stage 3's unit-sized gathers (3 MB, 2 ranks, CPU per rank and wall per gather,
-// several runs on a shared machine): two broadcasts 0.60-0.89 ms CPU, 0.85-1.75 ms; all_gather
+// several runs on a loaded 2-core machine): two broadcasts 0.60-0.89 ms CPU, 0.85-1.75 ms; all_gather
 // 0.79-1.47 ms CPU, 1.83-2.61 ms. Broadcasts stay. (For the reduce, at 3 MB: all_reduce
 // 1.15-2.01 ms CPU, one reduce per owner 0.86-1.60, point-to-point send/recv of each owner's slice
 // 0.62-0.78; not adopted: gloo's send/recv Work cannot be polled, which reap_completed() needs.)

@@ -108,7 +108,7 @@ void GradPath::remove_hooks() {
 // the parameter, raised here as zerofast._C.GradientError; a CommError (a reduce that could not be
 // launched or waited for) goes to Python's on_error, which raises the CollectiveError Python's path
 // raises for it, naming the step and the bucket. Anything else propagates as itself.
-// Measured (benchmarks/bench_grad_path.py): see README, "Many small tensors: the per-gradient cost".
+// Measured (benchmarks/bench_grad_path.py): see docs/benchmarks.md, "Many small tensors".
 void GradPath::on_hook(int64_t index) {
   if (python_decides || !in_backward) {
     py::gil_scoped_acquire gil;

@@ -8,6 +8,7 @@ during the background write leaves the previous checkpoint the latest, and keep=
 import os
 import shutil
 import tempfile
+import threading
 
 import pytest
 import torch
@@ -34,24 +35,28 @@ def _make(stage, precision=None):
     return model, opt
 
 
-def _slow_writes(filesystem):
-    """DCP's item writer, each item 50 ms late: the training steps after an asynchronous save then
-    surely run before its data is written, so a writer reading the live state would differ."""
-    import time
+HOLD_S = 120.0  # the longest a held writer waits for its release: far beyond two training steps
 
+
+def _held_writes(filesystem):
+    """DCP's item writer, held until `release` is set: the training steps after an asynchronous save
+    then surely run before any of its data is written, so a writer reading the live state would
+    differ. A writer never released (the training side failed first) gives up at HOLD_S, failing
+    the save, instead of hanging the rank."""
     real = filesystem._write_item
+    release = threading.Event()
 
-    def slow(*args, **kwargs):
-        time.sleep(0.05)
+    def held(*args, **kwargs):
+        if not release.wait(timeout=HOLD_S):
+            raise TimeoutError(f"the held checkpoint writer was not released within {HOLD_S:g} s")
         return real(*args, **kwargs)
 
-    return real, slow
+    return real, held, release
 
 
 def _async_equals_blocking(rank, world, root):
     from torch.distributed.checkpoint import filesystem
 
-    real, slow = _slow_writes(filesystem)
     out = {}
     for stage, precision in ((1, None), (2, None), (3, None), (3, "bf16")):
         tag = f"{stage}{precision or ''}"
@@ -60,13 +65,15 @@ def _async_equals_blocking(rank, world, root):
         extra = {"step": 2, "rng": torch.get_rng_state()}
         model.seen.fill_(2.0)
         blocking = ck.save(os.path.join(root, f"blocking{tag}"), model, opt, extra=extra)
-        filesystem._write_item = slow
+        real, held, release = _held_writes(filesystem)
+        filesystem._write_item = held
         try:
             handle = ck.save(os.path.join(root, f"async{tag}"), model, opt, extra=extra, blocking=False)
-            # Training goes on at once: the live state changes while the copy is written.
+            # Training goes on at once: the live state changes while the copy waits to be written.
             model.seen.fill_(3.0)
             train_steps(model, opt, rank, 2, start=2)
-            assert not handle.done()  # the steps ran while it was being written
+            assert not handle.done()  # held: the steps ran before any of it was written
+            release.set()
             seen = []
             handle.then(lambda: seen.append(os.path.isdir(handle.path)))  # runs once the folder exists
             staged = ck_io._STAGING[opt]
@@ -75,6 +82,7 @@ def _async_equals_blocking(rank, world, root):
             handle.then(lambda: seen.append("now"))  # after the end: at once, on this thread
             assert seen == [True, "now"]
         finally:
+            release.set()  # a failed assertion must not leave the writer held
             filesystem._write_item = real
         # A second asynchronous save reuses the staging memory; load() waits for it.
         again = ck.save(os.path.join(root, f"again{tag}"), model, opt, blocking=False)
@@ -179,7 +187,6 @@ def test_a_write_error_is_raised_later_naming_the_path_on_every_rank(root):
 
 def _killed_during_async_write(rank, world, root):
     import signal
-    import time
 
     from torch.distributed.checkpoint import filesystem
 
@@ -198,7 +205,8 @@ def _killed_during_async_write(rank, world, root):
         filesystem._write_item = write_then_die
     handle = ck.save(os.path.join(root, "step-3"), model, opt, keep=2, blocking=False)
     train_steps(model, opt, rank, 1, start=3)  # training goes on meanwhile
-    time.sleep(0.5)
+    # Rank 1 dies in its write; rank 0's wait then fails on the closed connection (the save cannot
+    # complete without rank 1's data), and the harness reports rank 1's death.
     handle.wait()
 
 

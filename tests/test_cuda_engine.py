@@ -1,5 +1,5 @@
 """ZeroAdam's whole path on a GPU: buckets, the comm side stream and its events, NCCL, the fused CUDA
-step. World size 1 (one GPU is what a lent machine has); skips without a GPU and CUDA kernels."""
+step. World size 1 (runs on a machine with one GPU); skips without a GPU and CUDA kernels."""
 
 import pytest
 import torch

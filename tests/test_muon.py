@@ -352,7 +352,7 @@ def muon_count(model=None) -> int:
 # fp16 reduces in fp32 here (FP16). With fp16's default reduce in fp16, the ranks' sums differ from one
 # process's by fp16's unit roundoff 2^-11 relative, and the amplification above turns that into up to
 # 2^-11 * 485 = 0.24 of the update: measured 0.044 after 4 steps on 2 ranks, 20% of the update. That is
-# Muon's sensitivity to its input, not an error of the sharding; MUON_README.md recommends
+# Muon's sensitivity to its input, not an error of the sharding; docs/muon.md recommends
 # reduce_dtype=torch.float32 with fp16 for that reason.
 def muon_tol(steps: int) -> float:
     update = MUON["lr"] * math.sqrt(3) * 1.5  # the largest step of any matrix: the tall one's

@@ -1,5 +1,5 @@
-"""The reference stages (zerofast.reference: the ZeRO textbook chapter's algorithm) against
-single-process AdamW, and their memory."""
+"""The reference stages (zerofast.reference: the ZeRO paper's stages in plain PyTorch, round-robin
+owners) against single-process AdamW, and their memory."""
 
 import pytest
 import torch

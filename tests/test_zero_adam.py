@@ -1,6 +1,6 @@
 """ZeroAdam stages 1 and 2 on real gloo ranks, against both oracles: single-process
 torch.optim.AdamW on the global batch, and the reference stage (zerofast.reference: the ZeRO
-textbook chapter's algorithm)."""
+paper's stages in plain PyTorch, round-robin owners)."""
 
 import pytest
 import torch

@@ -30,16 +30,16 @@ STAGES = (1, 2, 3)
 # Bucket sizes of stages 1 and 2 (stage 3's buckets are its units). Stage 1's buckets are its
 # gradients, so their size sets only how the reduce is cut into collectives: DDP's 25 MB. Stage 2's
 # are transient, DEFAULT_BUCKET_BUFFERS of them beside the gradient shard: 8 MB, chosen by
-# measurement (README, "Buffers in flight": the step time of 25 MB buckets at a third of the memory).
+# measurement (docs/benchmarks.md, "Buffers in flight": the step time of 25 MB buckets at a third of the memory).
 DEFAULT_BUCKET_MB = {1: 25.0, 2: 8.0}
 
 # Gradient bucket buffers alive at once (stages 2 and 3, and stage 1 when gradients are copied):
-# one being filled while the previous one is reduced. Chosen by measurement: see README's
+# one being filled while the previous one is reduced. Chosen by measurement: see docs/benchmarks.md,
 # "Buffers in flight" ([Note: buffers in flight] in csrc/buckets.cpp).
 DEFAULT_BUCKET_BUFFERS = 2
 
 # Stage 3's default units smaller than this are merged with their neighbours ([Note: merging small
-# units] in zerofast/stage3/units.py). Chosen by measurement: see README, "Stage 3 units: what is gathered together".
+# units] in zerofast/stage3/units.py). Chosen by measurement: see docs/benchmarks.md, "Stage 3 unit size".
 DEFAULT_MIN_UNIT_MB = 2.0
 
 # The first bucket (in backward order) holds at most this, so its reduce starts early in backward;
@@ -406,6 +406,6 @@ def reject_moved(who: str, given: dict) -> None:
     for name in given:
         if name in MOVED_KEYWORDS:
             raise TypeError(
-                f"{who}: the keyword {name}= moved into a policy: pass {MOVED_KEYWORDS[name]} (see README, 'ZeroAdam')"
+                f"{who}: the keyword {name}= moved into a policy: pass {MOVED_KEYWORDS[name]} (see docs/configuration.md)"
             )
         raise TypeError(f"{who} got an unexpected keyword argument {name!r}")

@@ -1,8 +1,8 @@
 """Owner assignment: which rank owns (updates, keeps Adam state for) which parameter.
 
 Pure Python, no process group. Three partitions:
-- "round_robin": round-robin owners (the ZeRO textbook chapter's inter-tensor rule), parameter i
-  to rank i % world;
+- "round_robin": round-robin owners (inter-tensor, the reference stages' rule: zerofast/reference.py),
+  parameter i to rank i % world;
 - "greedy": whole tensors, largest first, each to the rank that owns the fewest elements so far;
   with per-tensor step costs (ZeroMuon: Newton-Schulz FLOPs, newton_schulz_flops), greedy_by_cost
   balances the cost first and the elements of the cost-free tensors after;

@@ -1,7 +1,10 @@
 """ZeRO stages 1, 2 and 3 in plain PyTorch: zerofast's correctness oracle.
 
-The ZeRO paper's algorithm (Rajbhandari et al., 2020) as a Chinese textbook chapter on it writes it
-in pure Python; this module follows it, simple and obviously correct rather than fast:
+The ZeRO paper's algorithm (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", SC 2020) in the form the Chinese-language course chapter "ZeRO 优化器"
+("渐进式去冗余，从优化器状态到参数的三级分片": progressive removal of redundancy, three levels of
+sharding from the optimizer state to the parameters) teaches it, in plain Python; this module follows
+that form, simple and obviously correct rather than fast:
 - owners: trainable parameter i (in `model.named_parameters()` order, so a tied weight is one
   parameter) belongs to rank i % world ("round-robin");
 - the owner alone keeps AdamW state (a torch.optim.AdamW over its owned parameters);
@@ -36,7 +39,7 @@ __all__ = ["ReferenceZero", "round_robin_owners"]
 
 
 def round_robin_owners(names: Iterable[str], world_size: int) -> dict[str, int]:
-    """Round-robin owners, the chapter's rule: the i-th parameter belongs to rank i % world_size."""
+    """Round-robin owners, the course chapter's rule: the i-th parameter belongs to rank i % world_size."""
     return {name: i % world_size for i, name in enumerate(names)}
 
 

@@ -63,7 +63,7 @@ the compiled module, which must happen at run time, in order, on every call, nev
 graph. So each hook is torch.compiler.disable'd: Dynamo breaks the graph around it and runs it
 eagerly, the compiled code between two hooks reads parameters whose storage the hook has just
 gathered, and autograd's saved tensors share that storage as in eager mode. The cost is one graph
-break per gathering module call (two per block under whole-model compile; see README).
+break per gathering module call (two per block under whole-model compile; counted in docs/design.md).
 A hooked module's call is therefore never inlined into a graph: Dynamo breaks the graph at it and
 calls the module eagerly, so its own hooks run, whichever model the frame was compiled for; a frame
 compiled with our hooks in place is safe to reuse for another stage-3 model. The opposite is not:

@@ -31,7 +31,7 @@ which no compute hides; contention between a phase's collectives and its compute
 bandwidth; NCCL's tree algorithms (which cut the latency term to log n at large n); compute that
 does not scale as 6 * params * tokens (attention at long sequences).
 With overlap=False every collective is exposed (a machine whose communication and compute share
-the same cores: this machine's gloo ranks).
+the same cores: gloo ranks on a CPU machine).
 """
 
 from __future__ import annotations
