@@ -494,7 +494,16 @@ RELIES_ON = hosts.Reliance(
         hosts.Reads(TrainingArguments, ("deepspeed_plugin", "fsdp_plugin_args", "mixed_precision"), on_instance=True),
         hosts.Reads(
             Trainer,
-            ("accelerator", "optimizer", "lr_scheduler", "state", "is_deepspeed_enabled", "is_fsdp_enabled"),
+            (
+                "args",
+                "model",
+                "accelerator",
+                "optimizer",
+                "lr_scheduler",
+                "state",
+                "is_deepspeed_enabled",
+                "is_fsdp_enabled",
+            ),
             on_instance=True,
         ),
     ),
