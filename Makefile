@@ -12,9 +12,10 @@ ZEROFAST_CUDA ?= auto
 export ZEROFAST_CUDA
 
 # Third-party packages. The Hugging Face stack is pinned to the versions zerofast.integrations.hf was
-# written and tested against (it hooks the Trainer's and the Accelerator's methods named there):
-# transformers (also the tests' models, built from a config, no download), accelerate, peft (LoRA),
-# trl (SFTTrainer) and datasets (trl's).
+# written and tested against (it hooks the Trainer's and the Accelerator's methods named there; the
+# extras in pyproject.toml allow the patch releases of these minor versions, and the integrations
+# check their hosts at import): transformers (also the tests' models, built from a config, no
+# download), accelerate, peft (LoRA), trl (SFTTrainer) and datasets (trl's).
 HF_DEPS  := "transformers==5.24.0" "accelerate==1.15.0" "peft==0.21.2" "trl==1.16.0" "datasets==5.2.0"
 # Lightning, both packages, for zerofast.integrations.lightning / .pytorch_lightning (ZeroStrategy
 # subclasses their DDPStrategy and Precision, written against these versions).

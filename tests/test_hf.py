@@ -3,7 +3,8 @@
 on the same arguments: accumulation 2, clipping 1.0, warmup + linear schedule, weight decay
 (tests/hf_job.py runs the jobs). Also: resuming checkpoint-2 in a fresh launch, at another stage
 and at another world size; save_model() loaded by from_pretrained; LoRA (peft) in stage 3 with
-gradient checkpointing; TRL's SFTTrainer with the mixin; the clear errors."""
+gradient checkpointing; TRL's SFTTrainer with the mixin; the clear errors and a step skipped on
+an fp16 overflow (one process)."""
 
 import importlib.util
 import json
@@ -197,15 +198,17 @@ def test_resume_true_skips_a_checkpoint_whose_shards_were_never_completed(tmp_pa
     assert last_complete_checkpoint(str(tmp_path / "nothing")) is None
 
 
-def test_clear_errors():
-    """Bad combinations are named before any training (one process, a group of one)."""
-    code = r"""
-import torch, torch.distributed as dist
+# Bad combinations named before any training, and a step skipped on an fp16 overflow, both through
+# the real Trainer in one process (a group of one): one interpreter for both (about 10 s, most of it
+# importing transformers).
+ONE_PROCESS = r"""
+import json, torch, torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+from zerofast import LossScalePolicy, MixedPrecisionPolicy
 from zerofast.integrations.hf import ZeroTrainer
 m = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
 def args(**kw):
-    return TrainingArguments(output_dir="/tmp/zf-hf-errors", use_cpu=True, report_to=[], **kw)
+    return TrainingArguments(output_dir="/tmp/zf-hf-one-process", use_cpu=True, report_to=[], **kw)
 cases = [
     (lambda: ZeroTrainer(model=m, args=args(), optimizers=(torch.optim.AdamW(m.parameters()), None), zero={}),
      "optimizers=(AdamW, ...) next to zero="),
@@ -216,14 +219,64 @@ cases = [
     (lambda: ZeroTrainer(model=m, args=args(), zero=3), "zero must be a dict"),
     (lambda: ZeroTrainer(model=m, args=args(), zero={}, save_async=1), "save_async must be True or False; got 1"),
 ]
+errors = []
 for make, message in cases:
     try:
         make()
-        raise SystemExit(f"no error: {message}")
+        errors.append([message, "no error"])
     except (ValueError, TypeError) as e:
-        assert message in str(e), (message, str(e))
-print("ok")
+        errors.append([message, str(e)])
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        x = torch.arange(8) % 32
+        return {"input_ids": x, "labels": x}
+
+# A loss scale of 2^40 overflows fp16's gradients at every one of the 2 steps (it halves each time):
+# each step is skipped, and the Trainer then holds the schedule, as it does for GradScaler's skips.
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+overflow = ZeroTrainer(
+    model=model,
+    args=args(fp16=True, max_steps=2, logging_steps=1, learning_rate=1e-3, lr_scheduler_type="linear",
+              per_device_train_batch_size=2, save_strategy="no", disable_tqdm=True),
+    train_dataset=Tokens(),
+    zero={"mixed_precision": MixedPrecisionPolicy(torch.float16, loss_scale=LossScalePolicy(init_scale=2.0**40))},
+)
+before = {n: p.detach().clone() for n, p in model.named_parameters()}
+overflow.train()
+print(json.dumps({
+    "errors": errors,
+    "lrs": [h["learning_rate"] for h in overflow.state.log_history if "loss" in h],
+    "skipped": overflow.accelerator.optimizer_step_was_skipped,
+    "unchanged": all(torch.equal(before[n].to(p.dtype), p) for n, p in model.named_parameters()),  # in fp16 now
+    "loss_scale": overflow.optimizer.loss_scale,
+}))
 """
+
+
+@pytest.fixture(scope="module")
+def one_process():
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]
+    env.pop("WORLD_SIZE", None)
+    out = subprocess.run(
+        [sys.executable, "-c", ONE_PROCESS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_clear_errors(one_process):
+    """Bad combinations are named before any training."""
+    for message, got in one_process["errors"]:
+        assert message in got, (message, got)
+
+
+def test_a_step_skipped_on_fp16_overflow_holds_the_schedule(one_process):
+    """The accelerator's optimizer_step_was_skipped is ZeroAdam's: the Trainer does not step the
+    schedule after a skipped step (linear from 1e-3 over 2 steps: 1e-3, then 5e-4 had it stepped)."""
+    assert one_process["lrs"] == [1e-3, 1e-3], one_process
+    assert one_process["skipped"] and one_process["unchanged"], one_process
+    assert one_process["loss_scale"] == 2.0**38, one_process  # backed off at each of the 2 skipped steps

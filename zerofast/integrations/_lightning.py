@@ -4,9 +4,12 @@
 Lightning checks a strategy with isinstance against its own, so each module puts these mixins in
 front of its package's DDPStrategy and Precision; nothing here imports either package.
 
-Written against Lightning 2.6.6 (lightning and pytorch_lightning, pinned in the Makefile). The
-methods overridden are named after its sources (lightning/pytorch/strategies/ddp.py and
-strategy.py, plugins/precision/precision.py); a change there may move them. What maps to what:
+Written and tested against Lightning 2.6.6 (lightning and pytorch_lightning: the Makefile's
+LIGHTNING_DEPS, which CI installs); supported: the ranges of pyproject.toml's extras `lightning` and
+`pytorch-lightning`. The methods overridden are named after its sources
+(lightning/pytorch/strategies/ddp.py and strategy.py, plugins/precision/precision.py); every host
+member overridden, read or called is in `relies_on` (end of this file), which each of the two modules
+checks at import (zerofast.integrations.hosts). What maps to what:
   - the launch, the process group, the samplers, reduce / barrier / broadcast: DDPStrategy's,
     unchanged (Lightning's own launcher for `python script.py`, or torchrun's environment);
   - the model is never wrapped in DDP: configure_optimizers' AdamW / Adam becomes a ZeroAdam over the
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import shutil
 import weakref
@@ -38,6 +42,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from .. import checkpoint as zckpt
 from ..config import MixedPrecisionPolicy, check_stage, resolve_plan
 from ..optim.zero_adam import ZeroAdam
+from . import hosts
 
 ZERO_DIR = "zerofast"  # <checkpoint>/zerofast: the sharded zerofast checkpoint
 LIGHTNING_FILE = "lightning.ckpt"  # <checkpoint>/lightning.ckpt: Lightning's own state, by rank 0
@@ -52,6 +57,17 @@ _FLAG_PLUGINS = {"Precision", "MixedPrecision", "HalfPrecision", "DoublePrecisio
 # Keys of torch.optim.Adam(W)'s param groups that choose its implementation, not its mathematics.
 _TORCH_ADAM_KEYS = {"foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay", "amsgrad", "maximize"}
 _HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
+# DDPStrategy's arguments that ZeroStrategy passes on (the model is never wrapped in DDP, so DDP's own do not apply).
+_DDP_ARGUMENTS = (
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "precision_plugin",
+    "process_group_backend",
+    "timeout",
+    "start_method",
+)
 # The LightningModules a ZeroAdam built here manages: a second strategy must not lay out another.
 _MANAGED: weakref.WeakKeyDictionary[nn.Module, ZeroAdam] = weakref.WeakKeyDictionary()
 
@@ -111,9 +127,10 @@ class ZeroPrecisionMixin:
 
 
 def _track_step(opt: torch.optim.Optimizer) -> None:
-    """What torch's LRScheduler does to the optimizer it is built with (lr_scheduler.py,
-    patch_track_step_called): mark step() so that the scheduler can tell whether it ran, and so
-    does not warn wrongly that lr_scheduler.step() came first."""
+    """What torch's LRScheduler does to the optimizer it is built with (torch 2.14's lr_scheduler.py,
+    patch_track_step_called; torch has no public way to re-point a scheduler): mark step() so that
+    the scheduler can tell whether it ran, and so does not warn wrongly that lr_scheduler.step()
+    came first. Were torch to change these private marks, the cost is that warning, nothing more."""
     if hasattr(opt.step, "_wrapped_by_lr_sched"):
         return
     ref, func = weakref.ref(opt), type(opt).step
@@ -243,6 +260,8 @@ class ZeroStrategyMixin:
     """
 
     strategy_name = "zero"
+    _precision_class: type  # the package's ZeroPrecision, set by each module
+    _relies_on: hosts.Reliance  # the package's table (relies_on), set by each module
 
     def __init__(
         self,
@@ -256,16 +275,7 @@ class ZeroStrategyMixin:
         save_async: bool = False,
         **ddp_arguments: Any,
     ) -> None:
-        allowed = {
-            "accelerator",
-            "parallel_devices",
-            "cluster_environment",
-            "checkpoint_io",
-            "precision_plugin",
-            "process_group_backend",
-            "timeout",
-            "start_method",
-        }
+        allowed = set(_DDP_ARGUMENTS)
         unknown = sorted(set(ddp_arguments) - allowed)
         if unknown:
             raise TypeError(
@@ -301,25 +311,31 @@ class ZeroStrategyMixin:
         self._restored_zero = False  # load_checkpoint loaded the sharded state: nothing left for Lightning
         self._torch_order: list | None = None
         super().__init__(**ddp_arguments)
+        hosts.check_instance(self._relies_on, self)
 
     # --- precision: whatever the connector builds from the flag becomes a ZeroPrecision -----------
+    # Lightning 2.6.6's connector builds the plugin from the flag and sets it here, with no hook to
+    # choose its class: the setter converts it, and both halves keep Strategy's property underneath.
+
+    def _strategy_precision_plugin(self) -> property:
+        return super(ZeroStrategyMixin, type(self)).precision_plugin  # Strategy's, not this class's
 
     @property
     def precision_plugin(self):
-        return self._precision_plugin if self._precision_plugin is not None else self._precision_class()
+        plugin = self._strategy_precision_plugin().fget(self)  # a fresh Precision() when none was set
+        return plugin if isinstance(plugin, self._precision_class) else self._precision_class()
 
     @precision_plugin.setter
     def precision_plugin(self, plugin) -> None:
-        if plugin is None or isinstance(plugin, self._precision_class):
-            self._precision_plugin = plugin
-            return
-        name = type(plugin).__name__
-        if name not in _FLAG_PLUGINS:
-            raise ValueError(
-                f"ZeroStrategy: the precision plugin {name} is not supported; pass precision= one of "
-                f"{', '.join(PRECISIONS)} (ZeroAdam's mixed precision)"
-            )
-        self._precision_plugin = self._precision_class(getattr(plugin, "precision", "32-true"))
+        if plugin is not None and not isinstance(plugin, self._precision_class):
+            name = type(plugin).__name__
+            if name not in _FLAG_PLUGINS:
+                raise ValueError(
+                    f"ZeroStrategy: the precision plugin {name} is not supported; pass precision= one of "
+                    f"{', '.join(PRECISIONS)} (ZeroAdam's mixed precision)"
+                )
+            plugin = self._precision_class(getattr(plugin, "precision", "32-true"))
+        self._strategy_precision_plugin().fset(self, plugin)
 
     def _mixed_precision(self):
         dtype = self.precision_plugin.dtype
@@ -338,10 +354,10 @@ class ZeroStrategyMixin:
     # --- setup: no DDP; the optimizer becomes ZeroAdam --------------------------------------------
 
     def setup(self, trainer) -> None:
-        if self._layer_sync is not None:
+        if self._layer_sync is not None:  # private in Lightning 2.6.6: sync_batchnorm's converter, or None
             raise ValueError(
-                "ZeroStrategy: sync_batchnorm=True is not supported (ZeroAdam lays out the module's "
-                "parameters when built; the conversion would replace modules under it)"
+                "ZeroStrategy: sync_batchnorm=True is not supported (Lightning's swap of the module's "
+                "norm layers for SyncBatchNorm, and back, around ZeroAdam's layout is untested)"
             )
         fitting = trainer.state.fn == "fit"
         if self.zero is not None:  # this strategy trained the module: ZeroAdam's state is the model's
@@ -350,18 +366,21 @@ class ZeroStrategyMixin:
                     "ZeroStrategy: fit() was called again on a strategy whose ZeroAdam trained "
                     "this module; make a new Trainer (and resume with ckpt_path=...)"
                 )
+            # Not DDPStrategy.setup: it would move the module to the device and broadcast rank 0's
+            # parameters into it, and they are views of ZeroAdam's buffers (stage 3: each rank's
+            # shards). The rest of what it does:
             self.accelerator.setup(trainer)
             self.setup_precision_plugin()
             return
-        if not fitting:  # evaluation only: the plain module on every rank, in the precision's dtype
-            super().setup(trainer)
-            if self.precision_plugin.dtype is not None:
-                self.model.to(self.precision_plugin.dtype)
-            return
-        self.accelerator.setup(trainer)
-        self.model_to_device()
-        self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
+        # DDPStrategy's: the module to the device, no DDP wrapper (configure_ddp), and when fitting the
+        # optimizer (setup_optimizers: a ZeroAdam); otherwise the plain module on every rank.
+        super().setup(trainer)
+        if not fitting and self.precision_plugin.dtype is not None:
+            self.model.to(self.precision_plugin.dtype)  # evaluation only: in the precision's dtype
+
+    def configure_ddp(self) -> None:
+        """No DDP wrapper: ZeroAdam reduces the gradients (DDPStrategy.setup calls this when fitting,
+        before setup_optimizers builds the ZeroAdam)."""
 
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
@@ -414,7 +433,7 @@ class ZeroStrategyMixin:
 
     def _through_module(self, name: str, context, *args: Any, **kwargs: Any):
         module = self.lightning_module
-        with context():
+        with context():  # _forward_redirection: private in Lightning 2.6.6 (Strategy's, DDPStrategy's)
             return self._forward_redirection(module, module, name, *args, **kwargs)
 
     def _redirects(self) -> bool:
@@ -452,9 +471,11 @@ class ZeroStrategyMixin:
         if self.zero is None:
             return super().teardown()
         zckpt.wait()  # the last asynchronous save is complete when fit / validate returns
-        # Not Strategy.teardown's lightning_module.cpu(): the parameters are views of ZeroAdam's flat
-        # buffers (stage 3: shards), which must stay where ZeroAdam put them for later validate /
-        # test / predict calls and checkpoints.
+        # Not DDPStrategy.teardown, whose Strategy.teardown moves the module and the optimizer's state to
+        # the CPU: the parameters are views of ZeroAdam's flat buffers (stage 3: shards), which must stay
+        # where ZeroAdam put them for later validate / test / predict calls and checkpoints. The rest of
+        # what it does, as Lightning 2.6.6's own sharded strategies (FSDPStrategy, ModelParallelStrategy) do:
+        self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
@@ -557,3 +578,80 @@ class ZeroStrategyMixin:
         if self.zero is None:
             return super().load_optimizer_state_dict(checkpoint)
         # The sharded state came with the weights (load_checkpoint or load_model_state_dict).
+
+
+# --- what the strategy relies on in Lightning, checked at import by each of the two modules --------
+# The versions: the Makefile's LIGHTNING_DEPS pins (tested) and pyproject.toml's extras (supported).
+TESTED, SUPPORTED = "2.6.6", ">=2.6.6,<2.7"
+# DDPStrategy's members ZeroStrategyMixin replaces (all public in Lightning 2.6.6).
+STRATEGY_OVERRIDES = (
+    "precision_plugin",
+    "setup",
+    "configure_ddp",
+    "setup_optimizers",
+    "training_step",
+    "validation_step",
+    "test_step",
+    "predict_step",
+    "block_backward_sync",
+    "teardown",
+    "restore_checkpoint_after_setup",
+    "lightning_module_state_dict",
+    "optimizer_state",
+    "save_checkpoint",
+    "remove_checkpoint",
+    "load_checkpoint",
+    "load_model_state_dict",
+    "load_optimizer_state_dict",
+)
+PRECISION_OVERRIDES = ("convert_input", "convert_module", "backward", "clip_grad_by_norm", "clip_grad_by_value")
+# What the strategy reads and calls on itself as DDPStrategy has it.
+STRATEGY_READS = ("accelerator", "model", "lightning_module", "optimizers", "checkpoint_io", "is_global_zero")
+STRATEGY_CALLS = ("broadcast", "barrier", "setup_precision_plugin")
+# Set by the constructors (Strategy, ParallelStrategy, DDPStrategy), found on no class: checked on the
+# strategy when it is made. The last two are private in Lightning 2.6.6.
+STRATEGY_INSTANCE_READS = ("cluster_environment", "lr_scheduler_configs", "_layer_sync", "_forward_redirection")
+PRECISION_READS = (
+    "precision",
+    "teardown",
+    "train_step_context",
+    "val_step_context",
+    "test_step_context",
+    "predict_step_context",
+)
+
+
+def relies_on(package: str, distribution: str) -> hosts.Reliance:
+    """The table for one of the two packages: "lightning.pytorch" (distribution "lightning") or
+    "pytorch_lightning" (distribution "pytorch-lightning")."""
+    strategies = importlib.import_module(f"{package}.strategies")
+    plugins = importlib.import_module(f"{package}.plugins")
+    precision_plugins = importlib.import_module(f"{package}.plugins.precision")
+    accelerators = importlib.import_module(f"{package}.accelerators")
+    module = importlib.import_module(f"{package}.core.module")
+    lightning_types = importlib.import_module(f"{package}.utilities.types")
+    states = importlib.import_module(f"{package}.trainer.states")
+    ddp, precision, checkpoint_io = strategies.DDPStrategy, precision_plugins.Precision, plugins.CheckpointIO
+    return hosts.Reliance(
+        f"zerofast.integrations.{package.split('.')[0]}",
+        extra=distribution,
+        pins=(hosts.Pin(distribution, tested=TESTED, supported=SUPPORTED),),
+        entries=(
+            hosts.Overrides(ZeroStrategyMixin, ddp, STRATEGY_OVERRIDES),
+            hosts.Overrides(ZeroPrecisionMixin, precision, PRECISION_OVERRIDES),
+            hosts.Calls(ddp, "__init__", keywords=_DDP_ARGUMENTS),
+            hosts.Calls(precision, "__init__"),
+            hosts.Reads(ddp, STRATEGY_READS + STRATEGY_CALLS),
+            hosts.Reads(ddp, STRATEGY_INSTANCE_READS, on_instance=True),
+            hosts.Reads(precision, PRECISION_READS),
+            hosts.Reads(precision_plugins, tuple(sorted(_FLAG_PLUGINS))),
+            hosts.Calls(checkpoint_io, "save_checkpoint", 2),
+            hosts.Calls(checkpoint_io, "load_checkpoint", 1, ("weights_only",)),
+            hosts.Reads(checkpoint_io, ("teardown",)),
+            hosts.Reads(plugins.ClusterEnvironment, ("teardown",)),
+            hosts.Reads(accelerators.Accelerator, ("setup", "teardown")),
+            hosts.Reads(module.LightningModule, ("automatic_optimization", "trainer", "backward")),
+            hosts.Reads(lightning_types.LRSchedulerConfig, ("scheduler",)),
+            hosts.Reads(states.TrainerState, ("fn",)),
+        ),
+    )

@@ -7,17 +7,21 @@
 
     class MyTrainer(ZeroTrainerMixin, SomeTrainerSubclass): ...
 
-Written against transformers 5.24.0 and accelerate 1.15.0 (pinned in the Makefile's HF_DEPS); the
-methods overridden below are named after those versions' sources, and a change of either may move
-them. What maps to what:
+Written and tested against transformers 5.24.0 and accelerate 1.15.0 (the Makefile's HF_DEPS, which
+CI installs); supported: the ranges of pyproject.toml's extra `hf`. RELIES_ON (below the classes)
+lists every host member this module overrides, reads or calls, and is checked at import
+(zerofast.integrations.hosts): a member renamed or changed in another release is an ImportError
+naming it, never an override silently skipped. What maps to what:
   - the optimizer: built by the trainer (create_optimizer, after PEFT wrapping and device
     placement) as ZeroAdam from learning_rate, adam_beta1/2, adam_epsilon and weight_decay, with the
     Trainer's own decay / no-decay groups (get_decay_parameter_names); the Trainer's LR scheduler
     drives its param_groups;
   - no DDP: the Trainer's Accelerator gets a class of its own ([Note: the Trainer's accelerator]):
     prepare_model never wraps, prepare_optimizer leaves ZeroAdam as it is, no_sync is ZeroAdam's
-    (gradient_accumulation_steps), backward is ZeroAdam's (fp16's loss scale);
-  - max_grad_norm: opt.clip_grad_norm_, the global norm across shards, which is the logged grad_norm;
+    (gradient_accumulation_steps), backward is ZeroAdam's (fp16's loss scale), and so is
+    optimizer_step_was_skipped (fp16's overflow);
+  - max_grad_norm: the accelerator's clip_grad_norm_ is opt.clip_grad_norm_, the global norm across
+    shards, which is the logged grad_norm;
   - bf16=True / fp16=True: ZeroAdam's mixed precision (the model in that dtype, an fp32 master
     shard; fp16 with ZeroAdam's loss scaling), no autocast and no GradScaler on top;
   - checkpoints: checkpoint-N/zerofast/ is a zerofast checkpoint (every rank its shard), beside the
@@ -38,22 +42,23 @@ import warnings
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from transformers import Trainer
-from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
-from transformers.training_args import OptimizerNames
+from transformers import Trainer, TrainerState, TrainingArguments, trainer_utils, training_args
+from transformers import trainer as trainer_module
+from transformers.trainer_pt_utils import AcceleratorConfig
 
 from .. import checkpoint as zckpt
 from ..config import MixedPrecisionPolicy
 from ..optim.zero_adam import ZeroAdam
+from . import hosts
 
 __all__ = [
+    "RELIES_ON",
     "ZeroTrainer",
     "ZeroTrainerMixin",
     "last_complete_checkpoint",
 ]  # and ZeroSFTTrainer, made on first use where trl imports
 
 ZERO_DIR = "zerofast"  # checkpoint-N/zerofast: the sharded zerofast checkpoint
-_ADAMW = {OptimizerNames.ADAMW_TORCH, OptimizerNames.ADAMW_TORCH_FUSED}
 # ZeroAdam options that TrainingArguments owns: zero= must not repeat them.
 _FROM_ARGS = {
     "lr": "learning_rate",
@@ -68,14 +73,18 @@ _FROM_ARGS = {
 
 class _ZeroAccelerator(Accelerator):
     """[Note: the Trainer's accelerator]
-    Trainer 5.24 calls four things on its Accelerator inline, with no Trainer method around them:
+    Trainer 5.24 calls five things on its Accelerator inline, with no Trainer method around them:
     prepare (trainer.py, _prepare_for_training), no_sync (the accumulation loop), backward
-    (training_step) and optimizer_step_was_skipped. So the trainer's accelerator is moved into this
-    subclass (it adds no state beyond `_zero`, the optimizer once it exists): prepare_model never
-    adds DDP (evaluation_mode=True: Accelerate 1.15's prepare_model then only places the model) and
-    never moves a model ZeroAdam manages; prepare_optimizer keeps ZeroAdam as it is (Accelerate's
-    AcceleratedOptimizer would round-trip its state_dict, a DCP dict of shards, through
-    move_to_device); no_sync, backward and clip_grad_norm_ are ZeroAdam's."""
+    (training_step), clip_grad_norm_ (_clip_grad_norm and _get_grad_norm) and
+    optimizer_step_was_skipped. Accelerate 1.15 has no public way to change what they do, and the
+    Trainer builds a plain Accelerator inline (create_accelerator_and_postprocess, with no factory to
+    override); so the trainer's accelerator is moved into this subclass once built. The subclass
+    overrides public methods only and adds no state beyond `_zero` (the optimizer once it exists):
+    prepare_model never adds DDP (evaluation_mode=True: Accelerate 1.15's prepare_model then only
+    places the model) and never moves a model ZeroAdam manages; prepare_optimizer returns ZeroAdam as
+    it is, outside the accelerator's optimizers (Accelerate's AcceleratedOptimizer would round-trip
+    its state_dict, a DCP dict of shards, through move_to_device); no_sync, backward,
+    clip_grad_norm_ and optimizer_step_was_skipped are ZeroAdam's."""
 
     _zero: ZeroAdam | None = None
 
@@ -86,8 +95,14 @@ class _ZeroAccelerator(Accelerator):
 
     def prepare_optimizer(self, optimizer, device_placement=None):
         if isinstance(optimizer, ZeroAdam):
-            optimizer._is_accelerate_prepared = True  # Accelerate's own mark: returned as it is
+            return optimizer
         return super().prepare_optimizer(optimizer, device_placement=device_placement)
+
+    @property
+    def optimizer_step_was_skipped(self):
+        if self._zero is None:
+            return super().optimizer_step_was_skipped
+        return self._zero.step_was_skipped  # fp16: an overflow skipped the step, so the schedule waits
 
     @contextlib.contextmanager
     def no_sync(self, model):
@@ -151,6 +166,7 @@ class ZeroTrainerMixin:
         if kwargs.get("optimizer_cls_and_kwargs") is not None:
             raise ValueError("ZeroTrainer: optimizer_cls_and_kwargs= next to zero=; the trainer builds ZeroAdam")
         super().__init__(*args, **kwargs)
+        hosts.check_instance(RELIES_ON, self)
         self._check_arguments()
 
     def _check_arguments(self) -> None:
@@ -177,7 +193,7 @@ class ZeroTrainerMixin:
             )
         if getattr(self.model, "is_loaded_in_4bit", False) or getattr(self.model, "is_loaded_in_8bit", False):
             raise ValueError("ZeroTrainer: quantized (bitsandbytes) models are not supported")
-        if a.optim not in _ADAMW:
+        if a.optim not in (training_args.OptimizerNames.ADAMW_TORCH, training_args.OptimizerNames.ADAMW_TORCH_FUSED):
             optim = str(getattr(a.optim, "value", a.optim))
             raise ValueError(f"ZeroTrainer: optim={optim!r}; ZeroAdam is AdamW (optim='adamw_torch')")
         self._mixed_precision()  # a disagreement between zero= and bf16= / fp16= is named now
@@ -185,6 +201,9 @@ class ZeroTrainerMixin:
     # --- the accelerator: no DDP, no autocast, no GradScaler -------------------------------------
 
     def _build_accelerator_args(self, **kwargs):
+        # Private in transformers 5.24.0 (create_accelerator_and_postprocess's arguments for Accelerator):
+        # the one place that decides the Accelerator's mixed precision before it is built.
+        hosts.check_instance(RELIES_ON, self.args)
         if self.args.deepspeed or self.args.deepspeed_plugin is not None:
             raise ValueError("ZeroTrainer: zero= and DeepSpeed are exclusive: unset deepspeed=")
         if self.args.fsdp or self.args.fsdp_plugin_args is not None:
@@ -197,6 +216,11 @@ class ZeroTrainerMixin:
         super().create_accelerator_and_postprocess()
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:  # from `accelerate launch`'s config or env
             raise ValueError("ZeroTrainer: zero= with DeepSpeed or FSDP enabled in Accelerate's configuration")
+        if type(self.accelerator) is not Accelerator:  # a subclass of someone else's would lose its methods
+            raise TypeError(
+                f"ZeroTrainer: the Trainer built a {type(self.accelerator).__qualname__}, not an "
+                f"accelerate.Accelerator; ZeroTrainer gives the accelerator a class of its own"
+            )
         self.accelerator.__class__ = _ZeroAccelerator  # see [Note: the Trainer's accelerator]
 
     # --- the optimizer ---------------------------------------------------------------------------
@@ -248,14 +272,6 @@ class ZeroTrainerMixin:
         self.accelerator._zero = self.optimizer
         return self.optimizer
 
-    # --- clipping and the logged grad_norm -------------------------------------------------------
-
-    def _clip_grad_norm(self, model):
-        return self.optimizer.clip_grad_norm_(self.args.max_grad_norm)
-
-    def _get_grad_norm(self, model, grad_norm=None):
-        return self.optimizer.clip_grad_norm_(float("inf")) if grad_norm is None else grad_norm
-
     # --- saving ----------------------------------------------------------------------------------
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
@@ -279,7 +295,7 @@ class ZeroTrainerMixin:
         return out
 
     def _save_checkpoint(self, model, trial):
-        """With save_async: the previous save (and its rotation) completes before this checkpoint's
+        """Private in transformers 5.24.0 (called at each save step). With save_async: the previous save (and its rotation) completes before this checkpoint's
         folder is made, and the Trainer's rotation (save_total_limit) runs once this one is written
         (transformers 5.24 calls trainer_utils.rotate_checkpoints inline at the end of this method;
         it is run from AsyncSave.then instead, with the same arguments): run now, it could delete
@@ -296,11 +312,9 @@ class ZeroTrainerMixin:
             self.args.save_total_limit = limit
         handle = zckpt.in_flight()
         if limit and self.args.should_save and handle is not None:
-            from transformers.trainer_utils import rotate_checkpoints
-
             run_dir, best = self._get_output_dir(trial=trial), self.state.best_model_checkpoint
             handle.then(
-                lambda: rotate_checkpoints(
+                lambda: trainer_utils.rotate_checkpoints(
                     output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=True
                 )
             )
@@ -308,6 +322,7 @@ class ZeroTrainerMixin:
             zckpt.wait()
 
     def _save_optimizer_and_scheduler(self, output_dir):
+        # Private in transformers 5.24.0 (_save_checkpoint's optimizer.pt and scheduler.pt).
         if not isinstance(self.optimizer, ZeroAdam):
             return super()._save_optimizer_and_scheduler(output_dir)
         path = os.path.join(output_dir, ZERO_DIR)
@@ -318,18 +333,19 @@ class ZeroTrainerMixin:
         zckpt.save(path, self.model, self.optimizer, blocking=not self.save_async)
         if self.args.should_save:
             with warnings.catch_warnings(record=True):
-                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, trainer_module.SCHEDULER_NAME))
 
     # --- resuming --------------------------------------------------------------------------------
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        # The Trainer loads weights here, before the optimizer exists; a zerofast checkpoint holds them
+        # Private in transformers 5.24.0 (train()'s resume). The Trainer loads weights here, before the optimizer exists; a zerofast checkpoint holds them
         # and is loaded with the optimizer (_load_optimizer_and_scheduler), at any world size or stage.
         if os.path.isdir(os.path.join(resume_from_checkpoint, ZERO_DIR)):
             return None
         return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
+        # Private in transformers 5.24.0 (train()'s resume, once the optimizer exists).
         if checkpoint is None:
             return
         path = os.path.join(checkpoint, ZERO_DIR)
@@ -346,9 +362,12 @@ class ZeroTrainerMixin:
             )
         zckpt.load(path, self.model, self.optimizer)
         with warnings.catch_warnings(record=True):
-            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+            self.lr_scheduler.load_state_dict(
+                torch.load(os.path.join(checkpoint, trainer_module.SCHEDULER_NAME), weights_only=True)
+            )
 
     def _load_best_model(self):
+        # Private in transformers 5.24.0 (load_best_model_at_end).
         if not isinstance(self.optimizer, ZeroAdam):
             return super()._load_best_model()
         zckpt.load(os.path.join(self.state.best_model_checkpoint, ZERO_DIR), self.model, self.optimizer)
@@ -360,23 +379,22 @@ def last_complete_checkpoint(output_dir: str) -> str | None:
     while checkpoint-N's shards were still being written (save_async, or a blocking save cut short)
     leaves checkpoint-N with only zerofast.incomplete, which the Trainer's get_last_checkpoint
     (transformers 5.24) would pick."""
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
+    prefix = trainer_utils.PREFIX_CHECKPOINT_DIR
     found = []
     for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
-        step = name[len(PREFIX_CHECKPOINT_DIR) + 1 :]
+        step = name[len(prefix) + 1 :]
         folder = os.path.join(output_dir, name)
-        if name.startswith(PREFIX_CHECKPOINT_DIR + "-") and step.isdigit() and os.path.isdir(folder):
+        if name.startswith(prefix + "-") and step.isdigit() and os.path.isdir(folder):
             found.append((int(step), folder))
     for _, folder in sorted(found, reverse=True):
         zero = os.path.join(folder, ZERO_DIR)
         optimizer_saved = os.path.isfile(os.path.join(zero, zckpt.MANIFEST)) or os.path.isfile(
             os.path.join(folder, "optimizer.pt")
         )  # a plain Trainer's: named later
-        if optimizer_saved and os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME)):
+        if optimizer_saved and os.path.isfile(os.path.join(folder, trainer_module.TRAINER_STATE_NAME)):
             return folder
         warnings.warn(
-            f"ZeroTrainer: {folder} was never completed (no {TRAINER_STATE_NAME}, or its {ZERO_DIR}/ "
+            f"ZeroTrainer: {folder} was never completed (no {trainer_module.TRAINER_STATE_NAME}, or its {ZERO_DIR}/ "
             f"unfinished); "
             f"resuming from an earlier checkpoint",
             stacklevel=3,
@@ -388,12 +406,128 @@ class ZeroTrainer(ZeroTrainerMixin, Trainer):
     """transformers.Trainer with ZeroAdam: ZeroTrainer(..., zero={"stage": 3, ...})."""
 
 
+# --- what this module relies on in its hosts, checked at import (zerofast.integrations.hosts) ------
+# The versions: the Makefile's HF_DEPS pins (tested) and pyproject.toml's extra `hf` (supported).
+TRANSFORMERS = hosts.Pin("transformers", tested="5.24.0", supported=">=5.24.0,<5.25")
+ACCELERATE = hosts.Pin("accelerate", tested="1.15.0", supported=">=1.15.0,<1.16")
+TRL = hosts.Pin("trl", tested="1.16.0", supported=">=1.16.0,<1.17")  # ZeroSFTTrainer's, checked when made
+# The Trainer methods ZeroTrainerMixin replaces; the private ones are named after transformers 5.24.0.
+TRAINER_OVERRIDES = (
+    "create_accelerator_and_postprocess",
+    "create_optimizer",
+    "save_model",
+    "train",
+    "_build_accelerator_args",
+    "_save_checkpoint",
+    "_save_optimizer_and_scheduler",
+    "_load_from_checkpoint",
+    "_load_optimizer_and_scheduler",
+    "_load_best_model",
+)
+RELIES_ON = hosts.Reliance(
+    "zerofast.integrations.hf",
+    extra="hf",
+    pins=(TRANSFORMERS, ACCELERATE),
+    entries=(
+        hosts.Overrides(ZeroTrainerMixin, Trainer, TRAINER_OVERRIDES),
+        hosts.Overrides(
+            _ZeroAccelerator,
+            Accelerator,
+            (
+                "prepare_model",
+                "prepare_optimizer",
+                "no_sync",
+                "backward",
+                "clip_grad_norm_",
+                "optimizer_step_was_skipped",
+            ),
+        ),
+        # What the overrides pass on, and what ZeroTrainerMixin reads from the Trainer's arguments.
+        hosts.Calls(Trainer, "__init__", keywords=("optimizers", "optimizer_cls_and_kwargs")),
+        hosts.Calls(Accelerator, "prepare_model", 1, ("device_placement", "evaluation_mode")),
+        hosts.Calls(Accelerator, "prepare_optimizer", 1, ("device_placement",)),
+        hosts.Calls(Trainer, "get_decay_parameter_names", 1),
+        hosts.Calls(Trainer, "_save", 1, ("state_dict",)),  # private: save_model's writer
+        hosts.Calls(Trainer, "_get_output_dir", keywords=("trial",)),  # private: the run's folder
+        hosts.Calls(Trainer, "push_to_hub", keywords=("commit_message", "revision")),
+        hosts.Calls(
+            trainer_utils,
+            "rotate_checkpoints",
+            keywords=("output_dir", "save_total_limit", "best_model_checkpoint", "use_mtime"),
+        ),
+        hosts.Reads(trainer_utils, ("PREFIX_CHECKPOINT_DIR",)),
+        hosts.Reads(trainer_module, ("SCHEDULER_NAME", "TRAINER_STATE_NAME")),
+        hosts.Reads(training_args.OptimizerNames, ("ADAMW_TORCH", "ADAMW_TORCH_FUSED")),
+        hosts.Reads(Accelerator, ("gradient_accumulation_steps",)),
+        hosts.Reads(
+            TrainingArguments,
+            (
+                "n_gpu",
+                "device",
+                "fp16_full_eval",
+                "bf16_full_eval",
+                "auto_find_batch_size",
+                "accelerator_config",
+                "gradient_accumulation_steps",
+                "optim",
+                "deepspeed",
+                "fsdp",
+                "bf16",
+                "fp16",
+                "learning_rate",
+                "adam_beta1",
+                "adam_beta2",
+                "adam_epsilon",
+                "weight_decay",
+                "max_grad_norm",
+                "output_dir",
+                "save_total_limit",
+                "should_save",
+                "process_index",
+                "push_to_hub",
+                "hub_revision",
+            ),
+        ),
+        hosts.Reads(AcceleratorConfig, ("gradient_accumulation_kwargs",)),
+        hosts.Reads(TrainerState, ("best_model_checkpoint", "global_step", "max_steps")),
+        # Set by the constructors (TrainingArguments.__post_init__, Trainer.__init__): checked on the objects.
+        hosts.Reads(TrainingArguments, ("deepspeed_plugin", "fsdp_plugin_args", "mixed_precision"), on_instance=True),
+        hosts.Reads(
+            Trainer,
+            (
+                "args",
+                "model",
+                "accelerator",
+                "optimizer",
+                "lr_scheduler",
+                "state",
+                "is_deepspeed_enabled",
+                "is_fsdp_enabled",
+            ),
+            on_instance=True,
+        ),
+    ),
+)
+hosts.check(RELIES_ON)
+
+
+def _sft_reliance(sft_trainer: type) -> hosts.Reliance:
+    """ZeroTrainerMixin over TRL's SFTTrainer: the same overrides, against what SFTTrainer changes."""
+    return hosts.Reliance(
+        "zerofast.integrations.hf.ZeroSFTTrainer",
+        extra="hf",
+        pins=(TRL,),
+        entries=(hosts.Overrides(ZeroTrainerMixin, sft_trainer, TRAINER_OVERRIDES),),
+    )
+
+
 def __getattr__(name: str):
     if name == "ZeroSFTTrainer":  # TRL's SFTTrainer with ZeroAdam, made where trl imports
         try:
             from trl import SFTTrainer
         except ImportError as e:
             raise AttributeError(f"zerofast.integrations.hf.ZeroSFTTrainer needs trl ({e})") from e
+        hosts.check(_sft_reliance(SFTTrainer))
         cls = type(
             "ZeroSFTTrainer",
             (ZeroTrainerMixin, SFTTrainer),

@@ -7,14 +7,19 @@
 
 For the `lightning` package (lightning.pytorch) the same classes are in zerofast.integrations.lightning.
 What maps to what, and the version it is written against: zerofast/integrations/_lightning.py.
+Importing this module checks that pytorch_lightning still has what ZeroStrategy relies on (RELIES_ON).
 """
 
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 
-from ._lightning import LIGHTNING_FILE, PRECISIONS, ZERO_DIR, ZeroPrecisionMixin, ZeroStrategyMixin
+from . import hosts
+from ._lightning import LIGHTNING_FILE, PRECISIONS, ZERO_DIR, ZeroPrecisionMixin, ZeroStrategyMixin, relies_on
 
-__all__ = ["ZeroStrategy", "ZeroPrecision", "ZERO_DIR", "LIGHTNING_FILE", "PRECISIONS"]
+__all__ = ["ZeroStrategy", "ZeroPrecision", "ZERO_DIR", "LIGHTNING_FILE", "PRECISIONS", "RELIES_ON"]
+
+RELIES_ON = relies_on("pytorch_lightning", distribution="pytorch-lightning")
+hosts.check(RELIES_ON)
 
 
 class ZeroPrecision(ZeroPrecisionMixin, Precision):
@@ -24,3 +29,4 @@ class ZeroPrecision(ZeroPrecisionMixin, Precision):
 class ZeroStrategy(ZeroStrategyMixin, DDPStrategy):
     __doc__ = ZeroStrategyMixin.__doc__
     _precision_class = ZeroPrecision
+    _relies_on = RELIES_ON
