@@ -62,9 +62,8 @@ def _mixed_on_gpu(rank, world, precision, scaler):
     from zerofast.tools.models import make_gpt
 
     model = make_gpt("tiny").cuda()
-    opt = ZeroAdam(
-        model, **zero_options(3, bucket_mb=0.01), mixed_precision=precision, max_grad_norm=0.5, **scaler or {}, **HYPER
-    )
+    options = zero_options(3, mixed_precision=precision, **(scaler or {}))  # fp16: LossScalePolicy's fields
+    opt = ZeroAdam(model, **options, max_grad_norm=0.5, **HYPER)
     history = []
     for step in range(STEPS):
         x, y = rank_batch(model, step, rank)
