@@ -1,7 +1,8 @@
 """scripts/gpu_check.sh cannot rot: its dry run goes through every step that needs no GPU (the
 preflight, the build's check without a rebuild, collection of each named CUDA test file, the
 benchmark's arguments, the summary), and scripts/cuda_toolkit.py finds nvcc where the build looks.
-Cost: a few seconds (three pytest collections in subprocesses)."""
+Cost: about 10 s of CPU time (seven short Python processes, two of them pytest collections; no
+build), 40-90 s of wall time when the machine's 2 cores are shared."""
 
 from __future__ import annotations
 
