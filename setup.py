@@ -1,15 +1,14 @@
 """Build zerofast._C with torch.utils.cpp_extension (ninja).
 
 CPU sources always; CUDA sources when ZEROFAST_CUDA=1, or when ZEROFAST_CUDA is unset/"auto" and
-torch is a CUDA build and nvcc is found. ZEROFAST_CUDA=0 forces a CPU-only build.
+torch is a CUDA build and an nvcc of the same CUDA major version is found ($CUDA_HOME/bin, PATH or
+/usr/local/cuda/bin: scripts/cuda_toolkit.py). ZEROFAST_CUDA=0 forces a CPU-only build.
 """
 
 import glob
 import os
-import shutil
 import sys
 
-import torch
 from setuptools import setup
 from torch.utils import cpp_extension
 
@@ -17,25 +16,14 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = "csrc"  # relative: setuptools refuses absolute source paths when it builds a wheel
 
 
-def _real_cuda_home(nvcc):
-    """The toolkit folder whose bin/ holds the real nvcc.
+def _toolkit_module():
+    """scripts/cuda_toolkit.py: where nvcc is looked for, and the CUDA version check."""
+    import importlib.util
 
-    nvcc on PATH may be a small wrapper script that execs the real one (`exec /x/bin/nvcc "$@"`);
-    torch would take the wrapper's prefix as CUDA_HOME and then find no libcudart there.
-    """
-    real = os.path.realpath(nvcc)
-    try:
-        with open(real, "rb") as f:
-            head = f.read(4096)
-        if head.startswith(b"#!"):
-            for token in head.decode(errors="replace").split():
-                token = token.strip("\"'")
-                if token.endswith("/nvcc") and os.path.isfile(token) and token != real:
-                    real = os.path.realpath(token)
-                    break
-    except OSError:
-        pass
-    return os.path.dirname(os.path.dirname(real))
+    spec = importlib.util.spec_from_file_location("cuda_toolkit", os.path.join(ROOT, "scripts", "cuda_toolkit.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _cuda_wanted():
@@ -45,21 +33,16 @@ def _cuda_wanted():
         sys.exit(f"zerofast: ZEROFAST_CUDA must be 0, 1 or auto; got {mode!r}")
     if mode == "0":
         return False
-    nvcc = os.environ.get("CUDA_HOME") and os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")
-    if not nvcc or not os.path.exists(nvcc):
-        nvcc = shutil.which("nvcc")
-    has_cuda_torch = torch.version.cuda is not None
-    if mode == "1":
-        missing = []
-        if not has_cuda_torch:
-            missing.append(f"torch {torch.__version__} is a CPU-only build (torch.version.cuda is None)")
-        if nvcc is None:
-            missing.append("nvcc was not found on PATH or under $CUDA_HOME/bin")
-        if missing:
-            sys.exit("zerofast: ZEROFAST_CUDA=1 but " + "; and ".join(missing))
-    elif not (has_cuda_torch and nvcc):
+    toolkit = _toolkit_module()
+    found = toolkit.probe()
+    problem = found.problem()
+    if problem is not None:
+        if mode == "1":
+            sys.exit(f"zerofast: ZEROFAST_CUDA=1 but {problem}")
+        if found.nvcc is not None and found.torch_version is not None:  # both there, but they don't match
+            print(f"zerofast: building without the CUDA kernels: {problem}", file=sys.stderr)
         return False
-    cuda_home = _real_cuda_home(nvcc)
+    cuda_home = toolkit.real_cuda_home(found.nvcc)
     os.environ["CUDA_HOME"] = cuda_home
     cpp_extension.CUDA_HOME = cuda_home  # read at import time; refresh it
     return True

@@ -14,7 +14,6 @@ import random
 import shutil
 import tempfile
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -188,6 +187,8 @@ def test_dcp_byte_records_are_read_with_weights_only(tmp_path):
 
 def test_the_small_state_round_trips_through_json():
     sched = torch.optim.lr_scheduler.OneCycleLR(torch.optim.AdamW([torch.zeros(1, requires_grad=True)]), 1.0, 10)
+    # numpy is no dependency of torch's: a machine with torch alone skips this test, not the module.
+    np = pytest.importorskip("numpy", reason="the round trip of numpy values needs numpy")
     np_rng = np.random.RandomState(3).get_state()
     value = {
         "step": 7,

@@ -62,9 +62,8 @@ def _mixed_on_gpu(rank, world, precision, scaler):
     from zerofast.tools.models import make_gpt
 
     model = make_gpt("tiny").cuda()
-    opt = ZeroAdam(
-        model, **zero_options(3, bucket_mb=0.01), mixed_precision=precision, max_grad_norm=0.5, **scaler or {}, **HYPER
-    )
+    options = zero_options(3, mixed_precision=precision, **(scaler or {}))  # fp16: LossScalePolicy's fields
+    opt = ZeroAdam(model, **options, max_grad_norm=0.5, **HYPER)
     history = []
     for step in range(STEPS):
         x, y = rank_batch(model, step, rank)
@@ -94,3 +93,40 @@ def test_mixed_precision_nccl_world1_matches_torch(precision, scaler):
     diff = max_abs_diff(got, want)
     tol = lp_param_tol(dtype, STEPS, want)  # see the tolerances in tests/oracles.py
     assert diff <= tol, f"{precision}: {diff:.3g} > {tol:.3g}"
+
+
+def _syncs_on_gpu(rank, world, precision):
+    import warnings
+
+    from zerofast import ZeroAdam
+    from zerofast.optim import host_reads
+    from zerofast.tools.models import make_gpt
+
+    model = make_gpt("tiny").cuda()
+    opt = ZeroAdam(model, **zero_options(2, bucket_mb=0.01, mixed_precision=precision), max_grad_norm=0.5, **HYPER)
+    out = []
+    for step in range(3):
+        x, y = rank_batch(model, step, rank)
+        _, loss = model(x.cuda(), y.cuda())
+        opt.backward(loss)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught, host_reads.counting() as seam:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+        out.append((sum(seam.values()), syncs))
+        opt.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("precision", [None, "bf16", "fp16"])
+def test_step_synchronizes_only_through_its_named_reads(precision):
+    """torch's sync debug mode counts what waits for the GPU inside step() (stage 2, clipped): only
+    the reads named in [Note: host syncs] (zerofast/optim/host_reads.py), one per step, two with fp16."""
+    for reads, syncs in run_ranks(_syncs_on_gpu, 1, args=(precision,), backend="nccl", timeout=300)[0]:
+        assert reads == (2 if precision == "fp16" else 1)
+        assert len(syncs) == reads, syncs

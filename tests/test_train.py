@@ -219,6 +219,36 @@ def test_train_bad_arguments_exit_2(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "gpus, argv, want",
+    [
+        (0, [], 2),  # gloo on the CPU: two ranks by default
+        (1, [], 1),  # NCCL by default with a GPU: one rank per GPU, so `make demo` runs on one GPU
+        (4, [], 4),
+        (1, ["--backend", "gloo"], 2),  # gloo ranks may share the CPU (and a GPU)
+        (2, ["--nproc", "1"], 1),
+    ],
+)
+def test_train_nproc_follows_the_gpus(gpus, argv, want, monkeypatch):
+    """Parsing only (no launch): --nproc's default under NCCL is the GPUs visible."""
+    from zerofast.tools.train import parse_args
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert parse_args(argv).nproc == want
+
+
+def test_train_nproc_beyond_the_gpus_is_refused(monkeypatch, capsys):
+    from zerofast.tools.train import parse_args
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--nproc", "2"])
+    assert e.value.code == 2
+    assert "--nproc 2 needs 2 GPUs under NCCL (one per rank); 1 visible" in capsys.readouterr().err
+
+
 def test_cli_exit_codes():
     bad = _run("zerofast.train", "--stage", "4", timeout=120)
     assert bad.returncode == 2 and "--stage must be 1, 2 or 3; got 4" in bad.stderr

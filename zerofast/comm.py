@@ -23,6 +23,26 @@ a c10d call that failed (csrc/errors.h), which run() turns into CollectiveError;
 a torch.distributed collective issued from here is the communication's too (_collective); every
 other error (a GradientError naming a parameter, running out of memory, a bug) is raised as itself,
 on the rank where it happened, and never says that a peer failed.
+
+[Note: two communicators on one comm stream]
+Stage 3 gathers on a process group of its own ([Note: two process groups] in csrc/buckets.cpp), so
+each group issues its collectives in the same order on every rank. Under NCCL the two groups are
+two communicators, and both are issued from the one comm stream ([Note: comm stream]): each
+ProcessGroupNCCL runs its kernels on a stream of its own that first waits for the comm stream.
+Between the groups the order can differ by rank: a bucket that some rank fills during backward
+(every parameter of it got its gradient there) reduces at once, before the re-gathers of the
+earlier units, while a rank where one of its parameters got no gradient reduces it only at the end
+of backward, after them. NCCL kernels wait on the GPU for their peers, and NCCL documents that
+operations on several communicators must then be issued in the same order on every rank: nothing
+guarantees the two kernels run concurrently, so rank A's reduce can wait for rank B's while B's
+gather waits for A's. gloo cannot show it (each collective runs on host threads of its own), nor
+can one GPU (NCCL refuses two ranks there). The test that would, on two GPUs:
+tests/test_cuda_ranks.py::test_stage3_reduces_and_gathers_on_two_gpus_neither_hang_nor_drift (a
+parameter of the last unit used on rank 0 only; a deadlock shows as the harness's timeout). The
+remedies, if it does: launch such a late bucket's reduce at the end of backward on every rank
+(the step's agreement already knows which parameters got a gradient anywhere, one step late), or
+give the reduces and the gathers separate comm streams, each ordered against compute by events
+as now (which alone does not remove the cross-communicator order NCCL asks for).
 """
 
 from __future__ import annotations

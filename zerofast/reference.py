@@ -110,7 +110,9 @@ class ReferenceZero:
         return self.owner[name] == self.rank
 
     def _agree_on_grads(self) -> list[bool]:
-        local = torch.tensor([float(p.grad is not None) for _, p in self.params])
+        # On the parameters' device: NCCL reduces CUDA tensors only.
+        device = self.params[0][1].device
+        local = torch.tensor([float(p.grad is not None) for _, p in self.params], device=device)
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
         return [bool(x) for x in local.tolist()]
 

@@ -128,7 +128,10 @@ def _exact(view: torch.Tensor) -> torch.Tensor:
     model in stage 2. Aliasing through numpy (float32 here: master and moments) avoids the copy."""
     if view.device.type != "cpu" or not view.is_contiguous() or view.dtype == torch.bfloat16:  # numpy has no bf16
         return view
-    return torch.from_numpy(view.detach().numpy())
+    try:
+        return torch.from_numpy(view.detach().numpy())
+    except RuntimeError:  # torch without numpy ("Numpy is not available"): DCP copies the view
+        return view
 
 
 class _Chunks:

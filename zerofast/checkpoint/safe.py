@@ -29,6 +29,7 @@ wrong, raised alike by every rank (each reads the files itself, before any colle
 from __future__ import annotations
 
 import base64
+import ctypes
 import io
 import json
 import math
@@ -99,7 +100,7 @@ def encode(obj: Any, where: str = "extra") -> Any:
             "v": {
                 "dtype": str(t.dtype).removeprefix("torch."),
                 "shape": list(t.shape),
-                "data": base64.b64encode(raw.numpy().tobytes()).decode(),
+                "data": base64.b64encode(_cpu_bytes(raw)).decode(),
             },
         }
     try:
@@ -366,3 +367,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             default_planner.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _cpu_bytes(raw: torch.Tensor) -> bytes:
+    """A contiguous CPU uint8 tensor's bytes, read straight from its memory: numpy is no dependency
+    of torch's, and a checkpoint must not need it."""
+    return ctypes.string_at(raw.data_ptr(), raw.numel()) if raw.numel() else b""

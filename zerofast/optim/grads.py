@@ -33,6 +33,7 @@ from .. import _C, _ops
 from ..comm import BucketComm, OutOfStepError
 from ..config import Plan
 from ..layout import Layout
+from . import host_reads
 from .agreement import Agreed, AgreementLayout  # noqa: F401  ([Note: the step's agreement])
 from .gather import ParamGather
 from .precision import LossScaler
@@ -76,7 +77,17 @@ class Prepared:
     used: list[bool]  # which parameters got a gradient on some rank
     found_inf: bool  # some rank's gradient shard holds an inf or nan (fp16 only)
     norm: torch.Tensor | None  # global norm of the averaged, unscaled gradient (when clipping)
-    grad_factor: float  # the clip coefficients so far (1.0: none)
+    # The clip coefficients so far: 1.0 (none), or once clipped a float64 device tensor (0-dim),
+    # kept on the device ([Note: host syncs] in zerofast/optim/host_reads.py).
+    grad_factor: float | torch.Tensor
+
+    def grad_scale(self, world_size: int, loss_scale: float) -> float | torch.Tensor:
+        """The fused kernel's grad_scale: 1/N, unscaling and clipping together. A float, or (once
+        clipped) a 1-element float32 device tensor holding the float64 quotient rounded once, the
+        value the float path passes."""
+        if isinstance(self.grad_factor, torch.Tensor):
+            return (self.grad_factor / (world_size * loss_scale)).float().reshape(1)
+        return self.grad_factor / (world_size * loss_scale)
 
 
 class GradReducer:
@@ -332,13 +343,11 @@ class GradReducer:
             message = AgreementLayout(len(local_used))
             reduce_hash, gather_hash = self.comm.order_hashes()
             counts = dict(steps=where.step, micro_batches=self.micro_batches, reduces=reduce_hash, gathers=gather_hash)
-            flags = torch.tensor(
-                message.pack(local_used, counts, None if failure is None else self.comm.dp_rank),
-                dtype=torch.int64,
-                device=device,
+            flags = host_reads.to_device(
+                message.pack(local_used, counts, None if failure is None else self.comm.dp_rank), torch.int64, device
             )
             self.comm.all_reduce_max(flags)
-            agreed = message.read(flags.tolist())
+            agreed = message.read(host_reads.to_list(flags, "agreement"))  # [Note: host syncs]
             if not (agreed.same("steps") and agreed.same("micro_batches")):
                 steps, micro = agreed.ranges["steps"], agreed.ranges["micro_batches"]
                 raise OutOfStepError(
@@ -381,7 +390,9 @@ class GradReducer:
             if need_norm:  # padding is zero, and each element sits in exactly one rank's shard
                 stats[1] = sum(torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in owned)
             self.comm.all_reduce_sum(stats)
-            found_inf, sumsq = bool(stats[0].item() > 0), stats[1]
+            sumsq = stats[1] if need_norm else None  # stays on the device: [Note: host syncs]
+            if self.scaler.enabled:
+                found_inf = host_reads.to_float(stats[0:1], "found_inf") > 0
         norm = None
         if sumsq is not None:  # the norm of the averaged, unscaled gradient
             norm = sumsq.sqrt() / (world_size * self.scaler.scale)
@@ -395,14 +406,19 @@ class GradReducer:
     # shard; a tied parameter is one parameter; padding is zero), one all_reduce sums them, and the
     # norm is sqrt(sum) / (N * scale) (prepare()). The coefficient min(1, max_norm / (norm + 1e-6)),
     # torch's, joins 1/N and 1/scale in the kernel's grad_scale, so clipping costs no pass over the
-    # gradients.
+    # gradients; norm and coefficient stay on the device, and reach the kernel as its grad_scale
+    # tensor ([Note: host syncs] in zerofast/optim/host_reads.py).
     @staticmethod
     def clip(prep: Prepared, max_norm: float) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_'s coefficient, folded into grad_factor: applying it twice
         (clip_grad_norm_ and max_grad_norm) acts as clipping twice would."""
-        norm = prep.norm * prep.grad_factor
+        factor = prep.grad_factor
+        # A float32 norm times the factor rounded to float32, as a tensor times a Python float is.
+        norm = prep.norm * (factor.float() if isinstance(factor, torch.Tensor) else factor)
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        prep.grad_factor *= float(coef)
+        # On the device, in float64: the product of float32 coefficients is exact, as it was in a
+        # Python float; nothing is read back ([Note: host syncs] in zerofast/optim/host_reads.py).
+        prep.grad_factor = factor * coef.double()
         return norm
 
     def clamp(self, prep: Prepared, max_abs: float, world_size: int) -> None:

@@ -150,7 +150,9 @@ class MuonShard:
                     f"Muon needs each matrix whole on its owner"
                 )
 
-    def apply(self, used: list[bool], param_groups: list[dict], group_of: list[int], grad_scale: float) -> None:
+    def apply(
+        self, used: list[bool], param_groups: list[dict], group_of: list[int], grad_scale: float | torch.Tensor
+    ) -> None:
         """Muon's step for every owned, used matrix; the gradient range times grad_scale is the
         averaged, unscaled, clipped gradient ([Note: Muon's gradient]). `used` is phase 2's agreement
         restricted to Muon's matrices, the same on every rank, so every rank counts the same steps."""
@@ -161,7 +163,7 @@ class MuonShard:
             shape, group = self.shapes[pc.param], param_groups[group_of[pc.param]]
             state = slice(pc.state_offset, pc.state_offset + pc.numel)
             grad = shard.grad_range(pc.bucket, pc.bucket_offset, state).view(shape)
-            if grad.dtype != torch.float32 or grad_scale != 1.0:
+            if grad.dtype != torch.float32 or isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
                 grad = grad.to(torch.float32) * grad_scale
             master, copy = shard.master_and_copy(pc.bucket, pc.bucket_offset, state)
             muon_update_(
@@ -360,7 +362,7 @@ class ZeroMuon(ZeroAdam):
         else:
             check_hyper(f".param_groups[{index}]", group)
 
-    def _update(self, used: list[bool], grad_scale: float) -> None:
+    def _update(self, used: list[bool], grad_scale: float | torch.Tensor) -> None:
         """Phase 3: fused AdamW over the owned ranges of the non-Muon parameters, then Muon for the
         owned matrices (whole tensors in this rank's shard)."""
         adamw_used = [u and not m for u, m in zip(used, self._is_muon)]

@@ -73,7 +73,12 @@ class ShardState:
     # --- phase 3 --------------------------------------------------------------------------------
 
     def apply_adam(
-        self, used: list[bool], param_groups: list[dict], group_of: list[int], adamw: bool, grad_scale: float
+        self,
+        used: list[bool],
+        param_groups: list[dict],
+        group_of: list[int],
+        adamw: bool,
+        grad_scale: float | torch.Tensor,
     ) -> None:
         """The fused AdamW step over every owned range of a used parameter, the gradient shard
         multiplied by grad_scale (1/N, unscaling and clipping together)."""
@@ -106,31 +111,47 @@ class ShardState:
                 self.steps[i] += 1
 
     def runs(self, used: list[bool], group_of: list[int]) -> list[Run]:
-        """This rank's owned pieces of used parameters, merged where contiguous with equal
-        (bucket, group, step count), so one kernel call covers many small tensors."""
-        runs: list[Run] = []
-        for pc in self.pieces:
+        """This rank's owned pieces of used parameters, merged into as few ranges as the buffers
+        allow ([Note: one kernel per range]), so one kernel call covers many tensors."""
+        runs: list[Run | None] = []  # None: an unused parameter's piece, which ends a run
+        for pc in self.pieces:  # in shard order: what lies between two pieces is padding
             if not used[pc.param]:
+                runs.append(None)
                 continue
-            key = (pc.bucket, group_of[pc.param], self.steps[pc.param])
             last = runs[-1] if runs else None
-            if (
-                last is not None
-                and (last.bucket, last.group, self.steps[last.params[0]]) == key
-                and last.bucket_lo + last.numel == pc.bucket_offset
-                and last.state_lo + last.numel == pc.state_offset
-            ):
+            if last is not None and self._joins(last, pc, group_of):
+                gap = pc.state_offset - (last.state_lo + last.numel)
                 runs[-1] = Run(
                     last.bucket,
                     last.bucket_lo,
                     last.state_lo,
-                    last.numel + pc.numel,
+                    last.numel + gap + pc.numel,
                     last.group,
                     last.params + (pc.param,),
                 )
             else:
-                runs.append(Run(pc.bucket, pc.bucket_offset, pc.state_offset, pc.numel, key[1], (pc.param,)))
-        return runs
+                runs.append(
+                    Run(pc.bucket, pc.bucket_offset, pc.state_offset, pc.numel, group_of[pc.param], (pc.param,))
+                )
+        return [r for r in runs if r is not None]
+
+    # [Note: one kernel per range]
+    # The fused kernel is elementwise, so one call over a long range gives the same values as one
+    # call per parameter: phase 3 launches one call per range of the shard that lives in one buffer
+    # and shares a parameter group (its hyper-parameters) and a step count (its bias corrections).
+    # Stage 3 keeps everything it updates in the rank's flat shard buffers (master or parameter
+    # shard, gradient shard, moments), so its ranges run across units; stages 1 and 2 update the
+    # owned range of each bucket's parameter buffer in place, so a range ends at a bucket's end.
+    # Padding between two pieces (alignment, and the padding of each bucket to the world size:
+    # [Note: padding]) joins the range: it is zero in every buffer and Adam keeps it zero (zero gradient,
+    # zero moments, zero weight, so a zero update, decay included). An unused parameter's range is
+    # never touched, so it ends a range.
+    def _joins(self, last: Run, pc: Piece, group_of: list[int]) -> bool:
+        if group_of[pc.param] != last.group or self.steps[pc.param] != self.steps[last.params[0]]:
+            return False
+        if self.plan.params_sharded and not self.plan.grads_as_bucket_views:
+            return True  # everything indexed by the shard offset alone
+        return pc.bucket == last.bucket and pc.bucket_offset - last.bucket_lo == pc.state_offset - last.state_lo
 
     def grad_range(self, bucket: int, bucket_lo: int, state: slice) -> torch.Tensor:
         """The reduced gradients of an owned range (bucket `bucket` from `bucket_lo`; `state` in

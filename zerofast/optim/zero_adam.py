@@ -332,7 +332,7 @@ class ZeroAdam(torch.optim.Optimizer):
             self._grads.clip(prep, self.plan.max_grad_norm)
         anything = any(prep.used)  # agreed: the same on every rank
         if anything and not prep.found_inf:
-            self._update(prep.used, prep.grad_factor / (self.world_size * self._scaler.scale))  # phase 3
+            self._update(prep.used, prep.grad_scale(self.world_size, self._scaler.scale))  # phase 3
             if self.plan.gather_after_step:  # phase 4 (stage 3: the next forward gathers)
                 where.phase = "step() (phase 4: the parameter gather)"
                 with torch.profiler.record_function("zerofast::gather"):
@@ -367,9 +367,10 @@ class ZeroAdam(torch.optim.Optimizer):
         """One parameter group's hyper-parameters, as they are at a step."""
         check_hyper(f".param_groups[{index}]", group)
 
-    def _update(self, used: list[bool], grad_scale: float) -> None:
+    def _update(self, used: list[bool], grad_scale: float | torch.Tensor) -> None:
         """Phase 3: update every owned range of a used parameter; the gradient shard holds the sum
-        over ranks, and grad_scale (1/N, unscaling and clipping together) makes it the average."""
+        over ranks, and grad_scale (1/N, unscaling and clipping together; a 1-element device tensor
+        once clipped) makes it the average."""
         with torch.profiler.record_function("zerofast::adam"):
             self.shard.apply_adam(used, self.param_groups, self._group_of, self.plan.adamw, grad_scale)
 

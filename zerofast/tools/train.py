@@ -41,7 +41,12 @@ log = logging.getLogger("zerofast.train")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m zerofast.train", description=__doc__.split("\n")[0])
-    p.add_argument("--nproc", type=int, default=2, help="local ranks to launch (default 2)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local ranks to launch (default: one per GPU under NCCL, else 2)",
+    )
     p.add_argument("--stage", type=int, default=3, help="ZeRO stage 1, 2 or 3 (default 3)")
     p.add_argument("--partition", default="flat", help=f"{', '.join(PARTITIONS)} (default flat)")
     p.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
@@ -112,7 +117,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--timeout must be positive; got {args.timeout}")
     if args.max_restarts < 0:
         p.error(f"--max-restarts must be 0 or more; got {args.max_restarts}")
-    if args.nproc < 1:
+    if args.nproc is not None and args.nproc < 1:
         p.error(f"--nproc must be at least 1; got {args.nproc}")
     if args.stage not in (1, 2, 3):
         p.error(f"--stage must be 1, 2 or 3; got {args.stage}")
@@ -130,6 +135,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--backend must be gloo or nccl; got {args.backend!r}")
     if args.backend == "nccl" and not torch.cuda.is_available():
         p.error("--backend nccl needs CUDA GPUs; none is visible")
+    args.nproc = _resolve_nproc(p, args.nproc, args.backend)
     if args.mixed_precision not in (None, "bf16", "fp16"):
         p.error(f"--mixed-precision must be bf16 or fp16; got {args.mixed_precision!r}")
     if args.shard_size is not None and args.shard_size < 1:
@@ -150,6 +156,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         except ImportError:
             p.error("--plot needs matplotlib (pip install matplotlib)")
     return args
+
+
+def _resolve_nproc(p: argparse.ArgumentParser, nproc: int | None, backend: str | None) -> int:
+    """NCCL (asked for, or the default with GPUs) puts each local rank on its own GPU,
+    cuda:LOCAL_RANK, and refuses two ranks on one: one rank per visible GPU by default, and more
+    is an error here rather than an "invalid device ordinal" in a rank."""
+    if backend == "gloo" or (backend is None and not torch.cuda.is_available()):
+        return 2 if nproc is None else nproc
+    gpus = torch.cuda.device_count()
+    if nproc is None:
+        return gpus
+    if nproc > gpus:
+        p.error(
+            f"--nproc {nproc} needs {nproc} GPUs under NCCL (one per rank); {gpus} visible. "
+            f"Use --nproc {gpus}, or --backend gloo to run the ranks on the CPU"
+        )
+    return nproc
 
 
 def launch(argv: list[str], nproc: int, max_restarts: int) -> int:
