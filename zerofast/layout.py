@@ -16,7 +16,8 @@ owner, so each owner's part is one contiguous segment, reduced to and broadcast 
 With 8-bit Adam state (`block` > 1) every parameter's slot also starts at a multiple of the block,
 and "flat" pads each bucket to a multiple of world * block, so every rank's slice and every owner's
 segment starts at one: a rank owns whole blocks of whole parameters ([Note: quantized state] in
-zerofast/quant.py). The gaps between slots are padding like the rest.
+zerofast/quant.py). The gaps between slots are padding like the rest: a fresh gradient buffer is
+zeroed from the first gap on (Layout.padding_start), since no gradient ever writes there.
 """
 
 from __future__ import annotations
@@ -66,6 +67,17 @@ class Layout:
     def used_numel(self, bucket: int) -> int:
         """Elements of bucket `bucket` that hold parameters (the rest is padding)."""
         return sum(self.slots[i].numel for i in self.buckets[bucket].params)
+
+    def padding_start(self, bucket: int) -> int:
+        """The first element of bucket `bucket` that no slot holds: a fresh gradient buffer is zeroed
+        from there on (the engine's `used_numels`), which covers the gaps block alignment leaves
+        between slots as well as the tail ([Note: padding]); without gaps, used_numel."""
+        end = 0
+        for s in sorted((self.slots[i] for i in self.buckets[bucket].params), key=lambda s: s.offset):
+            if s.offset != end:
+                return end
+            end += s.numel
+        return end
 
     def owned_range(self, bucket: int, rank: int) -> tuple[int, int]:
         b = self.buckets[bucket]
