@@ -129,7 +129,7 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE float code_midpoint(const float* code, int k) 
 }
 
 C10_HOST_DEVICE C10_ALWAYS_INLINE float dequantize(uint8_t q, float scale, const float* code) {
-  return code[q] * scale;
+  return code[static_cast<int32_t>(q)] * scale;  // a 32-bit index: the loops gather with it
 }
 
 // |x| for the block's scale, NaN counted as 0 (a NaN moment does not poison its block's scale).
@@ -140,12 +140,21 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE float scale_magnitude(float x) {
 
 // The index of the code value nearest to x / scale: how many thresholds are below it (a tie goes
 // to the lower value; NaN to index 0). A branch-free binary search over the 255 thresholds.
+C10_HOST_DEVICE C10_ALWAYS_INLINE int32_t search_step(int32_t index, int32_t step, float x, const float* thresholds) {
+  return index + (thresholds[index + step - 1] < x ? step : 0);
+}
+
 C10_HOST_DEVICE C10_ALWAYS_INLINE uint8_t quantize(float x, float scale, const float* thresholds) {
   const float normalized = scale > 0.0f ? x / scale : 0.0f;
-  int index = 0;
-  for (int step = kCodeSize / 2; step >= 1; step >>= 1) {
-    index += thresholds[index + step - 1] < normalized ? step : 0;
-  }
+  // Written out step by step (no inner loop), so that the CPU loops vectorize it with gathers.
+  int32_t index = search_step(0, 128, normalized, thresholds);
+  index = search_step(index, 64, normalized, thresholds);
+  index = search_step(index, 32, normalized, thresholds);
+  index = search_step(index, 16, normalized, thresholds);
+  index = search_step(index, 8, normalized, thresholds);
+  index = search_step(index, 4, normalized, thresholds);
+  index = search_step(index, 2, normalized, thresholds);
+  index = search_step(index, 1, normalized, thresholds);
   return static_cast<uint8_t>(index);
 }
 
