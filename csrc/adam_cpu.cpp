@@ -6,6 +6,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -134,6 +136,52 @@ void fused_adam_cpu(const at::Tensor& param, const at::Tensor& grad, const at::T
   at::parallel_for(0, param.numel(), kGrain, [&](int64_t begin, int64_t end) { k.adam_range(ptr, s, begin, end); });
 }
 
+// The 255 rounding thresholds of a code, computed once per call as adam_math.h's code_midpoint.
+std::array<float, kCodeSize - 1> thresholds_of(const at::Tensor& code) {
+  std::array<float, kCodeSize - 1> out;
+  const float* c = code.data_ptr<float>();
+  for (int k = 0; k < kCodeSize - 1; ++k) out[k] = code_midpoint(c, k);
+  return out;
+}
+
+void fused_adam_8bit_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                         const at::Tensor& exp_avg_sq, const at::Tensor& exp_avg_scale,
+                         const at::Tensor& exp_avg_sq_scale, const at::Tensor& exp_avg_code,
+                         const at::Tensor& exp_avg_sq_code, int64_t block, double lr, double beta1, double beta2,
+                         double eps, double weight_decay, int64_t step, bool adamw, double grad_scale,
+                         const std::optional<at::Tensor>& grad_scale_tensor, const std::optional<at::Tensor>& found_inf,
+                         const std::optional<at::Tensor>& param_copy) {
+  check_fused_adam8_args(param, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, exp_avg_code,
+                         exp_avg_sq_code, block, step, grad_scale_tensor, found_inf, param_copy);
+  AdamScalars s = make_adam_scalars(lr, beta1, beta2, eps, weight_decay, step, adamw, grad_scale);
+  if (grad_scale_tensor) s.grad_scale *= grad_scale_tensor->item<float>();  // as fused_adam_cpu
+  const IsaKernels k = kernels_for(selected_isa());
+  if (found_inf.has_value()) {
+    if (any_nonfinite(k, grad, s.grad_scale)) found_inf->fill_(1.0);
+    if (found_inf->item<float>() != 0.0f) return;
+  }
+  const auto thr_avg = thresholds_of(exp_avg_code);
+  const auto thr_avg_sq = thresholds_of(exp_avg_sq_code);
+  const Adam8Pointers ptr{param.data_ptr<float>(),
+                          grad.data_ptr(),
+                          exp_avg.data_ptr<uint8_t>(),
+                          exp_avg_sq.data_ptr<uint8_t>(),
+                          exp_avg_scale.data_ptr<float>(),
+                          exp_avg_sq_scale.data_ptr<float>(),
+                          exp_avg_code.data_ptr<float>(),
+                          exp_avg_sq_code.data_ptr<float>(),
+                          thr_avg.data(),
+                          thr_avg_sq.data(),
+                          param_copy ? param_copy->data_ptr() : nullptr,
+                          storage_of(grad.scalar_type()),
+                          param_copy ? storage_of(param_copy->scalar_type()) : Storage::kNone,
+                          param.numel(),
+                          block};
+  const int64_t blocks = exp_avg_scale.numel();
+  at::parallel_for(0, blocks, std::max<int64_t>(1, kGrain / block),
+                   [&](int64_t begin, int64_t end) { k.adam8_range(ptr, s, begin, end); });
+}
+
 void nonfinite_check_cpu(const at::Tensor& grad, const at::Tensor& found_inf) {
   check_nonfinite_args(grad, found_inf);
   if (any_nonfinite(kernels_for(selected_isa()), grad, 1.0f)) found_inf.fill_(1.0);
@@ -144,6 +192,7 @@ void nonfinite_check_cpu(const at::Tensor& grad, const at::Tensor& found_inf) {
 
 TORCH_LIBRARY_IMPL(zerofast, CPU, m) {
   m.impl("fused_adam_", &cpu::fused_adam_cpu);
+  m.impl("fused_adam_8bit_", &cpu::fused_adam_8bit_cpu);
   m.impl("nonfinite_check_", &cpu::nonfinite_check_cpu);
 }
 

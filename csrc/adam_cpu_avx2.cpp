@@ -1,5 +1,6 @@
 // The AVX2 + FMA + F16C CPU loop (x86-64 only). Every library header is included before the
 // target pragma, so only this file's own loop is compiled for AVX2: see [Note: one math, many ISAs].
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 
@@ -14,7 +15,7 @@
 
 namespace zerofast {
 namespace cpu {
-IsaKernels avx2_kernels() { return {avx2::adam_range, avx2::nonfinite_range}; }
+IsaKernels avx2_kernels() { return {avx2::adam_range, avx2::nonfinite_range, avx2::adam8_range}; }
 }  // namespace cpu
 }  // namespace zerofast
 #else

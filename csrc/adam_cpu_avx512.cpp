@@ -1,5 +1,6 @@
 // The AVX-512 CPU loop (x86-64 only). Every library header is included before the target pragma,
 // so only this file's own loop is compiled for AVX-512: see [Note: one math, many ISAs].
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 
@@ -14,7 +15,7 @@
 
 namespace zerofast {
 namespace cpu {
-IsaKernels avx512_kernels() { return {avx512::adam_range, avx512::nonfinite_range}; }
+IsaKernels avx512_kernels() { return {avx512::adam_range, avx512::nonfinite_range, avx512::adam8_range}; }
 }  // namespace cpu
 }  // namespace zerofast
 #else

@@ -95,6 +95,81 @@ void adam_range(const AdamPointers& ptr, const AdamScalars& s, int64_t begin, in
   }
 }
 
+// One block of the 8-bit step, in the two passes of [Note: quantized state] (adam_math.h).
+template <typename G, typename C>
+void adam8_block(const Adam8Pointers& ptr, const AdamScalars& s, int64_t lo, int64_t hi, int64_t blk) {
+  float* __restrict param = ptr.param;
+  const G* __restrict grad = static_cast<const G*>(ptr.grad);
+  uint8_t* __restrict q_avg = ptr.exp_avg;
+  uint8_t* __restrict q_avg_sq = ptr.exp_avg_sq;
+  C* __restrict copy = static_cast<C*>(ptr.param_copy);
+  const float* __restrict code_avg = ptr.exp_avg_code;
+  const float* __restrict code_avg_sq = ptr.exp_avg_sq_code;
+  const float* __restrict thr_avg = ptr.exp_avg_thresholds;
+  const float* __restrict thr_avg_sq = ptr.exp_avg_sq_thresholds;
+  const float old_scale_avg = ptr.exp_avg_scale[blk];
+  const float old_scale_avg_sq = ptr.exp_avg_sq_scale[blk];
+  float max_avg = 0.0f;
+  float max_avg_sq = 0.0f;
+#pragma omp simd reduction(max : max_avg, max_avg_sq)
+  for (int64_t i = lo; i < hi; ++i) {
+    const AdamElement e = adam_moments(param[i], to_float(grad[i]), dequantize(q_avg[i], old_scale_avg, code_avg),
+                                       dequantize(q_avg_sq[i], old_scale_avg_sq, code_avg_sq), s);
+    max_avg = std::max(max_avg, scale_magnitude(e.exp_avg));
+    max_avg_sq = std::max(max_avg_sq, scale_magnitude(e.exp_avg_sq));
+  }
+#pragma omp simd
+  for (int64_t i = lo; i < hi; ++i) {
+    const AdamElement e = adam_moments(param[i], to_float(grad[i]), dequantize(q_avg[i], old_scale_avg, code_avg),
+                                       dequantize(q_avg_sq[i], old_scale_avg_sq, code_avg_sq), s);
+    const float p = adam_param(e, s);
+    param[i] = p;
+    q_avg[i] = quantize(e.exp_avg, max_avg, thr_avg);
+    q_avg_sq[i] = quantize(e.exp_avg_sq, max_avg_sq, thr_avg_sq);
+    if constexpr (!std::is_same_v<C, NoCopy>) {
+      store(&copy[i], p);
+    }
+  }
+  ptr.exp_avg_scale[blk] = max_avg;
+  ptr.exp_avg_sq_scale[blk] = max_avg_sq;
+}
+
+template <typename G, typename C>
+void adam8_typed(const Adam8Pointers& ptr, const AdamScalars& scalars, int64_t block_begin, int64_t block_end) {
+  const AdamScalars s = scalars;  // a local copy, as in adam_typed
+  for (int64_t blk = block_begin; blk < block_end; ++blk) {
+    const int64_t lo = blk * ptr.block;
+    adam8_block<G, C>(ptr, s, lo, std::min(lo + ptr.block, ptr.numel), blk);
+  }
+}
+
+template <typename G>
+void adam8_for_grad(const Adam8Pointers& ptr, const AdamScalars& s, int64_t begin, int64_t end) {
+  switch (ptr.copy_type) {
+    case Storage::kNone:
+      return adam8_typed<G, NoCopy>(ptr, s, begin, end);
+    case Storage::kFloat:
+      return adam8_typed<G, float>(ptr, s, begin, end);
+    case Storage::kBFloat16:
+      return adam8_typed<G, Bf16>(ptr, s, begin, end);
+    case Storage::kHalf:
+      return adam8_typed<G, F16>(ptr, s, begin, end);
+  }
+}
+
+void adam8_range(const Adam8Pointers& ptr, const AdamScalars& s, int64_t block_begin, int64_t block_end) {
+  switch (ptr.grad_type) {
+    case Storage::kFloat:
+      return adam8_for_grad<float>(ptr, s, block_begin, block_end);
+    case Storage::kBFloat16:
+      return adam8_for_grad<Bf16>(ptr, s, block_begin, block_end);
+    case Storage::kHalf:
+      return adam8_for_grad<F16>(ptr, s, block_begin, block_end);
+    case Storage::kNone:
+      return;
+  }
+}
+
 template <typename G>
 bool nonfinite_typed(const G* __restrict grad, float grad_scale, int64_t begin, int64_t end) {
   bool found = false;

@@ -1,5 +1,6 @@
 // The portable CPU loop: the build's baseline instruction set (SSE2 on x86-64). It is what a
 // machine gets when it lacks AVX2, and what ZEROFAST_CPU_ISA=portable forces.
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 
@@ -10,6 +11,6 @@
 
 namespace zerofast {
 namespace cpu {
-IsaKernels portable_kernels() { return {portable::adam_range, portable::nonfinite_range}; }
+IsaKernels portable_kernels() { return {portable::adam_range, portable::nonfinite_range, portable::adam8_range}; }
 }  // namespace cpu
 }  // namespace zerofast

@@ -163,6 +163,146 @@ void fused_adam_cuda(const at::Tensor& param, const at::Tensor& grad, const at::
   }
 }
 
+// --- 8-bit state: one warp per quantization block ([Note: quantized state] in zerofast/quant.py) ---
+// Lane l handles elements l, l + 32, ... of its block (each warp access is 32 consecutive elements);
+// the block's new scales are warp-shuffle maxima, exact and order-free as the CPU's reduction.
+constexpr int kWarp = 32;
+
+struct Adam8Args {
+  float* param;
+  uint8_t* exp_avg;
+  uint8_t* exp_avg_sq;
+  float* exp_avg_scale;
+  float* exp_avg_sq_scale;
+  const float* exp_avg_code;
+  const float* exp_avg_sq_code;
+  int64_t numel;
+  int64_t block;
+  int64_t blocks;
+};
+
+C10_DEVICE C10_ALWAYS_INLINE float warp_max(float x) {
+  for (int offset = kWarp / 2; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+
+template <typename G, typename C>
+__global__ void adam8_kernel(Adam8Args a, const G* grad, C* copy, AdamScalars s, const float* grad_scale_tensor,
+                             const float* found_inf) {
+  if (found_inf != nullptr && *found_inf != 0.0f) return;  // all or nothing: see check_kernel
+  if (grad_scale_tensor != nullptr) s.grad_scale *= *grad_scale_tensor;
+  __shared__ float code_avg[kCodeSize], code_avg_sq[kCodeSize];
+  __shared__ float thr_avg[kCodeSize - 1], thr_avg_sq[kCodeSize - 1];
+  for (int k = threadIdx.x; k < kCodeSize; k += blockDim.x) {
+    code_avg[k] = a.exp_avg_code[k];
+    code_avg_sq[k] = a.exp_avg_sq_code[k];
+  }
+  __syncthreads();
+  for (int k = threadIdx.x; k < kCodeSize - 1; k += blockDim.x) {
+    thr_avg[k] = code_midpoint(code_avg, k);
+    thr_avg_sq[k] = code_midpoint(code_avg_sq, k);
+  }
+  __syncthreads();
+  const int lane = threadIdx.x % kWarp;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp);
+  for (int64_t blk = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp; blk < a.blocks;
+       blk += warps) {
+    const int64_t lo = blk * a.block;
+    const int64_t hi = lo + a.block < a.numel ? lo + a.block : a.numel;
+    const float old_avg = a.exp_avg_scale[blk], old_avg_sq = a.exp_avg_sq_scale[blk];
+    float max_avg = 0.0f, max_avg_sq = 0.0f;
+    for (int64_t i = lo + lane; i < hi; i += kWarp) {
+      const AdamElement e = adam_moments(a.param[i], to_float(grad[i]), dequantize(a.exp_avg[i], old_avg, code_avg),
+                                         dequantize(a.exp_avg_sq[i], old_avg_sq, code_avg_sq), s);
+      max_avg = fmaxf(max_avg, scale_magnitude(e.exp_avg));
+      max_avg_sq = fmaxf(max_avg_sq, scale_magnitude(e.exp_avg_sq));
+    }
+    max_avg = warp_max(max_avg);
+    max_avg_sq = warp_max(max_avg_sq);
+    for (int64_t i = lo + lane; i < hi; i += kWarp) {
+      const AdamElement e = adam_moments(a.param[i], to_float(grad[i]), dequantize(a.exp_avg[i], old_avg, code_avg),
+                                         dequantize(a.exp_avg_sq[i], old_avg_sq, code_avg_sq), s);
+      const float p = adam_param(e, s);
+      a.param[i] = p;
+      a.exp_avg[i] = quantize(e.exp_avg, max_avg, thr_avg);
+      a.exp_avg_sq[i] = quantize(e.exp_avg_sq, max_avg_sq, thr_avg_sq);
+      if constexpr (!std::is_same_v<C, NoCopy>) store(&copy[i], p);
+    }
+    if (lane == 0) {
+      a.exp_avg_scale[blk] = max_avg;
+      a.exp_avg_sq_scale[blk] = max_avg_sq;
+    }
+  }
+}
+
+template <typename G, typename C>
+void launch8(const Adam8Args& a, const G* grad, C* copy, const AdamScalars& s, const float* grad_scale_tensor,
+             float* found_inf) {
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (found_inf != nullptr) {
+    check_kernel<G>
+        <<<blocks_for(a.numel), kThreads, 0, stream>>>(grad, a.numel, s.grad_scale, grad_scale_tensor, found_inf);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  adam8_kernel<G, C>
+      <<<blocks_for(a.blocks * kWarp), kThreads, 0, stream>>>(a, grad, copy, s, grad_scale_tensor, found_inf);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename G>
+void launch8_for_grad(const Adam8Args& a, const at::Tensor& grad, const std::optional<at::Tensor>& param_copy,
+                      const AdamScalars& s, const float* grad_scale_tensor, float* found_inf) {
+  const G* g = reinterpret_cast<const G*>(grad.data_ptr());
+  if (!param_copy.has_value()) return launch8<G, NoCopy>(a, g, nullptr, s, grad_scale_tensor, found_inf);
+  void* copy = param_copy->data_ptr();
+  switch (param_copy->scalar_type()) {
+    case at::kFloat:
+      return launch8<G, float>(a, g, static_cast<float*>(copy), s, grad_scale_tensor, found_inf);
+    case at::kBFloat16:
+      return launch8<G, __nv_bfloat16>(a, g, static_cast<__nv_bfloat16*>(copy), s, grad_scale_tensor, found_inf);
+    case at::kHalf:
+      return launch8<G, __half>(a, g, static_cast<__half*>(copy), s, grad_scale_tensor, found_inf);
+    default:
+      TORCH_CHECK(false, "fused_adam_8bit_: unsupported param_copy dtype ", param_copy->scalar_type());
+  }
+}
+
+void fused_adam_8bit_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                          const at::Tensor& exp_avg_sq, const at::Tensor& exp_avg_scale,
+                          const at::Tensor& exp_avg_sq_scale, const at::Tensor& exp_avg_code,
+                          const at::Tensor& exp_avg_sq_code, int64_t block, double lr, double beta1, double beta2,
+                          double eps, double weight_decay, int64_t step, bool adamw, double grad_scale,
+                          const std::optional<at::Tensor>& grad_scale_tensor,
+                          const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& param_copy) {
+  check_fused_adam8_args(param, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, exp_avg_code,
+                         exp_avg_sq_code, block, step, grad_scale_tensor, found_inf, param_copy);
+  if (param.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(param.device());
+  const AdamScalars s = make_adam_scalars(lr, beta1, beta2, eps, weight_decay, step, adamw, grad_scale);
+  const Adam8Args a{param.data_ptr<float>(),
+                    exp_avg.data_ptr<uint8_t>(),
+                    exp_avg_sq.data_ptr<uint8_t>(),
+                    exp_avg_scale.data_ptr<float>(),
+                    exp_avg_sq_scale.data_ptr<float>(),
+                    exp_avg_code.data_ptr<float>(),
+                    exp_avg_sq_code.data_ptr<float>(),
+                    param.numel(),
+                    block,
+                    exp_avg_scale.numel()};
+  const float* scale_ptr = grad_scale_tensor ? grad_scale_tensor->data_ptr<float>() : nullptr;
+  float* found_ptr = found_inf ? found_inf->data_ptr<float>() : nullptr;
+  switch (grad.scalar_type()) {
+    case at::kFloat:
+      return launch8_for_grad<float>(a, grad, param_copy, s, scale_ptr, found_ptr);
+    case at::kBFloat16:
+      return launch8_for_grad<__nv_bfloat16>(a, grad, param_copy, s, scale_ptr, found_ptr);
+    case at::kHalf:
+      return launch8_for_grad<__half>(a, grad, param_copy, s, scale_ptr, found_ptr);
+    default:
+      TORCH_CHECK(false, "fused_adam_8bit_: unsupported grad dtype ", grad.scalar_type());
+  }
+}
+
 template <typename G>
 void launch_check(const at::Tensor& grad, float* found_inf) {
   const int64_t n = grad.numel();
@@ -193,6 +333,7 @@ void nonfinite_check_cuda(const at::Tensor& grad, const at::Tensor& found_inf) {
 
 TORCH_LIBRARY_IMPL(zerofast, CUDA, m) {
   m.impl("fused_adam_", &cuda::fused_adam_cuda);
+  m.impl("fused_adam_8bit_", &cuda::fused_adam_8bit_cuda);
   m.impl("nonfinite_check_", &cuda::nonfinite_check_cuda);
 }
 

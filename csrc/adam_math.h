@@ -81,18 +81,81 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE float lerp(float self, float end, float weight
   return (weight < 0.5f) ? low : high;
 }
 
-// One element of one step. `grad` is the raw stored gradient converted to float; it is scaled here.
+// One element's values within a step: the decayed parameter and the new moments.
+struct AdamElement {
+  float param;       // after AdamW's decay, before the update
+  float exp_avg;     // this step's first moment
+  float exp_avg_sq;  // this step's second moment
+};
+
+// The first half of one element's step: the new moments. `grad` is the raw stored gradient
+// converted to float; it is scaled here.
+C10_HOST_DEVICE C10_ALWAYS_INLINE AdamElement adam_moments(float param, float grad, float exp_avg, float exp_avg_sq,
+                                                           const AdamScalars& s) {
+  float g = grad * s.grad_scale;
+  const float p = param * s.decay_factor;
+  g = fmaf(p, s.l2_weight_decay, g);
+  return {p, lerp(exp_avg, g, s.lerp_weight), fmaf(s.one_minus_beta2 * g, g, exp_avg_sq * s.beta2)};
+}
+
+// The second half: the updated parameter from the new moments.
+C10_HOST_DEVICE C10_ALWAYS_INLINE float adam_param(const AdamElement& e, const AdamScalars& s) {
+  const float denom = std::sqrt(e.exp_avg_sq) / s.bias_correction2_sqrt + s.eps;
+  return e.param + (s.neg_step_size * e.exp_avg) / denom;
+}
+
+// One element of one step on fp32 state.
 C10_HOST_DEVICE C10_ALWAYS_INLINE void adam_update(float& param, float grad, float& exp_avg, float& exp_avg_sq,
                                                    const AdamScalars& s) {
-  float g = grad * s.grad_scale;
-  float p = param * s.decay_factor;
-  g = fmaf(p, s.l2_weight_decay, g);
-  const float m = lerp(exp_avg, g, s.lerp_weight);
-  const float v = fmaf(s.one_minus_beta2 * g, g, exp_avg_sq * s.beta2);
-  const float denom = std::sqrt(v) / s.bias_correction2_sqrt + s.eps;
-  param = p + (s.neg_step_size * m) / denom;
-  exp_avg = m;
-  exp_avg_sq = v;
+  const AdamElement e = adam_moments(param, grad, exp_avg, exp_avg_sq, s);
+  param = adam_param(e, s);
+  exp_avg = e.exp_avg;
+  exp_avg_sq = e.exp_avg_sq;
+}
+
+// --- 8-bit state: [Note: quantized state] in zerofast/quant.py -----------------------------------
+// A block's moments are stored as byte indices into a 256-entry code times the block's scale (its
+// largest |value|). The drivers run each block in two passes over the same elements: the first
+// computes the new moments only for their largest magnitudes (the block's new scales), the second
+// computes them again, updates the parameter and stores the moments quantized with those scales.
+// Recomputing costs a few flops per element and keeps every moment in registers: no fp32
+// temporary of the moments, and any block size.
+
+// The 256 code values and the 255 rounding thresholds between neighbours of one code.
+constexpr int kCodeSize = 256;
+
+C10_HOST_DEVICE C10_ALWAYS_INLINE float code_midpoint(const float* code, int k) {
+  return (code[k] + code[k + 1]) * 0.5f;
+}
+
+C10_HOST_DEVICE C10_ALWAYS_INLINE float dequantize(uint8_t q, float scale, const float* code) {
+  return code[static_cast<int32_t>(q)] * scale;  // a 32-bit index: the loops gather with it
+}
+
+// |x| for the block's scale, NaN counted as 0 (a NaN moment does not poison its block's scale).
+C10_HOST_DEVICE C10_ALWAYS_INLINE float scale_magnitude(float x) {
+  const float a = std::fabs(x);
+  return a == a ? a : 0.0f;
+}
+
+// The index of the code value nearest to x / scale: how many thresholds are below it (a tie goes
+// to the lower value; NaN to index 0). A branch-free binary search over the 255 thresholds.
+C10_HOST_DEVICE C10_ALWAYS_INLINE int32_t search_step(int32_t index, int32_t step, float x, const float* thresholds) {
+  return index + (thresholds[index + step - 1] < x ? step : 0);
+}
+
+C10_HOST_DEVICE C10_ALWAYS_INLINE uint8_t quantize(float x, float scale, const float* thresholds) {
+  const float normalized = scale > 0.0f ? x / scale : 0.0f;
+  // Written out step by step (no inner loop), so that the CPU loops vectorize it with gathers.
+  int32_t index = search_step(0, 128, normalized, thresholds);
+  index = search_step(index, 64, normalized, thresholds);
+  index = search_step(index, 32, normalized, thresholds);
+  index = search_step(index, 16, normalized, thresholds);
+  index = search_step(index, 8, normalized, thresholds);
+  index = search_step(index, 4, normalized, thresholds);
+  index = search_step(index, 2, normalized, thresholds);
+  index = search_step(index, 1, normalized, thresholds);
+  return static_cast<uint8_t>(index);
 }
 
 }  // namespace

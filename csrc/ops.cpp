@@ -22,6 +22,15 @@ TORCH_LIBRARY(zerofast, m) {
       "fused_adam_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, *, "
       "float lr, float beta1, float beta2, float eps, float weight_decay, int step, bool adamw, "
       "float grad_scale, Tensor? grad_scale_tensor, Tensor(d!)? found_inf, Tensor(e!)? param_copy) -> ()");
+  // fused_adam_'s step with 8-bit moments ([Note: quantized state] in zerofast/quant.py): exp_avg and
+  // exp_avg_sq are uint8 code indices, exp_avg_scale and exp_avg_sq_scale one float32 per `block`
+  // elements, exp_avg_code and exp_avg_sq_code the 256 values of each code. Mutates param, the
+  // moments, their scales, and found_inf / param_copy when given; returns nothing.
+  m.def(
+      "fused_adam_8bit_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
+      "Tensor(d!) exp_avg_scale, Tensor(e!) exp_avg_sq_scale, Tensor exp_avg_code, Tensor exp_avg_sq_code, *, "
+      "int block, float lr, float beta1, float beta2, float eps, float weight_decay, int step, bool adamw, "
+      "float grad_scale, Tensor? grad_scale_tensor, Tensor(f!)? found_inf, Tensor(g!)? param_copy) -> ()");
   // Sets found_inf (a 1-element float32 tensor) to 1 when any value of grad is inf or nan, with the
   // same check fused_adam_ runs before its update; leaves it alone otherwise. ZeroAdam runs it on
   // each rank's gradient shard so the ranks can agree on skipping a step before any rank updates.
@@ -38,6 +47,15 @@ void fused_adam_cuda_missing(const at::Tensor&, const at::Tensor&, const at::Ten
               "fused_adam_: got CUDA tensors, but zerofast was built without its CUDA kernels "
               "(zerofast.has_cuda_kernels() is False); rebuild with ZEROFAST_CUDA=1");
 }
+void fused_adam_8bit_cuda_missing(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                  double, double, double, double, double, int64_t, bool, double,
+                                  const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                  const std::optional<at::Tensor>&) {
+  TORCH_CHECK(false,
+              "fused_adam_8bit_: got CUDA tensors, but zerofast was built without its CUDA kernels "
+              "(zerofast.has_cuda_kernels() is False); rebuild with ZEROFAST_CUDA=1");
+}
 void nonfinite_check_cuda_missing(const at::Tensor&, const at::Tensor&) {
   TORCH_CHECK(false,
               "nonfinite_check_: got CUDA tensors, but zerofast was built without its CUDA kernels "
@@ -46,6 +64,7 @@ void nonfinite_check_cuda_missing(const at::Tensor&, const at::Tensor&) {
 }  // namespace
 TORCH_LIBRARY_IMPL(zerofast, CUDA, m) {
   m.impl("fused_adam_", &fused_adam_cuda_missing);
+  m.impl("fused_adam_8bit_", &fused_adam_8bit_cuda_missing);
   m.impl("nonfinite_check_", &nonfinite_check_cuda_missing);
 }
 #endif

@@ -4,7 +4,8 @@ Public names: ZeroAdam (the sharded optimizer), ZeroMuon (Muon + AdamW on whole-
 LossScalePolicy, CommPolicy, UnitPolicy: zerofast/config.py), the errors it raises
 (CollectiveError, OutOfStepError, StepNotAppliedError,
 GradientError), estimate_memory (the paper's memory table), estimate_traffic (comm_stats() without a run),
-fused_adam_ (the compiled fused Adam/AdamW step), nonfinite_check_ (its overflow check alone),
+fused_adam_ (the compiled fused Adam/AdamW step), fused_adam_8bit_ (the same with 8-bit moments),
+nonfinite_check_ (its overflow check alone),
 has_cuda_kernels, cpu_isa; the reference stages in zerofast.reference (the correctness oracle);
 sharded checkpoints in zerofast.checkpoint.
 
@@ -27,6 +28,7 @@ _LAZY = {
     "GradientError": "zerofast.comm",
     "StepNotAppliedError": "zerofast.optim.grads",
     "fused_adam_": "zerofast._ops",
+    "fused_adam_8bit_": "zerofast._ops",
     "nonfinite_check_": "zerofast._ops",
     "has_cuda_kernels": "zerofast._ops",
     "cpu_isa": "zerofast._ops",
@@ -46,6 +48,7 @@ __all__ = [
     "estimate_memory",
     "estimate_traffic",
     "fused_adam_",
+    "fused_adam_8bit_",
     "nonfinite_check_",
     "has_cuda_kernels",
     "cpu_isa",

@@ -9,7 +9,7 @@ import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.zerofast.*)
 
-__all__ = ["fused_adam_", "nonfinite_check_", "has_cuda_kernels", "cpu_isa"]
+__all__ = ["fused_adam_", "fused_adam_8bit_", "nonfinite_check_", "has_cuda_kernels", "cpu_isa"]
 
 
 def has_cuda_kernels() -> bool:
@@ -87,6 +87,75 @@ def fused_adam_(
     )
 
 
+def fused_adam_8bit_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    exp_avg_scale: torch.Tensor,
+    exp_avg_sq_scale: torch.Tensor,
+    exp_avg_code: torch.Tensor,
+    exp_avg_sq_code: torch.Tensor,
+    *,
+    block: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    adamw: bool = True,
+    grad_scale: float | torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    param_copy: torch.Tensor | None = None,
+) -> None:
+    """fused_adam_'s step with 8-bit moments, in one pass ([Note: quantized state] in zerofast/quant.py).
+
+    exp_avg, exp_avg_sq: flat uint8 tensors of param's numel (indices into the codes), updated in
+      place. exp_avg_scale, exp_avg_sq_scale: float32, one per `block` elements (the last block may
+      be shorter), updated in place. exp_avg_code, exp_avg_sq_code: the 256 float32 values of each
+      code, increasing (zerofast.quant.dynamic_code). Everything else as fused_adam_.
+    """
+    scale_value, scale_tensor = _split_grad_scale(grad_scale)
+    named = {
+        "grad": grad,
+        "exp_avg": exp_avg,
+        "exp_avg_sq": exp_avg_sq,
+        "exp_avg_scale": exp_avg_scale,
+        "exp_avg_sq_scale": exp_avg_sq_scale,
+        "exp_avg_code": exp_avg_code,
+        "exp_avg_sq_code": exp_avg_sq_code,
+        "grad_scale": scale_tensor,
+        "found_inf": found_inf,
+        "param_copy": param_copy,
+    }
+    for name, t in named.items():  # before dispatch: see fused_adam_
+        if isinstance(t, torch.Tensor) and t.device != param.device:
+            raise RuntimeError(f"fused_adam_8bit_: {name} is on {t.device} but param is on {param.device}")
+    torch.ops.zerofast.fused_adam_8bit_(
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        exp_avg_scale,
+        exp_avg_sq_scale,
+        exp_avg_code,
+        exp_avg_sq_code,
+        block=int(block),
+        lr=float(lr),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(eps),
+        weight_decay=float(weight_decay),
+        step=_as_step(step),
+        adamw=bool(adamw),
+        grad_scale=scale_value,
+        grad_scale_tensor=scale_tensor,
+        found_inf=found_inf,
+        param_copy=param_copy,
+    )
+
+
 def nonfinite_check_(grad: torch.Tensor, found_inf: torch.Tensor) -> None:
     """Set found_inf (1-element float32) to 1 when any value of the flat tensor grad (float32,
     bfloat16 or float16) is inf or nan; otherwise leave it as it is. The check fused_adam_'s
@@ -122,6 +191,34 @@ def _fused_adam_fake(
     exp_avg,
     exp_avg_sq,
     *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+    adamw,
+    grad_scale,
+    grad_scale_tensor,
+    found_inf,
+    param_copy,
+):
+    # Mutates its arguments in place and returns nothing: no output to describe.
+    return None
+
+
+@torch.library.register_fake("zerofast::fused_adam_8bit_")
+def _fused_adam_8bit_fake(
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    exp_avg_scale,
+    exp_avg_sq_scale,
+    exp_avg_code,
+    exp_avg_sq_code,
+    *,
+    block,
     lr,
     beta1,
     beta2,

@@ -142,7 +142,7 @@ class BucketComm:
             group,
             group if gather_group is None else gather_group,
             [b.numel for b in layout.buckets],
-            [layout.used_numel(b.index) for b in layout.buckets],
+            [layout.padding_start(b.index) for b in layout.buckets],  # zeroed from there: [Note: padding]
             [list(b.bounds) for b in layout.buckets],
             self.flat,
             grad_shard,

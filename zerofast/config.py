@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .partition import PARTITIONS
+from .quant import DEFAULT_STATE_BLOCK, MIN_STATE_BLOCK, STATE_BITS
 
 STAGES = (1, 2, 3)
 
@@ -98,14 +99,20 @@ class MixedPrecisionPolicy:
     reduce_dtype: the dtype gradients are reduced in (and, in stages 2 and 3, kept sharded in);
       None: param_dtype. torch.float16 needs param_dtype float16 (whose loss scaling catches overflow).
     loss_scale: fp16's dynamic loss scaling (None: LossScalePolicy()'s defaults); float16 only.
+    state_bits: Adam's exp_avg and exp_avg_sq in 32 bits (fp32) or 8 (one byte per element and one
+      fp32 scale per block, [Note: quantized state] in zerofast/quant.py); the fp32 master is kept.
+    state_block: elements per scale of 8-bit state, a power of two >= 32 (default 256).
     `mixed_precision="bf16"` is MixedPrecisionPolicy(torch.bfloat16), "fp16" MixedPrecisionPolicy(torch.float16).
     """
 
     param_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype | None = None
     loss_scale: LossScalePolicy | None = None
+    state_bits: int = 32
+    state_block: int = DEFAULT_STATE_BLOCK
 
     def __post_init__(self):
+        self._check_state_format()
         if self.param_dtype not in _PARAM_DTYPES:
             raise ValueError(
                 f"MixedPrecisionPolicy: param_dtype must be torch.float32, torch.bfloat16 or "
@@ -137,6 +144,20 @@ class MixedPrecisionPolicy:
                     f"MixedPrecisionPolicy: loss_scale applies to float16 parameters only; got "
                     f"param_dtype={self.param_dtype} (bf16 and fp32 need no loss scaling)"
                 )
+
+    def _check_state_format(self) -> None:
+        bits, block = self.state_bits, self.state_block
+        if isinstance(bits, bool) or bits not in STATE_BITS:
+            raise ValueError(f"MixedPrecisionPolicy: state_bits must be 32 or 8; got {bits!r}")
+        if not (
+            isinstance(block, int)
+            and not isinstance(block, bool)
+            and block >= MIN_STATE_BLOCK
+            and block & (block - 1) == 0
+        ):
+            raise ValueError(
+                f"MixedPrecisionPolicy: state_block must be a power of two >= {MIN_STATE_BLOCK}; got {block!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -246,6 +267,19 @@ class Plan:
     # the next forward does)
     accumulates_locally: bool  # under no_sync(), .grad accumulates and one reduce follows
     separate_master: bool  # low-precision parameters: an fp32 master shard of its own
+    state_bits: int = 32  # Adam's moments: fp32, or 8-bit codes with per-block scales
+    state_block: int = DEFAULT_STATE_BLOCK  # 8-bit state: elements per scale
+
+    @property
+    def quantized_state(self) -> bool:
+        """8-bit moments ([Note: quantized state] in zerofast/quant.py)."""
+        return self.state_bits == 8
+
+    @property
+    def layout_block(self) -> int:
+        """Every parameter slot, rank slice and owner segment starts at a multiple of this (1: no
+        constraint beyond [Note: padding]); 8-bit state's block, so blocks never straddle them."""
+        return self.state_block if self.quantized_state else 1
 
     @property
     def mixed_precision(self) -> str | None:
@@ -360,6 +394,8 @@ def resolve_plan(
         gather_after_step=stage < 3,
         accumulates_locally=stage == 1 or comm_p.accumulate_locally,
         separate_master=param_dtype != torch.float32,
+        state_bits=precision.state_bits,
+        state_block=precision.state_block,
     )
 
 

@@ -13,6 +13,11 @@ long (reduce_scatter and all_gather need that) and starts 16 bytes aligned (ALIG
 which the CUDA kernel's vector loads need. Padding is zero in gradients and never updated.
 Owner partitions ("round_robin", "greedy") need no padding: a bucket's parameters are grouped by
 owner, so each owner's part is one contiguous segment, reduced to and broadcast from that owner.
+With 8-bit Adam state (`block` > 1) every parameter's slot also starts at a multiple of the block,
+and "flat" pads each bucket to a multiple of world * block, so every rank's slice and every owner's
+segment starts at one: a rank owns whole blocks of whole parameters ([Note: quantized state] in
+zerofast/quant.py). The gaps between slots are padding like the rest: a fresh gradient buffer is
+zeroed from the first gap on (Layout.padding_start), since no gradient ever writes there.
 """
 
 from __future__ import annotations
@@ -62,6 +67,17 @@ class Layout:
     def used_numel(self, bucket: int) -> int:
         """Elements of bucket `bucket` that hold parameters (the rest is padding)."""
         return sum(self.slots[i].numel for i in self.buckets[bucket].params)
+
+    def padding_start(self, bucket: int) -> int:
+        """The first element of bucket `bucket` that no slot holds: a fresh gradient buffer is zeroed
+        from there on (the engine's `used_numels`), which covers the gaps block alignment leaves
+        between slots as well as the tail ([Note: padding]); without gaps, used_numel."""
+        end = 0
+        for s in sorted((self.slots[i] for i in self.buckets[bucket].params), key=lambda s: s.offset):
+            if s.offset != end:
+                return end
+            end += s.numel
+        return end
 
     def owned_range(self, bucket: int, rank: int) -> tuple[int, int]:
         b = self.buckets[bucket]
@@ -125,6 +141,7 @@ def build_layout(
     bucket_numel: int,
     owners: list[int] | None = None,
     first_bucket_numel: int | None = None,
+    block: int = 1,
 ) -> Layout:
     """Lay parameters (given by numel, in `order`) out in buckets of at most `bucket_numel` elements
     (the first at most `first_bucket_numel`, when given: a small first bucket starts communication
@@ -132,21 +149,25 @@ def build_layout(
 
     owners None: "flat", each bucket cut into world equal padded slices. Otherwise owners[i] is
     parameter i's rank and each bucket is grouped into one contiguous segment per owner.
+    block: slots, slices and segments start at multiples of it ([Note: padding]).
     """
     if sorted(order) != list(range(len(numels))):
         raise ValueError("order must be a permutation of the parameter indices")
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel must be positive; got {bucket_numel}")
     first = min(bucket_numel, first_bucket_numel or bucket_numel)
-    return layout_from_groups(numels, _group_into_buckets(order, numels, bucket_numel, first), world, owners)
+    return layout_from_groups(numels, _group_into_buckets(order, numels, bucket_numel, first), world, owners, block)
 
 
 def layout_from_groups(
-    numels: list[int], groups: list[list[int]], world: int, owners: list[int] | None = None
+    numels: list[int], groups: list[list[int]], world: int, owners: list[int] | None = None, block: int = 1
 ) -> Layout:
-    """One bucket per group of parameter indices, in the given order (stage 3: one per unit)."""
+    """One bucket per group of parameter indices, in the given order (stage 3: one per unit);
+    `block` as build_layout takes it."""
     if sorted(i for g in groups for i in g) != list(range(len(numels))):
         raise ValueError("groups must hold every parameter index exactly once")
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block must be a power of two; got {block}")
     slots: dict[int, Slot] = {}
     buckets = []
     for index, members in enumerate(groups):
@@ -154,18 +175,20 @@ def layout_from_groups(
             members = sorted(members, key=lambda i: owners[i])  # stable: keeps order within an owner
         offset = 0
         for i in members:
+            offset = _round_up(offset, block)
             slots[i] = Slot(i, index, offset, numels[i])
             offset += numels[i]
         if owners is None:
-            total = _round_up(max(offset, 1), world * ALIGN)
+            total = _round_up(max(offset, 1), world * max(ALIGN, block))
             shard = total // world
             bounds = tuple(r * shard for r in range(world + 1))
         else:
-            total = offset
             bounds = [0] * (world + 1)
             for r in range(world):
-                bounds[r + 1] = bounds[r] + sum(numels[i] for i in members if owners[i] == r)
+                ends = [slots[i].offset + numels[i] for i in members if owners[i] == r]
+                bounds[r + 1] = _round_up(max(ends, default=bounds[r]), block)
             bounds = tuple(bounds)
+            total = bounds[world]
         buckets.append(Bucket(index, tuple(members), total, bounds))
     return Layout(world, owners is None, tuple(buckets), tuple(slots[i] for i in range(len(numels))))
 

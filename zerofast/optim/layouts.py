@@ -44,7 +44,13 @@ def plan_layouts(model: nn.Module, plan: Plan, world: int, costs: list[int] | No
         order = list(reversed(range(len(numels))))  # backward order: see [Note: bucket order]
         first_bucket_numel = min(bucket_numel, plan.first_bucket_bytes // reduce_size)
         layout = build_layout(
-            numels, order, world, bucket_numel, owners_for(plan.partition, numels, world, costs), first_bucket_numel
+            numels,
+            order,
+            world,
+            bucket_numel,
+            owners_for(plan.partition, numels, world, costs),
+            first_bucket_numel,
+            plan.layout_block,
         )
         return Layouts(names, params, layout, None, [], None, [], None, None)
     # Stage 3 shards the frozen parameters too: [Note: frozen parameters in stage 3] (those in the
@@ -68,7 +74,7 @@ def plan_layouts(model: nn.Module, plan: Plan, world: int, costs: list[int] | No
     trainable_index = {id(p): i for i, p in enumerate(params)}
     parts, _ = split_units(unit_plan.groups, [id(p) in trainable_index for p in unit_params])
     parts = [[trainable_index[id(unit_params[i])] for i in part] for part in parts]
-    layout, unit_buckets = unit_layout(parts, numels, world, plan.partition, costs)
+    layout, unit_buckets = unit_layout(parts, numels, world, plan.partition, costs, plan.layout_block)
     frozen_layout = frozen_bucket_of = None
     if frozen_named:
         frozen_index = {id(p): j for j, (_, p) in enumerate(frozen_named)}

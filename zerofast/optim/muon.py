@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from ..config import CommPolicy, _is_number, check_hyper, comm_policy
+from ..config import CommPolicy, _is_number, check_hyper, comm_policy, precision_policy
 from ..layout import Piece
 from ..partition import newton_schulz_flops
 from .state import ShardState
@@ -305,6 +305,11 @@ class ZeroMuon(ZeroAdam):
                 "ZeroMuon: comm=CommPolicy(partition='flat') cuts matrices across ranks, and Muon's "
                 "Newton-Schulz needs each matrix whole; use partition='greedy' (the default) or "
                 "'round_robin', which give each matrix one owner"
+            )
+        if precision_policy(mixed_precision).state_bits == 8:
+            raise ValueError(
+                "ZeroMuon: MixedPrecisionPolicy(state_bits=8) is not supported yet (Muon's momentum "
+                "buffers have no 8-bit form); use state_bits=32 with ZeroMuon"
             )
         if balance not in BALANCES:
             raise ValueError(f"ZeroMuon: balance must be one of {', '.join(map(repr, BALANCES))}; got {balance!r}")

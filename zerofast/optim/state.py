@@ -3,7 +3,8 @@
 It owns the flat parameter buffers (one per bucket; the model's parameters are views of them), the
 reduced gradient shard, the fp32 master (in mixed precision a shard of its own; in fp32 the owned
 ranges of the parameter buffers, or stage 3's parameter shard, are the master), exp_avg,
-exp_avg_sq and the per-parameter step counts, and the layout's pieces that address them: piece k
+exp_avg_sq (fp32, or 8-bit codes with per-block scales: [Note: quantized state] in zerofast/quant.py)
+and the per-parameter step counts, and the layout's pieces that address them: piece k
 is (parameter, offset into the flattened parameter, numel) at `state_offset` in the shard buffers
 and `bucket_offset` in its bucket. Phase 3 of a step (the fused Adam update) runs here, over it.
 Checkpoints and reports read it through the accessors below, never through its tensors' names.
@@ -19,6 +20,7 @@ import torch
 from .. import _ops
 from ..config import Plan
 from ..layout import Layout, Piece, bind_views
+from ..quant import dequantize, dynamic_code, num_blocks
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,15 @@ class ShardState:
         # Stage 3's parameter shard, in the parameters' dtype, which the next forward gathers
         # (stages 1 and 2 update the owned range of the parameter buffers in place instead).
         self.param_shard = torch.zeros(shard if plan.params_sharded else 0, dtype=dtype, device=device)
-        self.exp_avg = torch.zeros(shard, dtype=torch.float32, device=device)
-        self.exp_avg_sq = torch.zeros(shard, dtype=torch.float32, device=device)
+        # The moments: fp32, or with 8-bit state one code index per element and one fp32 scale per
+        # block, block k at state offsets [k * block, (k + 1) * block) ([Note: quantized state]).
+        state_dtype = torch.uint8 if plan.quantized_state else torch.float32
+        self.exp_avg = torch.zeros(shard, dtype=state_dtype, device=device)
+        self.exp_avg_sq = torch.zeros(shard, dtype=state_dtype, device=device)
+        blocks = num_blocks(shard, plan.state_block) if plan.quantized_state else 0
+        self.exp_avg_scale = torch.zeros(blocks, dtype=torch.float32, device=device)  # 1D, one per block
+        self.exp_avg_sq_scale = torch.zeros(blocks, dtype=torch.float32, device=device)
+        self.codes = (dynamic_code(True).to(device), dynamic_code(False).to(device)) if plan.quantized_state else None
         self.master = torch.zeros(shard if mixed else 0, dtype=torch.float32, device=device)  # mixed only
         self.pieces: list[Piece] = layout.pieces(rank)
         self.steps = [0] * len(params)  # per parameter, as torch.optim keeps it
@@ -87,11 +96,7 @@ class ShardState:
             beta1, beta2 = group["betas"]
             state = slice(run.state_lo, run.state_lo + run.numel)
             master, copy = self.master_and_copy(run.bucket, run.bucket_lo, state)
-            _ops.fused_adam_(
-                master,
-                self.grad_range(run.bucket, run.bucket_lo, state),
-                self.exp_avg[state],
-                self.exp_avg_sq[state],
+            hyper = dict(
                 lr=group["lr"],
                 beta1=beta1,
                 beta2=beta2,
@@ -102,7 +107,21 @@ class ShardState:
                 grad_scale=grad_scale,
                 param_copy=copy,
             )
+            grad = self.grad_range(run.bucket, run.bucket_lo, state)
+            if self.plan.quantized_state:
+                _ops.fused_adam_8bit_(
+                    master, grad, *self.quantized_range(state), *self.codes, block=self.plan.state_block, **hyper
+                )
+            else:
+                _ops.fused_adam_(master, grad, self.exp_avg[state], self.exp_avg_sq[state], **hyper)
         self.count_steps(used)
+
+    def quantized_range(self, state: slice) -> tuple[torch.Tensor, ...]:
+        """8-bit state of the shard range `state` (which starts at a block boundary: [Note:
+        quantized state]): exp_avg, exp_avg_sq (uint8) and their scales, views."""
+        block = self.plan.state_block
+        blocks = slice(state.start // block, num_blocks(state.stop, block))
+        return self.exp_avg[state], self.exp_avg_sq[state], self.exp_avg_scale[blocks], self.exp_avg_sq_scale[blocks]
 
     def count_steps(self, used: list[bool]) -> None:
         """One more step for every used parameter (the update that counted it has run)."""
@@ -205,10 +224,38 @@ class ShardState:
         """This rank's part of "master", "exp_avg" or "exp_avg_sq", as (parameter name, offset into
         the flattened parameter, fp32 values) pieces, copied."""
         _check_kind("state_pieces", kind)
+        if self.plan.quantized_state and kind != "master":
+            return self._dequantized_pieces(kind)
         return [
             (self.names[pc.param], pc.param_offset, self.piece_view(pc, kind).detach().float().clone())
             for pc in self.pieces
         ]
+
+    def quantized_pieces(self) -> list[tuple[str, int, dict[str, torch.Tensor]]]:
+        """8-bit state only: this rank's pieces of exp_avg and exp_avg_sq as stored, as (parameter
+        name, offset into the flattened parameter, {"exp_avg", "exp_avg_sq": uint8 indices;
+        "exp_avg_scale", "exp_avg_sq_scale": their blocks' fp32 scales}), copied. A piece starts at
+        a block boundary of its parameter ([Note: quantized state])."""
+        self._require_quantized("quantized_pieces")
+        out = []
+        for pc in self.pieces:
+            state = slice(pc.state_offset, pc.state_offset + pc.numel)
+            names = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
+            values = {k: t.detach().clone() for k, t in zip(names, self.quantized_range(state))}
+            out.append((self.names[pc.param], pc.param_offset, values))
+        return out
+
+    def _require_quantized(self, where: str) -> None:
+        if not self.plan.quantized_state:
+            raise ValueError(f"ShardState.{where}: the state is fp32 (MixedPrecisionPolicy(state_bits=32))")
+
+    def _refuse_quantized(self, where: str, kind: str) -> None:
+        if self.plan.quantized_state and kind != "master":
+            raise NotImplementedError(
+                f"ShardState.{where}({kind!r}): 8-bit Adam state (MixedPrecisionPolicy(state_bits=8)) has no "
+                f"fp32 view to read or write in place; checkpoints of 8-bit state are not supported yet "
+                f"(state_pieces gives the dequantized values, quantized_pieces the stored ones)"
+            )
 
     def piece_view(self, pc: Piece, kind: str) -> torch.Tensor:
         """The live 1-D values of "master", "exp_avg" or "exp_avg_sq" for one of this rank's
@@ -216,6 +263,7 @@ class ShardState:
         the state (a checkpoint's save reads these views, its load writes them; after writing the
         master, sync_params_from_master())."""
         _check_kind("piece_view", kind)
+        self._refuse_quantized("piece_view", kind)
         state = slice(pc.state_offset, pc.state_offset + pc.numel)
         if kind == "master":
             return self.master_and_copy(pc.bucket, pc.bucket_offset, state)[0]
@@ -225,11 +273,23 @@ class ShardState:
         """Write this rank's pieces of `kind` from whole tensors, by parameter index (each of its
         parameter's numel, any shape); parameters not in `full` keep their values."""
         _check_kind("load_pieces", kind)
+        self._refuse_quantized("load_pieces", kind)
         with torch.no_grad():
             for pc in self.pieces:
                 if pc.param in full:
                     src = full[pc.param].reshape(-1)[pc.param_offset : pc.param_offset + pc.numel]
                     self.piece_view(pc, kind).copy_(src)
+
+    def _dequantized_pieces(self, kind: str) -> list[tuple[str, int, torch.Tensor]]:
+        """state_pieces of 8-bit exp_avg or exp_avg_sq: the fp32 values they stand for."""
+        if kind not in ("exp_avg", "exp_avg_sq"):
+            raise NotImplementedError(f"ShardState.state_pieces({kind!r}): no such 8-bit state")
+        index = 0 if kind == "exp_avg" else 1
+        out = []
+        for name, offset, q in self.quantized_pieces():
+            values = dequantize(q[kind], q[kind + "_scale"], self.codes[index], self.plan.state_block)
+            out.append((name, offset, values))
+        return out
 
     def sync_params_from_master(self) -> None:
         """After the fp32 master was written outside a step (a load): this rank's owned
@@ -280,7 +340,10 @@ class ShardState:
             "param_padding": sum(b.numel - self.layout.used_numel(b.index) for b in self.layout.buckets)
             * self.param_buffers[0].element_size(),
             "grad_shard": size(self.grad_shard),
-            "optimizer": size(self.exp_avg) + size(self.exp_avg_sq),
+            "optimizer": size(self.exp_avg)
+            + size(self.exp_avg_sq)
+            + size(self.exp_avg_scale)
+            + size(self.exp_avg_sq_scale),
             "master_copy": size(self.master),
             "grad_buckets": sum(size(g) for g in self.grad_buckets),
         }

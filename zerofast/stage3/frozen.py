@@ -45,16 +45,22 @@ def split_units(groups: list[list[int]], trainable: list[bool]) -> tuple[list[li
 
 
 def unit_layout(
-    parts: list[list[int]], numels: list[int], world: int, partition: str, costs: list[int] | None = None
+    parts: list[list[int]],
+    numels: list[int],
+    world: int,
+    partition: str,
+    costs: list[int] | None = None,
+    block: int = 1,
 ) -> tuple[Layout, list[int | None]]:
     """A Layout with one bucket per non-empty part, in backward order (the last unit first: [Note:
     bucket order]); parts[u] indexes into `numels` (and `costs`, greedy's step costs, when given).
-    Returns it and each unit's bucket (None: empty)."""
+    block: as build_layout takes it. Returns it and each unit's bucket (None: empty)."""
     order = [u for u in reversed(range(len(parts))) if parts[u]]
     bucket_of: list[int | None] = [None] * len(parts)
     for b, u in enumerate(order):
         bucket_of[u] = b
-    layout = layout_from_groups(numels, [parts[u] for u in order], world, owners_for(partition, numels, world, costs))
+    owners = owners_for(partition, numels, world, costs)
+    layout = layout_from_groups(numels, [parts[u] for u in order], world, owners, block)
     return layout, bucket_of
 
 
