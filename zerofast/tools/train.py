@@ -29,12 +29,13 @@ import torch.distributed as dist
 from ..checkpoint import latest, load, save
 from ..comm import CollectiveError, OutOfStepError
 from ..config import CommPolicy
+from ..estimate import estimate_memory
 from ..optim.grads import StepNotAppliedError
 from ..optim.zero_adam import ZeroAdam
 from ..partition import PARTITIONS
 from .data import corpus_tokens, text_batch
-from .estimate import estimate_memory, format_bytes
 from .models import CONFIGS, make_gpt
+from .quantities import format_bytes
 
 log = logging.getLogger("zerofast.train")
 
