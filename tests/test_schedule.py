@@ -6,6 +6,8 @@ while it runs. Runs in well under a second."""
 
 import random
 
+import pytest
+
 from zerofast.stage3.schedule import Call, CallList, Schedule, UnitOp
 
 
@@ -205,3 +207,28 @@ def test_prefetch_targets_match_the_plain_definition():
             if n:  # appending invalidates the tables
                 calls.append(Call(None, (7,)))
                 assert calls.next_other(n - 1, 1) == ((7,) if calls[n - 1].units != (7,) else ())
+
+
+def test_pinned_units_stay_gathered_through_any_forwards_and_are_released_on_unpin():
+    """[Note: generation on stage 3]: pin() gathers every unit once; forwards (with or without
+    gradients, any number) then issue no action at all; nested pins hold until the outer unpin(),
+    which releases every unit; the next step runs as usual."""
+    schedule, buffers = schedule_for(NESTED)
+    run_step(schedule, NESTED_TREE, buffers)  # a training step first: an order to prefetch in
+    assert buffers.apply(schedule.pin()) == ["G0", "W0", "G1", "W1", "G2", "W2"]
+    for grad in (False, False, True, False):
+        fwd, _, callers = run_step(schedule, NESTED_TREE, buffers, backward=False, grad=grad)
+        assert fwd == [] and callers == ["model", "b0", "b1"]
+    assert buffers.apply(schedule.pin()) == []  # nested
+    assert buffers.apply(schedule.unpin()) == []
+    assert schedule.pinned
+    assert sorted(buffers.apply(schedule.unpin())) == ["R0", "R1", "R2"]
+    assert not schedule.pinned and buffers.state == ["released"] * 3
+    fwd, bwd, _ = run_step(schedule, NESTED_TREE, buffers)
+    assert fwd == ["G0", "G1", "W0", "G2", "W1", "R1", "W2"]
+
+
+def test_unpin_without_pin_is_an_error():
+    schedule, _ = schedule_for(NESTED)
+    with pytest.raises(RuntimeError, match="unpin"):
+        schedule.unpin()

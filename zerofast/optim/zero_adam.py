@@ -440,16 +440,19 @@ class ZeroAdam(torch.optim.Optimizer):
     def gathered_params(self):
         """Full, current parameters on every rank inside the block. Stages 1 and 2 always hold
         them, so this costs nothing there (beyond finishing gathers still in flight); stage 3
-        gathers every unit and re-shards on exit (changes made inside the block are not kept)."""
+        gathers every unit on entry (every rank), keeps them gathered through any number of
+        forwards inside (generation: no collective per token, so ranks may run different numbers
+        of forwards) and re-shards on exit (changes made inside the block are not kept). See
+        [Note: generation on stage 3] in zerofast/stage3/schedule.py."""
         self._gather.wait()
         if not self.plan.params_sharded:
             yield self.model
             return
-        self.units.gather_all()
+        self.units.pin()
         try:
             yield self.model
         finally:
-            self.units.release_all()
+            self.units.unpin()
 
     def full_state_dict(self, keep: bool = True, device="cpu") -> dict[str, torch.Tensor] | None:
         """model.state_dict() with every tensor whole, copied to `device` (default the CPU): what a

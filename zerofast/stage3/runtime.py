@@ -62,10 +62,12 @@ subclass; remove() puts the original classes back. Tested by tests/test_compile.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .._hook_classes import own_classes, restore_classes
@@ -187,11 +189,13 @@ class UnitTracker:
         self.buffers = buffers
         self.schedule = Schedule(model, needs, buffers.num_units)
         self._callback_queued = False
+        self.gathers = 0  # unit gathers started since built (a unit with frozen parameters too: one)
         self.handles = []
         for module in needs:
             self.handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post_forward, always_call=True))
         self._original_classes = own_classes(needs)  # [Note: code compiled before stage 3]
+        self._generation_hosts = _hook_generation(model, self)  # [Note: generation on stage 3]
 
     @property
     def state(self) -> list[UnitState]:
@@ -211,6 +215,23 @@ class UnitTracker:
     def gather_all(self) -> None:
         self._carry_out(self.schedule.gather_all())
 
+    def pin(self) -> None:
+        """Gather every unit and keep it gathered through any forwards until unpin(): [Note:
+        generation on stage 3] in schedule.py."""
+        self._carry_out(self.schedule.pin())
+
+    def unpin(self) -> None:
+        self._carry_out(self.schedule.unpin())
+
+    @property
+    def pinned(self) -> bool:
+        return self.schedule.pinned
+
+    @property
+    def gather_world(self) -> int:
+        """The ranks each unit gather runs across."""
+        return dist.get_world_size(self.buffers.comm.gather_group)
+
     def _carry_out(self, actions: list[Action]) -> None:
         for op, unit in actions:
             if op is UnitOp.RELEASE:
@@ -218,6 +239,7 @@ class UnitTracker:
                 continue
             with torch.profiler.record_function("zerofast::unit_gather"):
                 if op is UnitOp.GATHER:
+                    self.gathers += 1
                     self.buffers.gather_start(unit)
                 else:
                     self.buffers.gather_wait(unit)
@@ -227,7 +249,7 @@ class UnitTracker:
 
     @torch.compiler.disable
     def _pre_forward(self, module, args, kwargs):
-        if module is self.model:
+        if module is self.model and not self.schedule.pinned:  # pinned: no collective ([Note: generation on stage 3])
             self.buffers.comm.where.phase = "forward"
             self.buffers.comm.check_forward()
         call = self.schedule.enter(module)
@@ -291,6 +313,9 @@ class UnitTracker:
         self.handles = []
         restore_classes(self._original_classes)
         self._original_classes = {}
+        for host in self._generation_hosts:
+            host.detach()
+        self._generation_hosts = []
 
 
 class _BeforeBackward:
@@ -301,6 +326,17 @@ class _BeforeBackward:
 
     def __call__(self, grad: torch.Tensor) -> None:
         self.tracker._pre_backward(self.call)
+
+
+def _hook_generation(model: nn.Module, tracker: UnitTracker) -> list:
+    """Make Hugging Face's generate() on this model sync the ranks ([Note: generation on stage 3]).
+    transformers is imported only by models that are its own, so a model of another library never
+    imports it."""
+    if "transformers" not in sys.modules:
+        return []
+    from ..integrations import hf_generation
+
+    return hf_generation.attach(model, tracker)
 
 
 def output_tensors(output) -> list[torch.Tensor]:

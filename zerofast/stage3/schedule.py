@@ -57,6 +57,31 @@ A call whose units were not prefetched (the root's at the start of forward, any 
 order changed) starts its own gather, then the prefetch of the next call, and only then waits
 for its own: the two collectives are in flight together, and the root's small unit no longer
 delays the first block's gather. Which units are gathered when is unchanged; only the wait moves.
+
+[Note: generation on stage 3]
+Generation runs many forwards without a backward, and ranks run different numbers of them (their
+prompts and stopping steps differ). Each forward gathers its units with collectives, so a rank
+that runs one forward more than another would wait in a gather nobody joins. Two ways out:
+  - the whole model gathered (opt.gathered_params(), pin()/unpin() here): entering the block
+    gathers every unit (a collective, on every rank), and while a pin is open no unit is ever
+    released, so every forward inside finds its units gathered and issues no collective: ranks may
+    run any number of forwards, with or without gradients, KV cache or not. The calls are still
+    recorded (the prefetch order stays that of the last forward). Leaving the block releases every
+    unit that no running call holds, a local act; what was carried into backward is forgotten. A
+    forward with gradients inside the block works: a backward inside the block finds its units
+    gathered (its gradient reduces are collectives, as in any step: every rank runs it), a
+    backward after the block gathers them again through its hooks, as after any forward
+    (autograd's saved tensors are views of the unit buffers: [Note: stage 3 lifecycle]).
+    Memory: the whole model in its dtype plus the shard, for the block's duration.
+  - unit by unit (any forward outside the block): each forward gathers every unit once (the
+    schedule above, two units in flight), so every rank must run the same number of forwards.
+    Hugging Face's generate() does so with synced_gpus=True: a rank that has finished keeps
+    running forwards (with a flag all_reduce per token) until every rank has. zerofast turns it on
+    by itself for a stage-3 model (zerofast/integrations/hf_generation.py) outside the block, and
+    off inside it, where the flag's all_reduce would be the only collective; synced_gpus=False
+    outside the block raises GenerationSyncError on every rank at once. A loop of one's own that
+    calls the model must either run inside the block or run the same number of forwards on every
+    rank.
 """
 
 from __future__ import annotations
@@ -155,6 +180,7 @@ class Schedule:
         self._calls = CallList()  # this forward's gathering calls, in order
         self._previous = CallList()  # the last complete forward's: the prefetch order
         self._running: list[CallRef | None] = []  # per running forward call (None: held around it)
+        self._pins = 0  # open gathered_params() blocks: every unit stays gathered ([Note: generation on stage 3])
 
     # --- forward ------------------------------------------------------------------------------------
 
@@ -243,6 +269,31 @@ class Schedule:
     def gather_all(self) -> list[Action]:
         return self.acquire(range(len(self.state)))
 
+    def pin(self) -> list[Action]:
+        """Gather every unit and keep it gathered, whatever the calls release, until unpin():
+        [Note: generation on stage 3]. Pins nest."""
+        self._pins += 1
+        return [a for u in range(len(self.state)) for a in self._ensure_gathered(u)]
+
+    def unpin(self) -> list[Action]:
+        """Close the innermost pin; the last one releases every unit that no running call holds, and
+        forgets what was carried (a backward still to come gathers what it needs itself)."""
+        if self._pins == 0:
+            raise RuntimeError("unpin() without a pin() open")
+        self._pins -= 1
+        if self._pins:
+            return []
+        actions: list[Action] = []
+        for u in range(len(self.state)):
+            if self.refs[u] == 0:
+                self.carried[u] = False
+                actions += self._release_unit(u)
+        return actions
+
+    @property
+    def pinned(self) -> bool:
+        return self._pins > 0
+
     def _predicted_next(self, call: CallRef) -> tuple[int, ...]:
         """What to prefetch in forward: the units of the next other call of the previous forward,
         while this forward follows its order."""
@@ -272,6 +323,8 @@ class Schedule:
         return actions
 
     def _release_unit(self, u: int) -> list[Action]:
+        if self._pins and self.state[u] is UnitState.GATHERED:
+            return []  # gathered until the pin is closed: [Note: generation on stage 3]
         if self.carried[u] and self.state[u] is UnitState.GATHERED:
             return []  # the next call of a merged unit takes it over
         actions = []
