@@ -191,3 +191,44 @@ def test_models_zerofast_does_not_gather_are_left_alone(passed, expected):
     from zerofast.integrations.hf_generation import synced_gpus_for
 
     assert synced_gpus_for(tiny_llama(), passed) is expected
+
+
+def _weights_out(rank, world):
+    """Train two steps on stage 3 (each rank its own batch), then send the weights out."""
+    model, opt = sharded(tiny_llama())
+    model.train()
+    for step in range(2):
+        batch = prompt(rank, 100 + step, 6)
+        model(batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    parts = opt.units.buffers.parts
+    largest_unit = max(b.numel() * b.element_size() for part in parts for b in part.buffers)
+
+    def gathered_bytes() -> int:
+        return sum(b.untyped_storage().nbytes() for part in parts for b in part.buffers)
+
+    received, peak = [], 0
+    for name, tensor in opt.named_full_tensors():  # a receiver that records what arrives
+        peak = max(peak, gathered_bytes())
+        received.append((name, tensor))
+    with opt.gathered_params():
+        expected = [(k, v.clone()) for k, v in model.state_dict().items()]
+    got, want = dict(received), dict(expected)
+    return {
+        "names": len(got) == len(received) and got.keys() == want.keys(),  # each name once, grouped by unit
+        "bitwise": all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in want.items()),
+        "peak": peak,
+        "largest_unit": largest_unit,
+        "units": len(opt.units.state),
+        "sharded_after": gathered_bytes() == 0,
+    }
+
+
+def test_named_full_tensors_are_state_dict_bitwise_one_unit_at_a_time():
+    """The weight iterator after training: state_dict()'s names, dtypes and values, bitwise, with at
+    most one unit gathered at any time (of 4), and nothing gathered after it."""
+    for rank, out in enumerate(run_ranks(_weights_out, world_size=2, timeout=180)):
+        assert out["names"] and out["bitwise"], f"{rank=}"
+        assert 0 < out["peak"] <= out["largest_unit"], f"{rank=} {out}"
+        assert out["sharded_after"], f"{rank=}"
