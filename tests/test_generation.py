@@ -36,6 +36,7 @@ def tiny_llama():
         eos_token_id=None,  # never stop early: the lengths differ by max_new_tokens alone
         bos_token_id=None,
         pad_token_id=0,
+        tie_word_embeddings=True,  # the head gathers the embedding's unit where it runs
     )
     return LlamaForCausalLM(config).eval()
 
@@ -55,6 +56,36 @@ def sharded(model):
     return model, opt
 
 
+def gathered_bytes(opt) -> int:
+    """Bytes of unit buffers that exist now (the shards not counted)."""
+    return sum(b.untyped_storage().nbytes() for part in opt.units.buffers.parts for b in part.buffers)
+
+
+def unit_bytes(opt) -> list[int]:
+    """Each unit's gathered size in bytes (its trainable and frozen buckets)."""
+    parts = opt.units.buffers.parts
+    return [
+        sum(
+            p.buffers[p.bucket_of[u]].numel() * p.buffers[p.bucket_of[u]].element_size()
+            for p in parts
+            if p.bucket_of[u] is not None
+        )
+        for u in range(len(opt.units.state))
+    ]
+
+
+def peak_during(model, opt, run):
+    """run()'s result, and the most unit-buffer bytes gathered at the end of any decoder layer's forward."""
+    peak = [gathered_bytes(opt)]
+    hooks = [layer.register_forward_hook(lambda *_: peak.append(gathered_bytes(opt))) for layer in model.model.layers]
+    try:
+        result = run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return result, max(peak)
+
+
 def _both_modes(rank, world, batches, stream=True):
     plan = PLANS[rank][:batches]
     model = tiny_llama()
@@ -70,14 +101,18 @@ def _both_modes(rank, world, batches, stream=True):
         for b, (n, new) in enumerate(plan):
             out["gathered"].append(torch.equal(greedy(model, prompt(rank, b, n), new), expected[b]))
         out["gathers_in_block"] = opt.units.gathers - before
-    out["sharded_after_block"] = all(s.value == "sharded" for s in opt.units.state)
+        out["gathered_bytes_in_block"] = gathered_bytes(opt)
+    out["sharded_after_block"] = all(s.value == "sharded" for s in opt.units.state) and gathered_bytes(opt) == 0
 
     # Unit by unit: zerofast makes generate() sync the ranks (synced_gpus=True).
     if stream:
+        out["unit_bytes"] = unit_bytes(opt)
         for b, (n, new) in enumerate(plan):
             before = opt.units.gathers
             with torch.no_grad():
-                out["streamed"].append(torch.equal(greedy(model, prompt(rank, b, n), new), expected[b]))
+                tokens, peak = peak_during(model, opt, lambda: greedy(model, prompt(rank, b, n), new))
+                out["streamed"].append(torch.equal(tokens, expected[b]))
+            out["streamed_peak"] = max(out.get("streamed_peak", 0), peak)
             out["forwards"].append((opt.units.gathers - before, new))
     # Both ranks in step again: a collective that needs every rank (the state gathered unit by unit).
     full = opt.full_state_dict()
@@ -97,6 +132,13 @@ def test_different_prompts_and_lengths_equal_single_process_generate():
         assert out["sharded_after_block"], f"{rank=}"
         assert out["streamed"] == [True, True], f"{rank=}"
         assert out["state_equal"], f"{rank=}"
+        # Parameter memory: the whole model inside the block; unit by unit, the root's unit plus at
+        # most two block units (the running one and the prefetched one).
+        sizes = out["unit_bytes"]
+        assert out["gathered_bytes_in_block"] == sum(sizes), f"{rank=}"
+        assert out["streamed_peak"] <= sizes[0] + sum(sorted(sizes[1:])[-2:]), (
+            f"{rank=} {out['streamed_peak']=} {sizes=}"
+        )
     for b in range(2):
         longest = max(PLANS[r][b][1] for r in range(2))
         for rank, out in enumerate(results):
