@@ -274,3 +274,26 @@ def test_named_full_tensors_are_state_dict_bitwise_one_unit_at_a_time():
         assert out["names"] and out["bitwise"], f"{rank=}"
         assert 0 < out["peak"] <= out["largest_unit"], f"{rank=} {out}"
         assert out["sharded_after"], f"{rank=}"
+
+
+def _peft(rank, world):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_llama(), LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    oracle = copy.deepcopy(model)
+    model, opt = sharded(model)
+    n, new = PLANS[rank][0]
+    ids = prompt(rank, 0, n)
+    with torch.no_grad():
+        streamed = greedy(model, ids, new)  # PeftModel.generate reaches the inner model's generate()
+    with opt.gathered_params(), torch.no_grad():
+        gathered = greedy(model, ids, new)
+    expected = greedy(oracle, ids, new)
+    return torch.equal(streamed, expected), torch.equal(gathered, expected)
+
+
+def test_a_peft_model_generates_in_both_modes():
+    """LoRA (peft) over the Llama, its frozen base sharded with the rest: PeftModel.generate()
+    calls the inner model's, which zerofast syncs; the tokens equal the unsharded PeftModel's."""
+    for rank, out in enumerate(run_ranks(_peft, world_size=2, timeout=180)):
+        assert out == (True, True), f"{rank=}"
