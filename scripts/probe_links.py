@@ -1,4 +1,4 @@
-"""Calibrate and check the step-time model (zerofast/tools/timemodel.py) on this machine's gloo ranks.
+"""Calibrate and check the step-time model (zerofast/estimate/timemodel.py) on this machine's gloo ranks.
 
     python scripts/probe_links.py [--worlds 2 4] [--reps 5]
 
@@ -126,7 +126,7 @@ def fit_link(probe: dict, world: int):
     weighted by 1/t (relative error: the small sizes fix the latency, the large the bandwidths)."""
     import numpy as np
 
-    from zerofast.tools.timemodel import Link, collective_time
+    from zerofast.estimate.timemodel import Link, collective_time
 
     units = [Link("bw", 1.0, 0.0), Link("lat", float("inf"), 1.0), Link("gamma", float("inf"), 0.0, 1.0)]
     a, b = [], []
@@ -143,9 +143,10 @@ def main(argv=None) -> int:
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     p.add_argument("--reps", type=int, default=9)
     args = p.parse_args(argv)
-    from zerofast.tools.estimate import format_bytes, traffic_ops
+    from zerofast.estimate.timemodel import Cluster, collective_time, predict
+    from zerofast.estimate.traffic import traffic_ops
     from zerofast.tools.models import make_gpt
-    from zerofast.tools.timemodel import Cluster, collective_time, format_seconds, predict
+    from zerofast.tools.quantities import format_bytes, format_seconds
 
     print(
         f"{os.cpu_count()} cores; gloo ranks on loopback, 1 thread each"

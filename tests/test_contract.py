@@ -12,8 +12,8 @@ from oracles import HYPER, rank_batch
 
 from zerofast import ZeroAdam
 from zerofast.tools.estimate import main as estimate_main
-from zerofast.tools.estimate import parse_count
 from zerofast.tools.models import make_gpt
+from zerofast.tools.quantities import parse_count
 
 
 def _closure_and_plain(rank, world):

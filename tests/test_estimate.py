@@ -1,10 +1,9 @@
-"""The traffic estimator and the step-time model (zerofast/tools/estimate.py, timemodel.py):
+"""The traffic estimator and the step-time model (zerofast/estimate/traffic.py, timemodel.py):
 estimate_traffic against comm_stats() measured on 4 gloo ranks (exact: equality, no tolerance),
 the cost formulas against hand-computed values, the command line's output and errors.
 No timing here: the model's check against measured step times is scripts/probe_links.py."""
 
 import functools
-import inspect
 import math
 import subprocess
 import sys
@@ -14,16 +13,16 @@ from harness import run_ranks
 from oracles import Nested, rank_batch
 
 from zerofast import CommPolicy, UnitPolicy, ZeroAdam
-from zerofast.config import resolve_plan
+from zerofast.config import collective_names, resolve_plan
+from zerofast.estimate.memory import estimate_memory
+from zerofast.estimate.timemodel import Cluster, Link, collective_time, link_of, predict
+from zerofast.estimate.traffic import AGREEMENT_EXTRA, Op, estimate_traffic
 from zerofast.layout import ALIGN
 from zerofast.optim.layouts import plan_layouts
-from zerofast.tools.estimate import AGREEMENT_EXTRA, Op, collective_names, estimate_memory, estimate_traffic, main
+from zerofast.tools.estimate import main
 from zerofast.tools.models import make_gpt
-from zerofast.tools.timemodel import Cluster, Link, collective_time, link_of, parse_rate, parse_seconds, predict
+from zerofast.tools.quantities import parse_rate, parse_seconds
 
-# ZeroAdam(shard_size=K) (issue 24, hybrid sharding). Before it, every run is flat (K = W) and
-# comm_stats() keys carry no "shard/" prefix; the K < W cases below need it.
-HAS_SHARD_SIZE = "shard_size" in inspect.signature(ZeroAdam.__init__).parameters
 WORLD = 4
 MODELS = {"nested": Nested, "gpt": lambda: make_gpt("tiny")}
 # (model, stage, partition, mixed_precision, micro_batches, max_grad_norm, accumulate_locally, min_unit_mb)
@@ -78,21 +77,17 @@ def _matrix(rank, world, shard_sizes):
 @functools.cache
 def _measured():
     """One launch of 4 ranks for the whole matrix."""
-    return run_ranks(_matrix, WORLD, args=(SHARD_SIZES if HAS_SHARD_SIZE else (WORLD,),), timeout=300)
+    return run_ranks(_matrix, WORLD, args=(SHARD_SIZES,), timeout=300)
 
 
 @pytest.mark.parametrize("k", SHARD_SIZES)
 def test_estimate_traffic_equals_comm_stats(k):
-    if k != WORLD and not HAS_SHARD_SIZE:
-        pytest.xfail("needs ZeroAdam(shard_size=) (issue 24)")
     results = _measured()
     failures = []
     for rank, got in enumerate(results):
         for config in CONFIGS:
             name, stage, partition, mp, micro, clip, acc, min_unit = config
             measured = got[(k, config)]
-            if not HAS_SHARD_SIZE:  # before shard_size, the flat run's keys had no group prefix
-                measured = {f"shard/{key}": v for key, v in measured.items()}
             est = estimate_traffic(
                 MODELS[name](),
                 WORLD,
@@ -109,7 +104,7 @@ def test_estimate_traffic_equals_comm_stats(k):
 
 def test_estimator_imports_no_compiled_code():
     code = (
-        "import sys; from zerofast.tools.estimate import estimate_traffic; import zerofast.tools.timemodel; "
+        "import sys; from zerofast.estimate import estimate_traffic; import zerofast.estimate.timemodel; "
         "from zerofast.tools.models import make_gpt; "
         "estimate_traffic(make_gpt('tiny'), 4, 3, shard_size=2); estimate_traffic(make_gpt('tiny'), 4, 1); "
         "assert 'zerofast._C' not in sys.modules, 'the compiled extension was imported'"
@@ -162,7 +157,7 @@ def test_shard_keys_and_replicate_keys():
 @pytest.mark.parametrize(
     "bad, match",
     [
-        (dict(shard_size=3), "must divide world=8"),
+        (dict(shard_size=3), "shard_size=3 must divide the number of ranks, 8"),
         (dict(shard_size=0), "shard_size must be None or an integer"),
         (dict(backend="mpi"), "backend must be"),
         (dict(rank=8), "rank must be"),
@@ -179,7 +174,7 @@ def test_memory_with_shard_size():
     flat, hybrid = estimate_memory(phi, 64, 3, "bf16"), estimate_memory(phi, 64, 3, "bf16", shard_size=8)
     assert estimate_memory(phi, 64, 3, "bf16", shard_size=64) == flat
     assert hybrid.optimizer == 12 * math.ceil(phi / 8) and hybrid.params == 2 * math.ceil(phi / 8)
-    with pytest.raises(ValueError, match="shard_size=5 must divide world=64"):
+    with pytest.raises(ValueError, match="shard_size=5 must divide the number of ranks, 64"):
         estimate_memory(phi, 64, 3, shard_size=5)
 
 

@@ -352,7 +352,7 @@ def test_gradient_checkpointing_with_frozen_parameters():
 
 
 def test_estimator_counts_frozen_parameters_apart():
-    from zerofast.tools.estimate import estimate_memory
+    from zerofast.estimate import estimate_memory
 
     model = lora_gpt()
     total = sum(p.numel() for p in model.parameters())

@@ -132,7 +132,7 @@ def test_module_called_twice_peak_memory_and_3phi(world, partition):
         # twice in a row and stays gathered from its first call to its second (the unit is handed
         # over, [Note: merging small units]), so each unit is gathered once per direction, but the
         # head: the last call of forward stays gathered into backward, which starts with it
-        # ([Note: forward hands over to backward] in zerofast/stage3/runtime.py).
+        # ([Note: forward hands over to backward] in zerofast/stage3/schedule.py).
         gathered = sum(v for k, v in r["comm"].items() if k in ("shard/all_gather", "shard/broadcast"))
         reduced = sum(
             v for k, v in r["comm"].items() if k in ("shard/reduce_scatter", "shard/reduce", "shard/all_reduce")

@@ -12,7 +12,7 @@ from harness import run_ranks
 from oracles import HYPER, rank_batch, zero_options
 
 from zerofast import CommPolicy, MixedPrecisionPolicy, UnitPolicy, ZeroAdam
-from zerofast.tools.estimate import estimate_memory
+from zerofast.estimate import estimate_memory
 from zerofast.tools.models import make_gpt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -209,35 +209,7 @@ def test_peak_storage_inside_blocks_and_exactness(world):
         ]
         # Each merged unit is gathered once per direction, handed from block to block in between,
         # but the root's unit and the last block's, which stay gathered from forward into backward
-        # ([Note: forward hands over to backward] in zerofast/stage3/runtime.py): the last step
+        # ([Note: forward hands over to backward] in zerofast/stage3/schedule.py): the last step
         # moved exactly twice the (padded) model less those two.
         expected = 2 * deep["padded"] - deep["root"] - deep["last_unit"]
         assert deep["gathered"] == expected, (deep["gathered"], expected, deep["padded"])
-
-
-def test_prefetch_targets_match_the_plain_definition():
-    """_CallList.next_other, computed once per direction, against its definition: the units of the
-    first call after (+1) or before (-1) call k whose units differ from call k's; () if none."""
-    import random
-
-    from zerofast.stage3.runtime import _Call, _CallList
-
-    def plain(calls, k, step):
-        i = k + step
-        while 0 <= i < len(calls):
-            if calls[i].units != calls[k].units:
-                return calls[i].units
-            i += step
-        return ()
-
-    rng = random.Random(0)
-    for n in (0, 1, 2, 5, 40):
-        for _ in range(20):
-            calls = _CallList()
-            for _ in range(n):  # runs of equal units, as merged units give
-                calls.append(_Call(None, rng.choice([(0,), (1,), (2,), (1, 2), ()])))
-            for step in (1, -1):
-                assert [calls.next_other(k, step) for k in range(n)] == [plain(calls, k, step) for k in range(n)]
-            if n:  # appending invalidates the tables
-                calls.append(_Call(None, (7,)))
-                assert calls.next_other(n - 1, 1) == ((7,) if calls[n - 1].units != (7,) else ())

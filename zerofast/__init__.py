@@ -17,7 +17,7 @@ the extension was never built.
 from importlib import import_module
 
 from .config import CommPolicy, LossScalePolicy, MixedPrecisionPolicy, UnitPolicy
-from .tools.estimate import estimate_memory, estimate_traffic
+from .estimate import estimate_memory, estimate_traffic
 
 # name -> the module that defines it, imported when the name is first read (PEP 562).
 _LAZY = {

@@ -366,7 +366,7 @@ def resolve_plan(
         )
     param_dtype = precision.param_dtype
     reduce_dtype = precision.reduce_dtype or param_dtype
-    reduce_size = _itemsize(reduce_dtype)
+    reduce_size = reduce_dtype.itemsize
     loss_scale = (precision.loss_scale or LossScalePolicy()) if param_dtype == torch.float16 else None
     bucket_mb = comm_p.bucket_mb if comm_p.bucket_mb is not None else DEFAULT_BUCKET_MB.get(stage, 0.0)
     min_unit_mb = DEFAULT_MIN_UNIT_MB if unit_p.min_unit_mb is None else float(unit_p.min_unit_mb)
@@ -413,10 +413,6 @@ def collective_names(backend: str, flat: bool) -> tuple[str, str]:
 def debug_from_env() -> bool:
     """ZEROFAST_DEBUG=1 turns check_collectives on where CommPolicy leaves it None."""
     return os.environ.get("ZEROFAST_DEBUG", "0") not in ("", "0")
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 # Where each keyword ZeroAdam took before the policies lives now, for the error that names it.

@@ -1,5 +1,6 @@
 """The flat buffer layout: which bucket each parameter sits in, where, and which part of each bucket
-each rank owns. Pure Python, no process group: the engine (and the tests) read it as data.
+each rank owns, as plain data (no process group): the engine (and the tests) read it; bind_views
+makes parameters views of the buffers it lays out.
 
 [Note: bucket order]
 Buckets follow backward order (the reverse of registration order, which is how gradients arrive in
@@ -23,6 +24,8 @@ zeroed from the first gap on (Layout.padding_start), since no gradient ever writ
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 ALIGN = 4  # elements: 16 bytes of fp32, one CUDA vector access
 
@@ -196,8 +199,6 @@ def layout_from_groups(
 def bind_views(params: list, layout: Layout, buffers: list) -> None:
     """Make each parameter a view of its slot in `buffers` (one flat buffer per bucket of `layout`),
     its values copied in first: what the optimizer's and stage 3's frozen flat buffers both do."""
-    import torch
-
     with torch.no_grad():
         for i, p in enumerate(params):
             s = layout.slots[i]

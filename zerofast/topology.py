@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["Topology", "resolve_topology"]
 
@@ -70,8 +71,6 @@ def _global(group: dist.ProcessGroup, r: int) -> int:
 
 def mesh_groups(mesh, who: str = "ZeroAdam") -> tuple[int, int]:
     """A DeviceMesh as ZeroAdam takes it: 2-D, dims named ("replicate", "shard"). Returns its (replicas, shard size)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"{who}: the mesh must be a torch.distributed.device_mesh.DeviceMesh; got {type(mesh).__name__}"

@@ -50,7 +50,7 @@ def export(path: str, out: str, dtype: str = "fp32") -> None:
     header, starts, offset = {}, {}, 0
     for key, md in entries:
         kept = want if md.properties.dtype.is_floating_point else md.properties.dtype
-        nbytes = torch.Size(md.size).numel() * _itemsize(kept)
+        nbytes = torch.Size(md.size).numel() * kept.itemsize
         header[key[len("model.") :]] = {
             "dtype": _SAFETENSORS_DTYPES[kept],
             "shape": list(md.size),
@@ -92,10 +92,6 @@ def export(path: str, out: str, dtype: str = "fp32") -> None:
 _BLOCK = 4 << 20
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
 class _FileSlice(RawIOBase):
     """Bytes [start, start + length) of an open file, as a seekable file of their own (for zipfile)."""
 
@@ -134,10 +130,10 @@ def _copy_chunk(path: str, info, md, chunk, kept: torch.dtype, out, out_base: in
     with open(os.path.join(path, info.relative_path), "rb") as f:
         start, nbytes, crc = _values_of(f, info)
         numel = torch.Size(sizes).numel()
-        if nbytes != numel * _itemsize(stored):
+        if nbytes != numel * stored.itemsize:
             raise ValueError(
                 f"zerofast.checkpoint.export: a chunk in {info.relative_path} holds "
-                f"{nbytes} bytes, its box {numel * _itemsize(stored)}"
+                f"{nbytes} bytes, its box {numel * stored.itemsize}"
             )
         # The longest run contiguous in both: the trailing dimensions the box spans entirely, and one more.
         k = len(shape)
@@ -147,15 +143,15 @@ def _copy_chunk(path: str, info, md, chunk, kept: torch.dtype, out, out_base: in
                 break
         run = torch.Size(sizes[k:]).numel() if shape else 1
         strides = [torch.Size(shape[d + 1 :]).numel() for d in range(len(shape))]
-        block = memoryview(bytearray(min(_BLOCK - _BLOCK % _itemsize(stored), run * _itemsize(stored))))
+        block = memoryview(bytearray(min(_BLOCK - _BLOCK % stored.itemsize, run * stored.itemsize)))
         f.seek(start)
         got_crc = 0
         for index in _row_major(sizes[:k]):
             flat = sum((offsets[d] + index[d]) * strides[d] for d in range(k)) + sum(
                 offsets[d] * strides[d] for d in range(k, len(shape))
             )
-            out.seek(out_base + flat * _itemsize(kept))
-            left = run * _itemsize(stored)
+            out.seek(out_base + flat * kept.itemsize)
+            left = run * stored.itemsize
             while left:
                 n = f.readinto(block[: min(left, len(block))])
                 if not n:

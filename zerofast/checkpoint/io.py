@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as torch_dcp
 import torch.nn as nn
 
+from .. import __version__
 from . import background, safe
 from .background import AsyncSave
 from .dcp import Staging, facts, finish_load, sharded_tensors, small_state, tensors
@@ -223,8 +224,6 @@ def _purge(root: str, keep: int, written: str) -> None:
 
 def _manifest(opt: ZeroAdam, step: int) -> dict:
     """The manifest but its save counter (rank 0 adds it when the folder is complete)."""
-    from .. import __version__
-
     f = facts(opt)
     return {
         "format": FORMAT,

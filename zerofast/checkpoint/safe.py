@@ -40,8 +40,14 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as torch_dcp
+from torch.distributed.checkpoint import default_planner, filesystem
 from torch.distributed.checkpoint import metadata as dcp_meta
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+try:
+    import numpy as np
+except ImportError:  # numpy is optional (torch does not require it): only ndarray records need it
+    np = None
 
 __all__ = [
     "UnsafeCheckpoint",
@@ -103,10 +109,6 @@ def encode(obj: Any, where: str = "extra") -> Any:
                 "data": base64.b64encode(_cpu_bytes(raw)).decode(),
             },
         }
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover (numpy comes with torch's wheels)
-        np = None
     if np is not None and isinstance(obj, np.ndarray) and obj.dtype.kind in "biuf":
         a = np.ascontiguousarray(obj)
         return {
@@ -153,8 +155,8 @@ def decode(obj: Any, where: str = "zerofast.json") -> Any:
             flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
             return flat.view(dtype).reshape(shape).clone()
         if kind == "ndarray":
-            import numpy as np
-
+            if np is None:
+                raise ValueError("the checkpoint holds a numpy array, and numpy is not installed")
             dt = np.dtype(v["dtype"])
             if dt.kind not in "biuf":
                 raise ValueError(f"numpy dtype {dt} is not plain numbers")
@@ -218,8 +220,6 @@ def _allowed() -> dict[tuple[str, str], Any]:
     """What a DCP .metadata pickle may name (torch 2.4 to 2.14 write these): DCP's metadata classes,
     the storage layout's record, torch.Size, the path type of checkpoint_id; dtypes and layouts by
     name below."""
-    from torch.distributed.checkpoint import filesystem
-
     out = {
         ("torch", "Size"): torch.Size,
         ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
@@ -362,8 +362,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 f"was run"
             ) from err
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint import default_planner  # the helper DefaultLoadPlanner uses
-
             default_planner.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import check_hyper
 from ..topology import check_shard_size, mesh_groups
@@ -17,8 +18,6 @@ GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
 def check_process_group(process_group) -> None:
-    from torch.distributed.device_mesh import DeviceMesh
-
     if process_group is not None and not isinstance(process_group, (dist.ProcessGroup, DeviceMesh)):
         raise TypeError(
             f"ZeroAdam: process_group must be a torch.distributed ProcessGroup, a 2-D DeviceMesh "
@@ -100,8 +99,6 @@ def data_parallel_group(process_group, shard_size):
     """The group of every data-parallel rank, the shard size and the mesh, if one was given
     ([Note: hybrid sharding] in zerofast/topology.py): from process_group (None: the world) and
     shard_size, or from a 2-D DeviceMesh given as process_group."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     if not isinstance(process_group, DeviceMesh):
         group = process_group if process_group is not None else dist.group.WORLD
         # The raw value first, on every rank: a value bad on some ranks only must fail on all of

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Iterator
 from typing import TypedDict
 
 import torch
@@ -47,6 +48,7 @@ from ..partition import imbalance
 from ..stage3.frozen import FrozenShard, placeholder_grad_shard
 from ..stage3.runtime import UnitBuffers, UnitPart, UnitTracker
 from ..stage3.units import UnitPlan, hook_needs
+from ..stage3.weights import named_full_tensors
 from ..topology import Topology, resolve_topology
 from . import checks as _checks
 from .gather import ParamGather
@@ -441,16 +443,19 @@ class ZeroAdam(torch.optim.Optimizer):
     def gathered_params(self):
         """Full, current parameters on every rank inside the block. Stages 1 and 2 always hold
         them, so this costs nothing there (beyond finishing gathers still in flight); stage 3
-        gathers every unit and re-shards on exit (changes made inside the block are not kept)."""
+        gathers every unit on entry (every rank), keeps them gathered through any number of
+        forwards inside (generation: no collective per token, so ranks may run different numbers
+        of forwards) and re-shards on exit (changes made inside the block are not kept). See
+        [Note: generation on stage 3] in zerofast/stage3/schedule.py."""
         self._gather.wait()
         if not self.plan.params_sharded:
             yield self.model
             return
-        self.units.gather_all()
+        self.units.pin()
         try:
             yield self.model
         finally:
-            self.units.release_all()
+            self.units.unpin()
 
     def full_state_dict(self, keep: bool = True, device="cpu") -> dict[str, torch.Tensor] | None:
         """model.state_dict() with every tensor whole, copied to `device` (default the CPU): what a
@@ -554,6 +559,14 @@ class ZeroAdam(torch.optim.Optimizer):
         """This rank's part of the fp32 master copy, as (parameter name, offset into the flattened
         parameter, fp32 values) pieces; the ranks' pieces together cover every parameter once."""
         return self.shard.master_pieces()
+
+    def named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) for every entry of model.state_dict(), whole and in the model's dtype, one
+        at a time, stage 3 gathering one unit at a time: for sending weights to an inference engine
+        with no rank holding the whole model (zerofast/stage3/weights.py). Every rank must run it
+        to its end (the gathers are collectives)."""
+        self.quiesce()
+        return named_full_tensors(self.model, self.units)
 
     def step_counts(self) -> dict[str, int]:
         """Adam steps taken by each trainable parameter (a parameter with no gradient on any rank

@@ -1,2 +1,3 @@
 """Stage 3: units.py plans which parameters form a unit (pure functions of the module tree);
-runtime.py gathers and releases them around each module's forward and backward."""
+schedule.py decides when each unit is gathered and released (pure: the runtime and the estimator
+both run it); runtime.py hooks the modules and carries its decisions out on the unit buffers."""

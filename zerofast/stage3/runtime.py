@@ -1,60 +1,13 @@
 """Stage 3 at run time: the hooks that gather a unit while it is used, and the unit buffers whose
 storage exists only while gathered. Which parameters form a unit is planned in units.py.
 
-[Note: who gathers what]
-A unit module gathers its unit while it runs. Any other module gathers only the units of the
-parameters it holds itself (recurse=False), never units nested below it, which gather themselves
-when they run (FSDP2's fully_shard works per module the same way). So `model.transformer`, holding
-twelve blocks, gathers nothing of theirs, and a tied output head gathers the embedding's unit where
-the head runs, wherever that unit is. The root holds the root unit for its whole forward and for
-all of backward. A module whose units are already held by a module running around it (a Linear
-inside a block) does nothing: no gather, no autograd hooks, so the cost is per unit, not per module.
-
-[Note: stage 3 lifecycle]
-Each unit's flat parameter buffer exists only while gathered: releasing resizes its storage to 0
-bytes, gathering resizes it back and fills it (each rank copies in its own shard, then the gather
-collective brings the rest). The model's parameters are views into these buffers, and so are the
-tensors autograd saved in forward: they share the storage, so the re-gather before backward makes
-them valid again without touching the graph.
-  forward pre-hook of a module that must gather: start gathering its units (unless prefetched),
-    prefetch the units of the next call in the previous step's forward order, then wait for its
-    own ([Note: gathers in flight together]);
-  forward post-hook: release them (a unit is freed when no running module holds it any more), and
-    hook the module's outputs, so that backward reaching them acquires the units again
-    (pre-backward) and prefetches the units of the call before it in this step's forward; the
-    root's units and the last call's are kept for backward instead ([Note: forward hands over to
-    backward]);
-  backward through the module's inputs (an identity autograd function wrapped around its tensor
-    arguments, positional and keyword): release them again (post-backward);
-  end of backward (a callback queued on the autograd engine): release whatever is still gathered
-    (the first module's inputs, token ids, need no gradient, so its post-backward never runs).
-So at most two block units are gathered at once, the current one and the prefetched one, plus the
-root unit. A unit's state is an enum, and the code switches on it. The forward order is that of
-the previous step; if a step runs modules in another order, prefetching stops for the rest of that
-forward: a missed prefetch costs latency, never correctness, since every module acquires what it
-needs itself.
-
-[Note: forward hands over to backward]
-Backward starts with the modules forward ended with: the root (its output head) and the last
-gathering call (the last block). Both were released at the end of forward and gathered again at
-once, with nothing to overlap the second gather (no prefetch reaches the first call of backward).
-So when backward follows (gradients enabled, an output that needs one), the root's units and
-those of the last call of the previous step's forward are carried into backward instead, like a
-merged unit handed to its next module: the first acquire in backward takes them over. FSDP2 does
-the same for its root (reshard_after_forward=False). Peak memory is unchanged: between forward and
-backward they are the root and one block, and backward's first block acquires itself and
-prefetches the next anyway. A forward with gradients and no backward after it leaves them to the
-next forward's start (_release_unclaimed); one in another order than the previous step's keeps at
-most the unit predicted last until the end of backward. On bench_step's GPT (2 gloo ranks) this
-saves 2 of 18 gathers per step and the ~4 ms wait before the last block's backward; with [Note:
-gathers in flight together] the stage-3 step went from 280-289 to 276-282 ms (medians of three
-interleaved A/B runs against DDP's 239-250 ms on a shared 2-core machine: 2-3%).
-
-[Note: gathers in flight together]
-A call whose units were not prefetched (the root's at the start of forward, any call after the
-order changed) starts its own gather, then the prefetch of the next call, and only then waits
-for its own: the two collectives are in flight together, and the root's small unit no longer
-delays the first block's gather. Which units are gathered when is unchanged; only the wait moves.
+The schedule (when each unit is gathered, waited for, kept and released) is decided in
+schedule.py, as data; this module carries its actions out on the unit buffers and hooks the modules
+so that the schedule hears of every call ([Note: stage 3 lifecycle] in schedule.py). Releasing a
+unit resizes its flat buffer's storage to 0 bytes, gathering resizes it back and fills it (each rank
+copies in its own shard, then the gather collective brings the rest). The model's parameters are
+views into these buffers, and so are the tensors autograd saved in forward: they share the storage,
+so the re-gather before backward makes them valid again without touching the graph.
 
 [Note: stage 3 under torch.compile]
 Users compile the whole model (torch.compile(model)) or each block (block.compile()). Dynamo
@@ -108,23 +61,18 @@ subclass; remove() puts the original classes back. Tested by tests/test_compile.
 
 from __future__ import annotations
 
-import enum
 import functools
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .._hook_classes import own_classes, restore_classes
 from ..layout import Layout
-
-
-class UnitState(enum.Enum):
-    SHARDED = "sharded"  # storage released; only this rank's shard exists
-    GATHERING = "gathering"  # storage allocated, a gather collective in flight (a prefetch)
-    GATHERED = "gathered"  # full parameters in place
-
+from .schedule import Action, CallRef, Schedule, UnitOp, UnitState
 
 # --- the unit buffers --------------------------------------------------------------------------------
 
@@ -232,133 +180,87 @@ class _PostBackward(torch.autograd.Function):
         return (None,) + grads
 
 
-@dataclass
-class _Call:
-    """One forward call of a module that gathered (see [Note: stage 3 lifecycle])."""
-
-    module: nn.Module
-    units: tuple[int, ...]
-
-
 class UnitTracker:
-    """Drives the lifecycle of every unit over its UnitBuffers: see [Note: stage 3 lifecycle]."""
+    """Hooks the modules that gather, tells the schedule of each call and carries out its actions
+    on the UnitBuffers: see [Note: stage 3 lifecycle] in schedule.py."""
 
     def __init__(self, model: nn.Module, needs: dict[nn.Module, tuple[int, ...]], buffers: UnitBuffers):
         self.model = model
-        self.needs = needs  # module -> units it holds while it runs
         self.buffers = buffers
-        n = buffers.num_units
-        self.state = [UnitState.SHARDED] * n
-        self.refs = [0] * n  # running modules (forward or backward) holding each unit
-        self.carried = [False] * n  # kept gathered for the next call: [Note: merging small units]
-        self._into_backward: set[int] = (
-            set()
-        )  # this forward's units kept for backward: [Note: forward hands over to backward]
-        self._calls = _CallList()  # this step's gathering calls, in forward order
-        self._previous = _CallList()  # the last complete forward's: the prefetch order
-        self._running: list[int | None] = []  # per running forward call: its index in _calls (None: skipped)
+        self.schedule = Schedule(model, needs, buffers.num_units)
         self._callback_queued = False
+        self.gathers = 0  # unit gathers started since built (a unit with frozen parameters too: one)
         self.handles = []
         for module in needs:
             self.handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post_forward, always_call=True))
         self._original_classes = own_classes(needs)  # [Note: code compiled before stage 3]
+        self._generation_hosts = _hook_generation(model, self)  # [Note: generation on stage 3]
 
-    # --- unit operations ------------------------------------------------------------------------
+    @property
+    def state(self) -> list[UnitState]:
+        return self.schedule.state
+
+    # --- unit operations, outside the hooks (gathered_params, full_state_dict, quiesce) ------------
 
     def acquire(self, units) -> None:
-        for u in units:
-            self.refs[u] += 1
-            self.carried[u] = False
-            self._ensure_gathered(u)
+        self._carry_out(self.schedule.acquire(units))
 
     def release(self, units) -> None:
-        for u in units:
-            self.refs[u] = max(0, self.refs[u] - 1)
-            if self.refs[u] == 0:
-                self._release_unit(u)
+        self._carry_out(self.schedule.release(units))
 
-    def prefetch(self, units) -> None:
-        for u in units:
-            if self.state[u] is UnitState.SHARDED:
-                with torch.profiler.record_function("zerofast::unit_gather"):
-                    self.buffers.gather_start(u)
-                self.state[u] = UnitState.GATHERING
-
-    def _start(self, own, following) -> None:
-        """[Note: gathers in flight together]: start gathering a call's own units, then prefetch
-        `following`, before acquire() waits for the own ones."""
-        self.prefetch(own)
-        self.prefetch(following)
-
-    def _ensure_gathered(self, u: int) -> None:
-        if self.state[u] is UnitState.SHARDED:
-            with torch.profiler.record_function("zerofast::unit_gather"):
-                self.buffers.gather_start(u)
-            self.state[u] = UnitState.GATHERING
-        if self.state[u] is UnitState.GATHERING:
-            with torch.profiler.record_function("zerofast::unit_gather"):
-                self.buffers.gather_wait(u)
-            self.state[u] = UnitState.GATHERED
-
-    def _release_unit(self, u: int) -> None:
-        if self.carried[u] and self.state[u] is UnitState.GATHERED:
-            return  # the next call of a merged unit takes it over
-        if self.state[u] is UnitState.GATHERING:
-            self.buffers.gather_wait(u)  # a prefetch nobody used: finish it before freeing its buffer
-        if self.state[u] is not UnitState.SHARDED:
-            self.buffers.release(u)
-            self.state[u] = UnitState.SHARDED
-
-    def release_all(self, keep=frozenset()) -> None:
-        """Release every unit but those in `keep`, which stay gathered for the next call that
-        acquires them ([Note: forward hands over to backward])."""
-        self.refs = [0] * len(self.refs)
-        self.carried = [u in keep for u in range(len(self.refs))]
-        for u in range(len(self.state)):
-            self._release_unit(u)
-
-    def _release_unclaimed(self) -> None:
-        """Release the units kept for a backward that never ran (a forward with gradients enabled
-        and no backward after it): [Note: forward hands over to backward]."""
-        for u in range(len(self.state)):
-            if self.carried[u] and self.refs[u] == 0:
-                self.carried[u] = False
-                self._release_unit(u)
+    def release_all(self) -> None:
+        self._carry_out(self.schedule.release_all())
 
     def gather_all(self) -> None:
-        self.acquire(range(len(self.state)))
+        self._carry_out(self.schedule.gather_all())
 
-    def _held(self, units: tuple[int, ...]) -> bool:
-        return all(self.refs[u] > 0 and self.state[u] is UnitState.GATHERED for u in units)
+    def pin(self) -> None:
+        """Gather every unit and keep it gathered through any forwards until unpin(): [Note:
+        generation on stage 3] in schedule.py."""
+        self._carry_out(self.schedule.pin())
+
+    def unpin(self) -> None:
+        self._carry_out(self.schedule.unpin())
+
+    @property
+    def pinned(self) -> bool:
+        return self.schedule.pinned
+
+    @property
+    def gather_world(self) -> int:
+        """The ranks each unit gather runs across."""
+        return dist.get_world_size(self.buffers.comm.gather_group)
+
+    def _carry_out(self, actions: list[Action]) -> None:
+        for op, unit in actions:
+            if op is UnitOp.RELEASE:
+                self.buffers.release(unit)
+                continue
+            with torch.profiler.record_function("zerofast::unit_gather"):
+                if op is UnitOp.GATHER:
+                    self.gathers += 1
+                    self.buffers.gather_start(unit)
+                else:
+                    self.buffers.gather_wait(unit)
 
     # --- hooks ----------------------------------------------------------------------------------
     # See [Note: stage 3 under torch.compile]: the hooks always run eagerly.
 
     @torch.compiler.disable
     def _pre_forward(self, module, args, kwargs):
-        units = self.needs[module]
-        if module is self.model:
+        if module is self.model and not self.schedule.pinned:  # pinned: no collective ([Note: generation on stage 3])
             self.buffers.comm.where.phase = "forward"
             self.buffers.comm.check_forward()
-            if self._calls:  # the last forward, complete: the order to prefetch in
-                self._previous = self._calls
-            self._calls, self._running = _CallList(), []
-            self._release_unclaimed()
-        elif self._held(units):  # a module running around this one holds them: [Note: who gathers what]
-            self._running.append(None)
+        call = self.schedule.enter(module)
+        if call is None:  # a module running around this one holds its units: [Note: who gathers what]
             return None
-        k = len(self._calls)
-        self._running.append(k)
-        self._calls.append(_Call(module, units))
-        prev = self._previous
-        self._start(units, prev.next_other(k, +1) if k + 1 < len(prev) and prev[k].module is module else ())
-        self.acquire(units)
+        self._carry_out(self.schedule.pre_forward(call))
         if torch.is_grad_enabled():
-            return self._wrap_inputs(k, args, kwargs)
+            return self._wrap_inputs(call, args, kwargs)
         return None
 
-    def _wrap_inputs(self, k: int, args, kwargs):
+    def _wrap_inputs(self, call: CallRef, args, kwargs):
         """The module's tensor arguments that need a gradient, through _PostBackward, so that their
         gradient (the module's backward done) releases its units."""
         plain = not kwargs and not any(isinstance(a, (list, tuple, dict)) for a in args)
@@ -367,7 +269,7 @@ class UnitTracker:
         positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.requires_grad]
         if not positions:
             return None
-        done = functools.partial(self._post_backward, self._calls, k)
+        done = functools.partial(self._post_backward, call)
         wrapped = _PostBackward.apply(done, *(flat[i] for i in positions))
         wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
         for i, t in zip(positions, wrapped):
@@ -376,61 +278,34 @@ class UnitTracker:
 
     @torch.compiler.disable
     def _post_forward(self, module, args, output):
-        k = self._running.pop() if self._running else None
-        if k is None:
+        call = self.schedule.exit_call()
+        if call is None:
             return
-        units = self.needs[module]
-        prev = self._previous
         outputs = [t for t in output_tensors(output) if t.requires_grad]
         backward_follows = bool(outputs) and torch.is_grad_enabled()
-        if backward_follows and (module is self.model or k + 1 == len(prev) and prev[k].module is module):
-            self._carry_into_backward(units)
-        elif k + 1 < len(prev) and prev[k].module is module:
-            self._carry(units, module, prev[k + 1])
-        self.release(units)
-        if module is self.model:
-            self.release_all(self._into_backward)  # prefetches that no module claimed
-            self._into_backward = set()
+        self._carry_out(self.schedule.post_forward(call, backward_follows))
         if backward_follows:
             if len(outputs) == 1:  # one output (most modules): a tensor hook, a fifth of the multi-grad hook's cost
-                outputs[0].register_hook(_BeforeBackward(self, self._calls, k))
+                outputs[0].register_hook(_BeforeBackward(self, call))
             else:
                 torch.autograd.graph.register_multi_grad_hook(
-                    outputs, lambda grads, calls=self._calls, k=k: self._pre_backward(calls, k), mode="any"
+                    outputs, lambda grads, call=call: self._pre_backward(call), mode="any"
                 )
 
     @torch.compiler.disable
-    def _pre_backward(self, calls: list[_Call], k: int) -> None:
+    def _pre_backward(self, call: CallRef) -> None:
         if not self._callback_queued:
             self._callback_queued = True
             self.buffers.comm.where.phase = "backward"
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        self._start(calls[k].units, calls.next_other(k, -1))
-        self.acquire(calls[k].units)
+        self._carry_out(self.schedule.pre_backward(call))
 
-    def _post_backward(self, calls: list[_Call], k: int) -> None:
-        if k > 0:
-            self._carry(calls[k].units, calls[k].module, calls[k - 1])
-        self.release(calls[k].units)
-
-    def _carry(self, units: tuple[int, ...], module: nn.Module, following: _Call) -> None:
-        """Keep the units that the following call needs (another module of a merged unit, or the
-        same module called again) gathered past this release: [Note: merging small units]. It
-        acquires them at once; a call order that changes leaves them to the next release_all
-        (the end of forward or of backward)."""
-        for u in set(units) & set(following.units):
-            self.carried[u] = True
-
-    def _carry_into_backward(self, units: tuple[int, ...]) -> None:
-        """Keep the units of the root and of the last call in forward gathered for backward, which
-        starts with them: [Note: forward hands over to backward]."""
-        for u in units:
-            self.carried[u] = True
-            self._into_backward.add(u)
+    def _post_backward(self, call: CallRef) -> None:
+        self._carry_out(self.schedule.post_backward(call))
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
-        self.release_all()
+        self._carry_out(self.schedule.end_backward())
 
     def remove(self) -> None:
         for h in self.handles:
@@ -438,47 +313,30 @@ class UnitTracker:
         self.handles = []
         restore_classes(self._original_classes)
         self._original_classes = {}
+        for host in self._generation_hosts:
+            host.detach()
+        self._generation_hosts = []
 
 
 class _BeforeBackward:
     """The gradient hook on a one-output module's output: its backward is about to run."""
 
-    def __init__(self, tracker: UnitTracker, calls: _CallList, k: int):
-        self.tracker, self.calls, self.k = tracker, calls, k
+    def __init__(self, tracker: UnitTracker, call: CallRef):
+        self.tracker, self.call = tracker, call
 
     def __call__(self, grad: torch.Tensor) -> None:
-        self.tracker._pre_backward(self.calls, self.k)
+        self.tracker._pre_backward(self.call)
 
 
-class _CallList(list):
-    """The gathering calls of one forward, in order, and for each call what to prefetch: the units of
-    the first call after it (step +1, forward) or before it (step -1, backward) that needs others
-    than it (the calls in between share its units: a merged unit). Computed once per direction, in
-    one pass: a scan per call was quadratic in the calls of a merged unit (1,024 modules of one
-    unit: 0.27 s of Python per step)."""
+def _hook_generation(model: nn.Module, tracker: UnitTracker) -> list:
+    """Make Hugging Face's generate() on this model sync the ranks ([Note: generation on stage 3]).
+    transformers is imported only by models that are its own, so a model of another library never
+    imports it."""
+    if "transformers" not in sys.modules:
+        return []
+    from ..integrations import hf_generation
 
-    def __init__(self):
-        super().__init__()
-        self._tables: dict[int, list[tuple[int, ...]]] = {}
-
-    def append(self, call: _Call) -> None:
-        self._tables = {}
-        super().append(call)
-
-    def next_other(self, k: int, step: int) -> tuple[int, ...]:
-        table = self._tables.get(step)
-        if table is None:
-            table = self._tables[step] = self._table(step)
-        return table[k]
-
-    def _table(self, step: int) -> list[tuple[int, ...]]:
-        n = len(self)
-        out: list[tuple[int, ...]] = [()] * n
-        order = range(n - 2, -1, -1) if step > 0 else range(1, n)
-        for i in order:  # from the far end towards the start of the walk
-            j = i + step
-            out[i] = self[j].units if self[j].units != self[i].units else out[j]
-        return out
+    return hf_generation.attach(model, tracker)
 
 
 def output_tensors(output) -> list[torch.Tensor]:

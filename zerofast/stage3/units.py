@@ -177,7 +177,7 @@ def find_units(
 # auto-wrap policy groups modules), so a handful of collectives move the model each way. A unit at
 # or above the threshold stays alone; consecutive small ones join until the group reaches it. The
 # modules of a merged unit gather it while they run, and the unit is handed from one to the next
-# (see UnitTracker: carried) instead of being released and gathered again between them; so is a
+# (carried: [Note: stage 3 lifecycle] in schedule.py) instead of being released and gathered again between them; so is a
 # unit whose module runs twice in a row. Consecutive calls of one unit cost one gather.
 
 
@@ -204,7 +204,7 @@ def _merge_small(singles, min_bytes: int, nbytes: list[int]):
 
 
 def hook_needs(model: nn.Module, params: list[nn.Parameter], plan: UnitPlan) -> dict[nn.Module, tuple[int, ...]]:
-    """The units each module must hold while it runs: see [Note: who gathers what]."""
+    """The units each module must hold while it runs: see [Note: who gathers what] in schedule.py."""
     unit_of_param = {id(params[i]): u for u, group in enumerate(plan.groups) for i in group}
     unit_of_module = {id(m): u for u, members in enumerate(plan.members) for m in members if m is not model}
     needs = {}

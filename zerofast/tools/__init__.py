@@ -1,2 +1,3 @@
-"""What runs zerofast from the command line: the main job (train), the memory estimator (estimate,
-pure arithmetic: no compiled code), and the small GPT and text they use (models, data)."""
+"""The command lines: the main job (train) and the estimator's (estimate, over the library's
+zerofast/estimate/), the quantities they read and print (quantities), and the small GPT and text the
+main job trains (models, data)."""

@@ -25,16 +25,22 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.rendezvous import rendezvous
+from torch.distributed.run import main as torchrun_main
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..checkpoint import latest, load, save
 from ..comm import CollectiveError, OutOfStepError
 from ..config import CommPolicy
+from ..estimate import estimate_memory
 from ..optim.grads import StepNotAppliedError
 from ..optim.zero_adam import ZeroAdam
 from ..partition import PARTITIONS
+from ..reference import ReferenceZero
 from .data import corpus_tokens, text_batch
-from .estimate import estimate_memory, format_bytes
 from .models import CONFIGS, make_gpt
+from .quantities import format_bytes
 
 log = logging.getLogger("zerofast.train")
 
@@ -151,7 +157,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.keep is not None and args.keep < 2:
         p.error(f"--keep must be at least 2; got {args.keep}")
     if args.plot is not None:
-        try:
+        try:  # matplotlib is optional: --plot alone needs it
             import matplotlib  # noqa: F401
         except ImportError:
             p.error("--plot needs matplotlib (pip install matplotlib)")
@@ -178,9 +184,6 @@ def _resolve_nproc(p: argparse.ArgumentParser, nproc: int | None, backend: str |
 def launch(argv: list[str], nproc: int, max_restarts: int) -> int:
     """Start `nproc` local ranks running this module, through torch.distributed.run; its agent
     restarts them up to max_restarts times after a failure (they resume: see _resuming)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
-
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         torchrun_main(
@@ -246,13 +249,9 @@ def _device(backend: str) -> torch.device:
 def _make_optimizer(kind: str, model, args, stage: int):
     """kind: "zero" (ZeroAdam at `stage`), "ddp", or "reference" (the reference stage `stage`)."""
     if kind == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         wrapped = DDP(model)
         return wrapped, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     if kind == "reference":
-        from ..reference import ReferenceZero
-
         return model, ReferenceZero(model, stage=stage, lr=args.lr, weight_decay=0.1)
     return model, ZeroAdam(
         model,
@@ -413,7 +412,7 @@ def report(args, measured_all, comm, numel, world) -> None:
 
 
 def plot(path: str, rows: dict[str, list[dict]], numel: int, precision: str) -> None:
-    import matplotlib
+    import matplotlib  # optional: --plot alone needs it (parse_args checked that it is there)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -447,8 +446,6 @@ def _init_process_group(backend: str, timeout: timedelta) -> None:
     if attempt == 0:
         dist.init_process_group(backend, timeout=timeout)
         return
-    from torch.distributed.rendezvous import rendezvous
-
     store, rank, world = next(rendezvous("env://", timeout=timeout))
     dist.init_process_group(
         backend,

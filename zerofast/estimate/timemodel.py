@@ -36,10 +36,9 @@ the same cores: gloo ranks on a CPU machine).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
-from .estimate import Op, traffic_ops
+from .traffic import Op, traffic_ops
 
 
 @dataclass(frozen=True)
@@ -173,37 +172,3 @@ def step_time(
     )
     fwd, bwd, upd = compute_times(params, tokens, world, k, stage, cluster)
     return predict(ops, world, k, cluster, fwd, bwd, upd, overlap)
-
-
-# --- parsing the command line's quantities ------------------------------------------------------------
-
-_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kKMGT]?)(B|b)(?:/s|ps)?\s*$")
-_TIME = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(ns|us|µs|ms|s)\s*$")
-_PREFIX = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
-
-
-def parse_rate(text: str) -> float:
-    """A bandwidth as people write it, to bytes/s: 300GB/s, 400Gb/s (bits), 25 GB/s, 1.5e9B/s."""
-    m = _RATE.match(text)
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"not a bandwidth: {text!r} (try 300GB/s or 400Gb/s)")
-    value = float(m.group(1)) * _PREFIX[m.group(2)]
-    return value / 8 if m.group(3) == "b" else value
-
-
-def parse_seconds(text: str) -> float:
-    """A latency as people write it, to seconds: 5us, 10 us, 0.2ms, 1e-5s."""
-    m = _TIME.match(text)
-    if not m:
-        raise ValueError(f"not a latency: {text!r} (try 5us or 0.1ms)")
-    return float(m.group(1)) * {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(2)]
-
-
-def format_seconds(t: float) -> str:
-    if t == 0:
-        return "0"
-    if t < 1e-3:
-        return f"{t * 1e6:.0f} us"
-    if t < 1:
-        return f"{t * 1e3:.1f} ms"
-    return f"{t:.2f} s"

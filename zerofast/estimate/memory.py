@@ -1,0 +1,118 @@
+"""The ZeRO paper's memory table as an estimator: per-rank bytes by its formulas.
+
+Per parameter, mixed-precision Adam holds 2 bytes of parameter, 2 of gradient and 12 of optimizer
+state (fp32 master copy, m, v): the paper's 16Φ. In fp32 there is no separate master copy (the
+parameter is the master): 4 + 4 + 8. Each stage keeps a part of each on a rank:
+
+| stage       | parameters | gradients | optimizer state |
+|-------------|------------|-----------|-----------------|
+| 0 (DDP)     | all        | all       | all             |
+| 1           | all        | all       | 1/N             |
+| 2           | all        | 1/N       | 1/N             |
+| 3           | 1/N        | 1/N       | 1/N             |
+
+ZeroAdam adds buffers the table has no row for ("zerofast_extra"): in stages 2 and 3 the gradient
+bucket buffers alive at once (bucket_buffers of them: [Note: buffers in flight] in
+csrc/buckets.cpp), and padding (each bucket padded to a multiple of world x 4 elements). Stage 1's
+gradients are its buckets, reduced in place ([Note: grads as bucket views]): padding only, unless
+it reduces in another dtype (then it copies, as stage 2 does, and keeps a reduced shard).
+
+Pure arithmetic: the options are checked and resolved by zerofast/config.py, the same code as
+ZeroAdam's, so the estimator accepts exactly what ZeroAdam accepts; no compiled code is imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..config import DEFAULT_BUCKET_MB, check_stage, comm_policy, precision_policy, resolve_plan, unit_policy
+from ..layout import ALIGN
+from ..topology import check_shard_size
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    stage: int  # 0 is DDP
+    world: int
+    params: int  # bytes per rank
+    grads: int
+    optimizer: int
+    zerofast_extra: int  # bucket buffers, padding, stage 1's gradient shard (0 for DDP)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.zerofast_extra
+
+
+# Where the estimator's keywords of before the policies live now.
+_MOVED = {
+    "precision": "mixed_precision= (None, 'bf16', 'fp16' or a MixedPrecisionPolicy, as ZeroAdam takes it)",
+    "bucket_mb": "comm=CommPolicy(bucket_mb=...)",
+    "bucket_buffers": "comm=CommPolicy(bucket_buffers=...)",
+}
+
+
+def estimate_memory(
+    model_or_param_count, world: int, stage: int, mixed_precision=None, comm=None, units=None, shard_size=None, **moved
+) -> MemoryEstimate:
+    """Per-rank bytes of parameters, gradients and optimizer state for DDP (stage 0) or a ZeRO stage,
+    by the paper's formulas, plus the buffers ZeroAdam adds. mixed_precision, comm and units as
+    ZeroAdam takes them (stage 0 checks them alone). Stage 3's buckets are its units, whose size
+    the estimate cannot know from a count: it takes stage 2's default bucket for each. A count is
+    of trainable parameters; a module's frozen parameters are counted apart, as parameter bytes
+    only (in the parameters' dtype; sharded in stage 3, whole in stages 0-2). shard_size=K (hybrid
+    sharding, ZeroAdam's shard_size): the state is sharded over K ranks and replicated W/K times,
+    so each sharded part is divided by K instead of W (None: K = world, flat ZeRO)."""
+    for name in moved:
+        if name in _MOVED:
+            raise TypeError(f"estimate_memory: the keyword {name}= is now {_MOVED[name]}")
+        raise TypeError(f"estimate_memory got an unexpected keyword argument {name!r}")
+    frozen = 0  # frozen parameters: their bytes only, sharded in stage 3 ([Note: frozen parameters in stage 3])
+    if isinstance(model_or_param_count, nn.Module):
+        numel = sum(p.numel() for p in model_or_param_count.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in model_or_param_count.parameters() if not p.requires_grad)
+    elif (
+        isinstance(model_or_param_count, int)
+        and not isinstance(model_or_param_count, bool)
+        and model_or_param_count >= 0
+    ):
+        numel = model_or_param_count
+    else:
+        raise ValueError(
+            f"estimate_memory: model_or_param_count must be an nn.Module or a count >= 0; got {model_or_param_count!r}"
+        )
+    if not (isinstance(world, int) and not isinstance(world, bool) and world >= 1):
+        raise ValueError(f"estimate_memory: world must be an integer >= 1; got {world!r}")
+    check_stage(stage, "estimate_memory", stages=(0, 1, 2, 3))
+    shards = check_shard_size(shard_size, world, "estimate_memory")
+    if stage == 0:  # DDP: the options are checked all the same, so a typo is not silently ignored
+        precision, comm_p = precision_policy(mixed_precision), comm_policy(comm)
+        unit_policy(units)
+        param_dtype, reduce_dtype = precision.param_dtype, precision.reduce_dtype or precision.param_dtype
+        bucket_bytes, buffers, views = 0, comm_p.bucket_buffers, False
+    else:
+        plan = resolve_plan(stage, mixed_precision=mixed_precision, comm=comm, units=units)
+        param_dtype, reduce_dtype = plan.param_dtype, plan.reduce_dtype
+        bucket_bytes = plan.bucket_bytes or int(DEFAULT_BUCKET_MB[2] * 2**20)  # stage 3: a unit's stand-in
+        buffers, views = plan.bucket_buffers, plan.grads_as_bucket_views
+    p_bytes, r_bytes = param_dtype.itemsize, reduce_dtype.itemsize
+    g_bytes = p_bytes if stage < 2 else r_bytes  # full gradients in the parameters' dtype
+    o_bytes = 8 + (4 if param_dtype != torch.float32 else 0)  # m, v and a separate fp32 master
+    shard = -(-numel // shards)  # ceil: this rank's part
+    params = p_bytes * (shard if stage == 3 else numel)
+    params += p_bytes * (-(-frozen // shards) if stage == 3 else frozen)
+    grads = g_bytes * (shard if stage >= 2 else numel)
+    optimizer = o_bytes * (shard if stage >= 1 else numel)
+    extra = 0
+    if stage >= 1:
+        all_grads = r_bytes * numel
+        copied = stage >= 2 or not views  # gradients copied into pooled buffers (bucket_buffers=0: no bound)
+        pooled = min(buffers * bucket_bytes, all_grads) if buffers else all_grads
+        extra += pooled if copied else 0
+        extra += r_bytes * shard if stage == 1 and not views else 0  # stage 1's reduced shard in reduce_dtype
+        padding_elements = ALIGN * shards * max(1, -(-r_bytes * numel // bucket_bytes))
+        extra += padding_elements * (p_bytes + r_bytes + o_bytes)
+    return MemoryEstimate(stage, world, params, grads, optimizer, extra)
