@@ -163,6 +163,20 @@ def test_a_changed_order_stops_prefetching_but_gathers_what_each_call_needs():
     assert bwd == ["G1", "G2", "W1", "R1", "W2", "R2", "R0"]
 
 
+def test_actions_that_were_not_carried_out_leave_their_units_as_they_were():
+    """A gather that failed (another rank died) is waited for again before its buffer is freed: the
+    states go back to what the buffers hold."""
+    schedule, buffers = schedule_for(NESTED)
+    run_step(schedule, NESTED_TREE, buffers)
+    root = schedule.enter("model")
+    actions = schedule.pre_forward(root)
+    assert buffers.apply(actions[:2]) == ["G0", "G1"]  # the wait for unit 0 (actions[2]) raises
+    schedule.not_carried_out(actions[2:])
+    assert schedule.exit_call() is root
+    # The root's post-forward still runs (always_call): unit 0 is waited for again, then released.
+    assert buffers.apply(schedule.post_forward(root, backward_follows=False)) == ["W0", "R0", "W1", "R1"]
+
+
 def test_random_call_trees_keep_every_action_legal():
     """Random nestings, modules called more than once, merged units and forwards without backward:
     every action applies to a unit in the state it needs, every call runs gathered, and nothing

@@ -233,16 +233,20 @@ class UnitTracker:
         return dist.get_world_size(self.buffers.comm.gather_group)
 
     def _carry_out(self, actions: list[Action]) -> None:
-        for op, unit in actions:
-            if op is UnitOp.RELEASE:
-                self.buffers.release(unit)
-                continue
-            with torch.profiler.record_function("zerofast::unit_gather"):
-                if op is UnitOp.GATHER:
-                    self.gathers += 1
-                    self.buffers.gather_start(unit)
-                else:
-                    self.buffers.gather_wait(unit)
+        for i, (op, unit) in enumerate(actions):
+            try:
+                if op is UnitOp.RELEASE:
+                    self.buffers.release(unit)
+                    continue
+                with torch.profiler.record_function("zerofast::unit_gather"):
+                    if op is UnitOp.GATHER:
+                        self.gathers += 1
+                        self.buffers.gather_start(unit)
+                    else:
+                        self.buffers.gather_wait(unit)
+            except BaseException:
+                self.schedule.not_carried_out(actions[i:])
+                raise
 
     # --- hooks ----------------------------------------------------------------------------------
     # See [Note: stage 3 under torch.compile]: the hooks always run eagerly.

@@ -111,6 +111,10 @@ class Action(NamedTuple):
     unit: int
 
 
+# The state each action takes a unit from (a release follows the wait of a unit still in flight).
+_STATE_BEFORE = {UnitOp.GATHER: UnitState.SHARDED, UnitOp.WAIT: UnitState.GATHERING, UnitOp.RELEASE: UnitState.GATHERED}
+
+
 @dataclass(frozen=True)
 class Call:
     """One forward call of a module that gathered."""
@@ -293,6 +297,14 @@ class Schedule:
     @property
     def pinned(self) -> bool:
         return self._pins > 0
+
+    def not_carried_out(self, actions: list[Action]) -> None:
+        """The runtime could not carry out `actions` (the first of them raised: a collective that
+        failed): their units go back to the state they were in before them, so that the states stay
+        what the buffers hold. A wait that failed is waited for again before its buffer is freed,
+        never freed under a gather still in flight."""
+        for op, u in reversed(actions):
+            self.state[u] = _STATE_BEFORE[op]
 
     def _predicted_next(self, call: CallRef) -> tuple[int, ...]:
         """What to prefetch in forward: the units of the next other call of the previous forward,
