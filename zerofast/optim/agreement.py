@@ -1,6 +1,6 @@
 """The step's agreement as data: where each flag and counter sits in phase 2's one small
 all_reduce(MAX) message, and what the ranks agreed on. Pure Python (no compiled code), so that the
-estimator (zerofast/tools/estimate.py) counts the message's bytes from the same layout."""
+estimator (zerofast/estimate/traffic.py) counts the message's bytes from the same layout."""
 
 from __future__ import annotations
 

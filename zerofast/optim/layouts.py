@@ -1,7 +1,7 @@
 """Where every parameter a ZeroAdam manages lives, for a given number of ranks sharing the state:
 the trainable parameters' layout (buckets, owners, slices), stage 3's units and the layout of its
 frozen parameters. Pure Python over the model and the plan, no process group and no compiled code,
-so the optimizer and the estimator's traffic counts (zerofast/tools/estimate.py) read one answer.
+so the optimizer and the estimator's traffic counts (zerofast/estimate/traffic.py) read one answer.
 """
 
 from __future__ import annotations
