@@ -3,8 +3,8 @@ estimate_traffic against comm_stats() measured on 4 gloo ranks (exact: equality,
 the cost formulas against hand-computed values, the command line's output and errors.
 No timing here: the model's check against measured step times is scripts/probe_links.py."""
 
+import dataclasses
 import functools
-import inspect
 import math
 import subprocess
 import sys
@@ -23,7 +23,7 @@ from zerofast.tools.timemodel import Cluster, Link, collective_time, link_of, pa
 
 # ZeroAdam(shard_size=K) (issue 24, hybrid sharding). Before it, every run is flat (K = W) and
 # comm_stats() keys carry no "shard/" prefix; the K < W cases below need it.
-HAS_SHARD_SIZE = "shard_size" in inspect.signature(ZeroAdam.__init__).parameters
+HAS_SHARD_SIZE = "shard_size" in {f.name for f in dataclasses.fields(CommPolicy)}
 WORLD = 4
 MODELS = {"nested": Nested, "gpt": lambda: make_gpt("tiny")}
 # (model, stage, partition, mixed_precision, micro_batches, max_grad_norm, accumulate_locally, min_unit_mb)
@@ -58,8 +58,10 @@ def _matrix(rank, world, shard_sizes):
         for config in CONFIGS:
             name, stage, partition, mp, micro, clip, acc, min_unit = config
             model = MODELS[name]()
-            extra = {"shard_size": k} if k != world else {}
-            opt = ZeroAdam(model, lr=1e-3, **_kwargs(stage, partition, mp, clip, acc, min_unit), **extra)
+            kwargs = _kwargs(stage, partition, mp, clip, acc, min_unit)
+            if k != world:
+                kwargs["comm"] = dataclasses.replace(kwargs["comm"], shard_size=k)
+            opt = ZeroAdam(model, lr=1e-3, **kwargs)
             for step in range(2):
                 for mb in range(micro):
                     x, y = rank_batch(model, 10 * step + mb, rank)
@@ -70,7 +72,7 @@ def _matrix(rank, world, shard_sizes):
                         opt.backward(model(x, y)[1])
                 opt.step()
                 opt.zero_grad()
-            out[(k, config)] = opt.comm_stats()
+            out[(k, config)] = opt.report().comm
             opt.remove_hooks()
     return out
 

@@ -199,7 +199,7 @@ UnitSpec = None | list | tuple | type | set | frozenset | Callable[[Any], bool]
 @dataclass(frozen=True)
 class UnitPolicy:
     """Stage 3: which modules' parameters are gathered and released together ([Note: choosing units]
-    in zerofast/stage3/units.py; opt.units_report() shows the choice).
+    in zerofast/stage3/units.py; opt.report().units shows the choice).
 
     modules: None (the model's blocks: its `_no_split_modules` classes, else the children of every
       nn.ModuleList, else the root's children), a list of submodules, a module class or set of

@@ -147,7 +147,7 @@ def _write(path: str, state: dict, group, rank: int, small: bytes, manifest: dic
             with open(os.path.join(tmp, SMALL), "wb") as out:
                 out.write(small)
             with open(os.path.join(tmp, MANIFEST), "w") as out:
-                json.dump({**manifest, "save_counter": _next_save_counter(root)}, out, indent=1)
+                json.dump({**manifest, "save_counter": next_save_counter(root)}, out, indent=1)
             os.replace(tmp, path)
             if keep is not None:
                 _purge(root, keep, path)
@@ -210,7 +210,10 @@ def _complete(root: str) -> list[tuple[tuple, str]]:
     return sorted(found)
 
 
-def _next_save_counter(root: str) -> int:
+def next_save_counter(root: str) -> int:
+    """The save counter of the next checkpoint written under `root`: one more than the largest of
+    its complete checkpoints ([Note: which checkpoint is the latest]). Rank 0 reads it after every
+    rank's data is written, just before the manifest (tests fail a save at that point through it)."""
     counters = [key[1] for key, _ in _complete(root)] if os.path.isdir(root) else []
     return max(counters, default=0) + 1
 
