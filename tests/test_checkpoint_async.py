@@ -69,7 +69,7 @@ def _async_equals_blocking(rank, world, root):
             assert not handle.done()  # the steps ran while it was being written
             seen = []
             handle.then(lambda: seen.append(os.path.isdir(handle.path)))  # runs once the folder exists
-            staged = ck_io._STAGING[opt]
+            staged = ck_io.staging_of(opt)
             pointers = {k: t.data_ptr() for k, t in staged.flat.items()}
             assert handle.wait() == os.path.join(root, f"async{tag}") and handle.done() and seen == [True]
             handle.then(lambda: seen.append("now"))  # after the end: at once, on this thread

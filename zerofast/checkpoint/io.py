@@ -118,9 +118,15 @@ def save(
 _STAGING: weakref.WeakKeyDictionary[CheckpointView, Staging] = weakref.WeakKeyDictionary()
 
 
+def staging_of(opt: Checkpointable) -> Staging | None:
+    """The copy `opt`'s asynchronous saves reuse (None before the first): its buffers are made once
+    and refilled by every later save."""
+    return _STAGING.get(opt.checkpoint_view)
+
+
 def staging_bytes(opt: Checkpointable) -> int:
     """Host memory held for `opt`'s asynchronous saves (0 before the first)."""
-    staged = _STAGING.get(opt.checkpoint_view)
+    staged = staging_of(opt)
     return 0 if staged is None else staged.nbytes()
 
 
