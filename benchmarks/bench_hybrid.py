@@ -1,12 +1,12 @@
 """Hybrid sharding on 4 gloo ranks x 1 thread taken as 2 "machines" of 2 ranks (ranks 0-1 and 2-3):
-per step, the payload bytes that cross machines and the step time, for ZeroAdam flat (shard_size=4)
+per step, the payload bytes that cross machines and the step time, for ZeroAdam flat (CommPolicy(shard_size=4))
 against ZeroAdam shard_size=2 (stages 1-3), next to torch FSDP2 flat (a 1-D mesh of 4) and FSDP2
 HSDP (a 2-D ("replicate", "shard") mesh of 2 x 2), each with reshard_after_forward True (ZeRO-3's
 parameter sharding) and False (parameters kept after forward: ZeRO-2's traffic), and DDP.
 
-Bytes that cross machines: the payload (the data a collective reduces or gathers, as comm_stats
+Bytes that cross machines: the payload (the data a collective reduces or gathers, as report().comm
 counts it) of every collective whose group holds ranks of both machines. ZeroAdam's come from
-comm_stats() (a shard group of 4 spans both machines; a replicate group always does). FSDP2's are
+report().comm (a shard group of 4 spans both machines; a replicate group always does). FSDP2's are
 counted by wrapping the three collectives it issues from Python (dist.all_gather_single,
 dist.reduce_scatter_single, dist.all_reduce) for one step; DDP's all_reduce runs in its C++ reducer
 and is not counted (its traffic is the whole gradient, Φ, every step, across machines).
@@ -66,7 +66,7 @@ def build(case, rank, world):
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from zerofast import ZeroAdam
+    from zerofast import CommPolicy, ZeroAdam
     from zerofast.tools.models import make_gpt, random_batch
 
     model = make_gpt("small")
@@ -96,10 +96,10 @@ def build(case, rank, world):
     else:
         stage, k = int(rest[0]), int(rest[1].split("=")[1])
         module = model
-        opt = ZeroAdam(model, stage=stage, shard_size=k, **HYPER)
+        opt = ZeroAdam(model, stage=stage, comm=CommPolicy(shard_size=k), **HYPER)
 
         def count():
-            stats = opt.comm_stats()
+            stats = opt.report().comm
             cross = sum(
                 v
                 for key, v in stats.items()

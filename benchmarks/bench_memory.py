@@ -48,6 +48,7 @@ unbounded).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -117,7 +118,7 @@ def _torch_bytes(model, opt) -> int:
 
 
 def _zeroadam_tensor_bytes(opt) -> tuple[int, dict]:
-    r = opt.memory_report()
+    r = dataclasses.asdict(opt.report().memory)
     keys = ("params", "grad_shard", "optimizer", "master_copy", "grads", "bucket_buffers", "bucket_pool")
     return sum(int(r[k]) for k in keys), {k: int(v) for k, v in r.items()}
 
@@ -344,7 +345,7 @@ class _Summary:
                 )
         tr.write_line(
             "measured = (growth - overhead) / unit; tensors = the case's own count of its tensors "
-            "(ZeroAdam: opt.memory_report(), bucket buffers and pool included), same unit"
+            "(ZeroAdam: opt.report().memory, bucket buffers and pool included), same unit"
         )
 
 

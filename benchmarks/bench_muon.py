@@ -6,7 +6,7 @@ matrices of 4 shapes), one run, a printed table:
 Per case: the optimizer step's time (opt.step(), median over steps, the slowest rank), Newton-Schulz
 time per step on each rank (process CPU time, so that 4 ranks sharing fewer cores do not count each
 other's time: max over ranks, mean, and max / (total / N), the makespan against the ideal), payload
-bytes per step (comm_stats()'s convention: each reduce's and gather's payload once), and the bytes of
+bytes per step (report().comm's convention: each reduce's and gather's payload once), and the bytes of
 state each rank holds after a step (parameters, gradients, optimizer state, master, bucket buffers,
 counted from the tensors: a CPU run has no allocator peak to read; the max over ranks).
 
@@ -94,12 +94,10 @@ def build(case: str, rank: int, world: int):
             )
 
         def state_bytes():
-            report = opt.memory_report()
-            return sum(
-                report[k] for k in ("params", "grad_shard", "optimizer", "master_copy", "grads", "bucket_buffers")
-            )
+            r = opt.report().memory
+            return r.params + r.grad_shard + r.optimizer + r.master_copy + r.grads + r.bucket_buffers
 
-        return model, opt.step, opt.zero_grad, lambda: sum(opt.comm_stats().values()), state_bytes
+        return model, opt.step, opt.zero_grad, lambda: sum(opt.report().comm.values()), state_bytes
     muon_params = [p for n, p in model.named_parameters() if p.ndim == 2 and p is not model.wte.weight]
     others = [p for p in model.parameters() if all(p is not q for q in muon_params)]
     if kind == "ddp":

@@ -2,13 +2,14 @@
 state) against fp32, stages 1-3, on the step benchmark's setting: gloo, 2 ranks x 1 thread, a GPT
 of 6.4M parameters, batch 8 x 64 per rank. Each case also reports the bytes rank 0 holds after a
 step (parameters, gradients, gradient shard, optimizer state, master copy, bucket buffers), from
-ZeroAdam.memory_report(); the summary prints it next to the step time.
+ZeroAdam.report().memory; the summary prints it next to the step time.
 
 The step time of bf16 on a CPU depends on whether the CPU multiplies bf16 natively (AMX or
 AVX512-BF16); without that, bf16 matmuls are slower than fp32 ones and the step is too, while the
 memory halves for parameters and gradients as the ZeRO paper's memory table says.
 """
 
+import dataclasses
 import functools
 
 import pytest
@@ -37,7 +38,7 @@ def build(case, rank, world):
         opt.zero_grad(set_to_none=False)  # keep stage 1's gradients for the memory count
 
     def info():
-        r = opt.memory_report()
+        r = dataclasses.asdict(opt.report().memory)
         keys = ("params", "grads", "grad_shard", "optimizer", "master_copy", "bucket_buffers", "bucket_pool")
         return {k: r[k] for k in keys}
 

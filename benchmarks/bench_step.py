@@ -151,7 +151,8 @@ def build(case, rank, world):
         units = UnitPolicy(min_unit_mb=options.pop("min_unit_mb")) if "min_unit_mb" in options else None
         comm = CommPolicy(partition=partition, overlap_param_gather="overlap_gather" in extra, **options)
         opt = ZeroAdam(model, stage=int(stage), comm=comm, units=units, **HYPER)
-        return _loop(model, rank, plain(opt, model), opt.materialized_param_bytes if opt.stage == 3 else None)
+        param_bytes = (lambda: opt.report().memory.materialized_params) if opt.plan.params_sharded else None
+        return _loop(model, rank, plain(opt, model), param_bytes)
     if kind == "deepspeed":
         import os
 

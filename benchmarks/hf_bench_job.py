@@ -52,7 +52,7 @@ class Clock(TrainerCallback):
 def parameter_bytes(model, optimizer) -> int:
     """Parameter storage alive on this rank now, trainable and frozen, each storage once."""
     if getattr(getattr(optimizer, "plan", None), "params_sharded", False):
-        return optimizer.materialized_param_bytes()  # stage 3: shards (frozen too) + gathered units
+        return optimizer.report().memory.materialized_params  # stage 3: shards (frozen too) + gathered units
     seen = {}
     for p in model.parameters():  # DDP, stages 1-2 (their flat buffers), FSDP2 (DTensor locals)
         local = p.to_local() if hasattr(p, "to_local") else p

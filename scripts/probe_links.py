@@ -101,7 +101,7 @@ def _rank(rank: int, world: int, port: int, reps: int, out: str) -> None:
     for name, ts in times.items():
         (result["measured"] if isinstance(name, int) else result["compute"])[name] = statistics.median(ts)
     for stage in (1, 2, 3):
-        result["measured"][f"{stage} comm"] = zero[stage][1].comm_stats()
+        result["measured"][f"{stage} comm"] = zero[stage][1].report().comm
     if rank == 0:
         torch.save(result, out)
     dist.barrier()
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
             errs = [(pr - measured) / measured * 100 for pr in preds]
             print(
                 f"{stage:<6d} {format_seconds(measured):>10s} {format_seconds(preds[0]):>10s} {errs[0]:>+6.0f}% "
-                f"{format_seconds(preds[1]):>13s} {errs[1]:>+6.0f}%  {format_bytes(sum(est.values()))} (= comm_stats)"
+                f"{format_seconds(preds[1]):>13s} {errs[1]:>+6.0f}%  {format_bytes(sum(est.values()))} (= report().comm)"
             )
     return 0
 

@@ -17,6 +17,7 @@ torch.set_num_threads(1)
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from zerofast import CommPolicy  # noqa: E402
 from zerofast.integrations.hf import ZeroTrainer  # noqa: E402
 
 hf_logging.set_verbosity_error()
@@ -113,7 +114,7 @@ def train():
         extra = dict(save_strategy="steps", save_steps=2, save_total_limit=2) if stage == 3 else {}
         # Stage 1 replicates across the 2 ranks (hybrid sharding with shard_size=1): the logged
         # grad_norm must still count each gradient element once, as DDP's does.
-        hybrid = {"shard_size": 1} if stage == 1 else {}
+        hybrid = {"comm": CommPolicy(shard_size=1)} if stage == 1 else {}
         trainer = ZeroTrainer(
             model=gpt2(),
             args=arguments(os.path.join(OUT, f"stage{stage}"), **extra),
@@ -173,9 +174,9 @@ def lora():
     trainer.train()
     out["zero"] = logs(trainer)
     # Stage 3 shards the frozen base too: the parameter storage alive on this rank after training.
-    out["param_bytes"] = trainer.optimizer.materialized_param_bytes()
+    out["param_bytes"] = trainer.optimizer.report().memory.materialized_params
     out["all_bytes"] = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
-    out["units"] = len(trainer.optimizer.units_report())
+    out["units"] = len(trainer.optimizer.report().units)
     save("lora-zero", params(trainer, only_trainable=True))
     trainer.save_model(os.path.join(OUT, "lora-adapter"))
     return out
@@ -197,7 +198,7 @@ def precision():
             "logs": logs(trainer),
             "dtype": str(next(trainer.model.parameters()).dtype),
             "accelerate": [trainer.accelerator.mixed_precision, trainer.accelerator.native_amp],
-            "mixed_precision": trainer.optimizer.mixed_precision,
+            "mixed_precision": trainer.optimizer.plan.mixed_precision,
             "loss_scale": trainer.optimizer.loss_scale,
         }
     return out

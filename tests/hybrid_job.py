@@ -1,8 +1,8 @@
 """The hybrid-sharding job of tests/test_hybrid.py, launched by torchrun on two "machines" of 2 ranks
 each (--nnodes 2, c10d rendezvous on loopback): every case trains the nested model (blocks at
-model.backbone.layers[i], tied embedding) 3 steps with ZeroAdam(shard_size=2) and with the flat
+model.backbone.layers[i], tied embedding) 3 steps with ZeroAdam(comm=CommPolicy(shard_size=2)) and with the flat
 ZeroAdam, and rank 0 writes what the test compares: every rank's parameters, each step's
-comm_stats, and a checkpoint saved at (4 ranks, shard_size=2).
+report().comm, and a checkpoint saved at (4 ranks, shard_size=2).
 
     python -m torch.distributed.run --nnodes 2 --nproc-per-node 2 ... tests/hybrid_job.py OUT_DIR
 """
@@ -27,7 +27,7 @@ MICRO = 2  # micro-batches per step in the accumulation cases
 
 def train(opt, model, rank, micro: int = 1) -> list[dict]:
     """STEPS steps, each over `micro` micro-batches of this rank's data (the first micro - 1 under
-    no_sync); each step's comm_stats."""
+    no_sync); each step's report().comm."""
     stats = []
     for step in range(STEPS):
         for m in range(micro):
@@ -39,21 +39,23 @@ def train(opt, model, rank, micro: int = 1) -> list[dict]:
                 (model_loss(model, x, y) / micro).backward()
         opt.step()
         opt.zero_grad()
-        stats.append(opt.comm_stats())
+        stats.append(opt.report().comm)
     return stats
 
 
 def run_case(rank, stage, partition, shard_size, micro=1, save=None):
     model = Nested()
-    opt = ZeroAdam(model, **zero_options(stage, partition=partition), shard_size=shard_size, **HYPER)
+    opt = ZeroAdam(model, **zero_options(stage, partition=partition, shard_size=shard_size), **HYPER)
     stats = train(opt, model, rank, micro)
     if save is not None:
         ck.save(save, model, opt)
     with opt.gathered_params():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    owned = opt.layout.shard_numel(opt.shard_rank) * 4  # fp32 gradient shard bytes, padding included
+    view = opt.checkpoint_view
+    layout = view.trainable.layout
+    owned = layout.shard_numel(view.facts.shard_rank) * 4  # fp32 gradient shard bytes, padding included
     opt.remove_hooks()
-    return dict(params=params, stats=stats, owned=owned, buckets=len(opt.layout.buckets))
+    return dict(params=params, stats=stats, owned=owned, buckets=len(layout.buckets))
 
 
 def main(out: str) -> None:

@@ -370,10 +370,20 @@ def model_loss(model, x, y) -> torch.Tensor:
     return model(x, y)[1]
 
 
+def layout_of(opt):
+    """The optimizer's layout of its trainable parameters, as its checkpoint view gives it."""
+    return opt.checkpoint_view.trainable.layout
+
+
+def param_bytes(opt) -> int:
+    """Parameter storage that exists now (stage 3: shards and the units gathered at the moment)."""
+    return opt.report().memory.materialized_params
+
+
 def held_tensor_bytes(root) -> int:
     """Bytes of every distinct tensor storage the optimizer holds from Python: a walk through its
     attributes, containers and the objects they hold, stopping at the model (whose parameters are
-    views of the optimizer's own buffers) and at process groups. Independent of memory_report()."""
+    views of the optimizer's own buffers) and at process groups. Independent of report()."""
     import torch.nn as nn
 
     seen, storages, stack = set(), {}, [root]
@@ -404,6 +414,7 @@ def zero_options(
     overlap_param_gather=None,
     accumulate_locally=None,
     check_collectives=None,
+    shard_size=None,
     min_unit_mb=None,
     units=None,
     mixed_precision=None,
@@ -427,6 +438,7 @@ def zero_options(
             overlap_param_gather=overlap_param_gather,
             accumulate_locally=accumulate_locally,
             check_collectives=check_collectives,
+            shard_size=shard_size,
         ).items()
         if v is not None
     }

@@ -20,6 +20,7 @@ from oracles import (
 )
 
 from zerofast import ZeroAdam
+from zerofast.optim.zero_adam import parts_of
 from zerofast.tools.models import make_gpt
 
 STEPS = 3
@@ -83,21 +84,22 @@ def _train_counting(rank, world, stage, partition, budget, slow, sync_dir, preci
     # each sample sees the buffers as the previous gradient left them, before this gradient's buffer
     # is taken (and waited for); the C++ peaks see every moment.
     def sample(_):
-        live = opt.buffer_counts()["live"]
+        live = opt.report().buffers.live
         samples.append(live)
         if fast and budget and live >= budget:
             _go_ahead(sync_dir, state["step"], rank)
 
     handles = [p.register_post_accumulate_grad_hook(sample) for p in model.parameters()]
     if fast and stage == 3:
-        wait = opt.units.buffers.gather_wait
+        unit_buffers = parts_of(opt).units.buffers  # the test seam: a gather delayed until a go-ahead
+        wait = unit_buffers.gather_wait
 
         def go_ahead_then_wait(unit):
             if state["backward"]:
                 _go_ahead(sync_dir, state["step"], rank)
             wait(unit)
 
-        opt.units.buffers.gather_wait = go_ahead_then_wait
+        unit_buffers.gather_wait = go_ahead_then_wait
 
     def forward(model, x, y, step):
         state.update(step=step, backward=False)
@@ -116,7 +118,8 @@ def _train_counting(rank, world, stage, partition, budget, slow, sync_dir, preci
         h.remove()
     with opt.gathered_params():  # stage 3's parameters exist only while gathered
         params = _params(model)
-    return dict(counts=opt.buffer_counts(), sampled=max(samples), buckets=len(opt.layout.buckets), params=params)
+    buckets = len(opt.checkpoint_view.trainable.layout.buckets)
+    return dict(counts=opt.report().buffers, sampled=max(samples), buckets=buckets, params=params)
 
 
 def _budget_matrix(rank, world, sync_dir):
@@ -145,13 +148,13 @@ def test_buffers_alive_at_once_stay_within_the_budget(world, tmp_path):
             if key == "unbounded":
                 continue
             if key == "stage1_views":  # no pooled buffer at all: the gradients are the buckets
-                assert c["peak_alive"] == 0 and r["sampled"] == 0, where
+                assert c.peak_alive == 0 and r["sampled"] == 0, where
                 continue
             stage, budget = (key[0], key[2]) if isinstance(key, tuple) else (1, 2)
             assert r["buckets"] >= 3 * budget, where  # enough buckets for the bound to matter
             # In use and kept for reuse together, from the C++ side, at every moment.
-            assert c["peak_live"] <= budget and c["peak_alive"] <= budget, (where, c)
-            assert r["sampled"] <= budget and c["over_budget"] == 0, (where, r["sampled"], c)
+            assert c.peak_live <= budget and c.peak_alive <= budget, (where, c)
+            assert r["sampled"] <= budget and c.over_budget == 0, (where, r["sampled"], c)
             if rank != SLOW_RANK and stage < 3:
                 # And the budget was spent: a fast rank held `budget` buffers before the slow rank
                 # started its backward, so its next buffer waited for the oldest reduce (stage 3's
@@ -166,7 +169,7 @@ def test_buffers_alive_at_once_stay_within_the_budget(world, tmp_path):
     for rank, out in enumerate(results):
         if rank != SLOW_RANK:
             unbounded = out["unbounded"]
-            assert unbounded["counts"]["peak_live"] == unbounded["buckets"] > 2, (rank, unbounded["counts"])
+            assert unbounded["counts"].peak_live == unbounded["buckets"] > 2, (rank, unbounded["counts"])
 
 
 # --- stage 1: gradients as views of the buckets ---------------------------------------------------------
@@ -175,7 +178,8 @@ def test_buffers_alive_at_once_stay_within_the_budget(world, tmp_path):
 def _stage1(rank, world, precision):
     model = make_gpt("tiny")
     opt = ZeroAdam(model, **zero_options(1, bucket_mb=0.01), mixed_precision=precision, **HYPER)
-    buckets = [(g.data_ptr(), g.data_ptr() + g.numel() * g.element_size()) for g in opt.shard.grad_buckets]
+    grad_buckets = parts_of(opt).shard.grad_buckets  # the test seam: where .grad must live
+    buckets = [(g.data_ptr(), g.data_ptr() + g.numel() * g.element_size()) for g in grad_buckets]
     inside, after_step = [], []
     steps = 6
     for step in range(steps):
@@ -191,17 +195,18 @@ def _stage1(rank, world, precision):
     _, loss = model(*rank_batch(model, steps, rank))
     opt.backward(loss)
     held = held_tensor_bytes(opt)
-    report = opt.memory_report()
+    report = opt.report()
+    layout = opt.checkpoint_view.trainable.layout
     return dict(
         inside=inside,
         after_step=after_step,
         held=held,
-        report=report,
+        report=report.memory,
         params=_params(model),
         numel=sum(p.numel() for p in model.parameters()),
-        padded=sum(b.numel for b in opt.layout.buckets),
-        shard=opt.layout.shard_numel(rank),
-        counts=opt.buffer_counts(),
+        padded=sum(b.numel for b in layout.buckets),
+        shard=layout.shard_numel(rank),
+        counts=report.buffers,
         steps=steps,
     )
 
@@ -218,8 +223,8 @@ def test_stage1_holds_one_copy_of_the_gradients(world):
             optimizer = (8 if precision is None else 12) * m["shard"]
             assert m["held"] == 2 * size * m["padded"] + optimizer, where
             r = m["report"]
-            assert r["grads"] == size * m["padded"] and r["grad_shard"] == 0, where
-            assert m["counts"]["peak_alive"] == 0, where  # no buffer beside the gradients
+            assert r.grads == size * m["padded"] and r.grad_shard == 0, where
+            assert m["counts"].peak_alive == 0, where  # no buffer beside the gradients
         if precision is None:
             want = single_process_adamw(world, results[0]["steps"])
             for rank, m in enumerate(results):

@@ -53,8 +53,8 @@ def _snapshot(model, opt) -> dict:
         params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     return dict(
         params=params,
-        **{k: opt.shard.state_pieces(k) for k in ("master", "exp_avg", "exp_avg_sq")},
-        steps=opt.step_counts(),
+        **{k: opt.checkpoint_view.trainable.state_pieces(k) for k in ("master", "exp_avg", "exp_avg_sq")},
+        steps=opt.checkpoint_view.step_counts(),
         scale=opt.loss_scale,
     )
 
@@ -423,7 +423,7 @@ def _load_latest(rank, world, root):
     model, opt = _make(2, "flat", None, seed=7)
     path = ck.latest(root)
     ck.load(path, model, opt)
-    return path, opt.step_counts()
+    return path, opt.checkpoint_view.step_counts()
 
 
 def test_a_save_killed_half_way_leaves_the_previous_checkpoint(root):
@@ -538,11 +538,11 @@ def _dcp_by_hand(rank, world, path, stage, partition, precision):
 
     model, opt = _make(stage, partition, precision)
     _train(model, opt, rank, 0, STEPS)
-    dcp.save(opt.state_dict(), checkpoint_id=path, process_group=opt.group)
+    dcp.save(opt.state_dict(), checkpoint_id=path, process_group=opt.checkpoint_view.facts.group)
     saved = _snapshot(model, opt)
     model, opt = _make(stage, partition, precision, seed=7)
     sd = opt.state_dict()
-    dcp.load(sd, checkpoint_id=path, process_group=opt.group)
+    dcp.load(sd, checkpoint_id=path, process_group=opt.checkpoint_view.facts.group)
     opt.load_state_dict(sd)
     errors = []
     try:

@@ -76,7 +76,7 @@ def _async_equals_blocking(rank, world, root):
             release.set()
             seen = []
             handle.then(lambda: seen.append(os.path.isdir(handle.path)))  # runs once the folder exists
-            staged = ck_io._STAGING[opt]
+            staged = ck_io.staging_of(opt)
             pointers = {k: t.data_ptr() for k, t in staged.flat.items()}
             assert handle.wait() == os.path.join(root, f"async{tag}") and handle.done() and seen == [True]
             handle.then(lambda: seen.append("now"))  # after the end: at once, on this thread
@@ -96,10 +96,10 @@ def _async_equals_blocking(rank, world, root):
         assert any(again.path in str(w.message) and "ZeroDivisionError" in str(w.message) for w in caught)
         out[tag] = dict(
             blocking=blocking,
-            shard_numel=opt.layout.shard_numel(rank),
+            shard_numel=opt.checkpoint_view.trainable.layout.shard_numel(rank),
             buffer_bytes=model.seen.numel() * model.seen.element_size(),  # bf16: the buffer too
             staging_bytes=ck_io.staging_bytes(opt),
-            steps=opt.step_counts(),
+            steps=opt.checkpoint_view.step_counts(),
         )
     return out
 
@@ -155,19 +155,19 @@ def _write_error(rank, world, root):
     ck.save(os.path.join(root, "step-5"), model, opt, keep=2)
     out["latest"] = ck.latest(root)
     # Rank 0 failing after the data is written (its manifest): every rank raises, none waits.
-    real_counter = ck_io._next_save_counter
+    real_counter = ck_io.next_save_counter
     try:
         if rank == 0:
 
             def no_manifest(root):
                 raise OSError(5, "Input/output error (injected)")
 
-            ck_io._next_save_counter = no_manifest
+            ck_io.next_save_counter = no_manifest
         ck.save(os.path.join(root, "step-6"), model, opt)
     except (OSError, RuntimeError) as err:
         out["rank 0 failing"] = str(err)
     finally:
-        ck_io._next_save_counter = real_counter
+        ck_io.next_save_counter = real_counter
     return out
 
 
@@ -214,7 +214,7 @@ def _load_latest(rank, world, root):
     model, opt = _make(2)
     path = ck.latest(root)
     ck.load(path, model, opt)
-    return path, opt.step_counts()
+    return path, opt.checkpoint_view.step_counts()
 
 
 def test_a_rank_killed_during_an_asynchronous_write_leaves_the_previous_checkpoint(root):

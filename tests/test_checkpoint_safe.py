@@ -153,7 +153,7 @@ def _load_each(rank, world, paths):
             out.append(f"{type(err).__name__}: {err}")
     # After all of them, training goes on from the good one (the last path).
     train_steps(model, opt, rank, 1, start=2)
-    return out, opt.step_counts()
+    return out, opt.checkpoint_view.step_counts()
 
 
 def test_a_crafted_file_runs_no_code_when_loading_on_every_rank(damaged, saved):

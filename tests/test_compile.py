@@ -87,7 +87,7 @@ def _cases(rank, world):
             out[stage, how] = _train(rank, how, _zero(stage))
     # hybrid sharding (replicated on the 2 ranks: the replicas' all_reduce in backward) and ZeroMuon,
     # the whole model compiled
-    out["hybrid", "whole"] = _train(rank, "whole", _zero(2, shard_size=1))
+    out["hybrid", "whole"] = _train(rank, "whole", _zero(2, comm=CommPolicy(shard_size=1)))
     out["muon", "whole"] = _train(rank, "whole", _muon)
     out["muon", "eager"] = _train(rank, "eager", _muon)
     out[3, "eager"] = _eager(rank)

@@ -122,14 +122,14 @@ def test_estimator_command_line(capsys):
         assert "--params" in capsys.readouterr().err, bad
 
 
-def test_zero_adam_takes_at_most_thirteen_keywords_and_the_policies():
-    """The options most people set are plain keywords; the rest travel in the policies. Thirteen
-    since hybrid sharding's shard_size (its DeviceMesh form travels as process_group)."""
+def test_zero_adam_takes_at_most_twelve_keywords_and_the_policies():
+    """The options most people set are plain keywords; the rest travel in the policies (hybrid
+    sharding's shard_size in CommPolicy; its DeviceMesh form as process_group)."""
     import inspect
 
     params = inspect.signature(ZeroAdam.__init__).parameters
     named = [n for n, p in params.items() if n not in ("self", "model") and p.kind is not p.VAR_KEYWORD]
-    assert len(named) <= 13, named
+    assert len(named) <= 12, named
     assert {
         "stage",
         "lr",
@@ -143,6 +143,39 @@ def test_zero_adam_takes_at_most_thirteen_keywords_and_the_policies():
         "comm",
         "process_group",
     } <= set(named)
+
+
+def test_zero_adam_is_a_thin_front():
+    """ZeroAdam holds the torch.optim surface and the order of a step: at most 20 public members of
+    its own beyond torch.optim.Optimizer's, reports in one dataclass, checkpoints through one view."""
+    from zerofast import ZeroMuon
+
+    own = {n for n in vars(ZeroAdam) if not n.startswith("_")} | {"model", "plan"}  # + its two attributes
+    assert len(own) <= 20, sorted(own)
+    assert {"report", "checkpoint_view", "step", "state_dict"} <= own
+    assert {n for n in vars(ZeroMuon) if not n.startswith("_")} == {"muon_names"}
+    # ZeroMuon configures the same builder: no hook of ZeroAdam's is overridden.
+    assert not {n for n in vars(ZeroMuon) if n.startswith("_") and not n.startswith("__")}
+
+
+def test_the_checkpoint_package_imports_nothing_of_the_optimizer():
+    """The optimizer imports zerofast.checkpoint (its state_dict), never the other way round: the
+    package reads the optimizer through its CheckpointView alone, with no import cycle to hide."""
+    import ast
+    import pathlib
+
+    import zerofast.checkpoint
+
+    found = []
+    for path in pathlib.Path(zerofast.checkpoint.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                name = "." * node.level + (node.module or "")
+                if name.startswith("..optim") or name.startswith("zerofast.optim"):
+                    found.append(f"{path.name}: from {name} import ...")
+            elif isinstance(node, ast.Import):
+                found += [f"{path.name}: import {a.name}" for a in node.names if a.name.startswith("zerofast.optim")]
+    assert not found, found
 
 
 def test_the_plan_resolves_every_default_once():

@@ -1,8 +1,9 @@
 """The traffic estimator and the step-time model (zerofast/estimate/traffic.py, timemodel.py):
-estimate_traffic against comm_stats() measured on 4 gloo ranks (exact: equality, no tolerance),
+estimate_traffic against report().comm measured on 4 gloo ranks (exact: equality, no tolerance),
 the cost formulas against hand-computed values, the command line's output and errors.
 No timing here: the model's check against measured step times is scripts/probe_links.py."""
 
+import dataclasses
 import functools
 import math
 import subprocess
@@ -51,14 +52,16 @@ def _kwargs(stage, partition, mp, clip, acc, min_unit_mb):
 
 def _matrix(rank, world, shard_sizes):
     """Every config and shard size: two steps (the estimate is of the second: stage 3's first step
-    gathers more, see stage3_gathers), comm_stats() of the second."""
+    gathers more, see stage3_gathers), report().comm of the second."""
     out = {}
     for k in shard_sizes:
         for config in CONFIGS:
             name, stage, partition, mp, micro, clip, acc, min_unit = config
             model = MODELS[name]()
-            extra = {"shard_size": k} if k != world else {}
-            opt = ZeroAdam(model, lr=1e-3, **_kwargs(stage, partition, mp, clip, acc, min_unit), **extra)
+            kwargs = _kwargs(stage, partition, mp, clip, acc, min_unit)
+            if k != world:
+                kwargs["comm"] = dataclasses.replace(kwargs["comm"], shard_size=k)
+            opt = ZeroAdam(model, lr=1e-3, **kwargs)
             for step in range(2):
                 for mb in range(micro):
                     x, y = rank_batch(model, 10 * step + mb, rank)
@@ -69,7 +72,7 @@ def _matrix(rank, world, shard_sizes):
                         opt.backward(model(x, y)[1])
                 opt.step()
                 opt.zero_grad()
-            out[(k, config)] = opt.comm_stats()
+            out[(k, config)] = opt.report().comm
             opt.remove_hooks()
     return out
 

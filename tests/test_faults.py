@@ -25,6 +25,7 @@ from harness import free_port, run_ranks
 from oracles import HYPER, rank_batch, train_steps, zero_options
 
 from zerofast import ZeroAdam
+from zerofast.optim.zero_adam import parts_of
 from zerofast.tools.models import make_gpt
 
 TIMEOUT_S = 4.0  # the process groups' timeout in the fault cases
@@ -62,23 +63,26 @@ def _install_fault(model, opt, point: str, sig: int, state: dict) -> None:
     elif point == "backward":  # the first gradient backward computes, before any reduce
         state["on_logits"] = lambda logits: logits.register_hook(lambda g: fire())
     elif point == "reduce":  # at the first gradient after a bucket's reduce was launched, mid-backward
+        comm = parts_of(opt).comm  # the test seam: faults injected into one part
 
         def after_a_launch(_):
-            if opt.comm.stats.get("shard/" + opt.comm.reduce_name):  # some reduce of this step is in flight
+            if comm.stats.get("shard/" + comm.reduce_name):  # some reduce of this step is in flight
                 fire()
 
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(after_a_launch)
     elif point == "step":  # inside step(), after the agreement, before the update
-        apply = opt.shard.apply_adam
+        shard = parts_of(opt).shard
+        apply = shard.apply_adam
 
         def fire_then_apply(*args, **kwargs):
             fire()
             return apply(*args, **kwargs)
 
-        opt.shard.apply_adam = fire_then_apply
+        shard.apply_adam = fire_then_apply
     elif point == "gather":  # stage 3: a unit's gather in forward; stages 1 and 2: phase 4 of step()
-        start = opt.comm.gather_start
+        comm = parts_of(opt).comm
+        start = comm.gather_start
         calls = {"n": 0}
 
         def start_then_fire(bucket, buffer):
@@ -88,7 +92,7 @@ def _install_fault(model, opt, point: str, sig: int, state: dict) -> None:
                 if calls["n"] == 2:
                     fire()
 
-        opt.comm.gather_start = start_then_fire
+        comm.gather_start = start_then_fire
 
 
 def _rank_main(rank, world, port, stage, point, sig_name, out_dir):
@@ -291,14 +295,15 @@ def _module_order(rank, world, check):
     gathers would pair up with the wrong blocks and mix their data silently."""
     model = _Ordered([0, 2, 1, 3] if rank == 1 else [0, 1, 2, 3])
     opt = ZeroAdam(model, **zero_options(3, min_unit_mb=0, check_collectives=check), **HYPER)
-    before = opt.master_shard()
+    master = opt.checkpoint_view.trainable
+    before = master.state_pieces("master")
     try:
         for step in range(2):
             model(torch.randn(4, 16, generator=torch.Generator().manual_seed(step))).backward()
             opt.step()
             opt.zero_grad()
     except Exception as e:  # noqa: BLE001
-        after = opt.master_shard()
+        after = master.state_pieces("master")
         return type(e).__name__, str(e), all(torch.equal(x[2], y[2]) for x, y in zip(before, after))
     return None
 
@@ -328,7 +333,8 @@ def _failing_step(rank, world, stage, fault):
     def snapshot():
         with opt.gathered_params():
             params = {n: p.detach().clone() for n, p in model.named_parameters()}
-        return params, opt.master_shard(), opt.shard.state_pieces("exp_avg"), opt.step_counts()
+        view = opt.checkpoint_view
+        return params, view.trainable.state_pieces("master"), view.trainable.state_pieces("exp_avg"), view.step_counts()
 
     errors = []
     for step in range(5):
@@ -341,10 +347,10 @@ def _failing_step(rank, world, stage, fault):
                     opt.param_groups[0]["lr"] = -1.0
                 else:
 
-                    def boom():
+                    def boom(index, group):
                         raise RuntimeError("injected fault")
 
-                    opt._check_update = boom
+                    parts_of(opt).rule.check_group = boom  # the test seam: step()'s last checks fail
             try:
                 opt.step()
                 errors.append(None)
@@ -352,7 +358,7 @@ def _failing_step(rank, world, stage, fault):
                 errors.append((type(e).__name__, str(e)))
             after = snapshot()
             opt.param_groups[0]["lr"] = HYPER["lr"]
-            opt.__dict__.pop("_check_update", None)
+            vars(parts_of(opt).rule).pop("check_group", None)
         else:
             opt.step()
         opt.zero_grad()

@@ -14,11 +14,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from harness import run_ranks
-from oracles import HYPER, fp32_tol, max_abs_diff, single_process, train_steps, zero_options
+from oracles import HYPER, fp32_tol, layout_of, max_abs_diff, param_bytes, single_process, train_steps, zero_options
 
 from zerofast import ZeroAdam
 from zerofast import checkpoint as ck
 from zerofast.layout import ALIGN
+from zerofast.optim.zero_adam import parts_of
 from zerofast.tools.models import make_gpt
 
 STEPS = 3
@@ -135,7 +136,7 @@ def _mostly_frozen(rank, world):
         samples = []
 
         def sample(*_):
-            samples.append(opt.materialized_param_bytes())
+            samples.append(param_bytes(opt))
 
         for block in model.blocks:  # inside every block's forward and backward, at both ends
             block.register_forward_pre_hook(sample)
@@ -143,28 +144,32 @@ def _mostly_frozen(rank, world):
             block.register_full_backward_pre_hook(sample)
             block.register_full_backward_hook(sample)
         train_steps(model, opt, rank, STEPS)
-        # Each unit gathered at its padded size, trainable and frozen parts together.
-        parts = opt.units.buffers.parts
+        # Each unit gathered at its padded size, trainable and frozen parts together, counted here
+        # from the unit buffers' own parts (the test seam) rather than read off the report.
+        unit_parts = parts_of(opt).units.buffers.parts
+        report = opt.report()
         unit_bytes = [
-            sum(p.layout.buckets[p.bucket_of[u]].numel * 4 for p in parts if p.bucket_of[u] is not None)
-            for u in range(len(opt.units_report()))
+            sum(p.layout.buckets[p.bucket_of[u]].numel * 4 for p in unit_parts if p.bucket_of[u] is not None)
+            for u in range(len(report.units))
         ]
+        view = opt.checkpoint_view
         r = dict(
-            after=opt.materialized_param_bytes(),
-            report=opt.units_report(),
+            after=report.memory.materialized_params,
+            report=report.units,
             peak=max(samples),
             samples=len(samples),
             root=unit_bytes[0],
+            unit_bytes=unit_bytes,
             blocks=sorted(unit_bytes[1:], reverse=True),
-            memory=opt.memory_report(),
-            comm=opt.comm_stats(),
-            buckets=len(opt.layout.buckets) + len(opt.frozen.layout.buckets),
-            grad_numel=opt.layout.shard_numel(rank),
-            frozen_numel=opt.frozen.layout.shard_numel(rank),
+            memory=report.memory,
+            comm=report.comm,
+            buckets=len(view.trainable.layout.buckets) + len(view.frozen.layout.buckets),
+            grad_numel=view.trainable.layout.shard_numel(rank),
+            frozen_numel=view.frozen.layout.shard_numel(rank),
             frozen_grads=[n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None],
         )
         r["params"] = _params(opt, model)
-        r["after_gathered"] = opt.materialized_param_bytes()
+        r["after_gathered"] = param_bytes(opt)
         out[partition] = r
     model = lora_gpt(n_layer=DEEP)
     opt = ZeroAdam(model, stage=2, **HYPER)
@@ -202,12 +207,13 @@ def test_mostly_frozen_model_holds_a_shard_and_trains_exactly():
             assert r["samples"] >= 2 * STEPS
             assert r["after"] < r["peak"] <= r["after"] + r["root"] + sum(r["blocks"][:2]), (r["peak"], r["after"])
             # No gradient or optimizer bytes for the frozen parameters: only the trainable shard's.
-            assert r["memory"]["grad_shard"] == r["grad_numel"] * 4
-            assert r["memory"]["optimizer"] == r["grad_numel"] * 8
-            assert r["memory"]["params"] + r["memory"]["frozen_params"] == r["after"]
+            assert r["memory"].grad_shard == r["grad_numel"] * 4
+            assert r["memory"].optimizer == r["grad_numel"] * 8
+            assert r["memory"].params + r["memory"].frozen_params == r["after"]
+            assert [u.gathered_bytes for u in r["report"]] == r["unit_bytes"], where  # the report's, as counted
             root = r["report"][0]
             assert (
-                root["module"] == "" and root["frozen_tensors"] == root["tensors"] == 4
+                root.module == "" and root.frozen_tensors == root.tensors == 4
             )  # wte (tied), wpe, ln_f.weight, ln_f.bias
         assert max_abs_diff(out["stage 2"], expected) <= TOL
 
@@ -229,8 +235,8 @@ def _mixed(rank, world):
         train_steps(model, opt, rank, STEPS)
         out[partition] = dict(
             params=_params(opt, model),
-            report=opt.units_report(),
-            buckets=[opt.units.buffers.bucket(u) for u in range(len(opt.units_report()))],
+            report=opt.report().units,
+            buckets=[parts_of(opt).units.buffers.bucket(u) for u in range(len(opt.report().units))],
             tied=model.head.weight is model.emb.weight,
         )
     model = Mixed()
@@ -241,7 +247,7 @@ def _mixed(rank, world):
     opt = ZeroAdam(model, **zero_options(2, mixed_precision="bf16"), **HYPER)
     train_steps(model, opt, rank, STEPS)
     out["bf16 stage 2"] = {k: v.float() for k, v in _params(opt, model).items()}
-    out["stage 2 shards no frozen"] = opt.frozen_named_params == () and opt.frozen is None
+    out["stage 2 shards no frozen"] = opt.checkpoint_view.frozen is None and parts_of(opt).frozen is None
     return out
 
 
@@ -253,7 +259,7 @@ def test_tied_frozen_embedding_mixed_modules_and_one_kind_units():
             d = max_abs_diff(r["params"], expected)
             assert d <= TOL, f"{partition} rank {rank}: {d:.3g} from single-process AdamW"
             assert r["tied"]
-            kinds = {u["module"]: (u["tensors"] - u["frozen_tensors"], u["frozen_tensors"]) for u in r["report"]}
+            kinds = {u.module: (u.tensors - u.frozen_tensors, u.frozen_tensors) for u in r["report"]}
             assert kinds == {"": (0, 1), "first": (3, 1), "frozen_block": (0, 2), "adapter": (2, 0), "last": (3, 1)}
             # Frozen-only units have no trainable bucket.
             assert [b is None for b in r["buckets"]] == [True, False, True, False, False]
@@ -329,8 +335,8 @@ def _checkpointing(rank, world):
         train_steps(model, opt, rank, STEPS)
         out[reentrant] = dict(
             params=_params(opt, model),
-            after=opt.materialized_param_bytes(),
-            shard=(opt.layout.shard_numel(rank) + opt.frozen.layout.shard_numel(rank)) * 4,
+            after=param_bytes(opt),
+            shard=(layout_of(opt).shard_numel(rank) + opt.checkpoint_view.frozen.layout.shard_numel(rank)) * 4,
         )
     return out
 

@@ -14,6 +14,7 @@ from harness import run_ranks
 from oracles import HYPER
 
 from zerofast import UnitPolicy, ZeroAdam
+from zerofast.optim.zero_adam import parts_of
 
 # Rank r's batches: (prompt length, max_new_tokens). Rank 1 stops first in every batch and, in the
 # last test, runs out of prompts one batch early.
@@ -58,19 +59,19 @@ def sharded(model):
 
 def gathered_bytes(opt) -> int:
     """Bytes of unit buffers that exist now (the shards not counted)."""
-    return sum(b.untyped_storage().nbytes() for part in opt.units.buffers.parts for b in part.buffers)
+    return sum(b.untyped_storage().nbytes() for part in parts_of(opt).units.buffers.parts for b in part.buffers)
 
 
 def unit_bytes(opt) -> list[int]:
     """Each unit's gathered size in bytes (its trainable and frozen buckets)."""
-    parts = opt.units.buffers.parts
+    parts = parts_of(opt).units.buffers.parts
     return [
         sum(
             p.buffers[p.bucket_of[u]].numel() * p.buffers[p.bucket_of[u]].element_size()
             for p in parts
             if p.bucket_of[u] is not None
         )
-        for u in range(len(opt.units.state))
+        for u in range(len(parts_of(opt).units.state))
     ]
 
 
@@ -91,29 +92,31 @@ def _both_modes(rank, world, batches, stream=True):
     model = tiny_llama()
     oracle = copy.deepcopy(model)
     model, opt = sharded(model)
-    units = len(opt.units.state)
+    units = len(parts_of(opt).units.state)
     expected = [greedy(oracle, prompt(rank, b, n), new) for b, (n, new) in enumerate(plan)]
     out = {"units": units, "gathered": [], "streamed": [], "forwards": []}
 
     # Whole model gathered: no collective inside the block, whatever each rank runs.
     with opt.gathered_params(), torch.inference_mode():
-        before = opt.units.gathers
+        before = opt.report().unit_gathers
         for b, (n, new) in enumerate(plan):
             out["gathered"].append(torch.equal(greedy(model, prompt(rank, b, n), new), expected[b]))
-        out["gathers_in_block"] = opt.units.gathers - before
+        out["gathers_in_block"] = opt.report().unit_gathers - before
         out["gathered_bytes_in_block"] = gathered_bytes(opt)
-    out["sharded_after_block"] = all(s.value == "sharded" for s in opt.units.state) and gathered_bytes(opt) == 0
+    out["sharded_after_block"] = (
+        all(s.value == "sharded" for s in parts_of(opt).units.state) and gathered_bytes(opt) == 0
+    )
 
     # Unit by unit: zerofast makes generate() sync the ranks (synced_gpus=True).
     if stream:
         out["unit_bytes"] = unit_bytes(opt)
         for b, (n, new) in enumerate(plan):
-            before = opt.units.gathers
+            before = opt.report().unit_gathers
             with torch.no_grad():
                 tokens, peak = peak_during(model, opt, lambda: greedy(model, prompt(rank, b, n), new))
                 out["streamed"].append(torch.equal(tokens, expected[b]))
             out["streamed_peak"] = max(out.get("streamed_peak", 0), peak)
-            out["forwards"].append((opt.units.gathers - before, new))
+            out["forwards"].append((opt.report().unit_gathers - before, new))
     # Both ranks in step again: a collective that needs every rank (the state gathered unit by unit).
     full = opt.full_state_dict()
     out["state_equal"] = all(torch.equal(full[k], v) for k, v in oracle.state_dict().items())
@@ -192,11 +195,11 @@ def _manual_loop_and_grads(rank, world):
     model, opt = sharded(tiny_llama())
     ids = prompt(rank, 0, 3)
     with opt.gathered_params(), torch.no_grad():
-        before = opt.units.gathers
+        before = opt.report().unit_gathers
         for _ in range(3 + 2 * rank):
             nxt = model(ids).logits[:, -1].argmax(-1, keepdim=True)
             ids = torch.cat([ids, nxt], dim=1)
-        out["loop_gathers"] = opt.units.gathers - before
+        out["loop_gathers"] = opt.report().unit_gathers - before
 
     batch = prompt(rank, 7, 6)
     states = []
@@ -244,7 +247,7 @@ def _weights_out(rank, world):
         model(batch, labels=batch).loss.backward()
         opt.step()
         opt.zero_grad()
-    parts = opt.units.buffers.parts
+    parts = parts_of(opt).units.buffers.parts
     largest_unit = max(b.numel() * b.element_size() for part in parts for b in part.buffers)
 
     def gathered_bytes() -> int:
@@ -262,7 +265,7 @@ def _weights_out(rank, world):
         "bitwise": all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in want.items()),
         "peak": peak,
         "largest_unit": largest_unit,
-        "units": len(opt.units.state),
+        "units": len(parts_of(opt).units.state),
         "sharded_after": gathered_bytes() == 0,
     }
 

@@ -14,6 +14,7 @@ from oracles import HYPER, Quirky, fp32_tol, max_abs_diff, rank_batch, single_pr
 from zerofast import ZeroAdam
 from zerofast.comm import GradientError
 from zerofast.optim.grads import AgreementLayout
+from zerofast.optim.zero_adam import parts_of
 
 STEPS = 4
 
@@ -22,8 +23,7 @@ def _quirky(rank, world, stage, partition, python_only):
     model = Quirky()
     opt = ZeroAdam(model, **zero_options(stage, partition=partition, bucket_mb=0.001, min_unit_mb=0), **HYPER)
     if python_only:  # every gradient through Python's path, as fp16 or check_collectives would send it
-        opt._grads.always_python = True
-        opt._grads._enter(opt._grads.phase)  # the compiled path's mode follows
+        parts_of(opt).grads.take_every_gradient_in_python()
     backwards = 0
     for step in range(STEPS):
         loss = model(*rank_batch(model, step, rank), step, rank)
@@ -35,8 +35,8 @@ def _quirky(rank, world, stage, partition, python_only):
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return dict(
         params=params,
-        fast=opt._grads.path.fast_calls,
-        counts=opt.step_counts(),
+        fast=parts_of(opt).grads.path.fast_calls,
+        counts=opt.checkpoint_view.step_counts(),
         backwards=backwards,
         tensors=len([p for p in model.parameters() if p.requires_grad]),
     )
@@ -158,8 +158,7 @@ def _bad_gradient(rank, world, python_only):
             model = _Embedded(sparse=kind == "sparse")
             opt = ZeroAdam(model, **zero_options(stage, min_unit_mb=0), **HYPER)
             if python_only:
-                opt._grads.always_python = True
-                opt._grads._enter(opt._grads.phase)
+                parts_of(opt).grads.take_every_gradient_in_python()
             if kind in _SWAPS:
 
                 def swap(p, f=_SWAPS[kind]):
@@ -217,8 +216,7 @@ def _accumulate(rank, world, stage, accumulate_locally, python_only):
         model, **zero_options(stage, bucket_mb=0.001, min_unit_mb=0, accumulate_locally=accumulate_locally), **HYPER
     )
     if python_only:
-        opt._grads.always_python = True
-        opt._grads._enter(opt._grads.phase)
+        parts_of(opt).grads.take_every_gradient_in_python()
     for step in range(2):
         with opt.no_sync():
             for micro in range(2):
@@ -230,8 +228,8 @@ def _accumulate(rank, world, stage, accumulate_locally, python_only):
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return dict(
         params=params,
-        fast=opt._grads.path.fast_calls,
-        counts=opt.step_counts(),
+        fast=parts_of(opt).grads.path.fast_calls,
+        counts=opt.checkpoint_view.step_counts(),
         tensors=len([p for p in model.parameters() if p.requires_grad]),
     )
 

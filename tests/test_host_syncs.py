@@ -71,6 +71,7 @@ CONFIGS = [
 def _count_step(rank, world):
     from zerofast import ZeroAdam
     from zerofast.optim import host_reads
+    from zerofast.optim.zero_adam import parts_of
     from zerofast.tools.models import make_gpt
 
     out = []
@@ -89,7 +90,7 @@ def _count_step(rank, world):
             opt.zero_grad()
         # As few Adam calls as the buffers allow: stage 3 one (one parameter group, every
         # parameter used, one step count), stages 1 and 2 one per bucket this rank owns a part of.
-        buckets = len({pc.bucket for pc in opt.shard.pieces})
+        buckets = len({pc.bucket for pc in parts_of(opt).shard.pieces})
         out.append((dict(seam), dict(reads.reads), ops.ops["fused_adam_"], 1 if stage == 3 else buckets))
     return out
 

@@ -1,5 +1,5 @@
-"""Hybrid sharding ([Note: hybrid sharding] in zerofast/topology.py): ZeroAdam(shard_size=K) and
-ZeroAdam(mesh=) shard within groups of K ranks and replicate across them.
+"""Hybrid sharding ([Note: hybrid sharding] in zerofast/topology.py): ZeroAdam(comm=CommPolicy(shard_size=K))
+and ZeroAdam(process_group=a 2-D DeviceMesh) shard within groups of K ranks and replicate across them.
 
 - Two torchrun launches of 2 ranks each (two "machines", c10d rendezvous on loopback), K=2,
   stages 1-3 x flat/round_robin on the nested model: parameters equal single-process AdamW on the
@@ -154,14 +154,14 @@ def _load_and_snapshot(rank, world, path, stage, partition, shard_size):
     with torch.no_grad():  # other values than the saved ones: every element must come from the file
         for p in model.parameters():
             p.uniform_(-1, 1)
-    opt = ZeroAdam(model, **zero_options(stage, partition=partition), shard_size=shard_size, **HYPER)
+    opt = ZeroAdam(model, **zero_options(stage, partition=partition, shard_size=shard_size), **HYPER)
     ck.load(path, model, opt)
     with opt.gathered_params():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
     out = dict(
         params=params,
-        steps=opt.step_counts(),
-        **{k: opt.shard.state_pieces(k) for k in ("master", "exp_avg", "exp_avg_sq")},
+        steps=opt.checkpoint_view.step_counts(),
+        **{k: opt.checkpoint_view.trainable.state_pieces(k) for k in ("master", "exp_avg", "exp_avg_sq")},
     )
     opt.remove_hooks()
     return out
@@ -197,7 +197,7 @@ def test_a_hybrid_checkpoint_loads_anywhere_bitwise(launched, world, stage, part
 
 def _clipped(rank, world, shard_size, max_norm):
     model = Nested()
-    opt = ZeroAdam(model, stage=2, shard_size=shard_size, **HYPER)
+    opt = ZeroAdam(model, stage=2, comm=CommPolicy(shard_size=shard_size), **HYPER)
     norms = []
     for step in range(STEPS):
         model_loss(model, *rank_batch(model, step, rank)).backward()
@@ -249,10 +249,12 @@ def _mesh_and_errors(rank, world):
             extra = (
                 dict(process_group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
                 if how == "mesh"
-                else dict(shard_size=2)
+                else {}
             )
             # stage 1 in buckets of ~500 elements: the replicas' all_reduces coalesce several buckets' ranges
             comm = dict(bucket_mb=0.002) if stage == 1 else {}
+            if how != "mesh":
+                comm["shard_size"] = 2
             if how == "checked":  # every collective described first; the replicas' all_reduce in step()
                 comm["check_collectives"] = True
             extra["comm"] = CommPolicy(**comm)
@@ -262,38 +264,41 @@ def _mesh_and_errors(rank, world):
                 opt.step()
                 opt.zero_grad()
             with opt.gathered_params():
-                runs[how] = ({n: p.detach().clone() for n, p in model.named_parameters()}, opt.comm_stats())
+                runs[how] = ({n: p.detach().clone() for n, p in model.named_parameters()}, opt.report().comm)
             opt.remove_hooks()
         out[stage] = runs
     # check_collectives where the replicate group is larger than the shard group (4 replicas of 1)
     model = Nested()
-    opt = ZeroAdam(model, stage=2, shard_size=1, comm=CommPolicy(check_collectives=True), **HYPER)
+    opt = ZeroAdam(model, stage=2, comm=CommPolicy(check_collectives=True, shard_size=1), **HYPER)
     model_loss(model, *rank_batch(model, 0, rank)).backward()
     opt.step()
     opt.remove_hooks()
     # a subgroup as process_group (tensor x data parallel): ranks {0, 1} and {2, 3} each train alone
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     model = Nested()
-    opt = ZeroAdam(model, stage=2, shard_size=1, process_group=pairs[rank // 2], **HYPER)
+    opt = ZeroAdam(model, stage=2, comm=CommPolicy(shard_size=1), process_group=pairs[rank // 2], **HYPER)
     model_loss(model, *rank_batch(model, 0, rank)).backward()
     opt.step()
-    subgroup_stats = opt.comm_stats()
+    subgroup_stats = opt.report().comm
     opt.remove_hooks()
     errors = []
-    for kwargs in (
-        dict(shard_size=2 if rank < 2 else 4),  # ranks given different shard sizes
-        dict(shard_size=3 if rank == 0 else 2),  # one of them bad on its own
-        dict(shard_size=3),
-        dict(shard_size=0),
-        dict(shard_size=8),
-        dict(shard_size=2.0),
-        dict(process_group=init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))),
-        dict(process_group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate"))),
-        dict(process_group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")), shard_size=2),
-        dict(process_group="2x2"),
+    for options in (
+        lambda: dict(comm=CommPolicy(shard_size=2 if rank < 2 else 4)),  # ranks given different shard sizes
+        lambda: dict(comm=CommPolicy(shard_size=3 if rank == 0 else 2)),  # one of them bad on its own
+        lambda: dict(comm=CommPolicy(shard_size=3)),
+        lambda: dict(comm=CommPolicy(shard_size=0)),
+        lambda: dict(comm=CommPolicy(shard_size=8)),
+        lambda: dict(comm=CommPolicy(shard_size=2.0)),
+        lambda: dict(process_group=init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))),
+        lambda: dict(process_group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate"))),
+        lambda: dict(
+            process_group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")),
+            comm=CommPolicy(shard_size=2),
+        ),
+        lambda: dict(process_group="2x2"),
     ):
         try:
-            ZeroAdam(Nested(), stage=2, **kwargs)
+            ZeroAdam(Nested(), stage=2, **options())
             errors.append(None)
         except (ValueError, TypeError) as e:
             errors.append(f"{type(e).__name__}: {e}")
@@ -322,7 +327,7 @@ def test_a_mesh_equals_shard_size_and_bad_input_is_named_on_every_rank():
         "shard_size must be None or an integer >= 1; got 2.0",
         "a DeviceMesh as process_group must be 2-D with mesh_dim_names=('replicate', 'shard')",
         "a DeviceMesh as process_group must be 2-D with mesh_dim_names=('replicate', 'shard')",
-        "pass it without shard_size (got shard_size=2)",
+        "pass it without CommPolicy.shard_size (got shard_size=2)",
         "TypeError: ZeroAdam: process_group must be a torch.distributed ProcessGroup, a 2-D DeviceMesh",
     ]
     for _, errors, _ in results:  # every rank raises the same error

@@ -121,9 +121,9 @@ def single_process(
 # --- the ranks' side ---------------------------------------------------------------------------------
 
 
-def make(stage, partition="greedy", *, fp16=False, max_norm=None, engine=ZeroMuon, **kw):
+def make(stage, partition="greedy", *, fp16=False, max_norm=None, engine=ZeroMuon, shard_size=None, **kw):
     model = Awkward()
-    comm = CommPolicy(partition=partition, bucket_mb=0.0005 if stage < 3 else None)
+    comm = CommPolicy(partition=partition, bucket_mb=0.0005 if stage < 3 else None, shard_size=shard_size)
     if engine is ZeroAdam:
         opt = ZeroAdam(model, stage=stage, comm=comm, max_grad_norm=max_norm, **ADAMW)
     else:
@@ -157,7 +157,7 @@ def train(model, opt, rank, steps, *, start=0, micro=1):
 
 def master(opt):
     """This rank's fp32 master pieces (every rank's together: the whole model)."""
-    return opt.master_shard()
+    return opt.checkpoint_view.trainable.state_pieces("master")
 
 
 def run_case(rank, stage, partition, **kw):
@@ -168,8 +168,8 @@ def run_case(rank, stage, partition, **kw):
     out = {
         "master": master(opt),
         "ns_calls": muon_mod.newton_schulz_calls() - before,
-        "comm": opt.comm_stats(),
-        "report": opt.partition_report(),
+        "comm": opt.report().comm,
+        "report": opt.report().partition,
     }
     opt.remove_hooks()
     return out
@@ -178,7 +178,7 @@ def run_case(rank, stage, partition, **kw):
 def comm_of(rank, stage, partition, engine, **kw):
     model, opt = make(stage, partition, engine=engine, **kw)
     train(model, opt, rank, 2)
-    stats = opt.comm_stats()
+    stats = opt.report().comm
     opt.remove_hooks()
     return stats
 
@@ -265,7 +265,7 @@ def _world_one(rank, world):
             opt.step()
             opt.zero_grad()
         out[stage] = {
-            "master": opt.master_shard(),
+            "master": opt.checkpoint_view.trainable.state_pieces("master"),
             "ns_calls": muon_mod.newton_schulz_calls() - before,
             "muon": opt.muon_names,
         }
@@ -417,6 +417,16 @@ def test_matches_torch_on_many_ranks(world, root):
         # Newton-Schulz once per matrix per step, across all ranks together
         calls = sum(out[key]["ns_calls"] for out in results)
         assert calls == STEPS * muon_count(), f"{key}: {calls} Newton-Schulz runs"
+        # report().partition: each rank's Newton-Schulz FLOPs per step, every matrix counted once
+        flops = results[0][key]["report"].ns_flops
+        model = Awkward()
+        total = sum(
+            newton_schulz_flops(tuple(p.shape), 5)
+            for n, p in model.named_parameters()
+            if p.requires_grad and is_muon_default(model, n)
+        )
+        assert len(flops) == world and sum(flops) == total, (key, flops, total)
+        assert results[0][key]["report"].ns_imbalance == pytest.approx(max(flops) / (total / world)), key
     for pairs in zip(*(out["comm"] for out in results)):
         for muon_stats, adam_stats in pairs:
             assert muon_stats == adam_stats, (muon_stats, adam_stats)
@@ -549,7 +559,7 @@ def _hybrid(rank, world):
 
 
 def test_hybrid_sharding_runs_newton_schulz_once_per_matrix_in_each_replica():
-    """4 ranks as 2 shard groups of 2 (shard_size=2): each group owns every matrix once, so
+    """4 ranks as 2 shard groups of 2 (CommPolicy(shard_size=2)): each group owns every matrix once, so
     Newton-Schulz runs once per matrix per step in each replica, on the averaged gradient of all 4."""
     results = run_ranks(_hybrid, 4, timeout=300)
     oracle = single_process(4, STEPS)

@@ -27,6 +27,7 @@ from oracles import (
 )
 
 from zerofast import ZeroAdam
+from zerofast.optim.zero_adam import parts_of
 from zerofast.tools.models import make_gpt
 
 STEPS = 6
@@ -59,7 +60,7 @@ def _train_mixed(rank, world, stage, precision, reduce_dtype, scaler, max_norm, 
     history = [tuple(h) for h in history]
     with opt.gathered_params():
         params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    return params, opt.master_shard(), history
+    return params, opt.checkpoint_view.trainable.state_pieces("master"), history
 
 
 def _run_matrix(rank, world, configs):
@@ -229,7 +230,7 @@ def _train_accumulated(rank, world, steps):
                 (loss / MICRO).backward()
                 opt.step()
                 opt.zero_grad()
-                stats = opt.comm_stats()
+                stats = opt.report().comm
                 reduced.append(
                     sum(
                         v for k, v in stats.items() if k in ("shard/all_reduce", "shard/reduce", "shard/reduce_scatter")
@@ -239,7 +240,7 @@ def _train_accumulated(rank, world, steps):
                 out[(stage, local, partition)] = (
                     {n: p.detach().clone() for n, p in model.named_parameters()},
                     reduced,
-                    sum(b.numel for b in opt.layout.buckets) * 4,
+                    sum(b.numel for b in opt.checkpoint_view.trainable.layout.buckets) * 4,
                 )
     return out
 
@@ -266,14 +267,15 @@ def test_no_sync_accumulation_matches_the_combined_batch(world):
 def _snapshot(opt, model):
     with opt.gathered_params():
         params = [p.detach().clone() for p in model.parameters()]
+    shard = parts_of(opt).shard  # the test seam: every buffer of the state, padding included
     return dict(
         params=params,
-        master=opt.shard.master.clone(),
-        exp_avg=opt.shard.exp_avg.clone(),
-        exp_avg_sq=opt.shard.exp_avg_sq.clone(),
-        param_shard=opt.shard.param_shard.clone(),
-        buffers=[b.clone() for b in opt.shard.param_buffers if b.untyped_storage().nbytes()],
-        steps=opt.step_counts(),
+        master=shard.master.clone(),
+        exp_avg=shard.exp_avg.clone(),
+        exp_avg_sq=shard.exp_avg_sq.clone(),
+        param_shard=shard.param_shard.clone(),
+        buffers=[b.clone() for b in shard.param_buffers if b.untyped_storage().nbytes()],
+        steps=opt.checkpoint_view.step_counts(),
     )
 
 
@@ -330,15 +332,16 @@ def _memory_mixed(rank, world, stage):
     _, loss = model(*rank_batch(model, 0, rank))
     opt.backward(loss)
     opt.step()
-    r = opt.memory_report()
+    r = opt.report().memory
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    layout = opt.checkpoint_view.trainable.layout
     return dict(
         report=r,
         grads=grads,
         numel=numel,
-        shard=opt.layout.shard_numel(rank),
-        padded=sum(b.numel for b in opt.layout.buckets),
-        padding=opt.layout.shard_numel(rank) - opt.layout.owned_numel(rank),
+        shard=layout.shard_numel(rank),
+        padded=sum(b.numel for b in layout.buckets),
+        padding=layout.shard_numel(rank) - layout.owned_numel(rank),
     )
 
 
@@ -350,16 +353,16 @@ def test_bf16_memory_follows_the_papers_table(world, stage):
     for rank, m in enumerate(run_ranks(_memory_mixed, world, args=(stage,))):
         r, numel, shard = m["report"], m["numel"], m["shard"]
         where = f"stage {stage} rank {rank}/{world}"
-        assert r["optimizer"] + r["master_copy"] == 12 * shard, where
-        assert r["master_copy"] == 4 * shard, where
+        assert r.optimizer + r.master_copy == 12 * shard, where
+        assert r.master_copy == 4 * shard, where
         # Stage 1: the full gradients, in its flat gradient buckets (padding included), which .grad
         # were views of until step(); stages 2 and 3: the reduced shard.
         assert m["grads"] == 0, where
-        assert (r["grads"], r["grad_shard"]) == ((2 * m["padded"], 0) if stage == 1 else (0, 2 * shard)), where
+        assert (r.grads, r.grad_shard) == ((2 * m["padded"], 0) if stage == 1 else (0, 2 * shard)), where
         if stage < 3:
-            assert r["params"] - r["param_padding"] == 2 * numel, where
+            assert r.params - r.param_padding == 2 * numel, where
         else:  # after step(): the bf16 shard only, nothing gathered
-            assert r["params"] == 2 * shard, where
+            assert r.params == 2 * shard, where
         assert m["padding"] <= 4 * world * 8, where
 
 

@@ -11,6 +11,7 @@ from harness import run_ranks
 from oracles import HYPER, model_loss, rank_batch
 
 from zerofast import CommPolicy, MixedPrecisionPolicy, ZeroAdam, ZeroMuon
+from zerofast.optim.zero_adam import parts_of
 from zerofast.reference_quant import ReferenceAdam8
 from zerofast.tools.models import make_gpt
 
@@ -31,9 +32,10 @@ def _batch(model, step):
 def _full_state(opt, block) -> dict[str, dict[str, torch.Tensor]]:
     """This rank's pieces of the 8-bit state, placed into per-parameter tensors (elements not
     owned here stay 0; the test adds the ranks' parts)."""
-    shapes = {n: p.numel() for n, p in zip(opt._names, opt._params)}
+    parts = parts_of(opt)
+    shapes = {n: p.numel() for n, p in zip(parts.names, parts.params)}
     out = {}
-    for name, offset, q in opt.shard.quantized_pieces():
+    for name, offset, q in parts.shard.quantized_pieces():
         n = shapes[name]
         full = out.setdefault(
             name,
@@ -58,11 +60,10 @@ def _train(rank, world, stage, partition, precision, block, shard_size):
     opt = ZeroAdam(
         model,
         stage,
-        comm=CommPolicy(partition=partition),
+        comm=CommPolicy(partition=partition, shard_size=shard_size),
         mixed_precision=_policy(precision, block)
         if precision != "fp16"
         else MixedPrecisionPolicy(torch.float16, state_bits=8, state_block=block, loss_scale=_fp16_scaling()),
-        shard_size=shard_size,
         **HYPER,
     )
     for step in range(STEPS):

@@ -22,7 +22,7 @@ def _train_reference(rank, world, stages, steps):
         train_steps(model, opt, rank, steps, after_step=lambda _: held.append(opt.memory_held()))
         if stage == 3:  # gather once more to read the full parameters
             with torch.no_grad():
-                opt._gather_params()
+                opt.gather_params()
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
         out[stage] = {"params": params, "held": held[-1]}  # after the last step(), before zero_grad()
     return out

@@ -11,8 +11,10 @@ from oracles import (
     Quirky,
     TwiceMLP,
     fp32_tol,
+    layout_of,
     make_scheduler,
     max_abs_diff,
+    param_bytes,
     rank_batch,
     single_process,
     single_process_adamw,
@@ -45,11 +47,11 @@ def _gpt_matrix(rank, world):
         train_steps(model, opt, rank, STEPS)
         out[partition] = _full_params(opt, model)
         # Outside forward and backward, only the shard exists.
-        out[partition + " held"] = (opt.materialized_param_bytes(), opt.layout.shard_numel(rank) * 4)
+        out[partition + " held"] = (param_bytes(opt), layout_of(opt).shard_numel(rank) * 4)
     model = make_gpt("tiny")
     ref = ReferenceZero(model, stage=3, **HYPER)
     train_steps(model, ref, rank, STEPS)
-    ref._gather_params()
+    ref.gather_params()
     out["reference"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
 
@@ -97,24 +99,25 @@ def _twice(rank, world, partition):
     samples = []
 
     def sample(*_):
-        samples.append(opt.materialized_param_bytes())
+        samples.append(param_bytes(opt))
 
     for m in model.modules():  # sample during forward and backward
         m.register_forward_pre_hook(lambda *a: sample())
         m.register_forward_hook(lambda *a: sample())
         m.register_full_backward_hook(lambda *a: sample())
     train_steps(model, opt, rank, STEPS)
-    unit_bytes = sorted((b.numel * 4 for b in opt.layout.buckets), reverse=True)
-    head_unit = opt.unit_plan.modules.index(model.head)  # the last call in forward, the first in backward
+    unit_bytes = sorted((b.numel * 4 for b in layout_of(opt).buckets), reverse=True)
+    # the head: the last call in forward, the first in backward
+    head_unit = next(u for u in opt.report().units if u.module == "head")
     return dict(
         params=_full_params(opt, model),
         peak=max(samples),
-        shard=opt.layout.shard_numel(rank) * 4,
+        shard=layout_of(opt).shard_numel(rank) * 4,
         two_largest=sum(unit_bytes[:2]),
-        comm=opt.comm_stats(),
-        head=opt.layout.buckets[opt.units.buffers.bucket(head_unit)].numel * 4,
+        comm=opt.report().comm,
+        head=head_unit.gathered_bytes,
         phi=sum(p.numel() * 4 for p in model.parameters()),
-        padded=sum(b.numel * 4 for b in opt.layout.buckets),
+        padded=sum(b.numel * 4 for b in layout_of(opt).buckets),
     )
 
 
@@ -149,9 +152,9 @@ def _comm_gpt(rank, world, stage):
     loss.backward()
     opt.step()
     return (
-        opt.comm_stats(),
+        opt.report().comm,
         sum(p.numel() * 4 for p in model.parameters()),
-        sum(b.numel * 4 for b in opt.layout.buckets),
+        sum(b.numel * 4 for b in layout_of(opt).buckets),
         len(list(model.parameters())),
     )
 
@@ -176,11 +179,11 @@ def _gathered_params_and_eval(rank, world):
         _, loss_sharded_hooks = model(x, y)  # hooks gather during a no-grad forward too
     with opt.gathered_params():
         full = sum(p.numel() for p in model.parameters())
-        inside = opt.materialized_param_bytes()
+        inside = param_bytes(opt)
         with torch.no_grad():
             _, loss_inside = model(x, y)
-    after = opt.materialized_param_bytes()
-    return loss_sharded_hooks.item(), loss_inside.item(), inside, after, full, opt.layout.shard_numel(rank)
+    after = param_bytes(opt)
+    return loss_sharded_hooks.item(), loss_inside.item(), inside, after, full, layout_of(opt).shard_numel(rank)
 
 
 def test_gathered_params_gives_full_model_and_reshards():
@@ -204,7 +207,7 @@ def _custom_units(rank, world):
         except ValueError as e:
             if not re.search(pattern, str(e)):
                 errors.append(str(e))
-    return _full_params(opt, model), len(opt.layout.buckets), errors
+    return _full_params(opt, model), len(layout_of(opt).buckets), errors
 
 
 def test_units_are_configurable():
@@ -229,7 +232,7 @@ def _evaluate_between_steps(rank, world):
             with mode():
                 evals.append(model(*rank_batch(model, 100, rank))[1].item())
         train_steps(model, opt, rank, 1, start=step)
-    return _full_params(opt, model), evals, opt.materialized_param_bytes(), opt.layout.shard_numel(rank) * 4
+    return _full_params(opt, model), evals, param_bytes(opt), layout_of(opt).shard_numel(rank) * 4
 
 
 def test_stage3_evaluates_under_inference_mode_between_steps():

@@ -40,12 +40,8 @@ def _measured(rank, world, stage, precision="fp32"):
     _, loss = model(*rank_batch(model, 0, rank))
     opt.backward(loss)
     opt.step()
-    r = opt.memory_report()
-    return {
-        "params": r["params"],
-        "grads": r["grads"] + r["grad_shard"],
-        "optimizer": r["optimizer"] + r["master_copy"],
-    }
+    r = opt.report().memory
+    return {"params": r.params, "grads": r.grads + r.grad_shard, "optimizer": r.optimizer + r.master_copy}
 
 
 @pytest.mark.parametrize("world", [2, 3])

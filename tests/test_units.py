@@ -6,7 +6,19 @@ parameters equal to single-process AdamW's."""
 import pytest
 import torch
 from harness import run_ranks
-from oracles import HYPER, Nested, TwiceMLP, fp32_tol, hf_gpt2, max_abs_diff, single_process, train_steps, zero_options
+from oracles import (
+    HYPER,
+    Nested,
+    TwiceMLP,
+    fp32_tol,
+    hf_gpt2,
+    layout_of,
+    max_abs_diff,
+    param_bytes,
+    single_process,
+    train_steps,
+    zero_options,
+)
 
 from zerofast import ZeroAdam
 from zerofast.stage3.units import find_units, hook_needs
@@ -147,10 +159,10 @@ def _peak_inside_blocks(rank, world, name):
     samples = []
 
     def sample(*_):
-        samples.append(opt.materialized_param_bytes())
+        samples.append(param_bytes(opt))
 
-    report = opt.units_report()
-    blocks = [m for u in report if u["module"] for m in opt.unit_plan.members[u["unit"]]]
+    report = opt.report().units
+    blocks = [model.get_submodule(name) for u in report if u.module for name in u.module.split(", ")]
     for block in blocks:  # inside every block's forward and backward, at both ends
         block.register_forward_pre_hook(sample)
         block.register_forward_hook(sample)
@@ -159,12 +171,12 @@ def _peak_inside_blocks(rank, world, name):
     train_steps(model, opt, rank, STEPS)
     with opt.gathered_params():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    shard = opt.layout.shard_numel(rank) * 4
+    shard = layout_of(opt).shard_numel(rank) * 4
     # Units are buckets padded to the world size; count each at its padded size.
-    unit_bytes = [opt.layout.buckets[opt.units.buffers.bucket(u["unit"])].numel * 4 for u in report]
-    root = unit_bytes[0] if report[0]["module"] == "" else 0
-    block_bytes = sorted((b for u, b in zip(report, unit_bytes) if u["module"]), reverse=True)
-    gathered = sum(v for k, v in opt.comm_stats().items() if k in ("shard/all_gather", "shard/broadcast"))
+    unit_bytes = [u.gathered_bytes for u in report]
+    root = unit_bytes[0] if report[0].module == "" else 0
+    block_bytes = sorted((b for u, b in zip(report, unit_bytes) if u.module), reverse=True)
+    gathered = sum(v for k, v in opt.report().comm.items() if k in ("shard/all_gather", "shard/broadcast"))
     return dict(
         params=params,
         peak=max(samples),
@@ -172,8 +184,8 @@ def _peak_inside_blocks(rank, world, name):
         shard=shard,
         root=root,
         two_blocks=sum(block_bytes[:2]),
-        units=[u["module"] for u in report],
-        after=opt.materialized_param_bytes(),
+        units=[u.module for u in report],
+        after=param_bytes(opt),
         gathered=gathered,
         padded=sum(unit_bytes),
         last_unit=unit_bytes[-1],

@@ -119,7 +119,7 @@ def _unused_everywhere(rank, world):
     before = model.sometimes.weight.detach().clone()
     # Step 1 alone: odd, so `sometimes` is unused.
     train_steps(model, opt, rank, 1, start=1, forward=lambda m, x, y, step: m(x, y, step, rank))
-    counts = opt.step_counts()
+    counts = opt.checkpoint_view.step_counts()
     return torch.equal(before, model.sometimes.weight), counts["sometimes.weight"], counts["gpt.wte.weight"]
 
 
@@ -134,20 +134,21 @@ def _memory(rank, world, stage, partition):
     _, loss = model(*rank_batch(model, 0, rank))
     loss.backward()
     opt.step()
-    report = opt.memory_report()
+    report = opt.report().memory
     measured = {
         "grads": sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None),
         "held": held_tensor_bytes(opt),
     }
     numel = sum(p.numel() for p in model.parameters())
+    layout = opt.checkpoint_view.trainable.layout
     return dict(
         report=report,
         measured=measured,
         numel=numel,
-        owned=opt.layout.owned_numel(rank),
-        shard=opt.layout.shard_numel(rank),
-        buckets=len(opt.layout.buckets),
-        padded=sum(b.numel for b in opt.layout.buckets),
+        owned=layout.owned_numel(rank),
+        shard=layout.shard_numel(rank),
+        buckets=len(layout.buckets),
+        padded=sum(b.numel for b in layout.buckets),
     )
 
 
@@ -168,16 +169,16 @@ def test_memory_follows_the_papers_table(world, stage, partition):
         assert shard - owned <= (m["buckets"] * 4 * world if partition == "flat" else 0)
         assert m["measured"]["grads"] == 0
         r = m["report"]
-        assert r["grads"] + r["grad_shard"] == grads
-        assert r["params"] + r["grads"] + r["grad_shard"] + r["optimizer"] + r["master_copy"] == m["measured"]["held"]
-        assert (r["optimizer"], r["master_copy"]) == (8 * shard, 0)
+        assert r.grads + r.grad_shard == grads
+        assert r.params + r.grads + r.grad_shard + r.optimizer + r.master_copy == m["measured"]["held"]
+        assert (r.optimizer, r.master_copy) == (8 * shard, 0)
         # After step() no bucket buffer is alive; the peak is what backward needed at most (stage
         # 1 needs none: its gradients are the buckets).
-        assert m["report"]["bucket_buffers"] == 0
+        assert m["report"].bucket_buffers == 0
         if stage == 1:
-            assert m["report"]["bucket_buffers_peak"] == 0
+            assert m["report"].bucket_buffers_peak == 0
         else:
-            assert 0 < m["report"]["bucket_buffers_peak"] <= 4 * (numel + m["buckets"] * 4 * world)
+            assert 0 < m["report"].bucket_buffers_peak <= 4 * (numel + m["buckets"] * 4 * world)
 
 
 def _different_models(rank, world):
@@ -271,6 +272,10 @@ def _bad_arguments(rank, world):
             r"the keyword bucket_mb= moved into a policy: pass comm=CommPolicy\(bucket_mb=...\)",
         ),
         (lambda: dict(partition="greedy"), r"pass comm=CommPolicy\(partition=...\)"),
+        (
+            lambda: dict(shard_size=2),
+            r"the keyword shard_size= moved into a policy: pass comm=CommPolicy\(shard_size=...\)",
+        ),
         (lambda: dict(min_unit_mb=1), r"pass units=UnitPolicy\(min_unit_mb=...\)"),
         (lambda: dict(init_scale=8.0), r"loss_scale=LossScalePolicy\(init_scale=...\)"),
         (lambda: dict(reduce_dtype=torch.float32), r"MixedPrecisionPolicy\(param_dtype, reduce_dtype=...\)"),
@@ -318,7 +323,7 @@ def test_second_backward_before_step_is_an_error():
 
 
 def _reports(rank, world):
-    opts = {p: ZeroAdam(make_gpt("tiny"), **zero_options(1, partition=p)).partition_report() for p in PARTITIONS}
+    opts = {p: ZeroAdam(make_gpt("tiny"), **zero_options(1, partition=p)).report().partition for p in PARTITIONS}
     return opts
 
 
@@ -341,8 +346,8 @@ def test_partition_report():
     assert numel == 7776
     expected["flat"] = [numel // 3] * 3
     for name, owned in expected.items():
-        assert reports[name]["owned_numel"] == owned, (name, reports[name])
+        assert reports[name].owned_numel == owned, (name, reports[name])
         # The imbalance is max / mean of those counts, written out.
-        assert reports[name]["imbalance"] == pytest.approx(max(owned) / (numel / 3)), (name, reports[name])
-    assert reports["flat"]["imbalance"] <= reports["greedy"]["imbalance"] < reports["round_robin"]["imbalance"]
+        assert reports[name].imbalance == pytest.approx(max(owned) / (numel / 3)), (name, reports[name])
+    assert reports["flat"].imbalance <= reports["greedy"].imbalance < reports["round_robin"].imbalance
     assert imbalance([1, 2, 3]) == 1.5 and imbalance([4, 4]) == 1.0 and imbalance([0, 0]) == 1.0

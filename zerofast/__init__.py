@@ -3,7 +3,7 @@
 Public names: ZeroAdam (the sharded optimizer), ZeroMuon (Muon + AdamW on whole-matrix owners) and its policies (MixedPrecisionPolicy,
 LossScalePolicy, CommPolicy, UnitPolicy: zerofast/config.py), the errors it raises
 (CollectiveError, OutOfStepError, StepNotAppliedError,
-GradientError), estimate_memory (the paper's memory table), estimate_traffic (comm_stats() without a run),
+GradientError), estimate_memory (the paper's memory table), estimate_traffic (report().comm without a run),
 fused_adam_ (the compiled fused Adam/AdamW step), fused_adam_8bit_ (the same with 8-bit moments),
 nonfinite_check_ (its overflow check alone),
 has_cuda_kernels, cpu_isa; the reference stages in zerofast.reference (the correctness oracle);

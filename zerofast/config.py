@@ -3,8 +3,9 @@
 The policies group the options that travel together, as FSDP2's MixedPrecisionPolicy and
 OffloadPolicy do; each is a small frozen dataclass that checks its own fields when built:
   MixedPrecisionPolicy  parameter dtype, reduce dtype, and fp16's LossScalePolicy
-  CommPolicy            who owns what (partition), bucket size, buffers in flight, overlap,
-                        accumulation, the collectives' debug check
+  CommPolicy            who owns what (partition), how many ranks share one copy (shard_size),
+                        bucket size, buffers in flight, overlap, accumulation, the collectives'
+                        debug check
   UnitPolicy            stage 3: which modules form a unit, and merging small ones
 `resolve_plan` checks the combinations and fills every default once, into a `Plan` whose fields are
 explicit facts (gradients as bucket views, parameters sharded, ...). Every part of the optimizer
@@ -179,6 +180,12 @@ class CommPolicy:
       (as stage 1 always does) instead of reducing every micro-batch into the shard.
     check_collectives: before every collective, check that every rank is about to issue the same
       one (None: on when ZEROFAST_DEBUG=1); one small blocking all_gather per collective.
+    shard_size: hybrid sharding: the ranks form groups of shard_size consecutive ranks (a machine
+      under torchrun), each group shards the state as `partition` says and the groups replicate it;
+      the owned gradient shard is all_reduced across the replicas once per step (None: every rank
+      shares one copy, flat ZeRO; 1: plain replication; it must divide the number of ranks, which
+      the optimizer checks). A 2-D DeviceMesh given as process_group says the same with its "shard"
+      dim. [Note: hybrid sharding] in zerofast/topology.py.
     """
 
     partition: str = "flat"
@@ -188,10 +195,14 @@ class CommPolicy:
     overlap_param_gather: bool = False
     accumulate_locally: bool = False
     check_collectives: bool | None = None
+    shard_size: int | None = None
 
     def __post_init__(self):
         if self.partition not in PARTITIONS:
             raise ValueError(f"CommPolicy: partition must be one of {', '.join(PARTITIONS)}; got {self.partition!r}")
+        k = self.shard_size
+        if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
+            raise ValueError(f"CommPolicy: shard_size must be None or an integer >= 1; got {k!r}")
         if self.bucket_mb is not None and not (_is_number(self.bucket_mb) and self.bucket_mb > 0):
             raise ValueError(f"CommPolicy: bucket_mb must be None or a number > 0; got {self.bucket_mb!r}")
         bb = self.bucket_buffers
@@ -209,7 +220,7 @@ UnitSpec = None | list | tuple | type | set | frozenset | Callable[[Any], bool]
 @dataclass(frozen=True)
 class UnitPolicy:
     """Stage 3: which modules' parameters are gathered and released together ([Note: choosing units]
-    in zerofast/stage3/units.py; opt.units_report() shows the choice).
+    in zerofast/stage3/units.py; opt.report().units shows the choice).
 
     modules: None (the model's blocks: its `_no_split_modules` classes, else the children of every
       nn.ModuleList, else the root's children), a list of submodules, a module class or set of
@@ -244,6 +255,7 @@ class Plan:
 
     stage: int
     partition: str
+    shard_size: int | None  # hybrid sharding: ranks per shard group (None: every rank, flat ZeRO)
     adamw: bool  # decoupled weight decay (AdamW); False: Adam's L2 term
     max_grad_norm: float | None  # clip the global gradient norm at every step
     param_dtype: torch.dtype  # the model's parameters
@@ -373,6 +385,7 @@ def resolve_plan(
     return Plan(
         stage=stage,
         partition=comm_p.partition,
+        shard_size=comm_p.shard_size,
         adamw=adamw,
         max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
         param_dtype=param_dtype,
@@ -418,6 +431,7 @@ def debug_from_env() -> bool:
 # Where each keyword ZeroAdam took before the policies lives now, for the error that names it.
 MOVED_KEYWORDS = {
     "partition": "comm=CommPolicy(partition=...)",
+    "shard_size": "comm=CommPolicy(shard_size=...)",
     "bucket_mb": "comm=CommPolicy(bucket_mb=...)",
     "bucket_buffers": "comm=CommPolicy(bucket_buffers=...)",
     "overlap": "comm=CommPolicy(overlap=...)",

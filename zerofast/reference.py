@@ -76,7 +76,7 @@ class ReferenceZero:
         self._full_shape = {n: p.shape for n, p in self.params}
         if stage == 3:
             self._release_params()
-            model.register_forward_pre_hook(lambda module, args: self._gather_params())
+            model.register_forward_pre_hook(lambda module, args: self.gather_params())
             model.register_forward_hook(self._after_forward)
 
     # --- the training loop's calls -------------------------------------------------------------
@@ -125,8 +125,9 @@ class ReferenceZero:
         elif self.stage >= 2:
             p.grad = None  # stage 2's one change: non-owners drop the gradient
 
-    def _gather_params(self) -> None:
-        """Stage 3: every rank gets every full parameter, broadcast from its owner."""
+    def gather_params(self) -> None:
+        """Stage 3: every rank gets every full parameter, broadcast from its owner (the forward does
+        this itself; after training, a caller does it to read the full parameters)."""
         for name, p in self.params:
             if not self._is_owner(name):
                 p.data = torch.empty(self._full_shape[name], dtype=p.dtype, device=p.device)
@@ -142,7 +143,7 @@ class ReferenceZero:
         self._release_params()
         needs_grad = [t for t in output_tensors(output) if t.requires_grad]
         if needs_grad:  # gather again as soon as backward reaches the model's outputs
-            torch.autograd.graph.register_multi_grad_hook(needs_grad, lambda grads: self._gather_params(), mode="any")
+            torch.autograd.graph.register_multi_grad_hook(needs_grad, lambda grads: self.gather_params(), mode="any")
 
     # --- reports --------------------------------------------------------------------------------
 

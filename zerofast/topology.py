@@ -2,7 +2,7 @@
 
 [Note: hybrid sharding]
 Flat ZeRO shards over all W data-parallel ranks, so each step's reduces and gathers cross the
-slowest links. With shard_size=K the ranks form W/K shard groups of K consecutive ranks (one
+slowest links. With CommPolicy(shard_size=K) the ranks form W/K shard groups of K consecutive ranks (one
 machine under torchrun, whose ranks are numbered node by node); optimizer state, gradients and
 (stage 3) parameters are sharded within a shard group, exactly as flat ZeRO over K ranks, and the
 groups are replicas of each other. The replicate group of a rank is the ranks holding the same shard
@@ -17,7 +17,7 @@ average divides by W. Only a rank's own shard group gathers its parameters: stag
 leave the machine. K = W (the default) builds no group: today's flat run, bitwise. K = 1 is plain
 replication (DDP's traffic, with the fused step). FSDP2's HSDP is the same arrangement (a 2-D mesh,
 "replicate" outer, "shard" inner); a DeviceMesh with those dims is accepted as ZeroAdam's
-process_group (keeping ZeroAdam's keywords few: a mesh is the data-parallel ranks, with their groups).
+process_group (a mesh is the data-parallel ranks, with their groups).
 """
 
 from __future__ import annotations

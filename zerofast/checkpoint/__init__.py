@@ -24,9 +24,9 @@ The package, by concern:
   convert.py  to_torch / from_torch: plain torch.optim.AdamW state, both ways
   export.py   the model as one safetensors file, streamed ([Note: streaming export])
   __main__.py `python -m zerofast.checkpoint info|export`
-It reads the optimizer only through its typed accessors (zerofast/optim/zero_adam.py, "typed access
-to the state"; ShardState's accessors); the optimizer imports this package (state_dict), not the
-other way round.
+  view.py     CheckpointView: what the package reads and writes of an optimizer
+It reads the optimizer only through that view (opt.checkpoint_view) and imports nothing of
+zerofast.optim: the optimizer imports this package (state_dict), not the other way round.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from .dcp import boxes, load_state_dict, state_dict
 from .export import export
 from .io import INCOMPLETE, MANIFEST, SMALL, info, latest, load, save, staging_bytes, upgrade
 from .safe import SafeLoadPlanner, SafeReader, UnsafeCheckpoint
+from .view import Checkpointable, CheckpointView, ShardedPart
 
 __all__ = [
     "save",
@@ -59,6 +60,9 @@ __all__ = [
     "SafeReader",
     "SafeLoadPlanner",
     "UnsafeCheckpoint",
+    "CheckpointView",
+    "ShardedPart",
+    "Checkpointable",
     "MANIFEST",
     "SMALL",
     "INCOMPLETE",

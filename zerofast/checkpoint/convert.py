@@ -9,12 +9,13 @@ parameter: "momentum_buffer" only, as torch keeps it) and torch.optim.AdamW over
 dict indexes its own parameters from 0, in the order of its param_groups' lists, each in model order:
 torch.optim.Muon(opt.muon_names' parameters) and torch.optim.AdamW(the other trainable parameters)
 load them as they are. The checkpoint's groups say which they are (use_muon, as Keller Jordan's
-MuonWithAuxAdam marks its groups)."""
+MuonWithAuxAdam marks its groups), and so do a live optimizer's: its checkpoint view's param_groups
+carry use_muon, and the view says per parameter which state it holds (a Muon matrix: momentum_buffer)."""
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as torch_dcp
@@ -23,9 +24,7 @@ import torch.nn as nn
 from . import safe
 from .dcp import finish_load, groups_by_name, sharded_tensors
 from .io import read_manifest, read_small
-
-if TYPE_CHECKING:
-    from ..optim.zero_adam import ZeroAdam
+from .view import Checkpointable, ShardedPart
 
 __all__ = ["to_torch", "from_torch"]
 
@@ -132,7 +131,7 @@ def from_torch(
     model_state_dict: dict[str, torch.Tensor],
     optim_state_dict: dict | None,
     model: nn.Module,
-    opt: ZeroAdam,
+    opt: Checkpointable,
     param_order: list[torch.Tensor] | None = None,
 ) -> None:
     """Continue a plain-torch run in ZeroAdam: `model_state_dict` (model.state_dict() of the same
@@ -151,13 +150,14 @@ def from_torch(
             raise ValueError(
                 f"zerofast.checkpoint.from_torch: {key} has shape {tuple(given.shape)}, the model {tuple(value.shape)}"
             )
-    names = [n for n, _ in opt.named_params]
-    moments, groups = {}, groups_by_name(opt)  # without an AdamW state dict: zero moments, our hyper-parameters
-    muon = [opt.is_muon(i) for i in range(len(names))] if hasattr(opt, "is_muon") else None
-    if optim_state_dict is not None and muon is not None:
-        moments, groups = _from_muon_and_adamw(optim_state_dict, opt, muon, param_order)
+    view = opt.checkpoint_view
+    part = view.trainable
+    names = part.names
+    moments, groups = {}, groups_by_name(view)  # without an AdamW state dict: zero moments, our hyper-parameters
+    if optim_state_dict is not None and any("use_muon" in g for g in view.param_groups):  # ZeroMuon's groups
+        moments, groups = _from_muon_and_adamw(optim_state_dict, part, param_order)
     elif optim_state_dict is not None:
-        order = _adamw_param_order(optim_state_dict, model, opt, param_order)
+        order = _adamw_param_order(optim_state_dict, model, part, param_order)
         moments = {order[k]: v for k, v in optim_state_dict["state"].items() if order[k] is not None}
         keys = ("lr", "betas", "eps", "weight_decay")
         groups = [
@@ -167,25 +167,25 @@ def from_torch(
             }
             for g in optim_state_dict["param_groups"]
         ]
-    opt.quiesce()  # nothing in flight writes the state while it is replaced
+    view.quiesce()  # nothing in flight writes the state while it is replaced
     full = {}
     with torch.no_grad():
         for key, value in model.state_dict(keep_vars=True).items():
-            i = opt.param_index(value)
-            j = opt.frozen_index(value) if i is None else None
+            i = part.index(value)
+            j = view.frozen.index(value) if i is None and view.frozen is not None else None
             if j is not None:  # stage 3's frozen parameters: this rank's shard ([Note: frozen parameters in stage 3])
-                opt.frozen.load_pieces({j: model_state_dict[key]})
+                view.frozen.load_pieces("master", {j: model_state_dict[key]})
             elif i is None:
                 value.copy_(model_state_dict[key])
             else:
                 full.setdefault(i, model_state_dict[key])
-    opt.shard.load_pieces("master", full)
-    for kind in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
-        opt.shard.load_pieces(kind, {i: m[kind] for i, m in moments.items() if kind in m})
+    part.load_pieces("master", full)
+    for kind in sorted({kind for kinds in part.kinds for kind in kinds}):
+        part.load_pieces(kind, {i: m[kind] for i, m in moments.items() if kind in m and kind in part.kinds[i]})
     # torch.optim.Muon keeps no step count: a matrix with a momentum buffer takes the run's (AdamW's largest)
     run_steps = max([int(m["step"]) for m in moments.values() if "step" in m], default=1)
     finish_load(
-        opt,
+        view,
         {
             "steps": {
                 n: (int(moments[i]["step"]) if "step" in moments[i] else run_steps) if i in moments else 0
@@ -197,7 +197,7 @@ def from_torch(
     )
 
 
-def _from_muon_and_adamw(optim_state_dict, opt, muon: list[bool], param_order):
+def _from_muon_and_adamw(optim_state_dict, part: ShardedPart, param_order):
     """from_torch for ZeroMuon: {"muon": torch.optim.Muon's state dict, "adamw": torch.optim.AdamW's};
     param_order None (each indexes its own parameters in model order: [Note: ZeroMuon's torch state
     dicts]) or {"muon": [...], "adamw": [...]}. Returns (state by parameter index, groups by name)."""
@@ -206,7 +206,8 @@ def _from_muon_and_adamw(optim_state_dict, opt, muon: list[bool], param_order):
             f"zerofast.checkpoint.from_torch: a ZeroMuon takes {{'muon': torch.optim.Muon's state dict, "
             f"'adamw': torch.optim.AdamW's}}; got a dict with keys {sorted(optim_state_dict)}"
         )
-    names = [n for n, _ in opt.named_params]
+    names = part.names
+    muon = ["momentum_buffer" in kinds for kinds in part.kinds]  # a Muon matrix's state
     moments, groups = {}, []
     for kind, use_muon, keys in (
         (
@@ -218,7 +219,7 @@ def _from_muon_and_adamw(optim_state_dict, opt, muon: list[bool], param_order):
     ):
         sd = optim_state_dict[kind]
         if param_order is not None:
-            order = [opt.param_index(p) for p in param_order[kind]]
+            order = [part.index(p) for p in param_order[kind]]
         else:
             order = [i for i in range(len(names)) if muon[i] == use_muon]
         count = sum(len(g["params"]) for g in sd["param_groups"])
@@ -240,7 +241,7 @@ def _from_muon_and_adamw(optim_state_dict, opt, muon: list[bool], param_order):
 
 
 def _adamw_param_order(
-    optim_state_dict: dict, model: nn.Module, opt: ZeroAdam, param_order: list[torch.Tensor] | None
+    optim_state_dict: dict, model: nn.Module, part: ShardedPart, param_order: list[torch.Tensor] | None
 ) -> list[int | None]:
     """Index k of the AdamW state dict -> ZeroAdam's parameter index (None: not managed)."""
     count = sum(len(g["params"]) for g in optim_state_dict["param_groups"])
@@ -250,7 +251,7 @@ def _adamw_param_order(
                 f"zerofast.checkpoint.from_torch: the optimizer state dict holds {count} parameters; "
                 f"param_order has {len(param_order)}"
             )
-        return [opt.param_index(p) for p in param_order]
+        return [part.index(p) for p in param_order]
     everything = list(model.parameters())
     trainable = [p for p in everything if p.requires_grad]
     params = everything if count == len(everything) else trainable if count == len(trainable) else None
@@ -259,4 +260,4 @@ def _adamw_param_order(
             f"zerofast.checkpoint.from_torch: the optimizer state dict holds {count} parameters; the "
             f"model has {len(everything)} ({len(trainable)} trainable)"
         )
-    return [opt.param_index(p) for p in params]
+    return [part.index(p) for p in params]

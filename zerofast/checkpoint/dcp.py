@@ -8,14 +8,12 @@ What the DCP state dict holds:
       parameters from their shard, as chunks too ([Note: frozen parameters in stage 3]), other
       frozen parameters and buffers as the model holds them, a tied weight under each of its names. A plain model loads
       it with dcp.load({"model": model.state_dict()}, checkpoint_id=path, no_dist=True).
-  "optim": per trainable parameter name, exp_avg and exp_avg_sq (fp32, the parameter's shape), or a
-      ZeroMuon matrix's momentum_buffer (opt.state_kinds).
+  "optim": per trainable parameter name, the optimizer state it holds (fp32, the parameter's shape),
+      by kind as the view names them: exp_avg and exp_avg_sq, or a ZeroMuon matrix's momentum_buffer.
 small_state() is the rest, the same on every rank and small: per-parameter step counts, the
 param_groups' hyper-parameters by parameter name, the fp16 loss scaler's state.
 
-The optimizer is read only through its typed accessors (named_params, param_index, quiesce,
-sync_params_from_master, loss_scaler_state, the ShardState accessors of opt.shard, the layout and
-param_groups; stage 3's frozen_named_params, frozen_index and the FrozenShard opt.frozen) and its configuration through facts(), never through underscored attributes.
+The optimizer is read only through its CheckpointView (view.py): opt.checkpoint_view, nothing else.
 
 [Note: flat slices as chunks]
 A rank owns 1-D ranges of the flattened parameters (layout.pieces). DCP describes a shard as a
@@ -31,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,12 +38,11 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-if TYPE_CHECKING:  # annotations only: the optimizer imports this package, not the other way round
-    from ..optim.zero_adam import ZeroAdam
+from . import safe
+from .view import Checkpointable, CheckpointView, ShardedPart
 
 __all__ = [
     "boxes",
-    "facts",
     "tensors",
     "small_state",
     "finish_load",
@@ -55,37 +52,6 @@ __all__ = [
     "sharded_tensors",
     "Staging",
 ]
-
-
-class Facts(NamedTuple):
-    """The optimizer's configuration as a checkpoint needs it."""
-
-    rank: int  # among every data-parallel rank (the save's and load's group)
-    world_size: int
-    group: dist.ProcessGroup
-    stage: int
-    partition: str
-    precision: str  # "fp32", "bf16" or "fp16"
-    shard_rank: int  # among the ranks sharing the state, which its layout is cut for
-    shard_size: int  # ([Note: hybrid sharding] in zerofast/topology.py; the world when flat)
-    shard_group: dist.ProcessGroup
-
-
-def facts(opt: ZeroAdam) -> Facts:
-    """The one place the checkpoint reads the optimizer's configuration: its resolved plan."""
-    plan = opt.plan
-    topo = opt.topology
-    return Facts(
-        opt.rank,
-        opt.world_size,
-        opt.group,
-        plan.stage,
-        plan.partition,
-        plan.mixed_precision or "fp32",
-        topo.shard_rank,
-        topo.shard_size,
-        topo.shard_group,
-    )
 
 
 # --- flat ranges as rectangular chunks: see [Note: flat slices as chunks] --------------------------
@@ -135,26 +101,20 @@ def _exact(view: torch.Tensor) -> torch.Tensor:
 
 
 class _Chunks:
-    """For every trainable parameter, every rank's boxes under the optimizer's layout; with
-    frozen=True, the same for stage 3's sharded frozen parameters under their own layout, whose
-    values are their shard in the parameters' dtype ([Note: frozen parameters in stage 3]). With
-    `staged`, the trainable values are views of its copy instead of the live state."""
+    """For every parameter of one sharded part (the trainable parameters' fp32 values and state, or
+    stage 3's frozen parameters in their own dtype: [Note: frozen parameters in stage 3]), every
+    rank's boxes under the part's layout. With `staged`, the values are views of its copy instead
+    of the live state."""
 
-    def __init__(self, opt: ZeroAdam, frozen: bool = False, staged: Staging | None = None):
-        self.facts = facts(opt)
+    def __init__(self, view: CheckpointView, part: ShardedPart, staged: Staging | None = None):
+        self.facts = view.facts
         # The boxes of every rank of this rank's shard group. Under hybrid sharding each replica
         # describes the same boxes, and DCP's planner writes each box once, the replicas splitting
         # the writing between them (its dedup of replicated writes, balanced by size).
         rank, world, group = self.facts.shard_rank, self.facts.shard_size, self.facts.shard_group
-        named = opt.frozen_named_params if frozen else opt.named_params
-        self.shapes = [tuple(p.shape) for _, p in named]
-        if frozen:
-            fz = opt.frozen
-            layout, self.dtype, self.device = fz.layout, fz.dtype, fz.device
-            self.view = lambda pc, kind: fz.piece_view(pc)
-        else:
-            layout, self.dtype, self.device = opt.layout, torch.float32, opt.shard.device
-            self.view = opt.shard.piece_view if staged is None else staged.piece_view
+        self.shapes = [tuple(p.shape) for _, p in part.params]
+        layout, self.dtype, self.device = part.layout, part.dtype, part.device
+        self.view = part.piece_view if staged is None else staged.piece_view
         self.global_ranks = [
             dist.get_global_rank(group, r) if group is not dist.group.WORLD else r for r in range(world)
         ]
@@ -169,9 +129,9 @@ class _Chunks:
                         self.mine[pc.param].append((pc, offsets, sizes, start))
 
     def sharded(self, i: int, kind: str) -> ShardedTensor:
-        """Parameter i's `kind` ("master", "exp_avg", "exp_avg_sq"; fp32) as a ShardedTensor of its
-        shape whose local shards are this rank's boxes, views of the live state (ShardState.piece_view;
-        a frozen parameter's: its shard, whatever `kind`)."""
+        """Parameter i's `kind` ("master" or one of its optimizer state's kinds) as a ShardedTensor of
+        its shape whose local shards are this rank's boxes, views of the live state (the part's
+        piece_view)."""
         local = []
         for pc, offsets, sizes, start in self.mine[i]:
             flat = self.view(pc, kind)
@@ -203,16 +163,18 @@ class _Chunks:
 # --- the state dict: views into the live state (save reads them, load writes them) -----------------
 
 
-def _model_entries(model: nn.Module, opt: ZeroAdam, chunks: _Chunks, staged: Staging | None = None) -> dict[str, Any]:
+def _model_entries(
+    model: nn.Module, view: CheckpointView, chunks: _Chunks, staged: Staging | None = None
+) -> dict[str, Any]:
     """Every key of model.state_dict(): managed parameters from the fp32 master, in their shape;
     stage 3's frozen parameters from their shard, as chunks too; other frozen parameters and buffers
     as the model holds them (replicated on every rank; with `staged`, buffers from its copy)."""
     master, frozen = {}, {}
-    frozen_chunks = _Chunks(opt, frozen=True) if opt.frozen_named_params else None
+    frozen_chunks = _Chunks(view, view.frozen) if view.frozen is not None else None
     out = {}
     for key, value in model.state_dict(keep_vars=True).items():
-        i = opt.param_index(value)
-        j = opt.frozen_index(value) if i is None else None
+        i = view.trainable.index(value)
+        j = view.frozen.index(value) if i is None and view.frozen is not None else None
         if j is not None:  # tied: one ShardedTensor under each name
             if j not in frozen:
                 frozen[j] = frozen_chunks.sharded(j, "master")
@@ -229,68 +191,68 @@ def _model_entries(model: nn.Module, opt: ZeroAdam, chunks: _Chunks, staged: Sta
     return out
 
 
-def _optim_entries(opt: ZeroAdam, chunks: _Chunks) -> dict[str, Any]:
-    """Per parameter name, its optimizer state by kind (opt.state_kinds: Adam's exp_avg and
-    exp_avg_sq, or a ZeroMuon matrix's momentum_buffer)."""
-    return {
-        name: {kind: chunks.sharded(i, kind) for kind in opt.state_kinds(i)}
-        for i, (name, _) in enumerate(opt.named_params)
-    }
+def _optim_entries(part: ShardedPart, chunks: _Chunks) -> dict[str, Any]:
+    """Per parameter name, its optimizer state by kind (Adam's exp_avg and exp_avg_sq, or a ZeroMuon
+    matrix's momentum_buffer: what the view says it holds)."""
+    return {name: {kind: chunks.sharded(i, kind) for kind in part.kinds[i]} for i, (name, _) in enumerate(part.params)}
 
 
-def tensors(model: nn.Module, opt: ZeroAdam, staged: Staging | None = None) -> dict[str, Any]:
+def tensors(model: nn.Module, view: CheckpointView, staged: Staging | None = None) -> dict[str, Any]:
     """The checkpoint's tensors as a DCP state dict ({"model": ..., "optim": ...}), views into the
     live state: dcp.save reads them, dcp.load writes into them. See the module docstring. With
     `staged` (an asynchronous save): the state is copied into it first, and the trainable values and
     buffers are views of the copy, which the next step() does not touch."""
-    opt.quiesce()  # stage 3: only the shard is the state
+    view.quiesce()  # stage 3: only the shard is the state
     if staged is not None:
-        staged.copy_from(opt)
-    chunks = _Chunks(opt, staged=staged)
-    return {"model": _model_entries(model, opt, chunks, staged), "optim": _optim_entries(opt, chunks)}
+        staged.copy_from(view)
+    chunks = _Chunks(view, view.trainable, staged)
+    return {"model": _model_entries(model, view, chunks, staged), "optim": _optim_entries(view.trainable, chunks)}
 
 
 class Staging:
     """An asynchronous save's copy of one rank's state, reused by every save of the optimizer (the
-    buffers are made by the first and refilled by the next, never reallocated): the fp32 master,
-    exp_avg and exp_avg_sq of this rank's shard, one flat tensor each, at the shard's own offsets
-    (so a piece's view is the same slice as in the live state), and the model's buffers (which
+    buffers are made by the first and refilled by the next, never reallocated): the fp32 master and
+    the flat buffers of this rank's shard that its optimizer state lives in (exp_avg, exp_avg_sq),
+    one flat tensor each, at the shard's own offsets (so a piece's view is the same slice as in the
+    live state), and the model's buffers (which
     forwards may change: BatchNorm's statistics). Parameters that are not trained (frozen ones,
     sharded or not) are written from the live state: step() never changes them. On a GPU the copy
     lives in pinned host memory, so that the device-to-host copies run at full speed and the
     writer thread reads host memory. Its size is the shard: 3 x 4 bytes per owned element, plus
     the buffers (nbytes())."""
 
-    KINDS = ("master", "exp_avg", "exp_avg_sq")
-
     def __init__(self):
-        self.flat: dict[str, torch.Tensor] = {}
+        self.flat: dict[str, torch.Tensor] = {}  # by the shard's buffer name ("master", "exp_avg", ...)
         self.buffers: dict[str, torch.Tensor] = {}
+        self.buffer_of = lambda kind: kind  # the part's, once copied
 
-    def _host(self, like: torch.Tensor, shape, dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, pin_memory=like.device.type == "cuda")
+    def _host(self, device: torch.device, shape, dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
 
-    def copy_from(self, opt: ZeroAdam) -> None:
-        """Copy the shard's state in (the caller has quiesced the optimizer); returns when the copy
-        is complete, so the live state may change at once."""
-        numel = opt.layout.shard_numel(opt.shard_rank)
-        device = opt.shard.device
+    def copy_from(self, view: CheckpointView) -> None:
+        """Copy the trainable part's state in (the caller has quiesced the optimizer): the master and
+        every flat buffer its kinds live in, each once; returns when the copy is complete, so the
+        live state may change at once."""
+        part = view.trainable
+        numel = part.layout.shard_numel(view.facts.shard_rank)
+        names = {"master"} | {part.buffer_of(kind) for kinds in part.kinds for kind in kinds}
         with torch.no_grad():
-            for kind in self.KINDS:
-                out = self.flat.get(kind)
+            for name in sorted(names):
+                out = self.flat.get(name)
                 if out is None or out.numel() != numel:
-                    out = self.flat[kind] = self._host(opt.shard.exp_avg, (numel,), torch.float32)
-                for pc in opt.shard.pieces:
+                    out = self.flat[name] = self._host(part.device, (numel,), torch.float32)
+                for pc in part.pieces:  # a buffer by any kind it holds: the same memory
                     out[pc.state_offset : pc.state_offset + pc.numel].copy_(
-                        opt.shard.piece_view(pc, kind), non_blocking=True
+                        part.piece_view(pc, name), non_blocking=True
                     )
-        self._device = device
+        self.buffer_of = part.buffer_of
+        self._device = part.device
 
     def buffer(self, key: str, live: torch.Tensor) -> torch.Tensor:
         """The copy of the model's buffer `key` (made or refilled now)."""
         out = self.buffers.get(key)
         if out is None or out.shape != live.shape or out.dtype != live.dtype:
-            out = self.buffers[key] = self._host(live, live.shape, live.dtype)
+            out = self.buffers[key] = self._host(live.device, live.shape, live.dtype)
         with torch.no_grad():
             out.copy_(live.detach(), non_blocking=True)
         return out
@@ -302,50 +264,49 @@ class Staging:
 
     def piece_view(self, pc, kind: str) -> torch.Tensor:
         # by the shard's own buffer: [Note: Muon's momentum in exp_avg's slot] in zerofast/optim/state.py
-        # (imported here: a Staging exists only beside a live optimizer, and the CLI's readers of this
-        # module must not need the compiled extension that state.py loads)
-        from ..optim.state import storage_of
-
-        return self.flat[storage_of(kind)][pc.state_offset : pc.state_offset + pc.numel]
+        return self.flat[self.buffer_of(kind)][pc.state_offset : pc.state_offset + pc.numel]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in [*self.flat.values(), *self.buffers.values()])
 
 
-def groups_by_name(opt: ZeroAdam) -> list[dict]:
-    """opt.param_groups with each parameter given by its name."""
-    names = [n for n, _ in opt.named_params]
+def groups_by_name(view: CheckpointView) -> list[dict]:
+    """The optimizer's param_groups with each parameter given by its name."""
+    part = view.trainable
     return [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[opt.param_index(p)] for p in g["params"]]}
-        for g in opt.param_groups
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "params": [part.params[part.index(p)][0] for p in g["params"]],
+        }
+        for g in view.param_groups
     ]
 
 
-def small_state(opt: ZeroAdam) -> dict[str, Any]:
+def small_state(view: CheckpointView) -> dict[str, Any]:
     """What is the same on every rank and small: step counts, param_groups by parameter name, the
     loss scaler. Rank 0 writes it beside DCP's files (zerofast.json, as JSON), with the caller's `extra`."""
     return {
-        "steps": opt.shard.step_counts(),
-        "param_groups": groups_by_name(opt),
-        "loss_scaler": dict(opt.loss_scaler_state()),
+        "steps": view.step_counts(),
+        "param_groups": groups_by_name(view),
+        "loss_scaler": dict(view.loss_scaler_state()),
     }
 
 
-def finish_load(opt: ZeroAdam, small: dict[str, Any]) -> None:
+def finish_load(view: CheckpointView, small: dict[str, Any]) -> None:
     """After the master and moments were written (dcp.load filled the views of tensors(), or
     from_torch wrote them): step counts, hyper-parameters and the loss scale from small_state()
     ("loss_scaler" None: this optimizer's own scale stays), the low-precision parameters as the
     master's rounding, and (stages 1 and 2) every rank's full parameters gathered from the owners."""
-    opt.shard.set_step_counts(small["steps"])
+    view.set_step_counts(small["steps"])
     saved_group_of = {n: g for g in small["param_groups"] for n in g["params"]}
-    names = [n for n, _ in opt.named_params]
-    for group in opt.param_groups:
-        saved = saved_group_of[names[opt.param_index(group["params"][0])]]
+    part = view.trainable
+    for group in view.param_groups:
+        saved = saved_group_of[part.params[part.index(group["params"][0])][0]]
         # JSON keeps tuples (betas, ZeroMuon's ns_coefficients) as lists
         group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k != "params"})
     if small["loss_scaler"] is not None:
-        opt.load_loss_scaler_state(small["loss_scaler"])
-    opt.sync_params_from_master()
+        view.load_loss_scaler_state(small["loss_scaler"])
+    view.sync_params_from_master()
 
 
 @contextlib.contextmanager
@@ -363,22 +324,22 @@ def sharded_tensors():
 # --- binding to the optimizer: ZeroAdam.state_dict / load_state_dict ------------------------------
 
 
-def state_dict(opt: ZeroAdam) -> dict[str, Any]:
+def state_dict(opt: Checkpointable) -> dict[str, Any]:
     """ZeroAdam.state_dict(): tensors() (model and optimizer tensors, this rank's pieces, views of
     the live state) and "zerofast": small_state() as JSON bytes ([Note: safe checkpoints]), one
     opaque item for DCP."""
-    from . import safe
+    view = opt.checkpoint_view
+    return {**tensors(view.model, view), "zerofast": safe.dumps(small_state(view), "ZeroAdam.state_dict()")}
 
-    return {**tensors(opt.model, opt), "zerofast": safe.dumps(small_state(opt), "ZeroAdam.state_dict()")}
 
-
-def load_state_dict(opt: ZeroAdam, loaded: dict[str, Any]) -> None:
+def load_state_dict(opt: Checkpointable, loaded: dict[str, Any]) -> None:
     """ZeroAdam.load_state_dict(): after dcp.load filled a state_dict() of this optimizer."""
     if not isinstance(loaded, dict) or not isinstance(loaded.get("zerofast"), bytes) or "optim" not in loaded:
         raise ValueError(
             "ZeroAdam.load_state_dict: pass the dict from this optimizer's state_dict() after "
             "torch.distributed.checkpoint.load filled it (or use zerofast.checkpoint.load)"
         )
-    from . import safe
-
-    finish_load(opt, safe.loads(loaded["zerofast"], "ZeroAdam.load_state_dict: the state dict's 'zerofast' entry"))
+    finish_load(
+        opt.checkpoint_view,
+        safe.loads(loaded["zerofast"], "ZeroAdam.load_state_dict: the state dict's 'zerofast' entry"),
+    )

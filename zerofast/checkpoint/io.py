@@ -25,7 +25,6 @@ import os
 import shutil
 import time
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -35,10 +34,8 @@ import torch.nn as nn
 from .. import __version__
 from . import background, safe
 from .background import AsyncSave
-from .dcp import Staging, facts, finish_load, sharded_tensors, small_state, tensors
-
-if TYPE_CHECKING:
-    from ..optim.zero_adam import ZeroAdam
+from .dcp import Staging, finish_load, sharded_tensors, small_state, tensors
+from .view import Checkpointable, CheckpointView
 
 __all__ = [
     "save",
@@ -63,7 +60,7 @@ FORMAT = "zerofast-checkpoint-2"
 def save(
     path: str,
     model: nn.Module,
-    opt: ZeroAdam,
+    opt: Checkpointable,
     *,
     extra: dict | None = None,
     keep: int | None = None,
@@ -91,10 +88,11 @@ def save(
             f"zerofast.checkpoint.save: {path} exists; a checkpoint is never overwritten "
             f"(choose a new folder per save, e.g. step-000100)"
         )
-    small = safe.dumps_small(small_state(opt), extra)  # every rank: a bad `extra` fails on all alike
-    steps = opt.step_counts()
-    manifest = _manifest(opt, step=max(steps.values(), default=0))
-    f = facts(opt)
+    view = opt.checkpoint_view
+    small = safe.dumps_small(small_state(view), extra)  # every rank: a bad `extra` fails on all alike
+    steps = view.step_counts()
+    manifest = _manifest(view, step=max(steps.values(), default=0))
+    f = view.facts
     if f.rank == 0 and os.path.exists(path + INCOMPLETE):
         shutil.rmtree(path + INCOMPLETE)  # what a killed save left behind
     if f.rank == 0 and not blocking:
@@ -102,26 +100,33 @@ def save(
     if blocking:
         dist.barrier(group=f.group)
         with sharded_tensors():
-            state = tensors(model, opt)
+            state = tensors(model, view)
         _write(path, state, f.group, f.rank, small, manifest, keep)
         return path
     group = background.checkpoint_group(f.group, f.world_size)  # every rank, here: also the barrier above's role
-    staged = _STAGING.get(opt)
+    staged = _STAGING.get(view)
     if staged is None:
-        staged = _STAGING[opt] = Staging()
+        staged = _STAGING[view] = Staging()
     with sharded_tensors():
-        state = tensors(model, opt, staged)
+        state = tensors(model, view, staged)
     staged.synchronize()
     dist.barrier(group=f.group)  # the stale ".incomplete" is gone on every rank's view before any writes
     return background.submit(path, lambda: _write(path, state, group, f.rank, small, manifest, keep))
 
 
-_STAGING: weakref.WeakKeyDictionary[ZeroAdam, Staging] = weakref.WeakKeyDictionary()
+# Per optimizer (by its view, which lives as long as it), the copy its asynchronous saves reuse.
+_STAGING: weakref.WeakKeyDictionary[CheckpointView, Staging] = weakref.WeakKeyDictionary()
 
 
-def staging_bytes(opt: ZeroAdam) -> int:
+def staging_of(opt: Checkpointable) -> Staging | None:
+    """The copy `opt`'s asynchronous saves reuse (None before the first): its buffers are made once
+    and refilled by every later save."""
+    return _STAGING.get(opt.checkpoint_view)
+
+
+def staging_bytes(opt: Checkpointable) -> int:
     """Host memory held for `opt`'s asynchronous saves (0 before the first)."""
-    staged = _STAGING.get(opt)
+    staged = staging_of(opt)
     return 0 if staged is None else staged.nbytes()
 
 
@@ -148,7 +153,7 @@ def _write(path: str, state: dict, group, rank: int, small: bytes, manifest: dic
             with open(os.path.join(tmp, SMALL), "wb") as out:
                 out.write(small)
             with open(os.path.join(tmp, MANIFEST), "w") as out:
-                json.dump({**manifest, "save_counter": _next_save_counter(root)}, out, indent=1)
+                json.dump({**manifest, "save_counter": next_save_counter(root)}, out, indent=1)
             os.replace(tmp, path)
             if keep is not None:
                 _purge(root, keep, path)
@@ -163,23 +168,24 @@ def _write(path: str, state: dict, group, rank: int, small: bytes, manifest: dic
         raise RuntimeError(f"zerofast.checkpoint.save: rank 0 could not complete {path}: {outcome[0]}")
 
 
-def load(path: str, model: nn.Module, opt: ZeroAdam) -> dict:
+def load(path: str, model: nn.Module, opt: Checkpointable) -> dict:
     """Load the checkpoint at `path` into `model` and its ZeroAdam `opt`, whatever world size,
     stage, partition, bucket size, units or precision either side uses; returns the `extra` saved
     with it. Every rank calls it (after this process's asynchronous save in flight, if any, ends).
     Nothing in the checkpoint is run as code: [Note: safe checkpoints]."""
     background.settle()
     path = os.fspath(path)
-    _check_manifest(path, opt)
+    view = opt.checkpoint_view
+    _check_manifest(path, view)
     small = read_small(path)
     with sharded_tensors():
         torch_dcp.load(
-            tensors(model, opt),
+            tensors(model, view),
             storage_reader=safe.SafeReader(path),
             planner=safe.SafeLoadPlanner(),
-            process_group=facts(opt).group,
+            process_group=view.facts.group,
         )
-    finish_load(opt, small)
+    finish_load(view, small)
     return small["extra"]
 
 
@@ -210,7 +216,10 @@ def _complete(root: str) -> list[tuple[tuple, str]]:
     return sorted(found)
 
 
-def _next_save_counter(root: str) -> int:
+def next_save_counter(root: str) -> int:
+    """The save counter of the next checkpoint written under `root`: one more than the largest of
+    its complete checkpoints ([Note: which checkpoint is the latest]). Rank 0 reads it after every
+    rank's data is written, just before the manifest (tests fail a save at that point through it)."""
     counters = [key[1] for key, _ in _complete(root)] if os.path.isdir(root) else []
     return max(counters, default=0) + 1
 
@@ -222,9 +231,9 @@ def _purge(root: str, keep: int, written: str) -> None:
             shutil.rmtree(folder)
 
 
-def _manifest(opt: ZeroAdam, step: int) -> dict:
+def _manifest(view: CheckpointView, step: int) -> dict:
     """The manifest but its save counter (rank 0 adds it when the folder is complete)."""
-    f = facts(opt)
+    f = view.facts
     return {
         "format": FORMAT,
         "created": time.time(),
@@ -236,11 +245,11 @@ def _manifest(opt: ZeroAdam, step: int) -> dict:
         "zerofast": __version__,
         "torch": torch.__version__,
         "step": step,
-        "params": [{"name": n, "shape": list(p.shape), "dtype": str(p.dtype)} for n, p in opt.named_params],
+        "params": [{"name": n, "shape": list(p.shape), "dtype": str(p.dtype)} for n, p in view.trainable.params],
     }
 
 
-def _check_manifest(path: str, opt: ZeroAdam) -> None:
+def _check_manifest(path: str, view: CheckpointView) -> None:
     """Every rank reads the manifest itself, so a mismatch is the same error everywhere, never a hang."""
     if not os.path.exists(path):
         if os.path.exists(path + INCOMPLETE):
@@ -250,7 +259,7 @@ def _check_manifest(path: str, opt: ZeroAdam) -> None:
             )
         raise FileNotFoundError(f"zerofast.checkpoint.load: no checkpoint at {path}")
     saved = read_manifest(path)["params"]
-    mine = [(n, list(p.shape)) for n, p in opt.named_params]
+    mine = [(n, list(p.shape)) for n, p in view.trainable.params]
     theirs = [(e["name"], e["shape"]) for e in saved]
     for k, (a, b) in enumerate(zip(theirs, mine)):
         if a != b:

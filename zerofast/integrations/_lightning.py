@@ -28,6 +28,7 @@ checks at import (zerofast.integrations.hosts). What maps to what:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import os
@@ -40,7 +41,7 @@ import torch.nn as nn
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from .. import checkpoint as zckpt
-from ..config import MixedPrecisionPolicy, check_stage, resolve_plan
+from ..config import MixedPrecisionPolicy, check_stage, comm_policy, resolve_plan
 from ..optim.zero_adam import ZeroAdam
 from . import hosts
 
@@ -211,13 +212,16 @@ def zero_from(optimizer, module: nn.Module, stage: int | None, options: dict) ->
         dict(hyper(group), params=[p for p in group["params"] if p.requires_grad]) for group in optimizer.param_groups
     ]
     first = groups[0]
+    given = {k: v for k, v in options.items() if v is not None}
+    if "shard_size" in given:  # ZeroAdam takes it in its CommPolicy
+        given["comm"] = dataclasses.replace(comm_policy(given.get("comm")), shard_size=given.pop("shard_size"))
     zero = ZeroAdam(
         module,
         stage=2 if stage is None else stage,
         adamw=adamw,
         param_groups=groups,
         **{k: first[k] for k in _HYPER_KEYS},
-        **{k: v for k, v in options.items() if v is not None},
+        **given,
     )
     for mine, theirs in zip(zero.param_groups, optimizer.param_groups):
         for key, value in theirs.items():  # a scheduler's keys (initial_lr, max_lr, ...), the user's own

@@ -1,8 +1,8 @@
-"""ZeroAdam's checks at construction that need the model or the process group (the options alone are
-checked in zerofast/config.py): the parameter groups, the parameters' dtypes and device, and the
-cross-rank agreement on the model (one all_gather_object, then rank 0's values broadcast), each
-raising a clear error naming the argument and the value it got, or the first mismatch across
-ranks, never a hang later."""
+"""ZeroAdam's checks that need the model or the process group (the options alone are checked in
+zerofast/config.py): the parameter groups, the parameters' dtypes and device, the cross-rank
+agreement on the model (one all_gather_object, then rank 0's values broadcast), and at every step
+that the trainable parameters are still those it was built over; each raising a clear error naming
+the argument and the value it got, or the first mismatch across ranks, never a hang later."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def _signature(model: nn.Module) -> list[tuple]:
 def data_parallel_group(process_group, shard_size):
     """The group of every data-parallel rank, the shard size and the mesh, if one was given
     ([Note: hybrid sharding] in zerofast/topology.py): from process_group (None: the world) and
-    shard_size, or from a 2-D DeviceMesh given as process_group."""
+    CommPolicy.shard_size, or from a 2-D DeviceMesh given as process_group."""
     if not isinstance(process_group, DeviceMesh):
         group = process_group if process_group is not None else dist.group.WORLD
         # The raw value first, on every rank: a value bad on some ranks only must fail on all of
@@ -116,7 +116,7 @@ def data_parallel_group(process_group, shard_size):
     if shard_size is not None:
         raise ValueError(
             f'ZeroAdam: a DeviceMesh as process_group gives the shard groups itself (its "shard" '
-            f"dim); pass it without shard_size (got shard_size={shard_size!r})"
+            f"dim); pass it without CommPolicy.shard_size (got shard_size={shard_size!r})"
         )
     _replicas, k = mesh_groups(mesh)
     ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
@@ -152,3 +152,17 @@ def broadcast_from_rank0(model: nn.Module, group) -> None:
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
             dist.broadcast(t.data, src=src, group=group)
+
+
+def check_trainable_unchanged(trainable_at_build: list[tuple[str, nn.Parameter, bool]]) -> None:
+    """Which parameters are trainable, as at construction: the buffers and optimizer state are laid
+    out over the parameters trainable then."""
+    for name, param, trainable in trainable_at_build:
+        if param.requires_grad != trainable:
+            effect = "its gradient would be ignored" if param.requires_grad else "it would silently stop training"
+            raise RuntimeError(
+                f"ZeroAdam: {name}.requires_grad changed from {trainable} to {param.requires_grad} after "
+                f"ZeroAdam was built; its buffers and optimizer state are laid out over the parameters "
+                f"trainable at construction, so {effect}. "
+                f"Set requires_grad before building ZeroAdam (or build a new one)"
+            )

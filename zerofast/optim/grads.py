@@ -169,6 +169,12 @@ class GradReducer:
         self.path.keep_local = phase is StepPhase.NO_SYNC and self.accumulates_locally
         self.path.accumulate = self.reduced_micro_batches > 0
 
+    def take_every_gradient_in_python(self) -> None:
+        """From now on every gradient goes through Python's path, as fp16, the overlapped gather or
+        check_collectives send them: the seam that tests the compiled path against Python's."""
+        self.always_python = True
+        self._enter(self.phase)
+
     # --- phase 1 --------------------------------------------------------------------------------
 
     def _on_grad(self, index: int) -> None:
@@ -313,6 +319,19 @@ class GradReducer:
             "at the end of the micro-batch)",
             self.path.flush,
         )
+
+    def prepare_to_clip(self, method: str, arg: str, value, norm: bool, world_size: int, check) -> Prepared:
+        """What both of the optimizer's clip methods do first: check their bound and where they are
+        called, then prepare() (phase 2, with the global norm when norm=True)."""
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+            raise ValueError(f"ZeroAdam.{method}: {arg} must be a number > 0; got {value!r}")
+        if self.phase.in_no_sync:
+            raise RuntimeError(
+                f"ZeroAdam.{method}() was called inside `with opt.no_sync():`; clip after "
+                f"the last backward of the step, outside it"
+            )
+        self.comm.where.phase = f"{method}() (the reduces and the agreement)"
+        return self.prepare(norm, world_size, check=check)
 
     def prepare(self, need_norm: bool, world_size: int, check: Callable[[], None] | None = None) -> Prepared:
         """Phase 2, once per step (step() or an earlier clip_grad_norm_()): every bucket reduced, the

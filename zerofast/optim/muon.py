@@ -46,9 +46,10 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from ..config import CommPolicy, _is_number, check_hyper, comm_policy, precision_policy
+from ..config import CommPolicy, _is_number, check_hyper, comm_policy, precision_policy, reject_moved, resolve_plan
 from ..layout import Piece
 from ..partition import newton_schulz_flops
+from .builder import trainable_params
 from .state import ShardState
 from .zero_adam import ZeroAdam
 
@@ -247,6 +248,53 @@ def check_muon_hyper(where: str, g: dict) -> None:
         )
 
 
+# --- ZeroMuon's update rule: what it gives the builder ---------------------------------------------
+
+
+class MuonUpdate:
+    """ZeroMuon's rule (zerofast/optim/update.py): two groups, Muon's matrices and AdamW's rest;
+    greedy balancing Newton-Schulz ([Note: balancing Newton-Schulz]); a matrix keeps a momentum
+    buffer, the rest Adam's moments; phase 3 the fused AdamW kernel, then Muon on the owned matrices."""
+
+    def __init__(self, named, is_muon: list[bool], muon_hyper: dict, adamw_defaults: dict, balance: str):
+        self.is_muon = is_muon
+        muon = [p for (_, p), m in zip(named, is_muon) if m]
+        adamw = [p for (_, p), m in zip(named, is_muon) if not m]
+        self.groups = []  # a group with no parameters is left out
+        if muon:
+            self.groups.append(dict(muon_hyper, params=muon, use_muon=True))
+        if adamw:
+            self.groups.append(dict({k: adamw_defaults[k] for k in ADAMW_KEYS}, params=adamw, use_muon=False))
+        self.defaults = adamw_defaults
+        steps = muon_hyper["ns_steps"]
+        self.step_costs = [newton_schulz_flops(tuple(p.shape), steps) if m else 0 for (_, p), m in zip(named, is_muon)]
+        self.partition_costs = self.step_costs if balance == "cost" else None
+
+    def state_kinds(self, index: int) -> tuple[str, ...]:
+        return ("momentum_buffer",) if self.is_muon[index] else ("exp_avg", "exp_avg_sq")
+
+    def check_group(self, index: int, group: dict) -> None:
+        if group.get("use_muon"):
+            check_muon_hyper(f".param_groups[{index}]", group)
+        else:
+            check_hyper(f".param_groups[{index}]", group)
+
+    def phase3(self, shard: ShardState, names: list[str], params: list, group_of: list[int]):
+        """Phase 3: fused AdamW over the owned ranges of the non-Muon parameters, then Muon for the
+        owned matrices (whole tensors in this rank's shard)."""
+        is_muon = self.is_muon
+        matrices = MuonShard(shard, is_muon, [tuple(p.shape) for p in params], names)
+
+        def update(used: list[bool], param_groups: list[dict], grad_scale: float | torch.Tensor) -> None:
+            adamw_used = [u and not m for u, m in zip(used, is_muon)]
+            with torch.profiler.record_function("zerofast::adam"):
+                shard.apply_adam(adamw_used, param_groups, group_of, True, grad_scale)
+            with torch.profiler.record_function("zerofast::muon"):
+                matrices.apply([u and m for u, m in zip(used, is_muon)], param_groups, group_of, grad_scale)
+
+        return update
+
+
 # --- the optimizer front -------------------------------------------------------------------------------
 
 
@@ -255,7 +303,7 @@ class ZeroMuon(ZeroAdam):
     run once by its owner, with ZeRO stage 1, 2 or 3 sharding across `process_group`
     ([Note: Muon on whole-matrix owners]).
 
-    model, stage, max_grad_norm, mixed_precision, units, process_group, shard_size: as ZeroAdam's.
+    model, stage, max_grad_norm, mixed_precision, units, process_group: as ZeroAdam's.
     lr, momentum, nesterov, weight_decay, ns_steps, ns_coefficients, eps, adjust_lr_fn: the Muon
       part, as torch.optim.Muon's (and its defaults).
     adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the rest, as torch.optim.AdamW's (and
@@ -269,6 +317,8 @@ class ZeroMuon(ZeroAdam):
       Newton-Schulz]) or "numel" (elements only, as ZeroAdam's greedy).
     opt.param_groups: [the Muon group (use_muon=True), the AdamW group (use_muon=False)] (a group
       with no parameters is left out); an LR scheduler sets each group's lr.
+    It is ZeroAdam with another update rule (MuonUpdate, given to the same builder); report()'s
+    partition adds each rank's Newton-Schulz FLOPs.
     """
 
     def __init__(
@@ -295,10 +345,10 @@ class ZeroMuon(ZeroAdam):
         units=None,
         comm=None,
         process_group=None,
-        shard_size: int | None = None,
+        **moved,
     ):
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"ZeroMuon: model must be an nn.Module; got {type(model).__name__}")
+        reject_moved("ZeroMuon", moved)
+        named = trainable_params(model, "ZeroMuon")
         comm = CommPolicy(partition="greedy") if comm is None else comm_policy(comm)
         if comm.partition == "flat":
             raise ValueError(
@@ -313,7 +363,7 @@ class ZeroMuon(ZeroAdam):
             )
         if balance not in BALANCES:
             raise ValueError(f"ZeroMuon: balance must be one of {', '.join(map(repr, BALANCES))}; got {balance!r}")
-        self._muon_hyper = dict(
+        muon_hyper = dict(
             lr=lr,
             momentum=momentum,
             nesterov=nesterov,
@@ -323,86 +373,21 @@ class ZeroMuon(ZeroAdam):
             eps=eps,
             adjust_lr_fn=adjust_lr_fn,
         )
-        check_muon_hyper("", self._muon_hyper)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self._is_muon = select_muon(model, named, muon_params)
-        self._balance = balance
-        super().__init__(
-            model,
-            stage,
-            lr=adamw_lr,
-            betas=adamw_betas,
-            eps=adamw_eps,
-            weight_decay=adamw_weight_decay,
-            adamw=True,
-            max_grad_norm=max_grad_norm,
-            mixed_precision=mixed_precision,
-            units=units,
-            comm=comm,
-            process_group=process_group,
-            shard_size=shard_size,
+        check_muon_hyper("", muon_hyper)
+        plan = resolve_plan(
+            stage, adamw=True, max_grad_norm=max_grad_norm, mixed_precision=mixed_precision, comm=comm, units=units
         )
-        self.muon = MuonShard(self.shard, self._is_muon, [tuple(p.shape) for p in self._params], self._names)
-
-    # --- ZeroAdam's hooks ------------------------------------------------------------------------------
-
-    def _build_param_groups(self, param_groups, named, defaults) -> list[dict]:
-        muon = [p for (_, p), m in zip(named, self._is_muon) if m]
-        adamw = [p for (_, p), m in zip(named, self._is_muon) if not m]
-        groups = []
-        if muon:
-            groups.append(dict(self._muon_hyper, params=muon, use_muon=True))
-        if adamw:
-            groups.append(dict({k: defaults[k] for k in ADAMW_KEYS}, params=adamw, use_muon=False))
-        return groups
-
-    def _partition_costs(self) -> list[int] | None:
-        if self._balance == "numel":
-            return None
-        return self.ns_costs()
-
-    def _check_group(self, index: int, group: dict) -> None:
-        if group.get("use_muon"):
-            check_muon_hyper(f".param_groups[{index}]", group)
-        else:
-            check_hyper(f".param_groups[{index}]", group)
-
-    def _update(self, used: list[bool], grad_scale: float | torch.Tensor) -> None:
-        """Phase 3: fused AdamW over the owned ranges of the non-Muon parameters, then Muon for the
-        owned matrices (whole tensors in this rank's shard)."""
-        adamw_used = [u and not m for u, m in zip(used, self._is_muon)]
-        muon_used = [u and m for u, m in zip(used, self._is_muon)]
-        with torch.profiler.record_function("zerofast::adam"):
-            self.shard.apply_adam(adamw_used, self.param_groups, self._group_of, True, grad_scale)
-        with torch.profiler.record_function("zerofast::muon"):
-            self.muon.apply(muon_used, self.param_groups, self._group_of, grad_scale)
-
-    # --- reports and typed access --------------------------------------------------------------------
-
-    def ns_costs(self) -> list[int]:
-        """Per trainable parameter, its Newton-Schulz FLOPs per step (0: AdamW's)."""
-        steps = self._muon_hyper["ns_steps"]
-        return [newton_schulz_flops(tuple(p.shape), steps) if m else 0 for p, m in zip(self._params, self._is_muon)]
+        adamw_defaults = dict(lr=adamw_lr, betas=_tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay)
+        check_hyper("", adamw_defaults)
+        rule = MuonUpdate(named, select_muon(model, named, muon_params), muon_hyper, adamw_defaults, balance)
+        self._wire(model, plan, process_group, rule)
 
     @property
     def muon_names(self) -> list[str]:
         """The trainable parameters Muon updates, by name, in the optimizer's order."""
-        return [n for n, m in zip(self._names, self._is_muon) if m]
+        part = self.checkpoint_view.trainable
+        return [n for (n, _), kinds in zip(part.params, part.kinds) if "momentum_buffer" in kinds]
 
-    def is_muon(self, index: int) -> bool:
-        """Whether Muon updates parameter `index` of named_params."""
-        return self._is_muon[index]
 
-    def state_kinds(self, index: int) -> tuple[str, ...]:
-        return ("momentum_buffer",) if self._is_muon[index] else ("exp_avg", "exp_avg_sq")
-
-    def partition_report(self) -> dict:
-        """ZeroAdam's, plus each rank's Newton-Schulz FLOPs per step and their imbalance max/mean."""
-        report = super().partition_report()
-        costs = self.ns_costs()
-        flops = [0] * self.shard_size
-        for r in range(self.shard_size):
-            for pc in self.layout.pieces(r):
-                flops[r] += costs[pc.param]
-        mean = sum(flops) / len(flops)
-        return {**report, "ns_flops": flops, "ns_imbalance": max(flops) / mean if mean else 1.0}
+def _tuple(value):
+    return tuple(value) if isinstance(value, (tuple, list)) else value

@@ -7,7 +7,8 @@ exp_avg_sq (fp32, or 8-bit codes with per-block scales: [Note: quantized state] 
 and the per-parameter step counts, and the layout's pieces that address them: piece k
 is (parameter, offset into the flattened parameter, numel) at `state_offset` in the shard buffers
 and `bucket_offset` in its bucket. Phase 3 of a step (the fused Adam update) runs here, over it.
-Checkpoints and reports read it through the accessors below, never through its tensors' names.
+Checkpoints read it through the accessors below (the optimizer's checkpoint view binds them), and
+reports through nbytes(), never through its tensors' names.
 """
 
 from __future__ import annotations
@@ -214,11 +215,6 @@ class ShardState:
         return params, None
 
     # --- accessors ------------------------------------------------------------------------------
-
-    def master_pieces(self) -> list[tuple[str, int, torch.Tensor]]:
-        """This rank's part of the fp32 master copy, as (parameter name, offset into the flattened
-        parameter, fp32 values) pieces; the ranks' pieces together cover every parameter once."""
-        return self.state_pieces("master")
 
     def state_pieces(self, kind: str) -> list[tuple[str, int, torch.Tensor]]:
         """This rank's part of "master", "exp_avg" or "exp_avg_sq", as (parameter name, offset into

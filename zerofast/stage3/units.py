@@ -16,7 +16,7 @@ frozen parameters in stage 3] in zerofast/stage3/frozen.py), so a unit's size is
 Every such parameter that no unit module holds joins one more unit, the root's: embeddings, the
 final norm, an output head. It is unit 0, the last in backward order, because a tied embedding's
 gradient is complete only at the very end of backward ([Note: bucket order]).
-`opt.units_report()` lists what each unit holds.
+`opt.report().units` lists what each unit holds.
 
 """
 

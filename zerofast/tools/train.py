@@ -260,20 +260,19 @@ def _make_optimizer(kind: str, model, args, stage: int):
         weight_decay=0.1,
         mixed_precision=args.mixed_precision,
         max_grad_norm=args.max_grad_norm,
-        comm=CommPolicy(partition=args.partition),
-        shard_size=args.shard_size,
+        comm=CommPolicy(partition=args.partition, shard_size=args.shard_size),
     )
 
 
 def _measure(kind: str, model, opt) -> dict[str, int]:
     """Bytes this rank holds now, counted from the tensors."""
     if isinstance(opt, ZeroAdam):
-        r = opt.memory_report()
+        r = opt.report().memory
         return {
-            "params": r["params"] + r["frozen_params"],
-            "grads": r["grads"] + r["grad_shard"],
-            "optimizer": r["optimizer"] + r["master_copy"],
-            "buckets": r["bucket_buffers"] + r["bucket_pool"],
+            "params": r.materialized_params,
+            "grads": r.grads + r.grad_shard,
+            "optimizer": r.optimizer + r.master_copy,
+            "buckets": r.bucket_buffers + r.bucket_pool,
         }
     if hasattr(opt, "memory_held"):  # the reference stage counts its own
         return {**opt.memory_held(), "buckets": 0}
@@ -299,13 +298,13 @@ def run(kind: str, args, device, steps: int, progress: bool, stage: int | None =
     checkpoints = kind == "zero" and args.save_dir is not None
     start = _resume(args, model, opt, rank) if checkpoints and _resuming(args) else 0
     bar = Progress(steps, progress and rank == 0)
-    if progress and rank == 0 and isinstance(opt, ZeroAdam) and opt.stage == 3:
-        units = opt.units_report()
-        largest = max(units, key=lambda u: u["bytes"])
+    if progress and rank == 0 and isinstance(opt, ZeroAdam) and opt.plan.params_sharded:
+        units = opt.report().units
+        largest = max(units, key=lambda u: u.bytes)
         sys.stderr.write(
-            f"stage 3: {len(units)} units ({', '.join(u['module'] or '(root)' for u in units[:3])}"
-            f"{', ...' if len(units) > 3 else ''}); the largest, {largest['module'] or '(root)'}, "
-            f"holds {format_bytes(largest['bytes'])}\n"
+            f"stage 3: {len(units)} units ({', '.join(u.module or '(root)' for u in units[:3])}"
+            f"{', ...' if len(units) > 3 else ''}); the largest, {largest.module or '(root)'}, "
+            f"holds {format_bytes(largest.bytes)}\n"
         )
     for step in range(start, steps):
         x, y = text_batch(tokens, args.batch, seq, seed=step * world + rank)  # the data position is the step
@@ -343,7 +342,7 @@ def run(kind: str, args, device, steps: int, progress: bool, stage: int | None =
             )
             if step + 1 == steps and args.save_async:
                 written.wait()  # the last one: complete before the job reports and exits
-    comm = opt.comm_stats() if isinstance(opt, ZeroAdam) else {}
+    comm = opt.report().comm if isinstance(opt, ZeroAdam) else {}
     numel = sum(p.numel() for p in model.parameters())
     if isinstance(opt, ZeroAdam):
         opt.remove_hooks()

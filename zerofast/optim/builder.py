@@ -1,0 +1,319 @@
+"""The builder: one function, build(), wires every part an optimizer front orders from the resolved
+`Plan` and the front's update rule (zerofast/optim/update.py), and checkpoint_view() describes the
+result for zerofast.checkpoint. A front (ZeroAdam, ZeroMuon) checks its own keywords, calls the
+builder, and from then on only orders the parts' calls (zero_adam.py's docstring: a step, in phases).
+
+What build() does, in order (every rank of the data-parallel group calls it, with the same options):
+  1. the ranks: the data-parallel group and the shard and replicate groups
+     ([Note: hybrid sharding] in zerofast/topology.py), every rank holding rank 0's model;
+  2. mixed precision's conversion of the rest of the model and its input cast;
+  3. the layouts (zerofast/optim/layouts.py, greedy balancing the rule's costs);
+  4. the state (ShardState; stage 3's FrozenShard), the collectives (BucketComm), the loss scaler,
+     the parameter gather (stages 1 and 2), the units (stage 3), the gradient path (GradReducer) and
+     the rule's phase 3 over the shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..checkpoint.view import CheckpointView, Facts, ScalerState, ShardedPart
+from ..comm import BucketComm, group_timeout
+from ..config import Plan
+from ..layout import Layout
+from ..stage3.frozen import FrozenShard, placeholder_grad_shard
+from ..stage3.runtime import UnitBuffers, UnitPart, UnitTracker
+from ..stage3.units import UnitPlan, hook_needs
+from ..topology import Topology, resolve_topology
+from . import checks
+from .gather import ParamGather
+from .grads import GradReducer
+from .layouts import plan_layouts
+from .precision import InputCast, LossScaler, cast_unmanaged
+from .state import ShardState, storage_of
+from .update import Phase3, UpdateRule
+
+__all__ = ["Parts", "build", "checkpoint_view", "trainable_params"]
+
+
+@dataclass
+class Parts:
+    """Everything build() wired, for the front that orders it (and, through zero_adam.parts_of, for
+    tests that inject a fault into one part or read its internals)."""
+
+    model: nn.Module
+    plan: Plan
+    rule: UpdateRule
+    topology: Topology  # every data-parallel rank, and the shard and replicate groups
+    names: list[str]  # the trainable parameters, in the optimizer's order (the layout's)
+    params: list[nn.Parameter]
+    group_of: list[int]  # per trainable parameter, the index of its param group
+    trainable_at_build: list[tuple[str, nn.Parameter, bool]]  # every parameter, and whether it was trainable
+    layout: Layout  # the trainable parameters' buckets, owners and slices, over the shard group
+    shard: ShardState  # this rank's part of the training state
+    comm: BucketComm  # the trainable parameters' collectives
+    scaler: LossScaler
+    gather: ParamGather  # phase 4 (stages 1 and 2)
+    grads: GradReducer  # phases 1 and 2
+    update: Phase3  # phase 3: the rule's, over the shard
+    unit_plan: UnitPlan | None  # stage 3: which parameters gather together
+    unit_params: list[nn.Parameter]  # stage 3: the unit plan's parameters, in model order
+    units: UnitTracker | None  # stage 3: the hooks and unit buffers
+    frozen_named: list[tuple[str, nn.Parameter]]  # stage 3: the frozen parameters it shards
+    frozen: FrozenShard | None  # and their buffers and shard ([Note: frozen parameters in stage 3])
+    frozen_comm: BucketComm | None  # and their gathers (no reduce)
+    hooks: list = field(default_factory=list)  # handles on the model: remove_hooks() removes them
+
+    def quiesce(self) -> None:
+        """Bring the state to rest: wait for parameter gathers still in flight (stages 1 and 2: the
+        last step's, if some module never ran) and release every gathered unit (stage 3)."""
+        self.gather.wait()
+        if self.plan.params_sharded:
+            self.units.release_all()
+
+    def sync_params_from_master(self) -> None:
+        """After the fp32 master was written outside step(): the low-precision parameters become its
+        rounding, and (stages 1 and 2) every rank's full parameters are gathered from their owners.
+        Stage 3's next forward gathers."""
+        self.shard.sync_params_from_master()
+        if not self.plan.params_sharded:
+            self.gather.start()
+            self.gather.wait()
+
+    def end_step(self) -> dict[str, int]:
+        """The payload bytes of the step that ends now, per collective (the frozen parameters'
+        gathers counted in: [Note: frozen parameters in stage 3]); the counts restart."""
+        stats = dict(self.comm.stats)
+        if self.frozen_comm is not None:
+            for name, nbytes in self.frozen_comm.stats.items():
+                stats[name] = stats.get(name, 0) + nbytes
+            self.frozen_comm.new_step()
+        return stats
+
+    def remove_hooks(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        self.grads.remove()
+        if self.units is not None:
+            self.units.remove()
+
+
+def trainable_params(model: nn.Module, who: str) -> list[tuple[str, nn.Parameter]]:
+    """The model's trainable (name, parameter) pairs, in model order (a tied parameter once)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{who}: model must be an nn.Module; got {type(model).__name__}")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError(f"{who}: the model has no trainable parameters")
+    return named
+
+
+def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Parts:
+    """Wire the parts for `model` under `plan` across `process_group` (None: the world; or a 2-D
+    DeviceMesh), with the front's update `rule`. Collective: every rank calls it."""
+    checks.check_process_group(process_group)
+    group, shard_size, mesh = checks.data_parallel_group(process_group, plan.shard_size)
+    named = trainable_params(model, "ZeroAdam")
+    names, params = [n for n, _ in named], [p for _, p in named]
+    checks.check_same_across_ranks(model, group)
+    checks.broadcast_from_rank0(model, group)
+    topology = resolve_topology(group, shard_size, group_timeout(group), mesh)
+    group_index = {id(p): g for g, grp in enumerate(rule.groups) for p in grp["params"]}
+    # Which of the model's parameters were trainable: the layout is built over them, so a change of
+    # requires_grad later is an error at the next step (checks.check_trainable_unchanged).
+    trainable_at_build = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
+    checks.check_dtypes(names, params, plan.param_dtype)
+    hooks = []
+    if plan.separate_master:  # see [Note: mixed precision]; before stage 3 lays out the frozen parameters
+        cast_unmanaged(model, plan.param_dtype)
+        hooks.append(model.register_forward_pre_hook(InputCast(plan.param_dtype), prepend=True, with_kwargs=True))
+    layouts = plan_layouts(model, plan, topology.shard_size, rule.partition_costs)
+    shard = ShardState(layouts.layout, topology.shard_rank, names, params, plan)
+    comm = BucketComm(
+        topology.shard_group,
+        layouts.layout,
+        topology.shard_rank,
+        shard.grad_shard,
+        _gather_group(topology) if plan.params_sharded else None,
+        shard.grad_buckets,
+        plan.bucket_buffers,
+        plan.check_collectives,
+        replicate_group=topology.replicate_group,
+        replicate_grads_group=_second_group(topology.replicate_group, topology.group),
+        replicate_min_bytes=plan.replicate_bytes,
+        dp_rank=topology.rank,
+        dp_world=topology.world,
+    )
+    scaler = LossScaler(plan.loss_scale)
+    gather = ParamGather(comm, layouts.layout, shard.param_buffers)
+    if plan.overlap_param_gather:
+        hooks += gather.register_waits(model, params)
+    frozen = frozen_comm = units = None
+    if plan.params_sharded:
+        frozen, frozen_comm = _frozen_part(layouts, topology, plan, comm)
+        units = _shard_params(model, layouts, topology, shard, comm, frozen, frozen_comm)
+    grads = GradReducer(params, names, layouts.layout, comm, shard, plan, scaler=scaler, gather=gather)
+    group_of = [group_index[id(p)] for p in params]
+    return Parts(
+        model=model,
+        plan=plan,
+        rule=rule,
+        topology=topology,
+        names=names,
+        params=params,
+        group_of=group_of,
+        trainable_at_build=trainable_at_build,
+        layout=layouts.layout,
+        shard=shard,
+        comm=comm,
+        scaler=scaler,
+        gather=gather,
+        grads=grads,
+        update=rule.phase3(shard, names, params, group_of),
+        unit_plan=layouts.unit_plan,
+        unit_params=layouts.unit_params,
+        units=units,
+        frozen_named=layouts.frozen_named,
+        frozen=frozen,
+        frozen_comm=frozen_comm,
+        hooks=hooks,
+    )
+
+
+def _second_group(group: dist.ProcessGroup | None, timeout_of: dist.ProcessGroup) -> dist.ProcessGroup | None:
+    """A second group of the same ranks (None for None): collectives whose order is set by timing
+    (stage 3's gathers, the replicas' gradient all_reduces during backward) get a group of their
+    own, so they never pair up with another kind of collective."""
+    if group is None:
+        return None
+    ranks = dist.get_process_group_ranks(group)
+    # With the same timeout as the group given: new_group's default is 30 minutes ([Note: faults]).
+    return dist.new_group(ranks, timeout=group_timeout(timeout_of), use_local_synchronization=True)
+
+
+def _gather_group(topology: Topology) -> dist.ProcessGroup:
+    """Stage 3 gathers on a second group: see [Note: two process groups] in csrc/buckets.cpp. Only a
+    rank's own shard group gathers its parameters."""
+    return _second_group(topology.shard_group, topology.group)
+
+
+def _frozen_part(layouts, topology: Topology, plan: Plan, comm: BucketComm):
+    """Stage 3's frozen parameters ([Note: frozen parameters in stage 3]): their FrozenShard and the
+    BucketComm that gathers them, on the trainable part's gather group (no reduce, no gradient
+    shard); (None, None) when there are none."""
+    if layouts.frozen_layout is None:
+        return None, None
+    rank = topology.shard_rank
+    frozen = FrozenShard(
+        layouts.frozen_layout,
+        rank,
+        [n for n, _ in layouts.frozen_named],
+        [p for _, p in layouts.frozen_named],
+        layouts.frozen_bucket_of,
+    )
+    frozen_comm = BucketComm(
+        topology.shard_group,
+        frozen.layout,
+        rank,
+        placeholder_grad_shard(frozen.layout.shard_numel(rank), plan.reduce_dtype, frozen.device),
+        comm.gather_group,
+        None,
+        0,
+        plan.check_collectives,
+        dp_rank=topology.rank,
+        dp_world=topology.world,
+    )
+    frozen_comm.share_bookkeeping(comm)
+    return frozen, frozen_comm
+
+
+def _shard_params(model, layouts, topology: Topology, shard: ShardState, comm, frozen, frozen_comm) -> UnitTracker:
+    """Stage 3: copy this rank's shards out, release every unit, and install the hooks."""
+    frozen_part = None
+    if frozen is not None:
+        frozen_part = UnitPart(frozen.buffers, frozen.shard, frozen.layout, frozen_comm, frozen.bucket_of)
+    buffers = UnitBuffers(
+        shard.param_buffers,
+        shard.param_shard,
+        layouts.layout,
+        topology.shard_rank,
+        comm,
+        layouts.unit_buckets,
+        frozen_part,
+    )
+    buffers.shard_out()
+    return UnitTracker(model, hook_needs(model, layouts.unit_params, layouts.unit_plan), buffers)
+
+
+# --- the checkpoint's view ----------------------------------------------------------------------------
+
+
+def checkpoint_view(parts: Parts, param_groups: list[dict]) -> CheckpointView:
+    """The parts as zerofast.checkpoint reads and writes them (zerofast/checkpoint/view.py);
+    param_groups: the front's own list (torch.optim's), which a load updates in place."""
+    plan, topo, shard, rule = parts.plan, parts.topology, parts.shard, parts.rule
+    trainable = ShardedPart(
+        params=tuple(zip(parts.names, parts.params)),
+        kinds=tuple(rule.state_kinds(i) for i in range(len(parts.params))),
+        layout=parts.layout,
+        pieces=tuple(shard.pieces),
+        dtype=torch.float32,
+        device=shard.device,
+        piece_view=shard.piece_view,
+        load_pieces=shard.load_pieces,
+        buffer_of=storage_of,
+    )
+    return CheckpointView(
+        model=parts.model,
+        facts=Facts(
+            topo.rank,
+            topo.world,
+            topo.group,
+            plan.stage,
+            plan.partition,
+            plan.mixed_precision or "fp32",
+            topo.shard_rank,
+            topo.shard_size,
+            topo.shard_group,
+        ),
+        trainable=trainable,
+        frozen=_frozen_view(parts),
+        param_groups=param_groups,
+        step_counts=shard.step_counts,
+        set_step_counts=shard.set_step_counts,
+        loss_scaler_state=lambda: _scaler_state(parts.scaler),
+        load_loss_scaler_state=lambda state: _load_scaler_state(parts.scaler, state),
+        quiesce=parts.quiesce,
+        sync_params_from_master=parts.sync_params_from_master,
+    )
+
+
+def _frozen_view(parts: Parts) -> ShardedPart | None:
+    fz = parts.frozen
+    if fz is None:
+        return None
+    return ShardedPart(
+        params=tuple(parts.frozen_named),
+        kinds=((),) * len(parts.frozen_named),
+        layout=fz.layout,
+        pieces=tuple(fz.pieces),
+        dtype=fz.dtype,
+        device=fz.device,
+        piece_view=lambda pc, kind: fz.piece_view(pc),  # its values, whatever the kind: it has no state
+        load_pieces=lambda kind, full: fz.load_pieces(full),
+        buffer_of=lambda kind: "master",
+    )
+
+
+def _scaler_state(scaler: LossScaler) -> ScalerState:
+    return ScalerState(scale=scaler.scale, growth_tracker=scaler.growth_tracker, enabled=scaler.enabled)
+
+
+def _load_scaler_state(scaler: LossScaler, state: ScalerState) -> None:
+    if scaler.enabled and state["enabled"]:
+        scaler.scale, scaler.growth_tracker = float(state["scale"]), int(state["growth_tracker"])

@@ -1,0 +1,66 @@
+"""An optimizer front's update rule: what it gives the builder besides the plan (its parameter
+groups, greedy's costs, the state each parameter keeps) and the phase 3 it runs at step(). ZeroAdam
+gives an AdamUpdate; ZeroMuon a MuonUpdate (zerofast/optim/muon.py). Everything else of a step (the
+layout, phases 1, 2 and 4, stage 3's units, checkpoints) is the same for every rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from ..config import check_hyper
+from .state import ShardState
+
+# Phase 3 over one shard: (used, param_groups, grad_scale) -> None. `used` is phase 2's agreement
+# (which parameters got a gradient on some rank), grad_scale folds 1/N, unscaling and clipping.
+Phase3 = Callable[[list[bool], list[dict], float | torch.Tensor], None]
+
+
+class UpdateRule(Protocol):
+    """What the builder (zerofast/optim/builder.py) takes from an optimizer front."""
+
+    groups: list[dict]  # torch.optim param groups over the trainable parameters, each exactly once
+    defaults: dict  # torch.optim's `defaults`
+    partition_costs: list[int] | None  # per trainable parameter, greedy's measure (None: its elements)
+    step_costs: list[int] | None  # per trainable parameter, its Newton-Schulz FLOPs (reports; None: none)
+
+    def state_kinds(self, index: int) -> tuple[str, ...]:
+        """The optimizer state trainable parameter `index` holds, by ShardState's kind names."""
+        ...
+
+    def check_group(self, index: int, group: dict) -> None:
+        """One parameter group's hyper-parameters, as they are at a step (a clear error if not)."""
+        ...
+
+    def phase3(self, shard: ShardState, names: list[str], params: list, group_of: list[int]) -> Phase3:
+        """Phase 3 over this rank's shard, once it exists (group_of[i]: parameter i's group)."""
+        ...
+
+
+class AdamUpdate:
+    """ZeroAdam's rule: Adam's moments for every parameter, greedy balancing elements, and phase 3 the
+    fused Adam kernel over every owned range of a used parameter."""
+
+    partition_costs = None
+    step_costs = None
+
+    def __init__(self, groups: list[dict], defaults: dict, adamw: bool):
+        self.groups, self.defaults, self.adamw = groups, defaults, adamw
+
+    def state_kinds(self, index: int) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq")
+
+    def check_group(self, index: int, group: dict) -> None:
+        check_hyper(f".param_groups[{index}]", group)
+
+    def phase3(self, shard: ShardState, names: list[str], params: list, group_of: list[int]) -> Phase3:
+        adamw = self.adamw
+
+        def update(used: list[bool], param_groups: list[dict], grad_scale: float | torch.Tensor) -> None:
+            with torch.profiler.record_function("zerofast::adam"):
+                shard.apply_adam(used, param_groups, group_of, adamw, grad_scale)
+
+        return update
