@@ -116,7 +116,7 @@ class BucketComm:
         """group: the shard group (the ranks `layout` is cut for); grad_buckets: stage 1's persistent
         buckets, which .grad are views of (else buffers come from a pool); max_buffers: at most this
         many pooled buffers alive at once, 0 for no bound ([Note: buffers in flight] in
-        csrc/buckets.cpp); replicate_group: hybrid sharding's replicas of this rank's shard (None:
+        csrc/bucket_pool.cpp); replicate_group: hybrid sharding's replicas of this rank's shard (None:
         none), for the step's agreement; replicate_grads_group: the same ranks again, for the
         gradient all_reduces the engine launches during backward, whose timing differs between
         ranks, so that they never pair up with the agreement, each at least replicate_min_bytes
@@ -150,7 +150,7 @@ class BucketComm:
         self.gather_group = group if gather_group is None else gather_group
         self.replicate_group = replicate_group
         # The engine all_reduces each owned range over the replicas as its bucket's last reduce of
-        # the step finishes ([Note: replicas in backward] in csrc/buckets.cpp); with check_collectives
+        # the step finishes ([Note: replicas in backward] in csrc/replica_reducer.cpp); with check_collectives
         # Python does it in step(), each collective described first.
         self.replicates_in_engine = replicate_grads_group is not None and not check_collectives
         if self.replicates_in_engine:
@@ -200,7 +200,7 @@ class BucketComm:
     def set_last_micro_batch(self, last: bool) -> None:
         """Whether the reduces launched from now on are the step's last (outside no_sync): their
         owned ranges are then all_reduced over the replicas as they finish ([Note: replicas in
-        backward] in csrc/buckets.cpp)."""
+        backward] in csrc/replica_reducer.cpp)."""
         self._impl.replicas.set_last_micro_batch(last)
 
     def order_hashes(self) -> tuple[int, int]:
