@@ -7,11 +7,7 @@
 
 #include <sstream>
 
-namespace py = pybind11;
-
 namespace zerofast {
-
-PyObject* gradient_error_type = nullptr;
 
 namespace {
 
@@ -36,43 +32,42 @@ std::string dtype_name(at::ScalarType t) { return "torch." + std::string(c10::ge
 
 }  // namespace
 
-GradPath::GradPath(BucketComm& comm, std::vector<at::Tensor> params, std::vector<std::string> names,
-                   std::vector<int64_t> bucket, std::vector<int64_t> offset, std::vector<int64_t> bucket_params,
-                   std::vector<at::Tensor> views, bool drop_grad, bool overlap, py::object on_grad, py::object on_error,
-                   py::object before_launch)
+GradPath::GradPath(BucketComm& comm, GradPathOptions options, GradPathCallbacks callbacks)
     : comm_(comm),
-      params_(std::move(params)),
-      names_(std::move(names)),
-      bucket_(std::move(bucket)),
-      offset_(std::move(offset)),
-      bucket_params_(std::move(bucket_params)),
-      params_of_bucket_(bucket_params_.size()),
-      views_(std::move(views)),
-      drop_grad_(drop_grad),
-      overlap_(overlap),
-      on_grad_(std::move(on_grad)),
-      on_error_(std::move(on_error)),
-      before_launch_(std::move(before_launch)),
-      used_(params_.size(), 0),
-      slot_(params_.size(), Slot::kEmpty),
-      missing_(bucket_params_) {
-  const size_t n = params_.size();
+      options_(std::move(options)),
+      callbacks_(std::move(callbacks)),
+      params_of_bucket_(options_.bucket_params.size()),
+      used_(options_.params.size(), 0),
+      slot_(options_.params.size(), Slot::kEmpty),
+      missing_(options_.bucket_params) {
+  check_and_index();
+  add_hooks();
+}
+
+void GradPath::check_and_index() {
+  const auto& o = options_;
+  const size_t n = o.params.size();
   TORCH_CHECK(
-      names_.size() == n && bucket_.size() == n && offset_.size() == n && (views_.empty() || views_.size() == n),
-      "GradPath: names (", names_.size(), "), bucket (", bucket_.size(), "), offset (", offset_.size(), ") and views (",
-      views_.size(), ") need one entry per parameter (", n, ")");
+      o.names.size() == n && o.bucket.size() == n && o.offset.size() == n && (o.views.empty() || o.views.size() == n),
+      "GradPath: names (", o.names.size(), "), bucket (", o.bucket.size(), "), offset (", o.offset.size(),
+      ") and views (", o.views.size(), ") need one entry per parameter (", n, ")");
+  TORCH_CHECK(static_cast<bool>(callbacks_.on_grad),
+              "GradPath: on_grad is needed (the path of the gradients the hook does not take)");
   for (size_t i = 0; i < n; ++i) {
-    TORCH_CHECK(params_[i].requires_grad(), "GradPath: parameter ", i, " does not require grad");
-    TORCH_CHECK(bucket_[i] >= 0 && bucket_[i] < static_cast<int64_t>(bucket_params_.size()), "GradPath: parameter ", i,
-                " has bucket ", bucket_[i], " of ", bucket_params_.size());
-    params_of_bucket_[bucket_[i]].push_back(static_cast<int64_t>(i));
+    TORCH_CHECK(o.params[i].requires_grad(), "GradPath: parameter ", i, " does not require grad");
+    TORCH_CHECK(o.bucket[i] >= 0 && o.bucket[i] < static_cast<int64_t>(o.bucket_params.size()), "GradPath: parameter ",
+                i, " has bucket ", o.bucket[i], " of ", o.bucket_params.size());
+    params_of_bucket_[o.bucket[i]].push_back(static_cast<int64_t>(i));
   }
-  for (size_t b = 0; b < bucket_params_.size(); ++b) {
-    TORCH_CHECK(static_cast<int64_t>(params_of_bucket_[b].size()) == bucket_params_[b], "GradPath: bucket ", b,
-                " holds ", params_of_bucket_[b].size(), " parameters; bucket_params says ", bucket_params_[b]);
+  for (size_t b = 0; b < o.bucket_params.size(); ++b) {
+    TORCH_CHECK(static_cast<int64_t>(params_of_bucket_[b].size()) == o.bucket_params[b], "GradPath: bucket ", b,
+                " holds ", params_of_bucket_[b].size(), " parameters; bucket_params says ", o.bucket_params[b]);
   }
-  for (size_t i = 0; i < n; ++i) {
-    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+}
+
+void GradPath::add_hooks() {
+  for (size_t i = 0; i < options_.params.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(options_.params[i]);
     TORCH_CHECK(acc, "GradPath: parameter ", i, " has no gradient accumulator (is it a leaf?)");
     hook_keys_.push_back(acc->add_post_hook(std::make_unique<AccumulatedHook>(this, static_cast<int64_t>(i))));
     accumulators_.push_back(std::move(acc));
@@ -105,33 +100,31 @@ void GradPath::remove_hooks() {
 // for), check_collectives (each launch is described first, through before_launch). It then calls
 // take(), the same work the hook does.
 // Errors cross as their kind (errors.h): a gradient take() cannot accept is a GradientError naming
-// the parameter, raised here as zerofast._C.GradientError; a CommError (a reduce that could not be
-// launched or waited for) goes to Python's on_error, which raises the CollectiveError Python's path
-// raises for it, naming the step and the bucket. Anything else propagates as itself.
+// the parameter, handed to on_gradient_error, which raises it as zerofast._C.GradientError (the
+// binding, ops.cpp); a CommError (a reduce that could not be launched or waited for) goes to
+// on_comm_error (Python's on_error), which raises the CollectiveError Python's path raises for it,
+// naming the step and the bucket. Anything else propagates as itself.
 // Measured (benchmarks/bench_grad_path.py): see docs/benchmarks.md, "Many small tensors".
 void GradPath::on_hook(int64_t index) {
   if (python_decides || !in_backward) {
-    py::gil_scoped_acquire gil;
-    on_grad_(index);
+    callbacks_.on_grad(index);
     return;
   }
   try {
     take(index);
     ++fast_calls;
   } catch (const GradientError& e) {
-    py::gil_scoped_acquire gil;
-    py::set_error(gradient_error_type != nullptr ? gradient_error_type : PyExc_RuntimeError, e.what());
-    throw py::error_already_set();
+    if (callbacks_.on_gradient_error) callbacks_.on_gradient_error(e);  // raises zerofast._C.GradientError
+    throw;
   } catch (const CommError& e) {
-    py::gil_scoped_acquire gil;
-    on_error_(index, std::string(e.what()));  // raises zerofast.comm.CollectiveError
-    throw;                                    // the reducer is gone: the error as it is
+    if (callbacks_.on_comm_error) callbacks_.on_comm_error(index, e);  // raises zerofast.comm.CollectiveError
+    throw;                                                             // the reducer is gone: the error as it is
   }
 }
 
 void GradPath::check_grad(int64_t index, const at::Tensor& grad) const {
-  const at::Tensor& param = params_[index];
-  const std::string& name = names_[index];
+  const at::Tensor& param = options_.params[index];
+  const std::string& name = options_.names[index];
   auto fail = [&](const std::string& problem) { throw GradientError("ZeroAdam: " + name + " got " + problem); };
   if (!grad.defined()) {
     fail("no gradient: its .grad is None after backward accumulated into it (did a hook set it to None?)");
@@ -162,7 +155,7 @@ void GradPath::point_at_view(int64_t index, at::Tensor& grad) {
   // Stage 1: .grad is the slot ([Note: grads as bucket views] in buckets.cpp). Autograd accumulated
   // into it in place, unless .grad was None (autograd then hands over a fresh tensor) or user code
   // replaced it: then its values are copied into the slot once, and the slot becomes .grad.
-  const at::Tensor& view = views_[index];
+  const at::Tensor& view = options_.views[index];
   if (grad.data_ptr() != view.data_ptr()) {
     view.copy_(grad);
     grad = view;
@@ -170,43 +163,40 @@ void GradPath::point_at_view(int64_t index, at::Tensor& grad) {
 }
 
 void GradPath::fill(int64_t index, at::Tensor& grad) {
-  if (!views_.empty()) {
+  if (!options_.views.empty()) {
     point_at_view(index, grad);
   } else {
-    comm_.add_grad(bucket_[index], offset_[index], grad);
+    comm_.add_grad(options_.bucket[index], options_.offset[index], grad);
   }
   slot_[index] = Slot::kFilled;
-  if (drop_grad_) grad.reset();
+  if (options_.drop_grad) grad.reset();
 }
 
 void GradPath::take(int64_t index) {
-  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(params_.size()), "GradPath.take: index ", index,
+  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(options_.params.size()), "GradPath.take: index ", index,
               " out of range");
-  at::Tensor& grad = params_[index].mutable_grad();
+  at::Tensor& grad = options_.params[index].mutable_grad();
   check_grad(index, grad);
   used_[index] = 1;
   if (keep_local) {  // .grad accumulates across the micro-batches; flush() hands it over
-    if (!views_.empty()) point_at_view(index, grad);
+    if (!options_.views.empty()) point_at_view(index, grad);
     slot_[index] = Slot::kLocal;
     return;
   }
   if (slot_[index] == Slot::kFilled) {
-    throw GradientError("ZeroAdam: " + names_[index] +
+    throw GradientError("ZeroAdam: " + options_.names[index] +
                         " got a second gradient before step(); call opt.step() after each backward, or run "
                         "the earlier backwards of an accumulated step inside `with opt.no_sync():`");
   }
   fill(index, grad);
-  --missing_[bucket_[index]];
-  if (overlap_) launch_ready();
+  --missing_[options_.bucket[index]];
+  if (options_.overlap) launch_ready();
 }
 
 void GradPath::launch_ready() {
   const int64_t n = static_cast<int64_t>(missing_.size());
   while (next_launch_ < n && missing_[next_launch_] == 0) {
-    if (!before_launch_.is_none()) {
-      py::gil_scoped_acquire gil;
-      before_launch_(next_launch_);
-    }
+    if (callbacks_.before_launch) callbacks_.before_launch(next_launch_);
     RECORD_FUNCTION("zerofast::reduce", std::vector<c10::IValue>());
     comm_.reduce(next_launch_, accumulate);
     ++next_launch_;
@@ -218,12 +208,12 @@ void GradPath::flush() {
   for (int64_t b = next_launch_; b < n; ++b) {
     for (int64_t i : params_of_bucket_[b]) {
       if (slot_[i] == Slot::kFilled) continue;
-      at::Tensor& grad = params_[i].mutable_grad();
+      at::Tensor& grad = options_.params[i].mutable_grad();
       if (slot_[i] == Slot::kLocal && grad.defined()) {
         check_grad(i, grad);  // user code may have replaced .grad since backward
         fill(i, grad);
       } else {  // no gradient here: it counts as zero ([Note: unused parameters] in grads.py)
-        comm_.zero_slot(b, offset_[i], params_[i].numel());
+        comm_.zero_slot(b, options_.offset[i], options_.params[i].numel());
         slot_[i] = Slot::kFilled;
       }
     }
@@ -236,13 +226,13 @@ void GradPath::begin_micro_batch() {
   for (auto& s : slot_) {
     if (s == Slot::kFilled) s = Slot::kEmpty;
   }
-  missing_ = bucket_params_;
+  missing_ = options_.bucket_params;
   next_launch_ = 0;
 }
 
 void GradPath::begin_step() {
   std::fill(slot_.begin(), slot_.end(), Slot::kEmpty);
-  missing_ = bucket_params_;
+  missing_ = options_.bucket_params;
   next_launch_ = 0;
   std::fill(used_.begin(), used_.end(), 0);
   accumulate = false;

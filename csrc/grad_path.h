@@ -5,15 +5,16 @@
 // counts the bucket's missing gradients and launches every complete bucket in order, without a
 // Python frame. Python (zerofast/optim/grads.py, GradReducer) keeps the step's phase and sets how
 // gradients are taken from it (python_decides, keep_local, accumulate); the gradients that need
-// Python go to its on_grad callback (with the GIL), which calls take() once it has decided. See
-// [Note: the gradient path] in grad_path.cpp.
+// Python go to its on_grad callback, which calls take() once it has decided. The callbacks are
+// plain std::functions: the core knows no Python (ops.cpp wraps Python's callables, taking the GIL
+// around each call). See [Note: the gradient path] in grad_path.cpp.
 #pragma once
 
 #include <ATen/ATen.h>
-#include <pybind11/pybind11.h>
 #include <torch/csrc/autograd/node.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -23,19 +24,43 @@
 
 namespace zerofast {
 
+// The managed parameters and where each one's gradient goes.
+struct GradPathOptions {
+  std::vector<at::Tensor> params;      // the managed parameters (leaves that require grad)
+  std::vector<std::string> names;      // their names, for errors
+  std::vector<int64_t> bucket;         // each parameter's bucket
+  std::vector<int64_t> offset;         // and its slot's offset there
+  std::vector<int64_t> bucket_params;  // parameters per bucket
+  // Stage 1's slot views, shaped as the parameters ([Note: grads as bucket views] in buckets.cpp);
+  // empty: gradients are copied into the bucket.
+  std::vector<at::Tensor> views;
+  bool drop_grad = false;  // stages 2 and 3: drop .grad once it is in the bucket
+  bool overlap = true;     // launch complete buckets during backward
+};
+
+// Where the hook hands over what it does not do itself. Each is called on the thread the hook runs
+// on (autograd's); ops.cpp's Python callables take the GIL themselves.
+struct GradPathCallbacks {
+  // The path for one gradient while python_decides or before a backward's first gradient is in
+  // (Python: GradReducer._on_grad, which calls take() once it has decided). Required.
+  std::function<void(int64_t index)> on_grad;
+  // A CommError in the hook (a reduce that could not be launched or waited for): raises the error
+  // the caller reports for it (Python: CollectiveError, naming the step and the bucket). Empty, or
+  // returning: the CommError propagates as itself.
+  std::function<void(int64_t index, const CommError& error)> on_comm_error;
+  // A GradientError in the hook: autograd rethrows the hook's exceptions in backward()'s caller,
+  // whose front end knows its own error types only, so this raises the error as that front end's
+  // (Python: zerofast._C.GradientError). Empty, or returning: it propagates as itself.
+  std::function<void(const GradientError& error)> on_gradient_error;
+  // Called before each reduce is launched, or empty (check_collectives: every rank describes the
+  // collective first).
+  std::function<void(int64_t bucket)> before_launch;
+};
+
 class GradPath {
  public:
-  // params, names: the managed parameters and their names (for errors); bucket/offset: each one's
-  // slot; bucket_params: parameters per bucket; views: stage 1's slot views, shaped as the
-  // parameters (empty: copy into the bucket); drop_grad: stages 2 and 3 drop .grad once it is in
-  // the bucket; overlap: launch complete buckets during backward; on_grad(index): Python's path;
-  // on_error(index, message): raises a CommError of the hook's as zerofast.comm.CollectiveError;
-  // before_launch(bucket): called (with the GIL) before each reduce is launched, or None
-  // (check_collectives: every rank describes the collective first).
-  GradPath(BucketComm& comm, std::vector<at::Tensor> params, std::vector<std::string> names,
-           std::vector<int64_t> bucket, std::vector<int64_t> offset, std::vector<int64_t> bucket_params,
-           std::vector<at::Tensor> views, bool drop_grad, bool overlap, pybind11::object on_grad,
-           pybind11::object on_error, pybind11::object before_launch);
+  // comm: the reduce/gather core the gradients go into; it outlives the path.
+  GradPath(BucketComm& comm, GradPathOptions options, GradPathCallbacks callbacks);
   ~GradPath();
   GradPath(const GradPath&) = delete;
   GradPath& operator=(const GradPath&) = delete;
@@ -80,19 +105,13 @@ class GradPath {
   void point_at_view(int64_t index, at::Tensor& grad);
   void fill(int64_t index, at::Tensor& grad);  // into the slot, .grad dropped in stages 2 and 3
 
+  void check_and_index();  // the options' checks, and each bucket's parameters listed
+  void add_hooks();
+
   BucketComm& comm_;
-  std::vector<at::Tensor> params_;
-  std::vector<std::string> names_;
-  std::vector<int64_t> bucket_;
-  std::vector<int64_t> offset_;
-  std::vector<int64_t> bucket_params_;
+  const GradPathOptions options_;
+  const GradPathCallbacks callbacks_;
   std::vector<std::vector<int64_t>> params_of_bucket_;
-  std::vector<at::Tensor> views_;
-  bool drop_grad_;
-  bool overlap_;
-  pybind11::object on_grad_;
-  pybind11::object on_error_;
-  pybind11::object before_launch_;
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hook_keys_;
 
@@ -101,9 +120,5 @@ class GradPath {
   std::vector<int64_t> missing_;  // per bucket: gradients still to come in this micro-batch
   int64_t next_launch_ = 0;
 };
-
-// The Python class GradientError is bound to (ops.cpp sets it at import), for the hook, which has
-// no pybind11 function around it to translate the exception.
-extern PyObject* gradient_error_type;
 
 }  // namespace zerofast

@@ -1,4 +1,5 @@
-// Every op schema of the zerofast library (TORCH_LIBRARY), and the module's Python bindings.
+// Every op schema of the zerofast library (TORCH_LIBRARY), and the module's Python bindings: the
+// one file that includes pybind11 (the core, buckets and the gradient path, compiles without it).
 // Backend files only add their TORCH_LIBRARY_IMPL; nothing else spells a signature.
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -77,6 +78,51 @@ bool has_cuda_kernels() {
 #endif
 }
 
+// The Python class GradientError is bound to (set at import), for the hook's errors.
+PyObject* gradient_error_type = nullptr;
+
+// A Python callable kept for the compiled core: its reference is dropped with the GIL taken, on
+// whichever thread drops the last copy of the std::function holding it.
+std::shared_ptr<py::object> keep_callable(py::object fn) {
+  return std::shared_ptr<py::object>(new py::object(std::move(fn)), [](py::object* held) {
+    py::gil_scoped_acquire gil;
+    delete held;
+  });
+}
+
+// GradPath's callbacks from Python's callables (None: none). The hook runs on autograd's thread
+// without the GIL, so each call takes it; an exception the callable raises leaves as
+// py::error_already_set, which autograd carries to backward()'s caller and torch raises as itself.
+// See [Note: the gradient path] in grad_path.cpp.
+GradPathCallbacks python_callbacks(py::object on_grad, py::object on_error, py::object before_launch) {
+  GradPathCallbacks callbacks;
+  if (!on_grad.is_none()) {
+    callbacks.on_grad = [fn = keep_callable(std::move(on_grad))](int64_t index) {
+      py::gil_scoped_acquire gil;
+      (*fn)(index);
+    };
+  }
+  if (!on_error.is_none()) {  // on_error(index, message) raises zerofast.comm.CollectiveError
+    callbacks.on_comm_error = [fn = keep_callable(std::move(on_error))](int64_t index, const CommError& error) {
+      py::gil_scoped_acquire gil;
+      (*fn)(index, std::string(error.what()));
+    };
+  }
+  if (!before_launch.is_none()) {
+    callbacks.before_launch = [fn = keep_callable(std::move(before_launch))](int64_t bucket) {
+      py::gil_scoped_acquire gil;
+      (*fn)(bucket);
+    };
+  }
+  // No pybind11 function surrounds the hook to translate a GradientError: raise the Python class.
+  callbacks.on_gradient_error = [](const GradientError& error) {
+    py::gil_scoped_acquire gil;
+    py::set_error(gradient_error_type != nullptr ? gradient_error_type : PyExc_RuntimeError, error.what());
+    throw py::error_already_set();
+  };
+  return callbacks;
+}
+
 }  // namespace zerofast
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -98,20 +144,60 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   zerofast::gradient_error_type = gradient_error.ptr();
 
   using zerofast::BucketComm;
+  using zerofast::BucketCommOptions;
+  using zerofast::BucketLayout;
+  using zerofast::BucketPool;
   using zerofast::Collective;
+  using zerofast::ReplicaReducer;
+  using zerofast::StepTraffic;
   py::enum_<Collective>(m, "Collective", "The collective a bucket is reduced or gathered with (csrc/buckets.h)")
       .value("all_reduce", Collective::kAllReduce)
       .value("reduce_scatter", Collective::kReduceScatter)
       .value("reduce", Collective::kReduce)
       .value("all_gather", Collective::kAllGather)
       .value("broadcast", Collective::kBroadcast);
-  py::class_<BucketComm>(m, "BucketComm", "Flat gradient buckets and their collectives (see csrc/buckets.h)")
-      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, c10::intrusive_ptr<c10d::ProcessGroup>,
-                    std::vector<int64_t>, std::vector<int64_t>, std::vector<std::vector<int64_t>>, bool, at::Tensor,
-                    std::vector<int64_t>, Collective, Collective, std::vector<at::Tensor>, int64_t>(),
-           py::arg("group"), py::arg("gather_group"), py::arg("bucket_numels"), py::arg("used_numels"),
-           py::arg("bounds"), py::arg("flat"), py::arg("grad_shard"), py::arg("shard_offsets"), py::arg("reduce_op"),
-           py::arg("gather_op"), py::arg("grad_buckets"), py::arg("max_buffers"))
+  // The options structs are filled field by field (their comments are in csrc/bucket_layout.h and
+  // csrc/buckets.h); a field set to a value of the wrong type raises TypeError naming it.
+  py::class_<BucketLayout>(m, "BucketLayout", "One process group's buckets (see csrc/bucket_layout.h)")
+      .def(py::init<>())
+      .def_readwrite("bucket_numels", &BucketLayout::bucket_numels)
+      .def_readwrite("used_numels", &BucketLayout::used_numels)
+      .def_readwrite("bounds", &BucketLayout::bounds)
+      .def_readwrite("shard_offsets", &BucketLayout::shard_offsets)
+      .def_readwrite("flat", &BucketLayout::flat);
+  py::class_<BucketCommOptions>(m, "BucketCommOptions", "What a BucketComm is built from (see csrc/buckets.h)")
+      .def(py::init<>())
+      .def_readwrite("group", &BucketCommOptions::group)
+      .def_readwrite("gather_group", &BucketCommOptions::gather_group)
+      .def_readwrite("layout", &BucketCommOptions::layout)
+      .def_readwrite("reduce_op", &BucketCommOptions::reduce_op)
+      .def_readwrite("gather_op", &BucketCommOptions::gather_op)
+      .def_readwrite("grad_shard", &BucketCommOptions::grad_shard)
+      .def_readwrite("grad_buckets", &BucketCommOptions::grad_buckets)
+      .def_readwrite("max_buffers", &BucketCommOptions::max_buffers);
+  // The parts below are reached through their BucketComm (which they live in), never built alone.
+  py::class_<BucketPool>(m, "BucketPool", "The bucket buffers and their counts (see csrc/bucket_pool.h)")
+      .def_property_readonly("bytes_in_use", &BucketPool::bytes_in_use)
+      .def_property_readonly("peak_bytes", &BucketPool::peak_bytes)
+      .def_property_readonly("kept_bytes", &BucketPool::kept_bytes)
+      .def_property_readonly("live", &BucketPool::live)
+      .def_property_readonly("peak_live", &BucketPool::peak_live)
+      .def_property_readonly("peak_alive", &BucketPool::peak_alive)
+      .def_property_readonly("over_budget", &BucketPool::over_budget)
+      .def_property_readonly("max_buffers", &BucketPool::max_buffers)
+      .def("reset_peak", &BucketPool::reset_peak);
+  py::class_<ReplicaReducer>(m, "ReplicaReducer",
+                             "Hybrid sharding's all_reduce over the replicas (see csrc/replica_reducer.h)")
+      .def("set_group", &ReplicaReducer::set_group, py::arg("group"), py::arg("min_bytes"))
+      .def("set_last_micro_batch", &ReplicaReducer::set_last_micro_batch, py::arg("last"))
+      .def_property_readonly("bytes", &ReplicaReducer::bytes);
+  py::class_<StepTraffic>(m, "StepTraffic", "This step's reduces and gathers, counted (see csrc/buckets.h)")
+      .def_property_readonly("reduce_bytes", &StepTraffic::reduce_bytes)
+      .def_property_readonly("gather_bytes", &StepTraffic::gather_bytes)
+      .def_property_readonly("reduce_hash", &StepTraffic::reduce_hash)
+      .def_property_readonly("gather_hash", &StepTraffic::gather_hash);
+  py::class_<BucketComm>(m, "BucketComm", "The reduce/gather core of the gradient buckets (see csrc/buckets.h)")
+      .def(py::init<BucketCommOptions>(), py::arg("options"))
       // Every method that may wait for a collective releases the GIL: a gloo worker thread that
       // drops the last C++ reference to a tensor Python also holds must take the GIL to decref it,
       // so waiting with the GIL held can deadlock (it did: add_grad waiting for an in-flight reduce).
@@ -125,29 +211,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("gather_start", &BucketComm::gather_start, py::arg("bucket"), py::arg("param_buffer"),
            py::call_guard<py::gil_scoped_release>())
       .def("gather_wait", &BucketComm::gather_wait, py::arg("bucket"), py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("buffer_bytes", &BucketComm::buffer_bytes)
-      .def_property_readonly("peak_buffer_bytes", &BucketComm::peak_buffer_bytes)
-      .def_property_readonly("pooled_bytes", &BucketComm::pooled_bytes)
-      .def_property_readonly("live_buffers", &BucketComm::live_buffers)
-      .def_property_readonly("peak_live_buffers", &BucketComm::peak_live_buffers)
-      .def_property_readonly("peak_alive_buffers", &BucketComm::peak_alive_buffers)
-      .def_property_readonly("over_budget", &BucketComm::over_budget)
-      .def_property_readonly("max_buffers", &BucketComm::max_buffers)
-      .def("reset_peak", &BucketComm::reset_peak)
-      .def_property_readonly("reduce_bytes", &BucketComm::reduce_bytes)
-      .def_property_readonly("gather_bytes", &BucketComm::gather_bytes)
-      .def_property_readonly("reduce_hash", &BucketComm::reduce_hash)
-      .def_property_readonly("gather_hash", &BucketComm::gather_hash)
-      .def("reset_counts", &BucketComm::reset_counts)
-      .def("set_replicate_group", &BucketComm::set_replicate_group, py::arg("group"), py::arg("min_bytes"))
-      .def("set_replicate", &BucketComm::set_replicate, py::arg("on"))
-      .def_property_readonly("replicate_bytes", &BucketComm::replicate_bytes);
+      .def("new_step", &BucketComm::new_step)
+      // Properties return their part by reference, kept alive by the BucketComm.
+      .def_property_readonly("pool", py::overload_cast<>(&BucketComm::pool))
+      .def_property_readonly("replicas", &BucketComm::replicas)
+      .def_property_readonly("traffic", &BucketComm::traffic);
 
   using zerofast::GradPath;
   py::class_<GradPath>(m, "GradPath", "The per-gradient path of phase 1 and its state (see csrc/grad_path.h)")
-      .def(py::init<BucketComm&, std::vector<at::Tensor>, std::vector<std::string>, std::vector<int64_t>,
-                    std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>, bool, bool, py::object,
-                    py::object, py::object>(),
+      // Python's callables become the core's std::functions here (python_callbacks).
+      .def(py::init([](BucketComm& comm, std::vector<at::Tensor> params, std::vector<std::string> names,
+                       std::vector<int64_t> bucket, std::vector<int64_t> offset, std::vector<int64_t> bucket_params,
+                       std::vector<at::Tensor> views, bool drop_grad, bool overlap, py::object on_grad,
+                       py::object on_error, py::object before_launch) {
+             zerofast::GradPathOptions options{
+                 std::move(params),        std::move(names), std::move(bucket), std::move(offset),
+                 std::move(bucket_params), std::move(views), drop_grad,         overlap};
+             return std::make_unique<GradPath>(
+                 comm, std::move(options),
+                 zerofast::python_callbacks(std::move(on_grad), std::move(on_error), std::move(before_launch)));
+           }),
            py::arg("comm"), py::arg("params"), py::arg("names"), py::arg("bucket"), py::arg("offset"),
            py::arg("bucket_params"), py::arg("views"), py::arg("drop_grad"), py::arg("overlap"), py::arg("on_grad"),
            py::arg("on_error"), py::arg("before_launch"), py::keep_alive<1, 2>())  // the BucketComm outlives the path

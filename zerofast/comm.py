@@ -1,4 +1,5 @@
-"""The thin Python face of the compiled bucket communication (csrc/buckets.cpp), counting bytes.
+"""The thin Python face of the compiled bucket communication (csrc/buckets.h: the reduce/gather core,
+its buffer pool and its replica reducer), counting bytes.
 
 Every collective the engine issues goes through here, so `stats` is the whole step's traffic: the
 payload bytes of each collective (the size of the data it reduces or gathers, the unit of the ZeRO paper's 2Φ/3Φ: a
@@ -101,6 +102,13 @@ def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
 _KINDS = ("reduce", "gather", "agree_used", "agree_stats", "forward", "replicate")
 
 
+def _options(struct, **fields):
+    """A compiled engine's options struct (csrc/buckets.h, csrc/bucket_layout.h), filled by field name."""
+    for name, value in fields.items():
+        setattr(struct, name, value)
+    return struct
+
+
 def collectives_for(backend: str, flat: bool) -> tuple[_C.Collective, _C.Collective]:
     """The (reduce, gather) collectives of a layout on a backend, as the compiled engine's enum:
     config.collective_names chooses them."""
@@ -128,7 +136,7 @@ class BucketComm:
         """group: the shard group (the ranks `layout` is cut for); grad_buckets: stage 1's persistent
         buckets, which .grad are views of (else buffers come from a pool); max_buffers: at most this
         many pooled buffers alive at once, 0 for no bound ([Note: buffers in flight] in
-        csrc/buckets.cpp); replicate_group: hybrid sharding's replicas of this rank's shard (None:
+        csrc/bucket_pool.cpp); replicate_group: hybrid sharding's replicas of this rank's shard (None:
         none), for the step's agreement; replicate_grads_group: the same ranks again, for the
         gradient all_reduces the engine launches during backward, whose timing differs between
         ranks, so that they never pair up with the agreement, each at least replicate_min_bytes
@@ -139,28 +147,34 @@ class BucketComm:
         reduce_op, gather_op = collectives_for(dist.get_backend(group), self.flat)
         self.reduce_name, self.gather_name = reduce_op.name, gather_op.name  # the keys of `stats`
         self._impl = _C.BucketComm(
-            group,
-            group if gather_group is None else gather_group,
-            [b.numel for b in layout.buckets],
-            [layout.padding_start(b.index) for b in layout.buckets],  # zeroed from there: [Note: padding]
-            [list(b.bounds) for b in layout.buckets],
-            self.flat,
-            grad_shard,
-            layout.shard_offsets(rank),
-            reduce_op,
-            gather_op,
-            list(grad_buckets or []),
-            max_buffers,
+            _options(
+                _C.BucketCommOptions(),
+                group=group,
+                gather_group=group if gather_group is None else gather_group,
+                layout=_options(
+                    _C.BucketLayout(),
+                    bucket_numels=[b.numel for b in layout.buckets],
+                    used_numels=[layout.padding_start(b.index) for b in layout.buckets],  # zeroed from there: [Note: padding]
+                    bounds=[list(b.bounds) for b in layout.buckets],
+                    shard_offsets=layout.shard_offsets(rank),
+                    flat=self.flat,
+                ),
+                reduce_op=reduce_op,
+                gather_op=gather_op,
+                grad_shard=grad_shard,
+                grad_buckets=list(grad_buckets or []),
+                max_buffers=max_buffers,
+            )
         )
         self.group = group
         self.gather_group = group if gather_group is None else gather_group
         self.replicate_group = replicate_group
         # The engine all_reduces each owned range over the replicas as its bucket's last reduce of
-        # the step finishes ([Note: replicas in backward] in csrc/buckets.cpp); with check_collectives
+        # the step finishes ([Note: replicas in backward] in csrc/replica_reducer.cpp); with check_collectives
         # Python does it in step(), each collective described first.
         self.replicates_in_engine = replicate_grads_group is not None and not check_collectives
         if self.replicates_in_engine:
-            self._impl.set_replicate_group(replicate_grads_group, replicate_min_bytes)
+            self._impl.replicas.set_group(replicate_grads_group, replicate_min_bytes)
         self.rank, self.world = rank, dist.get_world_size(group)
         # Messages name the data-parallel rank: under hybrid sharding shard ranks repeat across replicas.
         self.dp_rank = rank if dp_rank is None else dp_rank
@@ -180,7 +194,7 @@ class BucketComm:
 
     def new_step(self) -> None:
         self._agreements = Counter()
-        self._impl.reset_counts()
+        self._impl.new_step()
 
     @property
     def stats(self) -> dict[str, int]:
@@ -188,28 +202,31 @@ class BucketComm:
         step (the reduces and gathers counted in C++, where they are issued: the C++ gradient path
         launches reduces without Python). A shard group of one rank moves nothing: not counted."""
         out = dict(self._agreements)
+        traffic = self._impl.traffic
         if self.world > 1:
             for name, nbytes in (
-                (self.reduce_name, self._impl.reduce_bytes),
-                (self.gather_name, self._impl.gather_bytes),
+                (self.reduce_name, traffic.reduce_bytes),
+                (self.gather_name, traffic.gather_bytes),
             ):
                 if nbytes:
                     out["shard/" + name] = out.get("shard/" + name, 0) + nbytes
         else:
             out = {k: v for k, v in out.items() if not k.startswith("shard/")}
-        if self._impl.replicate_bytes:
-            out["replicate/all_reduce"] = out.get("replicate/all_reduce", 0) + self._impl.replicate_bytes
+        replicated = self._impl.replicas.bytes
+        if replicated:
+            out["replicate/all_reduce"] = out.get("replicate/all_reduce", 0) + replicated
         return out
 
     def set_last_micro_batch(self, last: bool) -> None:
         """Whether the reduces launched from now on are the step's last (outside no_sync): their
         owned ranges are then all_reduced over the replicas as they finish ([Note: replicas in
-        backward] in csrc/buckets.cpp)."""
-        self._impl.set_replicate(last)
+        backward] in csrc/replica_reducer.cpp)."""
+        self._impl.replicas.set_last_micro_batch(last)
 
     def order_hashes(self) -> tuple[int, int]:
         """Running hashes of the buckets reduced and gathered this step, in order."""
-        return self._impl.reduce_hash, self._impl.gather_hash
+        traffic = self._impl.traffic
+        return traffic.reduce_hash, traffic.gather_hash
 
     # --- errors and checks: [Note: faults] -----------------------------------------------------
 
@@ -371,28 +388,28 @@ class BucketComm:
 
     @property
     def buffer_bytes(self) -> int:
-        return self._impl.buffer_bytes
+        return self._impl.pool.bytes_in_use
 
     @property
     def peak_buffer_bytes(self) -> int:
-        return self._impl.peak_buffer_bytes
+        return self._impl.pool.peak_bytes
 
     @property
     def pooled_bytes(self) -> int:
-        return self._impl.pooled_bytes
+        return self._impl.pool.kept_bytes
 
     def buffer_counts(self) -> dict[str, int]:
         """Pooled bucket buffers, counted by the C++ side: alive now, the most in use and the most
         alive (in use + kept) at once since reset_peak(), the budget, and how often it was exceeded
         because no reduce was in flight to wait for."""
-        i = self._impl
+        pool = self._impl.pool
         return {
-            "live": i.live_buffers,
-            "peak_live": i.peak_live_buffers,
-            "peak_alive": i.peak_alive_buffers,
-            "max": i.max_buffers,
-            "over_budget": i.over_budget,
+            "live": pool.live,
+            "peak_live": pool.peak_live,
+            "peak_alive": pool.peak_alive,
+            "max": pool.max_buffers,
+            "over_budget": pool.over_budget,
         }
 
     def reset_peak(self) -> None:
-        self._impl.reset_peak()
+        self._impl.pool.reset_peak()

@@ -37,7 +37,7 @@ DEFAULT_BUCKET_MB = {1: 25.0, 2: 8.0}
 
 # Gradient bucket buffers alive at once (stages 2 and 3, and stage 1 when gradients are copied):
 # one being filled while the previous one is reduced. Chosen by measurement: see docs/benchmarks.md,
-# "Buffers in flight" ([Note: buffers in flight] in csrc/buckets.cpp).
+# "Buffers in flight" ([Note: buffers in flight] in csrc/bucket_pool.cpp).
 DEFAULT_BUCKET_BUFFERS = 2
 
 # Stage 3's default units smaller than this are merged with their neighbours ([Note: merging small
@@ -172,7 +172,7 @@ class CommPolicy:
       are its gradients, 8 for stage 2; stage 3 has one bucket per unit, so it takes none).
     bucket_buffers: at most this many gradient bucket buffers alive at once, being filled, being
       reduced or kept for reuse (0: no bound); backward waits for the oldest reduce when all are in
-      use ([Note: buffers in flight] in csrc/buckets.cpp).
+      use ([Note: buffers in flight] in csrc/bucket_pool.cpp).
     overlap: reduce each bucket during backward as soon as it is complete (else at step()).
     overlap_param_gather: stages 1 and 2: step() returns before the parameter gather finishes and
       each module's forward waits for its own bucket ([Note: overlapped parameter gather]).
