@@ -154,7 +154,9 @@ class BucketComm:
                 layout=_options(
                     _C.BucketLayout(),
                     bucket_numels=[b.numel for b in layout.buckets],
-                    used_numels=[layout.padding_start(b.index) for b in layout.buckets],  # zeroed from there: [Note: padding]
+                    used_numels=[
+                        layout.padding_start(b.index) for b in layout.buckets
+                    ],  # zeroed from there: [Note: padding]
                     bounds=[list(b.bounds) for b in layout.buckets],
                     shard_offsets=layout.shard_offsets(rank),
                     flat=self.flat,

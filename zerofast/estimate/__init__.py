@@ -3,7 +3,7 @@ same plan, layouts and stage-3 schedule ZeroAdam runs (no process group, no comp
 accepts exactly what ZeroAdam accepts and counts what ZeroAdam does.
 
   memory.py     per-rank bytes by the ZeRO paper's formulas, plus the buffers zerofast adds
-  traffic.py    the bytes each collective moves per step, as comm_stats() reports them
+  traffic.py    the bytes each collective moves per step, as report().comm reports them
   timemodel.py  the step time those bytes and the compute take ([Note: the time model])
 
 `python -m zerofast.estimate` (__main__.py) is its command line, in zerofast/tools/estimate.py.

@@ -13,7 +13,7 @@ parameter is the master): 4 + 4 + 8. Each stage keeps a part of each on a rank:
 
 ZeroAdam adds buffers the table has no row for ("zerofast_extra"): in stages 2 and 3 the gradient
 bucket buffers alive at once (bucket_buffers of them: [Note: buffers in flight] in
-csrc/buckets.cpp), and padding (each bucket padded to a multiple of world x 4 elements). Stage 1's
+csrc/bucket_pool.cpp), and padding (each bucket padded to a multiple of world x 4 elements). Stage 1's
 gradients are its buckets, reduced in place ([Note: grads as bucket views]): padding only, unless
 it reduces in another dtype (then it copies, as stage 2 does, and keeps a reduced shard).
 

@@ -3,7 +3,7 @@ counts, priced by the alpha-beta cost of each collective on the link it crosses,
 step's compute. Pure arithmetic (no process group, no compiled code), like the memory estimator.
 
 [Note: the time model]
-Collectives (n ranks in the group, B payload bytes as comm_stats() counts them, c calls, a link
+Collectives (n ranks in the group, B payload bytes as report().comm counts them, c calls, a link
 of bus bandwidth bw per GPU and latency alpha per hop; the ring algorithms NCCL uses for large
 messages, the "bus bandwidth" convention of nccl-tests):
   all_reduce                   2 (n-1)/n * B/bw + c * 2 (n-1) * alpha

@@ -1,4 +1,4 @@
-"""The bytes a step moves, per collective and process group, as comm_stats() counts them, without
+"""The bytes a step moves, per collective and process group, as report().comm counts them, without
 running a step: the same layouts ZeroAdam builds (zerofast/optim/layouts.py) and, for stage 3, the
 runtime's own schedule (zerofast/stage3/schedule.py) run over the calls a forward is expected to make.
 Pure arithmetic: no process group, no compiled code."""
@@ -26,8 +26,8 @@ class Op:
     """The collectives of one kind a rank issues in one step, for the traffic and the time model."""
 
     group: str  # "shard" (the K ranks sharing the state) or "replicate" (the W/K holding the same shard)
-    name: str  # the collective, as comm_stats() names it
-    nbytes: int  # payload bytes per step, counted as comm_stats() counts them
+    name: str  # the collective, as report().comm names it
+    nbytes: int  # payload bytes per step, counted as report().comm counts them
     calls: int  # collective calls per step (each pays the latency term)
     phase: str  # the compute it can hide behind: "forward", "backward", or "step" (none)
     ranks: int  # ranks in the group
@@ -238,7 +238,7 @@ def traffic_ops(
 
 def _replicate_calls(owned: list[int], r_bytes: int, plan) -> int:
     """The replicas' all_reduces of a step, as the engine issues them ([Note: replicas in backward]
-    in csrc/buckets.cpp): consecutive owned ranges together until they hold plan.replicate_bytes
+    in csrc/replica_reducer.cpp): consecutive owned ranges together until they hold plan.replicate_bytes
     (stage 1's, in separate buckets, as one coalesced all_reduce)."""
     calls = pending = 0
     for i, n in enumerate(owned):
@@ -261,8 +261,8 @@ def estimate_traffic(
     micro_batches: int = 1,
     max_grad_norm=None,
 ) -> dict[str, int]:
-    """The payload bytes per collective that `opt.comm_stats()` reports on rank `rank` after a step
-    of ZeroAdam(model, stage, shard_size=..., mixed_precision=..., comm=..., units=...,
+    """The payload bytes per collective that `opt.report().comm` reports on rank `rank` after a step
+    of ZeroAdam(model, stage, mixed_precision=..., comm=CommPolicy(shard_size=..., ...), units=...,
     max_grad_norm=...) on `world` ranks of `backend`, with `micro_batches` backwards per step
     (all but the last under no_sync()). Keys "shard/<collective>" (the K ranks sharing the state)
     and "replicate/<collective>" (the W/K copies of each shard, when shard_size < world).
