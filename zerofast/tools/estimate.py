@@ -98,7 +98,7 @@ def estimate_memory(
     if not (isinstance(world, int) and not isinstance(world, bool) and world >= 1):
         raise ValueError(f"estimate_memory: world must be an integer >= 1; got {world!r}")
     check_stage(stage, "estimate_memory", stages=(0, 1, 2, 3))
-    shards = check_shard_size(shard_size, world, "estimate_memory")
+    shards = check_shard_size(shard_size, world, "estimate_memory", comm)
     if stage == 0:  # DDP: the options are checked all the same, so a typo is not silently ignored
         precision, comm_p = precision_policy(mixed_precision), comm_policy(comm)
         unit_policy(units)
@@ -132,8 +132,13 @@ def estimate_memory(
 # --- traffic: the bytes comm_stats() reports, without running a step ---------------------------------
 
 
-def check_shard_size(shard_size, world: int, who: str) -> int:
-    """shard_size as ZeroAdam takes it (None: world, flat ZeRO): an integer K >= 1 dividing world."""
+def check_shard_size(shard_size, world: int, who: str, comm=None) -> int:
+    """shard_size (None: world, flat ZeRO), or the CommPolicy's as ZeroAdam takes it: an integer
+    K >= 1 dividing world."""
+    given = getattr(comm, "shard_size", None)
+    if given is not None and shard_size is not None and given != shard_size:
+        raise ValueError(f"{who}: shard_size={shard_size!r} and comm.shard_size={given!r} differ; pass one")
+    shard_size = given if shard_size is None else shard_size
     if shard_size is None:
         return world
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
@@ -306,7 +311,7 @@ def traffic_ops(
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"{who}: world must be an integer >= 1; got {world!r}")
     check_stage(stage, who, stages=(1, 2, 3))
-    shards = check_shard_size(shard_size, world, who)
+    shards = check_shard_size(shard_size, world, who, comm)
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"{who}: backend must be 'nccl' or 'gloo'; got {backend!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
