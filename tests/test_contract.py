@@ -178,6 +178,21 @@ def test_the_checkpoint_package_imports_nothing_of_the_optimizer():
     assert not found, found
 
 
+def test_the_estimator_reads_the_comm_policys_shard_size():
+    """CommPolicy(shard_size=K) is where ZeroAdam takes hybrid sharding; the estimator reads it there
+    too, and names a disagreement with its own shard_size argument."""
+    from zerofast import CommPolicy
+    from zerofast.estimate import estimate_memory, estimate_traffic
+    from zerofast.tools.models import make_gpt
+
+    model = make_gpt("tiny")
+    hybrid = estimate_traffic(model, 4, 2, comm=CommPolicy(shard_size=2))
+    assert hybrid == estimate_traffic(model, 4, 2, shard_size=2) != estimate_traffic(model, 4, 2)
+    assert estimate_memory(10**6, 8, 3, comm=CommPolicy(shard_size=4)) == estimate_memory(10**6, 8, 3, shard_size=4)
+    with pytest.raises(ValueError, match=r"shard_size=1 and comm.shard_size=2 differ"):
+        estimate_traffic(model, 4, 2, shard_size=1, comm=CommPolicy(shard_size=2))
+
+
 def test_the_plan_resolves_every_default_once():
     """resolve_plan's facts per stage and precision: what each part of the optimizer acts on."""
     from zerofast import CommPolicy, MixedPrecisionPolicy

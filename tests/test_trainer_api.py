@@ -2,7 +2,7 @@
 in every stage, against single-process torch.optim.AdamW with torch.nn.utils.clip_grad_norm_ on the
 global batch: clip_grad_norm_(inf) only measuring, clip_grad_norm_(max_norm) clipping, an external
 model.zero_grad() after step() (and before a backward), zero_grad(set_to_none=False),
-optimizer.train()/eval(), step_was_skipped on an fp16 overflow, and clip_grad_value_ (3 ranks)."""
+step_was_skipped on an fp16 overflow, and clip_grad_value_ (3 ranks)."""
 
 import math
 
@@ -25,7 +25,6 @@ def _trainer_loop(rank, world):
         opt = ZeroAdam(model, stage=stage, **HYPER)
         norms, skipped = [], []
         for step, max_norm in enumerate(CLIPS):
-            opt.train()
             if step == 2:  # zeroed in place, then dropped by the model: the next backward starts afresh
                 opt.zero_grad(set_to_none=False)
                 model.zero_grad()
@@ -37,7 +36,6 @@ def _trainer_loop(rank, world):
             model.zero_grad()  # what Trainer / Accelerate call after step()
             model.zero_grad(set_to_none=False)
             opt.zero_grad()
-            opt.eval()
         with opt.gathered_params():
             out[stage] = ({n: p.detach().clone() for n, p in model.named_parameters()}, norms, skipped)
     return out

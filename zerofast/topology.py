@@ -51,8 +51,13 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_shard_size(shard_size, world: int, who: str = "ZeroAdam") -> int:
-    """shard_size as ZeroAdam takes it (None: world), checked against the number of ranks."""
+def check_shard_size(shard_size, world: int, who: str = "ZeroAdam", comm=None) -> int:
+    """shard_size (None: world), or the CommPolicy's as ZeroAdam takes it (comm.shard_size), checked
+    against the number of ranks; the two given and different is an error naming both."""
+    given = getattr(comm, "shard_size", None)
+    if given is not None and shard_size is not None and given != shard_size:
+        raise ValueError(f"{who}: shard_size={shard_size!r} and comm.shard_size={given!r} differ; pass one")
+    shard_size = given if shard_size is None else shard_size
     if shard_size is None:
         return world
     if not (_is_int(shard_size) and shard_size >= 1):

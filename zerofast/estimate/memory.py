@@ -87,7 +87,7 @@ def estimate_memory(
     if not (isinstance(world, int) and not isinstance(world, bool) and world >= 1):
         raise ValueError(f"estimate_memory: world must be an integer >= 1; got {world!r}")
     check_stage(stage, "estimate_memory", stages=(0, 1, 2, 3))
-    shards = check_shard_size(shard_size, world, "estimate_memory")
+    shards = check_shard_size(shard_size, world, "estimate_memory", comm)
     if stage == 0:  # DDP: the options are checked all the same, so a typo is not silently ignored
         precision, comm_p = precision_policy(mixed_precision), comm_policy(comm)
         unit_policy(units)

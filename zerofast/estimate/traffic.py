@@ -143,7 +143,7 @@ def traffic_ops(
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"{who}: world must be an integer >= 1; got {world!r}")
     check_stage(stage, who, stages=(1, 2, 3))
-    shards = check_shard_size(shard_size, world, who)
+    shards = check_shard_size(shard_size, world, who, comm)
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"{who}: backend must be 'nccl' or 'gloo'; got {backend!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:

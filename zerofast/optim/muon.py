@@ -15,7 +15,7 @@ collective per step and N-fold repeated Newton-Schulz. The owner partitions ("gr
 already give each tensor one owner: phase 2 reduces each whole gradient to its owner, phase 4
 broadcasts each whole parameter from it. So ZeroMuon is ZeroAdam (a subclass: the layout, the gradient
 path, phase 2's reduces, agreement, norm and clipping, phase 4's gather, stage 3's units and the
-checkpoints stay) with phase 3 replaced: the owner of a Muon matrix runs torch's Muon step on it
+checkpoints stay) built with another update rule (MuonUpdate, below), whose phase 3 differs: the owner of a Muon matrix runs torch's Muon step on it
 (momentum, Newton-Schulz, weight decay, the adjusted lr), the fused AdamW kernel runs over the rest of
 the shard, and the existing gather distributes the updated matrix. Newton-Schulz runs once per matrix
 per step (in step(), never per micro-batch), and greedy balances its cost ([Note: balancing Newton-Schulz]).

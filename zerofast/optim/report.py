@@ -8,14 +8,11 @@ optimizer's moments, the step counts) is read and written through opt.checkpoint
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..partition import imbalance
-
-if TYPE_CHECKING:  # annotations only
-    from .builder import Parts
+from .builder import Parts
 
 
 @dataclass(frozen=True)

@@ -235,14 +235,6 @@ class ZeroAdam(torch.optim.Optimizer):
         or nan (torch.amp.GradScaler's skipped step; the same on every rank). False without fp16."""
         return self._step_skipped
 
-    def train(self) -> None:
-        """A no-op: trainers (transformers.Trainer, Accelerate) call optimizer.train() / eval() where
-        the optimizer has them, for schedule-free optimizers that swap their parameters; ZeroAdam's
-        parameters are the same in both modes."""
-
-    def eval(self) -> None:
-        """A no-op: see train()."""
-
     # --- the model, reports, checkpoints ----------------------------------------------------------
 
     @contextlib.contextmanager
