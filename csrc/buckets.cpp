@@ -1,9 +1,9 @@
 // See buckets.h. Each note sits beside the code it describes: [Note: comm stream] at OnCommStream,
-// [Note: grads as bucket views] at buffer(), [Note: grads as views] at add_grad(), [Note:
-// accumulation into the shard] at finish_reduce(), [Note: collectives per backend] at reduce(),
-// [Note: two process groups] at gather_start(). The pool's notes ([Note: bucket pool], [Note:
-// buffers in flight]) are in bucket_pool.cpp, the replicas' ([Note: replicas in backward]) in
-// replica_reducer.cpp.
+// [Note: grads as bucket views] at buffer(), [Note: grads as views] at add_grad(),
+// [Note: accumulation into the shard] at finish_reduce(), [Note: collectives per backend] at
+// reduce(), [Note: two process groups] at gather_start(). The pool's notes ([Note: bucket pool],
+// [Note: buffers in flight]) are in bucket_pool.cpp, the replicas' ([Note: replicas in backward])
+// in replica_reducer.cpp.
 #include "buckets.h"
 
 #include <algorithm>
