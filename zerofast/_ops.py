@@ -25,6 +25,13 @@ def cpu_isa() -> str:
     return _C.cpu_isa()
 
 
+def _check_devices(op: str, param: torch.Tensor, named: dict) -> None:
+    """Every tensor argument on param's device, named in the error (before dispatch picks a kernel)."""
+    for name, t in named.items():
+        if isinstance(t, torch.Tensor) and t.device != param.device:
+            raise RuntimeError(f"{op}: {name} is on {t.device} but param is on {param.device}")
+
+
 def fused_adam_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -65,9 +72,7 @@ def fused_adam_(
         "found_inf": found_inf,
         "param_copy": param_copy,
     }
-    for name, t in named.items():
-        if isinstance(t, torch.Tensor) and t.device != param.device:
-            raise RuntimeError(f"fused_adam_: {name} is on {t.device} but param is on {param.device}")
+    _check_devices("fused_adam_", param, named)
     torch.ops.zerofast.fused_adam_(
         param,
         grad,
@@ -129,9 +134,7 @@ def fused_adam_8bit_(
         "found_inf": found_inf,
         "param_copy": param_copy,
     }
-    for name, t in named.items():  # before dispatch: see fused_adam_
-        if isinstance(t, torch.Tensor) and t.device != param.device:
-            raise RuntimeError(f"fused_adam_8bit_: {name} is on {t.device} but param is on {param.device}")
+    _check_devices("fused_adam_8bit_", param, named)  # before dispatch: see fused_adam_
     torch.ops.zerofast.fused_adam_8bit_(
         param,
         grad,
