@@ -8,7 +8,8 @@
   benchmarks/rankpool.py keeps its ranks): spawning a rank, importing torch and forming the
   group costs seconds, paid once per world size instead of once per test. Before each call every
   rank re-seeds torch's default generator with the seed a fresh process starts from, so a function
-  sees what it would in a new process; the process group and imported modules carry over.
+  sees what it would in a new process, and the process groups a call created are destroyed before
+  the next (_drop_groups); the default group and imported modules carry over.
 - Results travel through files (torch.save), never through a pipe: a large result sent through a
   multiprocessing queue can deadlock when the pipe fills before the parent reads.
 - A rank that raises: its traceback is raised in the test (RankFailed), every rank's shown. The
@@ -47,10 +48,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_one(rank, world_size, path, fn, args) -> bool:
+def _run_one(rank, world_size, path, fn, args, pooled: bool = False) -> bool:
     """Run the function and write its outcome to `path` (complete when the name appears); True if
     it returned."""
     try:
+        if pooled:
+            _drop_groups()
         torch.manual_seed(_FRESH_SEED)
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, path + ".tmp")
@@ -60,6 +63,27 @@ def _run_one(rank, world_size, path, fn, args) -> bool:
         ok = False
     os.replace(path + ".tmp", path)
     return ok
+
+
+def _drop_groups() -> None:
+    """Destroy the process groups the previous pooled job created, so that this job finds the process
+    as a fresh one would. Each gloo group keeps its own threads (a run loop and a TCP loop per group,
+    polling), which live as long as the group: a rank that had run a few hundred tests held hundreds
+    of them, and ten idle pool ranks took most of a core from the launches running beside them. The
+    garbage collection first releases what the job's optimizers still held through reference
+    cycles; the barrier lets every rank finish the previous job's last collective before the
+    connections close (a job's outcome is published when its function returns, as a fresh process's
+    would be)."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    gc.collect()
+    dist.barrier()
+    for group in list(distributed_c10d._world.pg_map):  # no public list of live groups in torch 2.14
+        if group is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)
 
 
 def _init(rank, world_size, port, timeout, backend):
@@ -87,7 +111,7 @@ def _pool_main(rank, world_size, port, commands):
         job = commands.get()
         if job is None:
             return
-        if not _run_one(rank, world_size, *job):
+        if not _run_one(rank, world_size, *job, pooled=True):
             # The pool is discarded after a failure anyway. Leaving now closes this rank's
             # connections, so a peer blocked in a collective with it raises at once and writes its
             # own outcome, for which the parent then waits. os._exit: an orderly exit can block on

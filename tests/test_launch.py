@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -73,6 +74,14 @@ def _wait_for(path: str, proc, limit: float = 120.0) -> None:
         time.sleep(0.02)
 
 
+def _read_until(stream, out: list, prefix: str, seen: threading.Event) -> None:
+    """Every line of `stream` into `out`; `seen` set once a line starts with `prefix`."""
+    for line in stream:
+        out.append(line)
+        if line.startswith(prefix):
+            seen.set()
+
+
 def _same_checkpoints(a: str, b: str) -> bool:
     (am, ao), (bm, bo) = checkpoint.to_torch(a), checkpoint.to_torch(b)
     return (
@@ -119,17 +128,23 @@ def test_a_stuck_worker_ends_the_job_after_the_timeout(tmp_path):
     victim = _worker(proc.pid, rank=1)
     os.kill(victim, signal.SIGSTOP)
     t0 = time.monotonic()
+    # The survivor's report ends what this test is about. torchrun would then give the stopped worker
+    # 30 s of grace for SIGTERM before its SIGKILL (its failure path ignores --shutdown-timeout in torch
+    # 2.14); the test sends that SIGKILL itself once the report is out.
+    out, reported = [], threading.Event()
+    reader = threading.Thread(target=_read_until, args=(proc.stdout, out, "zerofast.train rank 0", reported))
+    reader.start()
     try:
-        log = proc.communicate(timeout=120)[0]
+        assert reported.wait(timeout=120), "".join(out)
+        print(f"the survivor reported {time.monotonic() - t0:.1f} s after the worker was stopped")
     finally:
         try:
             os.kill(victim, signal.SIGKILL)
         except ProcessLookupError:  # torchrun ended it
             pass
-    # For the record (`pytest -s`), not asserted: the survivor leaves after --timeout, then torchrun
-    # gives the stopped worker its 30-second grace for SIGTERM before SIGKILL. communicate()'s limit
-    # above only guards against a job that never ends.
-    print(f"job ended {time.monotonic() - t0:.1f} s after the worker was stopped")
+    proc.wait(timeout=120)
+    reader.join()
+    log = "".join(out)
     assert proc.returncode != 0, log
     # The survivor's one line: where it was, then the backend's words, which say that the wait ended
     # through the timeout (a dead peer would read "Connection reset/closed by peer" instead).
