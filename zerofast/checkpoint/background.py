@@ -191,7 +191,16 @@ def checkpoint_group(group: dist.ProcessGroup, world_size: int) -> dist.ProcessG
     set of ranks; every rank of `group` calls this at the same point of its save)."""
     ranks = tuple(dist.get_global_rank(group, r) if group is not dist.group.WORLD else r for r in range(world_size))
     world, made = _GROUPS.get(ranks, (None, None))
-    if made is None or world is not dist.group.WORLD:  # none yet, or the default group was made again
+    # None yet, the default group made again, or this one destroyed (dist.destroy_process_group(g)).
+    if made is None or world is not dist.group.WORLD or not _alive(made):
         made = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
         _GROUPS[ranks] = (dist.group.WORLD, made)
     return made
+
+
+def _alive(group: dist.ProcessGroup) -> bool:
+    try:
+        dist.get_process_group_ranks(group)  # a KeyError once the group was destroyed
+    except KeyError:
+        return False
+    return True
