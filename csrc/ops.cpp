@@ -188,7 +188,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("reset_peak", &BucketPool::reset_peak);
   py::class_<ReplicaReducer>(m, "ReplicaReducer",
                              "Hybrid sharding's all_reduce over the replicas (see csrc/replica_reducer.h)")
-      .def("set_group", &ReplicaReducer::set_group, py::arg("group"), py::arg("min_bytes"))
+      .def("set_group", &ReplicaReducer::set_group, py::arg("group"), py::arg("min_bytes"), py::arg("coalesce") = true)
       .def("set_last_micro_batch", &ReplicaReducer::set_last_micro_batch, py::arg("last"))
       .def_property_readonly("bytes", &ReplicaReducer::bytes);
   py::class_<StepTraffic>(m, "StepTraffic", "This step's reduces and gathers, counted (see csrc/buckets.h)")

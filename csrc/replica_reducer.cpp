@@ -28,11 +28,12 @@ ReplicaReducer::ReplicaReducer(const OwnedGrads& owned, int64_t num_buckets)
 // no_sync), waits for all, and the step's agreement and Adam then read the replicated sum. The
 // core (buckets.cpp) makes every call that launches or waits with the comm stream current
 // ([Note: comm stream]), as its own reduces.
-void ReplicaReducer::set_group(c10::intrusive_ptr<c10d::ProcessGroup> group, int64_t min_bytes) {
+void ReplicaReducer::set_group(c10::intrusive_ptr<c10d::ProcessGroup> group, int64_t min_bytes, bool coalesce) {
   TORCH_CHECK(group, "ReplicaReducer.set_group: a process group is needed");
   TORCH_CHECK(min_bytes >= 0, "ReplicaReducer.set_group: min_bytes must be >= 0; got ", min_bytes);
   group_ = std::move(group);
   min_bytes_ = min_bytes;
+  coalesce_ = coalesce;
 }
 
 void ReplicaReducer::reduce_finished(int64_t bucket) {
@@ -71,8 +72,11 @@ void ReplicaReducer::flush() {
 
 void ReplicaReducer::all_reduce(std::vector<at::Tensor> ranges) {
   for (const auto& r : ranges) bytes_ += r.numel() * r.element_size();
-  if (ranges.size() == 1) {
-    works_.push_back(comm_call([&] { return group_->allreduce(ranges, c10d::AllreduceOptions()); }));
+  if (ranges.size() == 1 || !coalesce_) {
+    for (auto& range : ranges) {
+      std::vector<at::Tensor> one{range};
+      works_.push_back(comm_call([&] { return group_->allreduce(one, c10d::AllreduceOptions()); }));
+    }
   } else {
     works_.push_back(comm_call([&] { return group_->allreduce_coalesced(ranges, c10d::AllreduceCoalescedOptions()); }));
   }

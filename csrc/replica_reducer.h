@@ -23,8 +23,10 @@ class ReplicaReducer {
   ReplicaReducer(const OwnedGrads& owned, int64_t num_buckets);
 
   // group: the ranks holding this rank's shard in the other shard groups; min_bytes: consecutive
-  // owned ranges are all_reduced together until they hold at least this.
-  void set_group(c10::intrusive_ptr<c10d::ProcessGroup> group, int64_t min_bytes);
+  // owned ranges are all_reduced together until they hold at least this; coalesce: stage 1's
+  // separate ranges in one allreduce_coalesced (false: one allreduce per range, for a group that
+  // takes one tensor per call, as torchft's managed group).
+  void set_group(c10::intrusive_ptr<c10d::ProcessGroup> group, int64_t min_bytes, bool coalesce = true);
   bool active() const { return static_cast<bool>(group_); }
   // Whether the reduces launched from now on are a step's last (outside no_sync), whose owned
   // range is then replicated once finished.
@@ -50,6 +52,7 @@ class ReplicaReducer {
 
   const OwnedGrads* owned_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;  // null: no replicas
+  bool coalesce_ = true;
   int64_t min_bytes_ = 0;
   bool last_micro_batch_ = false;
   std::vector<bool> last_reduce_;               // per bucket: its reduce in flight is the step's last

@@ -132,6 +132,7 @@ class BucketComm:
         replicate_min_bytes: int = 0,
         dp_rank: int | None = None,
         dp_world: int | None = None,
+        live=None,
     ):
         """group: the shard group (the ranks `layout` is cut for); grad_buckets: stage 1's persistent
         buckets, which .grad are views of (else buffers come from a pool); max_buffers: at most this
@@ -141,7 +142,8 @@ class BucketComm:
         gradient all_reduces the engine launches during backward, whose timing differs between
         ranks, so that they never pair up with the agreement, each at least replicate_min_bytes
         (consecutive owned ranges together; [Note: replicas in backward]). dp_rank, dp_world: this
-        rank among every data-parallel rank, for messages (None: its rank in `group`)."""
+        rank among every data-parallel rank, for messages (None: its rank in `group`). live: torchft's
+        replicas (zerofast.topology.LiveReplicas): their agreement, one tensor per all_reduce."""
         self.layout = layout
         self.flat = layout.flat
         reduce_op, gather_op = collectives_for(dist.get_backend(group), self.flat)
@@ -176,7 +178,8 @@ class BucketComm:
         # Python does it in step(), each collective described first.
         self.replicates_in_engine = replicate_grads_group is not None and not check_collectives
         if self.replicates_in_engine:
-            self._impl.replicas.set_group(replicate_grads_group, replicate_min_bytes)
+            self._impl.replicas.set_group(replicate_grads_group, replicate_min_bytes, coalesce=live is None)
+        self.live = live
         self.rank, self.world = rank, dist.get_world_size(group)
         # Messages name the data-parallel rank: under hybrid sharding shard ranks repeat across replicas.
         self.dp_rank = rank if dp_rank is None else dp_rank
@@ -324,17 +327,26 @@ class BucketComm:
     def gather_wait(self, bucket: int) -> None:
         self.run(lambda: f"the gather of bucket {bucket} ({self.gather_name})", self._impl.gather_wait, bucket)
 
-    def all_reduce_max(self, t: torch.Tensor) -> None:
+    def all_reduce_max(self, t: torch.Tensor, shard_only: tuple[slice, ...] = ()) -> None:
         """A small agreement (which parameters got a gradient, the step and micro-batch counts, a
         failure before the update), counted too: a MAX over the shard group, then over the
-        replicate group, which is a MAX over every rank ([Note: hybrid sharding])."""
+        replicate group, which is a MAX over every rank ([Note: hybrid sharding]). shard_only: the
+        entries that torchft's replica groups agree on within their own group only ([Note: replica
+        groups on torchft])."""
         if self.check:
             self._verify("agree_used", 0, t.numel(), self.group)
         self._agreements["shard/all_reduce_flags"] += t.numel() * t.element_size()
         self._collective(
             "the step's agreement (all_reduce of flags and counters)", dist.all_reduce, t, dist.ReduceOp.MAX, self.group
         )
-        if self.replicate_group is not None:
+        if self.live is not None:  # after the step's gradient all_reduces: [Note: replica groups on torchft]
+            self.wait_reduces()
+            self._agreements["replicate/all_reduce_flags"] += t.numel() * t.element_size()
+            own = [(s, t[s].clone()) for s in shard_only]
+            self.live.all_reduce_max(t)
+            for s, values in own:
+                t[s] = values
+        elif self.replicate_group is not None:
             if self.check:
                 self._verify("agree_used", 0, t.numel(), self.replicate_group)
             self._agreements["replicate/all_reduce_flags"] += t.numel() * t.element_size()

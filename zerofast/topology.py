@@ -24,11 +24,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Protocol, runtime_checkable
+
+import torch
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["Topology", "resolve_topology"]
+__all__ = ["LiveReplicas", "Topology", "resolve_topology"]
+
+
+@runtime_checkable
+class LiveReplicas(Protocol):
+    """A replicate dimension whose members change between steps, given as ZeroAdam's process_group
+    (zerofast.integrations.torchft.ReplicaGroups; [Note: replica groups on torchft] there). The
+    optimizer calls these; the replica group's own ranks (`group`) shard the state."""
+
+    group: dist.ProcessGroup
+
+    def topology(self, group: dist.ProcessGroup) -> Topology: ...
+    def attach(self, opt) -> None: ...  # the optimizer is built: its state heals; the first quorum
+    def begin_step(self) -> None: ...  # this step's quorum (opt.zero_grad())
+    def check_quorum(self, step: int) -> None: ...  # step() raises without one
+    def participants_now(self) -> int: ...
+    def all_reduce_max(self, flags: torch.Tensor) -> None: ...  # the agreement over the participants
+    def commit(self) -> bool: ...  # the step's one decision
+    def fail(self, error: BaseException) -> None: ...  # the step raised before its decision
 
 
 @dataclass(frozen=True)
@@ -41,10 +62,16 @@ class Topology:
     shard_size: int
     replicate_group: dist.ProcessGroup | None  # the ranks holding this rank's shard (None: no replica)
     replicas: int
+    live: LiveReplicas | None = None  # replicas whose membership changes between steps (torchft)
 
     @property
     def hybrid(self) -> bool:
         return self.replicas > 1
+
+    def divisor(self) -> int:
+        """What the step's gradient sum is divided by: every data-parallel rank, or under torchft the
+        shard group's ranks times this step's participating replica groups."""
+        return self.world if self.live is None else self.shard_size * self.live.participants_now()
 
 
 def _is_int(value) -> bool:

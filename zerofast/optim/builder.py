@@ -28,7 +28,7 @@ from ..layout import Layout
 from ..stage3.frozen import FrozenShard, placeholder_grad_shard
 from ..stage3.runtime import UnitBuffers, UnitPart, UnitTracker
 from ..stage3.units import UnitPlan, hook_needs
-from ..topology import Topology, resolve_topology
+from ..topology import LiveReplicas, Topology, resolve_topology
 from . import checks
 from .gather import ParamGather
 from .grads import GradReducer
@@ -67,6 +67,7 @@ class Parts:
     frozen: FrozenShard | None  # and their buffers and shard ([Note: frozen parameters in stage 3])
     frozen_comm: BucketComm | None  # and their gathers (no reduce)
     hooks: list = field(default_factory=list)  # handles on the model: remove_hooks() removes them
+    decided: bool = False  # torchft: this step's commit decision was taken ([Note: replica groups on torchft])
 
     def quiesce(self) -> None:
         """Bring the state to rest: wait for parameter gathers still in flight (stages 1 and 2: the
@@ -117,12 +118,15 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
     """Wire the parts for `model` under `plan` across `process_group` (None: the world; or a 2-D
     DeviceMesh), with the front's update `rule`. Collective: every rank calls it."""
     checks.check_process_group(process_group)
-    group, shard_size, mesh = checks.data_parallel_group(process_group, plan.shard_size)
+    live = process_group if isinstance(process_group, LiveReplicas) else None
+    if live is not None:
+        checks.check_live_replicas(live, plan)
+    group, shard_size, mesh = checks.data_parallel_group(live.group if live else process_group, plan.shard_size)
     named = trainable_params(model, "ZeroAdam")
     names, params = [n for n, _ in named], [p for _, p in named]
     checks.check_same_across_ranks(model, group)
     checks.broadcast_from_rank0(model, group)
-    topology = resolve_topology(group, shard_size, group_timeout(group), mesh)
+    topology = live.topology(group) if live else resolve_topology(group, shard_size, group_timeout(group), mesh)
     group_index = {id(p): g for g, grp in enumerate(rule.groups) for p in grp["params"]}
     # Which of the model's parameters were trainable: the layout is built over them, so a change of
     # requires_grad later is an error at the next step (checks.check_trainable_unchanged).
@@ -144,7 +148,12 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
         plan.bucket_buffers,
         plan.check_collectives,
         replicate_group=topology.replicate_group,
-        replicate_grads_group=_second_group(topology.replicate_group, topology.group),
+        # torchft's managed group is one group per Manager: the agreement waits for its gradient
+        # all_reduces instead ([Note: replica groups on torchft]).
+        replicate_grads_group=topology.replicate_group
+        if topology.live
+        else _second_group(topology.replicate_group, topology.group),
+        live=topology.live,
         replicate_min_bytes=plan.replicate_bytes,
         dp_rank=topology.rank,
         dp_world=topology.world,

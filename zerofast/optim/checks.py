@@ -12,16 +12,17 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import check_hyper
-from ..topology import check_shard_size, mesh_groups
+from ..topology import LiveReplicas, check_shard_size, mesh_groups
 
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
 def check_process_group(process_group) -> None:
-    if process_group is not None and not isinstance(process_group, (dist.ProcessGroup, DeviceMesh)):
+    if process_group is not None and not isinstance(process_group, (dist.ProcessGroup, DeviceMesh, LiveReplicas)):
         raise TypeError(
             f"ZeroAdam: process_group must be a torch.distributed ProcessGroup, a 2-D DeviceMesh "
-            f'("replicate", "shard") or None; got {type(process_group).__name__}'
+            f'("replicate", "shard"), torchft\'s replica groups (zerofast.integrations.torchft.ReplicaGroups) '
+            f"or None; got {type(process_group).__name__}"
         )
     if not dist.is_initialized():
         raise RuntimeError(
@@ -93,6 +94,22 @@ def _signature(model: nn.Module) -> list[tuple]:
     return [("param", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()] + [
         ("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in model.named_buffers()
     ]
+
+
+def check_live_replicas(live, plan) -> None:
+    """torchft's replica groups ([Note: replica groups on torchft] in zerofast/integrations/torchft.py):
+    the replica group's own ranks shard the state, so it takes no shard_size of its own, and the
+    collective checks, which gather over the replicate group, do not run on torchft's managed group."""
+    if plan.shard_size is not None:
+        raise ValueError(
+            f"ZeroAdam: with torchft's replica groups as process_group, each replica group's ranks shard "
+            f"the state; pass no CommPolicy.shard_size (got shard_size={plan.shard_size!r})"
+        )
+    if plan.check_collectives:
+        raise ValueError(
+            "ZeroAdam: CommPolicy(check_collectives=True) is not supported with torchft's replica groups "
+            "(the checks gather over the replicate group, which torchft's managed group does not carry)"
+        )
 
 
 def data_parallel_group(process_group, shard_size):

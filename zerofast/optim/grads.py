@@ -365,7 +365,8 @@ class GradReducer:
             flags = host_reads.to_device(
                 message.pack(local_used, counts, None if failure is None else self.comm.dp_rank), torch.int64, device
             )
-            self.comm.all_reduce_max(flags)
+            # torchft's replica groups: each group's own collectives and failure ([Note: replica groups on torchft]).
+            self.comm.all_reduce_max(flags, (message.counter("reduces"), message.counter("gathers"), message.failed))
             agreed = message.read(host_reads.to_list(flags, "agreement"))  # [Note: host syncs]
             if not (agreed.same("steps") and agreed.same("micro_batches")):
                 steps, micro = agreed.ranges["steps"], agreed.ranges["micro_batches"]

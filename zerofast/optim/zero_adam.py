@@ -121,8 +121,10 @@ class ZeroAdam(torch.optim.Optimizer):
         super().__init__(rule.groups, rule.defaults)
         self._constructed = True  # add_param_group after this is an error
         self._view = checkpoint_view(self._parts, self.param_groups)
-        self._step_skipped = False  # fp16: the last step() found an inf or nan and skipped
+        self._step_skipped = False  # the last step() applied nothing (fp16 overflow; torchft: not committed)
         self._last_comm: dict[str, int] = {}
+        if self._parts.topology.live is not None:  # torchft: [Note: replica groups on torchft]
+            self._parts.topology.live.attach(self)
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_constructed", False):
@@ -154,8 +156,12 @@ class ZeroAdam(torch.optim.Optimizer):
         """Clear .grad (stage 1 keeps full local gradients there). Between a backward and step(),
         gradients already handed to the buckets cannot be taken back (their reduces are in flight
         on every rank): that is an error rather than a step that silently keeps them. Gradients
-        accumulated only locally (stage 1, or accumulate_locally, inside no_sync) are dropped."""
+        accumulated only locally (stage 1, or accumulate_locally, inside no_sync) are dropped. On
+        torchft's replica groups it also starts the step's quorum, once per step (a recovering group
+        receives the state there: [Note: replica groups on torchft])."""
         self._parts.grads.zero_grad(set_to_none)
+        if self._parts.topology.live is not None:
+            self._parts.topology.live.begin_step()
 
     def step(self, closure=None):
         """One optimizer step (phases 2-4). With a closure, as every torch optimizer: the closure
@@ -166,23 +172,36 @@ class ZeroAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
-            self._step()
+            live = self._parts.topology.live
+            if live is None:
+                self._step()
+            else:  # torchft: one commit decision per step, even when the step raises before it
+                live.check_quorum(self._parts.comm.where.step)
+                try:
+                    self._step()
+                except BaseException as e:
+                    if not self._parts.decided:
+                        live.fail(e)
+                    raise
         return loss
 
     def _step(self) -> None:
         parts, plan = self._parts, self.plan
+        parts.decided = False
         if parts.grads.phase.in_no_sync:
             raise RuntimeError(
                 "ZeroAdam.step() was called inside `with opt.no_sync():`; no_sync() wraps "
                 "the micro-batches whose gradients are only accumulated, and step() follows "
                 "the last backward, outside it"
             )
-        where, world = parts.comm.where, parts.topology.world
+        where, world = parts.comm.where, parts.topology.divisor()
         where.phase = "step() (phase 2: the reduces and the agreement)"
         parts.quiesce()  # last step's gathers, if some module never ran; stage 3: none stays gathered across the update
         prep = parts.grads.prepare(plan.max_grad_norm is not None, world, check=self._check_update)  # phase 2
         if plan.max_grad_norm is not None:
             parts.grads.clip(prep, plan.max_grad_norm)
+        if parts.topology.live is not None and not self._commit():
+            return
         anything = any(prep.used)  # agreed: the same on every rank
         if anything and not prep.found_inf:
             parts.update(prep.used, self.param_groups, prep.grad_scale(world, parts.scaler.scale))  # phase 3
@@ -200,6 +219,19 @@ class ZeroAdam(torch.optim.Optimizer):
         where.phase = "forward"
         parts.grads.begin_step()
 
+    def _commit(self) -> bool:
+        """torchft's decision for this step ([Note: replica groups on torchft]); no: nothing applied,
+        the step not counted, this step's gradients dropped."""
+        parts = self._parts
+        parts.decided = True  # before it: a commit that raises is this step's decision too
+        committed = parts.topology.live.commit()
+        if not committed:
+            self._step_skipped = True
+            self._last_comm = parts.end_step()
+            parts.comm.where.phase = "forward"
+            parts.grads.begin_step()
+        return committed
+
     def _check_update(self) -> None:
         """The last checks before an update, on every rank before the step's agreement, so that a
         failure here applies nothing anywhere ([Note: the step's agreement] in zerofast/optim/grads.py):
@@ -216,7 +248,7 @@ class ZeroAdam(torch.optim.Optimizer):
         kernel, through its grad_scale ([Note: global gradient clipping] in zerofast/optim/grads.py).
         max_norm=float("inf") only measures: the norm is returned and nothing is clipped (what
         trainers call to log the norm)."""
-        grads, world = self._parts.grads, self._parts.topology.world
+        grads, world = self._parts.grads, self._parts.topology.divisor()
         prep = grads.prepare_to_clip("clip_grad_norm_", "max_norm", max_norm, True, world, self._check_update)
         return grads.clip(prep, float(max_norm))
 
@@ -225,14 +257,15 @@ class ZeroAdam(torch.optim.Optimizer):
         torch.nn.utils.clip_grad_value_ on the whole model after DDP's average would (the averaged,
         unscaled gradient). Call it after the last backward of a step and before step(); each rank
         clamps its own reduced shard, elementwise, so it costs no communication beyond the step's."""
-        grads, world = self._parts.grads, self._parts.topology.world
+        grads, world = self._parts.grads, self._parts.topology.divisor()
         prep = grads.prepare_to_clip("clip_grad_value_", "clip_value", clip_value, False, world, self._check_update)
         grads.clamp(prep, float(clip_value), world)
 
     @property
     def step_was_skipped(self) -> bool:
-        """Whether the last step() applied nothing because some rank's fp16 gradients held an inf
-        or nan (torch.amp.GradScaler's skipped step; the same on every rank). False without fp16."""
+        """Whether the last step() applied nothing: some rank's fp16 gradients held an inf or nan
+        (torch.amp.GradScaler's skipped step; the same on every rank), or on torchft's replica groups
+        the step was not committed (a replica group failed in it). False otherwise."""
         return self._step_skipped
 
     # --- the model, reports, checkpoints ----------------------------------------------------------

@@ -1,0 +1,152 @@
+"""Replica groups on torchft ([Note: replica groups on torchft] in zerofast/integrations/torchft.py):
+2 replica groups x 2 gloo ranks, the Lighthouse in this process. Group 1 is lost at step LOSE_AT
+(SIGKILLed, or one rank leaving inside backward); group 0's processes train on alone, the broken
+step applying nothing; group 1 is relaunched and heals from group 0. At the end every rank's state
+is bitwise equal to its peer's in the other group, and the parameters equal single-process AdamW
+replaying the same membership history: each committed step on the batches of the groups that took
+part in it. Real processes (one launch of 4, one relaunch of 2 per scenario): about 30 s each."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from harness import free_port
+from oracles import HYPER, fp32_tol, global_batch, max_abs_diff
+
+pytest.importorskip("torchft")
+from torchft.coordination import LighthouseServer  # noqa: E402
+
+from zerofast.tools.models import make_gpt  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+STEPS, LOSE_AT, K = 8, 2, 2  # group 0 parks before step RELAUNCH_AT = 5 (tests/ft_job.py)
+
+
+class Events:
+    """Every rank's JSON lines, as they come, and a wait for one."""
+
+    def __init__(self):
+        self.items, self.cond = [], threading.Condition()
+
+    def read(self, proc):
+        for line in proc.stdout:
+            if line.startswith("{"):
+                with self.cond:
+                    self.items.append(json.loads(line))
+                    self.cond.notify_all()
+            else:
+                sys.stdout.write(line)
+
+    def wait(self, pred, what: str, timeout: float = 120):
+        with self.cond:
+            if not self.cond.wait_for(lambda: any(pred(e) for e in self.items), timeout=timeout):
+                raise AssertionError(f"no {what} within {timeout} s; the last events: {self.items[-12:]}")
+            return next(e for e in self.items if pred(e))
+
+    def of(self, g: int, r: int, kind: str, after: float = 0.0) -> list[dict]:
+        with self.cond:
+            return [e for e in self.items if e["g"] == g and e["r"] == r and e["event"] == kind and e["at"] > after]
+
+
+def _launch(group, port, lighthouse, gates, stage, events, fault="none"):
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "ft_job.py"), str(group), str(r), str(port), lighthouse, gates]
+            + [str(stage), str(STEPS), fault if r == 1 or fault == "relaunch" else "none"],
+            cwd=ROOT,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(K)
+    ]
+    for p in procs:
+        threading.Thread(target=events.read, args=(p,), daemon=True).start()
+    return procs
+
+
+@pytest.mark.parametrize("stage,loss", [(3, "sigkill"), (2, "exit_in_backward")])
+def test_a_lost_group_leaves_the_other_training_and_heals_when_relaunched(tmp_path, stage, loss):
+    gates = str(tmp_path)
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=3000, quorum_tick_ms=50, heartbeat_timeout_ms=1000
+    )
+    events, procs = Events(), []
+    try:
+        addr = lighthouse.address()
+        fault = f"exit_in_backward:{LOSE_AT}" if loss == "exit_in_backward" else "none"
+        g0 = _launch(0, free_port(), addr, gates, stage, events)
+        g1 = _launch(1, free_port(), addr, gates, stage, events, fault)
+        procs += g0 + g1
+        for g in (0, 1):
+            for r in range(K):
+                events.wait(lambda e, g=g, r=r: (e["g"], e["r"], e["event"]) == (g, r, "started"), "start")
+        open(os.path.join(gates, "start"), "w").close()
+        if loss == "sigkill":  # as group 0 starts step LOSE_AT
+            events.wait(lambda e: (e["g"], e["event"], e.get("step")) == (0, "commit", LOSE_AT - 1), "commit")
+            for p in g1:
+                os.kill(p.pid, signal.SIGKILL)
+        t_lost = time.time()
+        for p in g1:  # the rank that left takes its peer down with it (its collectives fail)
+            p.wait(timeout=60)
+        alone = events.wait(lambda e: e["g"] == 0 and e["event"] == "commit" and e["participants"] == 1, "alone")
+        print(f"lost -> the survivor's first step alone: {alone['at'] - t_lost:.2f} s")
+        t_relaunch = time.time()
+        g1b = _launch(1, free_port(), addr, gates, stage, events, "relaunch")
+        procs += g1b
+        for r in range(K):
+            events.wait(lambda e, r=r: (e["g"], e["r"], e["event"]) == (0, r, "parked"), "group 0 parked")
+            events.wait(
+                lambda e, r=r: e["g"] == 1 and e["r"] == r and e["event"] == "started" and e["at"] > t_relaunch, "up"
+            )
+        open(os.path.join(gates, "rejoin"), "w").close()
+        for p in g0 + g1b:
+            assert p.wait(timeout=180) == 0
+        first = events.wait(lambda e: e["g"] == 1 and e["event"] == "commit" and e["at"] > t_relaunch, "healed")
+        print(f"relaunch -> its first committed step: {first['at'] - t_relaunch:.2f} s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        lighthouse.shutdown()
+
+    # The survivor's processes never changed (the same PIDs ran every step) and it trained alone.
+    history = [(e["step"], e["participants"]) for e in events.of(0, 0, "commit")]
+    assert [s for s, _ in history] == list(range(len(history))) and len(history) >= STEPS, history
+    assert history[0][1] == 2 and any(n == 1 for _, n in history), history
+    assert [n for _, n in history[-3:]] == [2, 2, 2], history  # three joint steps after the heal
+    # The broken step applied nothing on group 0 (no_commit, then the same step again).
+    for r in range(K):
+        assert len(events.of(0, r, "no_commit")) <= 1
+    # Healed: the relaunched group began at the survivor's step and every rank ends bitwise equal.
+    healed = events.of(1, 0, "built", after=t_relaunch)[0]
+    assert healed["step"] == healed["where"] >= 4, healed
+    for r in range(K):
+        (a,), (b,) = events.of(0, r, "done"), events.of(1, r, "done", after=t_relaunch)
+        assert a["sha256"] == b["sha256"] and a["step"] == b["step"] == len(history)
+    # The oracle: each committed step on the batches of the groups in it.
+    want = _replay(history)
+    got = {k: v for k, v in torch.load(os.path.join(gates, "final.pt")).items() if k in want}  # (tied: one name)
+    assert max_abs_diff(got, want) <= fp32_tol(len(history)), max_abs_diff(got, want)
+
+
+def _replay(history: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+    model = make_gpt("tiny")
+    opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+    for step, participants in history:
+        x, y = global_batch(model, step, K * participants)
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
