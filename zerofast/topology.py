@@ -27,7 +27,6 @@ from datetime import timedelta
 from typing import Protocol, runtime_checkable
 
 import torch
-
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
