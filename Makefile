@@ -20,9 +20,12 @@ HF_DEPS  := "transformers==5.24.0" "accelerate==1.15.0" "peft==0.21.2" "trl==1.1
 # Lightning, both packages, for zerofast.integrations.lightning / .pytorch_lightning (ZeroStrategy
 # subclasses their DDPStrategy and Precision, written against these versions).
 LIGHTNING_DEPS := "lightning==2.6.6" "pytorch-lightning==2.6.6"
+# torchft, for zerofast.integrations.torchft (replica groups that survive a lost machine; its Manager,
+# ManagedProcessGroup and Lighthouse, written against this version).
+FT_DEPS := "torchft==0.2.0"
 # Lint and docs: ruff (Python lint and format), clang-format (csrc/), mkdocs-material (docs/).
 TOOL_DEPS := "ruff==0.17.6" "clang-format==23.1.5" "mkdocs-material==9.8.2"
-PIP_DEPS := "$(TORCH_SPEC)" ninja setuptools wheel pytest pytest-benchmark numpy matplotlib $(HF_DEPS) $(LIGHTNING_DEPS) $(TOOL_DEPS)
+PIP_DEPS := "$(TORCH_SPEC)" ninja setuptools wheel pytest pytest-benchmark numpy matplotlib $(HF_DEPS) $(LIGHTNING_DEPS) $(FT_DEPS) $(TOOL_DEPS)
 
 PY      := $(VENV)/bin/python
 # The marker names the package list, so a venv made before a package was added gets it.

@@ -239,6 +239,10 @@ def _tables():
         from zerofast.integrations import pytorch_lightning
 
         tables.append(pytorch_lightning.RELIES_ON)
+    if _importable("torchft"):
+        from zerofast.integrations import torchft
+
+        tables.append(torchft.RELIES_ON)
     return tables
 
 
@@ -317,5 +321,5 @@ def test_the_tables_agree_with_the_extras_and_the_makefile_pins():
     for extra, pin in pins:
         assert f"{pin.distribution}{pin.supported}" in extras[extra], (extra, pin, extras[extra])
         assert pinned[pin.distribution] == pin.tested, (pin, pinned.get(pin.distribution))
-    for extra in ("hf", "lightning", "pytorch-lightning"):  # every extra a range, never one version
+    for extra in ("hf", "lightning", "pytorch-lightning", "torchft"):  # every extra a range, never one version
         assert all("==" not in r and "<" in r and ">=" in r for r in extras[extra]), extras[extra]

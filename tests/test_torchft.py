@@ -150,3 +150,55 @@ def _replay(history: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _no_lighthouse(rank, world, port):
+    from zerofast.integrations.torchft import ReplicaGroups
+
+    t0 = time.monotonic()
+    try:
+        ReplicaGroups("g0", lighthouse=f"http://127.0.0.1:{port}", timeout=2)
+    except ConnectionError as e:
+        return str(e), time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+def test_no_lighthouse_is_a_named_error_within_the_timeout():
+    from harness import run_ranks
+
+    ((message, took),) = run_ranks(_no_lighthouse, 1, args=(free_port(),), fresh=True, timeout=60)
+    assert message is not None and f"lighthouse='http://127.0.0.1:" in message and "timeout=2 s" in message
+    assert took < 30  # the 2 s connect timeout and torchft's retries, not a hang
+
+
+def _another_layout(rank, world):
+    import torch.distributed as dist
+    from torchft.coordination import LighthouseServer
+
+    from zerofast import ZeroAdam
+    from zerofast.integrations.torchft import LayoutMismatchError, ReplicaGroups, _fingerprint
+    from zerofast.optim.zero_adam import parts_of
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
+    replicas = ReplicaGroups("g0", lighthouse=lighthouse.address(), timeout=10)
+    opt = ZeroAdam(make_gpt("tiny"), stage=2, process_group=replicas, **HYPER)
+    other = ZeroAdam(make_gpt("tiny"), stage=3, **HYPER)  # flat over this rank: another layout
+    state = replicas._state()
+    state["layout"] = _fingerprint(parts_of(other))
+    try:
+        replicas._load(state)
+    except LayoutMismatchError as e:
+        return str(e)
+    finally:
+        replicas.manager.shutdown(wait=False)
+        lighthouse.shutdown()
+        del opt
+        dist.barrier()
+    return None
+
+
+def test_a_group_with_another_layout_cannot_heal_from_its_peer():
+    from harness import run_ranks
+
+    (message,) = run_ranks(_another_layout, 1, fresh=True, timeout=120)
+    assert message is not None and "'stage': 3" in message and "'stage': 2" in message, message

@@ -67,7 +67,7 @@ from . import hosts
 
 __all__ = ["ReplicaGroups", "SafeTransport", "LayoutMismatchError"]
 
-RELIANCE = hosts.Reliance(
+RELIES_ON = hosts.Reliance(
     integration="zerofast.integrations.torchft",
     extra="torchft",
     pins=(hosts.Pin("torchft", tested="0.2.0", supported=">=0.2.0,<0.3"),),
@@ -98,13 +98,13 @@ RELIANCE = hosts.Reliance(
         hosts.Calls(Manager, "allreduce", 1, ("reduce_op",)),
         hosts.Calls(Manager, "register_state_dict_fn", 3),
         hosts.Reads(Manager, ("start_quorum", "should_commit", "num_participants", "current_step", "errored")),
-        hosts.Reads(Manager, ("report_error", "shutdown")),
+        hosts.Reads(Manager, ("report_error", "shutdown", "participating_rank")),
         hosts.Calls(ManagedProcessGroup, "__init__", 1),
         hosts.Reads(CheckpointTransport, ("metadata", "send_checkpoint", "recv_checkpoint", "disallow_checkpoint")),
         hosts.Calls(ProcessGroupGloo, "__init__", 0, ("timeout",)),
     ),
 )
-hosts.check(RELIANCE)
+hosts.check(RELIES_ON)
 
 
 class LayoutMismatchError(RuntimeError):
