@@ -167,7 +167,7 @@ def test_no_lighthouse_is_a_named_error_within_the_timeout():
     from harness import run_ranks
 
     ((message, took),) = run_ranks(_no_lighthouse, 1, args=(free_port(),), fresh=True, timeout=60)
-    assert message is not None and f"lighthouse='http://127.0.0.1:" in message and "timeout=2 s" in message
+    assert message is not None and "lighthouse='http://127.0.0.1:" in message and "timeout=2 s" in message
     assert took < 30  # the 2 s connect timeout and torchft's retries, not a hang
 
 
