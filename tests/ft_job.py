@@ -55,6 +55,7 @@ def main(group: int, rank: int, port: int, lighthouse: str, gates: str, stage: i
     gate("start" if fault != "relaunch" else "rejoin")
     model = make_gpt("tiny")
     opt = ZeroAdam(model, stage=stage, process_group=replicas, **HYPER)
+    opt.zero_grad()  # the first quorum: a relaunched group heals here (the loop's first zero_grad is then a no-op)
     log("built", step=replicas.step, where=parts_of(opt).comm.where.step)
     exit_at = int(fault.split(":")[1]) if fault.startswith("exit_in_backward:") else None
     joint = 0  # consecutive steps committed with both groups

@@ -202,3 +202,22 @@ def test_a_group_with_another_layout_cannot_heal_from_its_peer():
 
     (message,) = run_ranks(_another_layout, 1, fresh=True, timeout=120)
     assert message is not None and "'stage': 3" in message and "'stage': 2" in message, message
+
+
+def test_the_main_job_shows_a_group_lost_and_healed():
+    """`python -m zerofast.train --replica-groups 2 --lose-group-at S`: what a user watches; stage 1 (the
+    scenarios above run stages 3 and 2), whose separate owned ranges go one all_reduce each."""
+    out = subprocess.run(
+        [sys.executable, "-m", "zerofast.train", "--replica-groups", "2", "--nproc", "2", "--model", "tiny"]
+        + ["--batch", "2", "--steps", "9", "--lose-group-at", "2", "--timeout", "5", "--stage", "1"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    log = out.stdout
+    assert out.returncode == 0, log + out.stderr[-3000:]
+    assert "-- SIGKILLed replica group 1" in log and "groups in the step: 1" in log, log
+    assert "-- group 1 healed from a live group" in log, log
+    assert "every replica group's state bitwise equal to group 0's, rank by rank: True" in log, log

@@ -204,6 +204,10 @@ def test_train_command_loss_goes_down():
         (["--timeout", "0"], "--timeout must be positive; got 0.0"),
         (["--max-restarts", "-1"], "--max-restarts must be 0 or more; got -1"),
         (["--save-dir", "d", "--resume", "--compare"], "use it without --resume"),
+        (["--replica-groups", "1"], "--replica-groups must be 0 (off) or at least 2; got 1"),
+        (["--lose-group-at", "2"], "--lose-group-at needs --replica-groups"),
+        (["--replica-groups", "2", "--steps", "6", "--lose-group-at", "3"], "[0, --steps - 3) = [0, 3); got 3"),
+        (["--replica-groups", "2", "--compare"], "without --save-dir, --resume, --compare and --plot"),
     ],
 )
 def test_train_bad_arguments_exit_2(argv, message, capsys):

@@ -20,8 +20,9 @@ flat ZeRO over K ranks), and the replicate dimension is torchft's ManagedProcess
 membership the Lighthouse's quorum sets anew each step. The parts:
 - The quorum: opt.zero_grad() starts it (as torchft's OptimizerWrapper does), once per step, and
   waits for it (use_async_quorum=False): a group that is behind receives the state then, before its
-  forward, on the main thread. The constructor starts the first one (torchft's init_sync: every
-  group starts from the same state). step() without a quorum since the last one is an error.
+  forward, on the main thread; at the first one every group starts from the same state (torchft's
+  init_sync). So zero_grad() comes before each step's forward; step() without a quorum since the
+  last one is an error that says so.
 - The gradient: the engine all_reduces each owned range over the managed group during backward, one
   tensor per call (the managed group takes single tensors: stage 1's ranges are not coalesced), a SUM;
   the average divides by K x this step's participants (Topology.divisor()), not by a fixed world.
@@ -347,11 +348,9 @@ class ReplicaGroups:
         return Topology(group, rank, k, group, rank, k, self.managed, 2, live=self)
 
     def attach(self, opt) -> None:
-        """The optimizer is built: its state joins what heals, and the first quorum runs (a group
-        that is behind receives the state now)."""
+        """The optimizer is built: its state joins what heals (at its first zero_grad()'s quorum)."""
         self._opt = opt
         self.manager.register_state_dict_fn("zerofast", self._load, self._state)
-        self.begin_step()
 
     def begin_step(self) -> None:
         """Start (and wait for) this step's quorum, once per step: opt.zero_grad() calls it."""

@@ -38,6 +38,7 @@ from ..optim.grads import StepNotAppliedError
 from ..optim.zero_adam import ZeroAdam
 from ..partition import PARTITIONS
 from ..reference import ReferenceZero
+from . import replica_demo
 from .data import corpus_tokens, text_batch
 from .models import CONFIGS, make_gpt
 from .quantities import format_bytes
@@ -118,6 +119,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="torchrun restarts the workers up to this many times after a failure; with --save-dir they "
         "resume from the newest checkpoint (default 0)",
     )
+    replica_demo.add_arguments(p)
     args = p.parse_args(argv)
     if not args.timeout > 0:
         p.error(f"--timeout must be positive; got {args.timeout}")
@@ -161,6 +163,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             import matplotlib  # noqa: F401
         except ImportError:
             p.error("--plot needs matplotlib (pip install matplotlib)")
+    replica_demo.check_arguments(p, args)
     return args
 
 
@@ -536,6 +539,12 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.replica_groups:  # torchft's replica groups: docs/surviving-failures.md
+        if "RANK" not in os.environ:
+            return replica_demo.run(args, _without_nproc(argv))
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        replica_demo.worker(args)
+        return 0
     if "RANK" not in os.environ:
         return launch(argv, args.nproc, args.max_restarts)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
