@@ -261,8 +261,9 @@ def test_cli_exit_codes():
 def test_resume_continues_the_interrupted_run_bitwise(tmp_path):
     """8 steps in one go against 4 steps, a stop, and --resume to 8: the same final checkpoint, bitwise
     (the data position is the step, and the RNG state travels in the checkpoint); the interrupted
-    run saves asynchronously (--save-async), the whole one blocking; then a resume on 3 ranks at
-    stage 2 continues from the 2-rank stage-3 checkpoint."""
+    run saves asynchronously (--save-async), the whole one blocking. (A resume on other ranks and
+    another stage: tests/test_launch.py's relaunch on fewer ranks, and tests/test_checkpoint.py's
+    reshards, against single-process AdamW.)"""
     from zerofast import checkpoint
 
     common = ["zerofast.train", "--nproc", "2", "--model", "tiny", "--stage", "3", "--batch", "4", "--lr", "1e-2"]
@@ -282,23 +283,3 @@ def test_resume_continues_the_interrupted_run_bitwise(tmp_path):
     assert all(torch.equal(a_model[k], b_model[k]) for k in a_model)
     for i, state in a_optim["state"].items():
         assert all(torch.equal(state[k], b_optim["state"][i][k]) for k in state)
-    out = _run(
-        "zerofast.train",
-        "--nproc",
-        "3",
-        "--model",
-        "tiny",
-        "--stage",
-        "2",
-        "--batch",
-        "4",
-        "--lr",
-        "1e-2",
-        "--steps",
-        "10",
-        "--save-dir",
-        split,
-        "--resume",
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "at step 8" in out.stdout + out.stderr and "over 2 steps" in out.stdout + out.stderr
