@@ -221,3 +221,40 @@ def test_the_main_job_shows_a_group_lost_and_healed():
     assert "-- SIGKILLed replica group 1" in log and "groups in the step: 1" in log, log
     assert "-- group 1 healed from a live group" in log, log
     assert "every replica group's state bitwise equal to group 0's, rank by rank: True" in log, log
+
+
+def _muon_alone_and_flat(rank, world):
+    import torch.distributed as dist
+    from oracles import rank_batch
+    from torchft.coordination import LighthouseServer
+
+    from zerofast import ZeroMuon
+    from zerofast.integrations.torchft import ReplicaGroups
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1) if rank == 0 else None
+    address = [lighthouse.address() if lighthouse else None]
+    dist.broadcast_object_list(address)  # one Lighthouse; rank 0's Manager server talks to it
+    replicas = ReplicaGroups("g0", lighthouse=address[0], timeout=10)
+    models = [make_gpt("tiny"), make_gpt("tiny")]
+    opts = [ZeroMuon(models[0], stage=2, process_group=replicas), ZeroMuon(models[1], stage=2)]
+    try:
+        for step in range(3):
+            for model, opt in zip(models, opts):
+                opt.zero_grad()
+                model(*rank_batch(model, step, rank))[1].backward()
+                opt.step()
+        return replicas.step, [torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters())]
+    finally:
+        replicas.manager.shutdown(wait=False)
+        dist.barrier()
+        if lighthouse:
+            lighthouse.shutdown()
+
+
+def test_zero_muon_on_one_replica_group_equals_zero_muon_without_torchft():
+    """The same front (ZeroMuon's update rule through the builder): one replica group alone steps
+    exactly as the flat optimizer over its ranks, bitwise (the same reduction order)."""
+    from harness import run_ranks
+
+    (steps, same), (_, same1) = run_ranks(_muon_alone_and_flat, 2, fresh=True, timeout=120)
+    assert steps == 3 and all(same) and all(same1), same
