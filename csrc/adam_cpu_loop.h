@@ -98,10 +98,11 @@ void adam_range(const AdamPointers& ptr, const AdamScalars& s, int64_t begin, in
 // One block of the 8-bit step, in the two passes of [Note: quantized state] (adam_math.h), on the
 // block's elements [0, n) of the pointers. With kTable the second pass quantizes by table ([Note:
 // quantizing by table]) and vectorizes; without, it searches, element by element. The arrays
-// written are restrict parameters of this function: GCC proves from those (not from restrict
-// locals copied out of a struct) that the gathers from the codes and tables do not alias them.
+// written are restrict parameters of this function, never inlined: GCC proves from those (not from
+// restrict locals copied out of a struct, nor once inlined) that the gathers from the codes and
+// tables do not alias them.
 template <typename G, typename C, bool kTable>
-void adam8_elements(float* __restrict param, const G* __restrict grad, uint8_t* __restrict q_avg,
+C10_NOINLINE void adam8_elements(float* __restrict param, const G* __restrict grad, uint8_t* __restrict q_avg,
                     uint8_t* __restrict q_avg_sq, C* __restrict copy, float* __restrict scale_avg,
                     float* __restrict scale_avg_sq, const Adam8Pointers& ptr, const AdamScalars& scalars, int64_t n) {
   const AdamScalars s = scalars;  // a local copy, as in adam_typed
