@@ -103,8 +103,9 @@ void adam_range(const AdamPointers& ptr, const AdamScalars& s, int64_t begin, in
 // tables do not alias them.
 template <typename G, typename C, bool kTable>
 C10_NOINLINE void adam8_elements(float* __restrict param, const G* __restrict grad, uint8_t* __restrict q_avg,
-                    uint8_t* __restrict q_avg_sq, C* __restrict copy, float* __restrict scale_avg,
-                    float* __restrict scale_avg_sq, const Adam8Pointers& ptr, const AdamScalars& scalars, int64_t n) {
+                                 uint8_t* __restrict q_avg_sq, C* __restrict copy, float* __restrict scale_avg,
+                                 float* __restrict scale_avg_sq, const Adam8Pointers& ptr, const AdamScalars& scalars,
+                                 int64_t n) {
   const AdamScalars s = scalars;  // a local copy, as in adam_typed
   const float* __restrict code_avg = ptr.exp_avg_code;
   const float* __restrict code_avg_sq = ptr.exp_avg_sq_code;
