@@ -7,6 +7,7 @@ torch is a CUDA build and an nvcc of the same CUDA major version is found ($CUDA
 
 import glob
 import os
+import subprocess
 import sys
 
 from setuptools import setup
@@ -48,6 +49,17 @@ def _cuda_wanted():
     return True
 
 
+def _compiler_is_gcc() -> bool:
+    """Whether the C++ compiler cpp_extension runs ($CXX, else c++) is GCC, not clang posing as it."""
+    try:
+        out = subprocess.run(
+            [os.environ.get("CXX", "c++"), "-dM", "-E", "-x", "c++", os.devnull], capture_output=True, text=True
+        ).stdout
+    except OSError:
+        return False
+    return "__GNUC__" in out and "__clang__" not in out
+
+
 def _extension():
     with_cuda = _cuda_wanted()
     os.chdir(ROOT)
@@ -58,6 +70,11 @@ def _extension():
     # OpenMP builds of torch; without the flag it silently runs on one thread (measured: 42 ms vs
     # torch's 25-33 ms for 50M elements on 2 threads).
     cxx = ["-O3", "-fno-math-errno", "-fopenmp", "-ffp-contract=off"]
+    # GCC's generic tuning emulates gathers with scalar loads; the 8-bit step's table lookups
+    # (adam_cpu_loop.h) run 11% faster with the AVX-512 gather instructions (measured, 20M elements,
+    # one thread: 83 -> 74 ms). A tuning choice only: the same values either way. Clang lacks the flag.
+    if _compiler_is_gcc():
+        cxx.append("-mtune-ctrl=use_gather")
     include_dirs = [os.path.join(ROOT, CSRC)]
     macros = []
     if not with_cuda:

@@ -11,6 +11,8 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <memory>
 #include <string>
 
 #include "adam_checks.h"
@@ -136,13 +138,21 @@ void fused_adam_cpu(const at::Tensor& param, const at::Tensor& grad, const at::T
   at::parallel_for(0, param.numel(), kGrain, [&](int64_t begin, int64_t end) { k.adam_range(ptr, s, begin, end); });
 }
 
-// The 255 rounding thresholds of a code, computed once per call as adam_math.h's code_midpoint.
-std::array<float, kCodeSize - 1> thresholds_of(const at::Tensor& code) {
-  std::array<float, kCodeSize - 1> out;
-  const float* c = code.data_ptr<float>();
-  for (int k = 0; k < kCodeSize - 1; ++k) out[k] = code_midpoint(c, k);
-  return out;
-}
+// A code's rounding thresholds as the loops read them: the 255 midpoints (adam_math.h's
+// code_midpoint), then +inf, and the table that replaces their search where the code allows it.
+struct QuantizeTables {
+  std::array<float, kCodeSize> thresholds;
+  std::array<int32_t, kTableSize> table;
+  bool has_table;
+
+  explicit QuantizeTables(const at::Tensor& code) {
+    const float* c = code.data_ptr<float>();
+    for (int k = 0; k < kCodeSize - 1; ++k) thresholds[k] = code_midpoint(c, k);
+    thresholds[kCodeSize - 1] = std::numeric_limits<float>::infinity();
+    has_table = build_quantize_table(thresholds.data(), table.data());
+  }
+  const int32_t* table_or_null() const { return has_table ? table.data() : nullptr; }
+};
 
 void fused_adam_8bit_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                          const at::Tensor& exp_avg_sq, const at::Tensor& exp_avg_scale,
@@ -160,8 +170,9 @@ void fused_adam_8bit_cpu(const at::Tensor& param, const at::Tensor& grad, const 
     if (any_nonfinite(k, grad, s.grad_scale)) found_inf->fill_(1.0);
     if (found_inf->item<float>() != 0.0f) return;
   }
-  const auto thr_avg = thresholds_of(exp_avg_code);
-  const auto thr_avg_sq = thresholds_of(exp_avg_sq_code);
+  // On the heap: two tables are 48 KiB, more than a stack frame should hold.
+  const auto avg = std::make_unique<QuantizeTables>(exp_avg_code);
+  const auto avg_sq = std::make_unique<QuantizeTables>(exp_avg_sq_code);
   const Adam8Pointers ptr{param.data_ptr<float>(),
                           grad.data_ptr(),
                           exp_avg.data_ptr<uint8_t>(),
@@ -170,8 +181,10 @@ void fused_adam_8bit_cpu(const at::Tensor& param, const at::Tensor& grad, const 
                           exp_avg_sq_scale.data_ptr<float>(),
                           exp_avg_code.data_ptr<float>(),
                           exp_avg_sq_code.data_ptr<float>(),
-                          thr_avg.data(),
-                          thr_avg_sq.data(),
+                          avg->thresholds.data(),
+                          avg_sq->thresholds.data(),
+                          avg->table_or_null(),
+                          avg_sq->table_or_null(),
                           param_copy ? param_copy->data_ptr() : nullptr,
                           storage_of(grad.scalar_type()),
                           param_copy ? storage_of(param_copy->scalar_type()) : Storage::kNone,

@@ -32,8 +32,10 @@ struct Adam8Pointers {
   float* exp_avg_sq_scale;
   const float* exp_avg_code;  // 256 values each, increasing
   const float* exp_avg_sq_code;
-  const float* exp_avg_thresholds;  // 255 each: the codes' midpoints
+  const float* exp_avg_thresholds;  // 256 each: the codes' 255 midpoints, then +inf
   const float* exp_avg_sq_thresholds;
+  const int32_t* exp_avg_table;  // kTableSize each, or nullptr: [Note: quantizing by table]
+  const int32_t* exp_avg_sq_table;
   void* param_copy;  // nullptr when there is no copy
   Storage grad_type;
   Storage copy_type;  // kNone when there is no copy

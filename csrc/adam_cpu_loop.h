@@ -95,51 +95,76 @@ void adam_range(const AdamPointers& ptr, const AdamScalars& s, int64_t begin, in
   }
 }
 
-// One block of the 8-bit step, in the two passes of [Note: quantized state] (adam_math.h).
-template <typename G, typename C>
-void adam8_block(const Adam8Pointers& ptr, const AdamScalars& s, int64_t lo, int64_t hi, int64_t blk) {
-  float* __restrict param = ptr.param;
-  const G* __restrict grad = static_cast<const G*>(ptr.grad);
-  uint8_t* __restrict q_avg = ptr.exp_avg;
-  uint8_t* __restrict q_avg_sq = ptr.exp_avg_sq;
-  C* __restrict copy = static_cast<C*>(ptr.param_copy);
+// One block of the 8-bit step, in the two passes of [Note: quantized state] (adam_math.h), on the
+// block's elements [0, n) of the pointers. With kTable the second pass quantizes by table ([Note:
+// quantizing by table]) and vectorizes; without, it searches, element by element. The arrays
+// written are restrict parameters of this function, never inlined: GCC proves from those (not from
+// restrict locals copied out of a struct, nor once inlined) that the gathers from the codes and
+// tables do not alias them.
+template <typename G, typename C, bool kTable>
+C10_NOINLINE void adam8_elements(float* __restrict param, const G* __restrict grad, uint8_t* __restrict q_avg,
+                                 uint8_t* __restrict q_avg_sq, C* __restrict copy, float* __restrict scale_avg,
+                                 float* __restrict scale_avg_sq, const Adam8Pointers& ptr, const AdamScalars& scalars,
+                                 int64_t n) {
+  const AdamScalars s = scalars;  // a local copy, as in adam_typed
   const float* __restrict code_avg = ptr.exp_avg_code;
   const float* __restrict code_avg_sq = ptr.exp_avg_sq_code;
   const float* __restrict thr_avg = ptr.exp_avg_thresholds;
   const float* __restrict thr_avg_sq = ptr.exp_avg_sq_thresholds;
-  const float old_scale_avg = ptr.exp_avg_scale[blk];
-  const float old_scale_avg_sq = ptr.exp_avg_sq_scale[blk];
+  const int32_t* __restrict table_avg = ptr.exp_avg_table;
+  const int32_t* __restrict table_avg_sq = ptr.exp_avg_sq_table;
+  const float old_scale_avg = *scale_avg;
+  const float old_scale_avg_sq = *scale_avg_sq;
   float max_avg = 0.0f;
   float max_avg_sq = 0.0f;
 #pragma omp simd reduction(max : max_avg, max_avg_sq)
-  for (int64_t i = lo; i < hi; ++i) {
+  for (int64_t i = 0; i < n; ++i) {
     const AdamElement e = adam_moments(param[i], to_float(grad[i]), dequantize(q_avg[i], old_scale_avg, code_avg),
                                        dequantize(q_avg_sq[i], old_scale_avg_sq, code_avg_sq), s);
     max_avg = std::max(max_avg, scale_magnitude(e.exp_avg));
     max_avg_sq = std::max(max_avg_sq, scale_magnitude(e.exp_avg_sq));
   }
-#pragma omp simd
-  for (int64_t i = lo; i < hi; ++i) {
+  // No `omp simd` here: under it GCC keeps `e` (a struct returned by value) in a per-lane array in
+  // memory, whose loads it does not vectorize; the plain loop vectorizes.
+  for (int64_t i = 0; i < n; ++i) {
     const AdamElement e = adam_moments(param[i], to_float(grad[i]), dequantize(q_avg[i], old_scale_avg, code_avg),
                                        dequantize(q_avg_sq[i], old_scale_avg_sq, code_avg_sq), s);
     const float p = adam_param(e, s);
     param[i] = p;
-    q_avg[i] = quantize(e.exp_avg, max_avg, thr_avg);
-    q_avg_sq[i] = quantize(e.exp_avg_sq, max_avg_sq, thr_avg_sq);
+    if constexpr (kTable) {
+      q_avg[i] = quantize_by_table(e.exp_avg, max_avg, thr_avg, table_avg);
+      q_avg_sq[i] = quantize_by_table(e.exp_avg_sq, max_avg_sq, thr_avg_sq, table_avg_sq);
+    } else {
+      q_avg[i] = quantize(e.exp_avg, max_avg, thr_avg);
+      q_avg_sq[i] = quantize(e.exp_avg_sq, max_avg_sq, thr_avg_sq);
+    }
     if constexpr (!std::is_same_v<C, NoCopy>) {
       store(&copy[i], p);
     }
   }
-  ptr.exp_avg_scale[blk] = max_avg;
-  ptr.exp_avg_sq_scale[blk] = max_avg_sq;
+  *scale_avg = max_avg;
+  *scale_avg_sq = max_avg_sq;
+}
+
+template <typename G, typename C, bool kTable>
+void adam8_block(const Adam8Pointers& ptr, const AdamScalars& s, int64_t lo, int64_t hi, int64_t blk) {
+  C* copy = static_cast<C*>(ptr.param_copy);
+  adam8_elements<G, C, kTable>(ptr.param + lo, static_cast<const G*>(ptr.grad) + lo, ptr.exp_avg + lo,
+                               ptr.exp_avg_sq + lo, copy == nullptr ? nullptr : copy + lo, ptr.exp_avg_scale + blk,
+                               ptr.exp_avg_sq_scale + blk, ptr, s, hi - lo);
 }
 
 template <typename G, typename C>
-void adam8_typed(const Adam8Pointers& ptr, const AdamScalars& scalars, int64_t block_begin, int64_t block_end) {
-  const AdamScalars s = scalars;  // a local copy, as in adam_typed
+void adam8_typed(const Adam8Pointers& ptr, const AdamScalars& s, int64_t block_begin, int64_t block_end) {
+  const bool by_table = ptr.exp_avg_table != nullptr && ptr.exp_avg_sq_table != nullptr;
   for (int64_t blk = block_begin; blk < block_end; ++blk) {
     const int64_t lo = blk * ptr.block;
-    adam8_block<G, C>(ptr, s, lo, std::min(lo + ptr.block, ptr.numel), blk);
+    const int64_t hi = std::min(lo + ptr.block, ptr.numel);
+    if (by_table) {
+      adam8_block<G, C, true>(ptr, s, lo, hi, blk);
+    } else {
+      adam8_block<G, C, false>(ptr, s, lo, hi, blk);
+    }
   }
 }
 

@@ -30,6 +30,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace zerofast {
 
@@ -99,7 +100,7 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE AdamElement adam_moments(float param, float gr
 }
 
 // The second half: the updated parameter from the new moments.
-C10_HOST_DEVICE C10_ALWAYS_INLINE float adam_param(const AdamElement& e, const AdamScalars& s) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE float adam_param(AdamElement e, const AdamScalars& s) {
   const float denom = std::sqrt(e.exp_avg_sq) / s.bias_correction2_sqrt + s.eps;
   return e.param + (s.neg_step_size * e.exp_avg) / denom;
 }
@@ -139,14 +140,17 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE float scale_magnitude(float x) {
 }
 
 // The index of the code value nearest to x / scale: how many thresholds are below it (a tie goes
-// to the lower value; NaN to index 0). A branch-free binary search over the 255 thresholds.
+// to the lower value; NaN to index 0). A branch-free binary search over the 255 thresholds: the
+// CUDA kernel's search (its thresholds sit in shared memory) and the CPU loops' fallback for a code
+// the table below cannot serve.
 C10_HOST_DEVICE C10_ALWAYS_INLINE int32_t search_step(int32_t index, int32_t step, float x, const float* thresholds) {
   return index + (thresholds[index + step - 1] < x ? step : 0);
 }
 
+C10_HOST_DEVICE C10_ALWAYS_INLINE float normalize(float x, float scale) { return scale > 0.0f ? x / scale : 0.0f; }
+
 C10_HOST_DEVICE C10_ALWAYS_INLINE uint8_t quantize(float x, float scale, const float* thresholds) {
-  const float normalized = scale > 0.0f ? x / scale : 0.0f;
-  // Written out step by step (no inner loop), so that the CPU loops vectorize it with gathers.
+  const float normalized = normalize(x, scale);
   int32_t index = search_step(0, 128, normalized, thresholds);
   index = search_step(index, 64, normalized, thresholds);
   index = search_step(index, 32, normalized, thresholds);
@@ -156,6 +160,83 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE uint8_t quantize(float x, float scale, const f
   index = search_step(index, 2, normalized, thresholds);
   index = search_step(index, 1, normalized, thresholds);
   return static_cast<uint8_t>(index);
+}
+
+// [Note: quantizing by table]
+// The binary search above is eight dependent loads per moment and does not vectorize. The table
+// below gives the same index with one load and one comparison. A normalized value's float bits,
+// read as sign and magnitude, select a bucket: the magnitude clamped to [2^-24, 1] (the dynamic
+// codes' smallest thresholds are about 1.6e-7 > 2^-24, their largest below 1), its exponent and top
+// kTableMantissaBits mantissa bits, mirrored for negative values, so that buckets are increasing
+// in the value. table[b] counts the thresholds in the buckets before b: every one of them is below
+// any value in bucket b, and every threshold of a later bucket is above it. When no bucket holds
+// more than one threshold (checked on the host for each code: true for the dynamic and linear
+// codes), the exact count is table[b] plus one comparison with thresholds[table[b]] (thresholds
+// carry a 256th entry, +inf, for table[b] = 255). NaN falls in bucket 0 and below every
+// threshold: index 0, as the search gives. A code
+// with a zero or repeated threshold, or two thresholds in one bucket, is searched instead.
+constexpr int kTableMantissaBits = 7;
+constexpr uint32_t kTableLowBits = (127u - 24u) << 23;  // 2^-24
+constexpr uint32_t kTableHighBits = 127u << 23;         // 1.0
+constexpr int32_t kTableHalf = static_cast<int32_t>((kTableHighBits - kTableLowBits) >> (23 - kTableMantissaBits)) + 1;
+constexpr int32_t kTableSize = 2 * kTableHalf;
+
+C10_HOST_DEVICE C10_ALWAYS_INLINE uint32_t float_bits(float x) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(x);
+#else
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits;
+#endif
+}
+
+C10_HOST_DEVICE C10_ALWAYS_INLINE float bits_float(uint32_t bits) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(bits);
+#else
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+#endif
+}
+
+C10_HOST_DEVICE C10_ALWAYS_INLINE int32_t table_bucket(uint32_t bits) {
+  const uint32_t magnitude = bits & 0x7fffffffu;
+  const uint32_t clamped = magnitude < kTableLowBits    ? kTableLowBits
+                           : magnitude > kTableHighBits ? kTableHighBits
+                                                        : magnitude;
+  const int32_t offset = static_cast<int32_t>((clamped - kTableLowBits) >> (23 - kTableMantissaBits));
+  // NaN (a magnitude above inf's) goes with the negative values, to bucket 0, whose count is 0.
+  const bool low_side = (bits >> 31) != 0u || magnitude > 0x7f800000u;
+  return low_side ? kTableHalf - 1 - offset : kTableHalf + offset;
+}
+
+// `thresholds` has 256 entries here, the last +inf; `table` kTableSize (see the Note). The same
+// index as quantize(x, scale, thresholds), with no data-dependent branch: x / scale is computed
+// unconditionally (by 1 in a block of zeros) and its bits masked to +0 there, as `normalize` does.
+C10_HOST_DEVICE C10_ALWAYS_INLINE uint8_t quantize_by_table(float x, float scale, const float* thresholds,
+                                                            const int32_t* table) {
+  const uint32_t keep = scale > 0.0f ? 0xffffffffu : 0u;
+  const uint32_t bits = float_bits(x / (scale > 0.0f ? scale : 1.0f)) & keep;
+  const int32_t index = table[table_bucket(bits)];
+  return static_cast<uint8_t>(index + (thresholds[index] < bits_float(bits) ? 1 : 0));  // NaN: bucket 0, no step
+}
+
+// Fills `table` (kTableSize entries) for the 255 sorted `thresholds`; false when the code cannot
+// use it (see the Note), and the caller searches instead.
+inline bool build_quantize_table(const float* thresholds, int32_t* table) {
+  for (int k = 0; k < kCodeSize - 1; ++k) {
+    const float t = thresholds[k];
+    if (t != t || t == 0.0f || (k > 0 && !(thresholds[k - 1] < t))) return false;
+    if (k > 0 && table_bucket(float_bits(thresholds[k - 1])) == table_bucket(float_bits(t))) return false;
+  }
+  int32_t below = 0;
+  for (int32_t b = 0; b < kTableSize; ++b) {
+    while (below < kCodeSize - 1 && table_bucket(float_bits(thresholds[below])) < b) ++below;
+    table[b] = below;
+  }
+  return true;
 }
 
 }  // namespace

@@ -170,6 +170,53 @@ def test_special_blocks(device, name, value):
         assert (scale_v == 0).all() if name == "denormal" else (scale_v > 0).all()
 
 
+def _edge_values(code: torch.Tensor, block: int) -> torch.Tensor:
+    """Blocks of values x whose first moment after one step with beta1 = 0 is x itself, scale 1:
+    every threshold, one ulp either side of it, every code value, 0, -0, values around the
+    quantizing table's clamp limits (2^-24 and 1), denormals and NaN; the last block all zero
+    but one NaN (its scale is 0, and NaN must come out as 0's index)."""
+    thr = midpoints(code)
+    inf = torch.tensor(torch.inf)
+    parts = [thr, thr.nextafter(inf), thr.nextafter(-inf), code]
+    edges = torch.tensor([0.0, -0.0, 2.0**-24, -(2.0**-24), 2.0**-25, 1e-41, -1e-41, 1e-7, 0.99999994, -0.99999994])
+    parts += [edges, edges.nextafter(inf), torch.tensor([torch.nan, -torch.nan])]
+    x = torch.cat(parts)
+    rows = x.split(block - 1)
+    blocks = [torch.cat([torch.ones(1), r, torch.zeros(block - 1 - r.numel())]) for r in rows]  # 1.0: scale 1
+    nan_block = torch.zeros(block)
+    nan_block[5] = torch.nan
+    return torch.cat(blocks + [nan_block])
+
+
+@pytest.mark.parametrize("code", ["dynamic", "linear"])
+def test_quantize_ties_and_edges_every_isa(monkeypatch, code):
+    """The CPU loops quantize through a table ([Note: quantizing by table] in adam_math.h), or search
+    for a code the table cannot serve (linear: a threshold at 0): at every threshold (a tie goes to
+    the lower code), one ulp either side, the table's clamp limits, signed zeros, denormals and NaN,
+    the index is the oracle's search on every instruction set."""
+    block = 64
+    linear = torch.linspace(-1, 1, 256)
+    linear[:128] = -linear[128:].flip(0)  # symmetric: the threshold between the middle two is 0
+    codes = CODES if code == "dynamic" else (linear, torch.linspace(0, 1, 256))
+    g = _edge_values(codes[0], block)
+    n = g.numel()
+    kw = dict(block=block, lr=0.0, beta1=0.0, beta2=0.0, eps=1e-8, weight_decay=0.0, step=1)
+    expect_m, expect_scale = quantize(g, codes[0], block)  # m = g exactly: lerp with weight 1
+    for isa in _isas(monkeypatch):
+        state = _state(n, block)
+        zerofast.fused_adam_8bit_(torch.zeros(n), g, *state, *codes, **kw)
+        ref = _state(n, block)
+        adam8_step(torch.zeros(n), g, *ref, codes=codes, **kw)
+        for name, a, b in zip(("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"), state, ref):
+            assert torch.equal(a, b), f"{isa}: {name} differs from the oracle in {(a != b).sum().item()} elements"
+        assert torch.equal(state[0], expect_m) and torch.equal(state[2], expect_scale), isa
+    # the ties themselves: threshold k (between codes k and k + 1) rounds down to k
+    k = torch.arange(255)
+    assert torch.equal(expect_m[k // (block - 1) * block + 1 + k % (block - 1)], k.to(torch.uint8))
+    zero_index = torch.searchsorted(midpoints(codes[0]), torch.tensor(0.0)).item()
+    assert expect_m[-block + 5] == zero_index and expect_scale[-1] == 0  # NaN in a block of zeros
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_every_moment_rounds_to_its_nearest_code_value(device):
     """The per-block error bound: after a step from zero state (whose new moments are fp32

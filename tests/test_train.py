@@ -34,9 +34,7 @@ def _measured(rank, world, stage, precision="fp32"):
             "grads": sum(p.grad.nbytes for p in model.parameters()),
             "optimizer": sum(s[k].nbytes for s in state for k in ("exp_avg", "exp_avg_sq")),
         }
-    opt = ZeroAdam(
-        model, **zero_options(stage, bucket_mb=0.01), mixed_precision="bf16" if precision == "mixed" else None, **HYPER
-    )
+    opt = ZeroAdam(model, **zero_options(stage, bucket_mb=0.01), mixed_precision=PRECISIONS[precision], **HYPER)
     _, loss = model(*rank_batch(model, 0, rank))
     opt.backward(loss)
     opt.step()
@@ -44,13 +42,23 @@ def _measured(rank, world, stage, precision="fp32"):
     return {"params": r.params, "grads": r.grads + r.grad_shard, "optimizer": r.optimizer + r.master_copy}
 
 
+# 8-bit state in blocks of 32: the tiny GPT's parameters are mostly multiples of 32 elements, so the
+# block alignment the estimate leaves out stays within what it reports as zerofast's extra
+PRECISIONS = {
+    "fp32": None,
+    "mixed": "bf16",
+    "mixed8": MixedPrecisionPolicy(torch.bfloat16, state_bits=8, state_block=32),
+}
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize(
-    "stage, precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "mixed"), (2, "mixed"), (3, "mixed")]
+    "stage, precision",
+    [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "mixed"), (2, "mixed"), (3, "mixed"), (3, "mixed8")],
 )
 def test_estimate_matches_measured_bytes(world, stage, precision):
     comm = CommPolicy(bucket_mb=0.01) if stage in (1, 2) else None  # stage 3's buckets are its units
-    est = estimate_memory(make_gpt("tiny"), world, stage, "bf16" if precision == "mixed" else None, comm)
+    est = estimate_memory(make_gpt("tiny"), world, stage, PRECISIONS[precision], comm)
     for rank, m in enumerate(run_ranks(_measured, world, args=(stage, precision))):
         for kind in ("params", "grads", "optimizer"):
             want = getattr(est, kind)
@@ -72,6 +80,11 @@ def test_estimate_formulas():
     assert (s3.params, s3.grads, s3.optimizer) == (phi // 2, phi // 2, 3 * phi)  # 16Φ/N
     f = estimate_memory(phi, 2, 0, None)
     assert (f.params, f.grads, f.optimizer) == (4 * phi, 4 * phi, 8 * phi)
+    # 8-bit state: 1 byte per moment element and one fp32 scale per block of each moment
+    q = estimate_memory(phi, 4, 3, MixedPrecisionPolicy(torch.bfloat16, state_bits=8, state_block=256))
+    assert q.optimizer == (4 + 2) * phi // 4 + 2 * 4 * -(-phi // 4 // 256)
+    q = estimate_memory(phi, 1, 0, MixedPrecisionPolicy(state_bits=8, state_block=64))
+    assert q.optimizer == 2 * phi + 2 * 4 * -(-phi // 64)
 
 
 @pytest.mark.parametrize(
@@ -195,6 +208,7 @@ def test_train_command_loss_goes_down():
         (["--nproc", "0"], "--nproc must be at least 1; got 0"),
         (["--partition", "zigzag"], "--partition must be one of flat, round_robin, greedy; got 'zigzag'"),
         (["--mixed-precision", "fp8"], "--mixed-precision must be bf16 or fp16; got 'fp8'"),
+        (["--state-bits", "16"], "--state-bits must be 32 or 8; got 16"),
         (["--max-grad-norm", "0"], "--max-grad-norm must be positive; got 0.0"),
         (["--shard-size", "0"], "--shard-size must be at least 1; got 0"),
         (["--resume"], "--save-every, --keep, --save-async and --resume need --save-dir"),
@@ -261,9 +275,9 @@ def test_cli_exit_codes():
 def test_resume_continues_the_interrupted_run_bitwise(tmp_path):
     """8 steps in one go against 4 steps, a stop, and --resume to 8: the same final checkpoint, bitwise
     (the data position is the step, and the RNG state travels in the checkpoint); the interrupted
-    run saves asynchronously (--save-async), the whole one blocking. (A resume on other ranks and
-    another stage: tests/test_launch.py's relaunch on fewer ranks, and tests/test_checkpoint.py's
-    reshards, against single-process AdamW.)"""
+    run saves asynchronously (--save-async), the whole one blocking; then a resume on 3 ranks at
+    stage 2 with 8-bit Adam state (--state-bits 8) continues from the 2-rank stage-3 checkpoint of
+    fp32 state (quantized on load)."""
     from zerofast import checkpoint
 
     common = ["zerofast.train", "--nproc", "2", "--model", "tiny", "--stage", "3", "--batch", "4", "--lr", "1e-2"]
@@ -283,3 +297,26 @@ def test_resume_continues_the_interrupted_run_bitwise(tmp_path):
     assert all(torch.equal(a_model[k], b_model[k]) for k in a_model)
     for i, state in a_optim["state"].items():
         assert all(torch.equal(state[k], b_optim["state"][i][k]) for k in state)
+    out = _run(
+        "zerofast.train",
+        "--nproc",
+        "3",
+        "--model",
+        "tiny",
+        "--stage",
+        "2",
+        "--batch",
+        "4",
+        "--lr",
+        "1e-2",
+        "--steps",
+        "10",
+        "--save-dir",
+        split,
+        "--resume",
+        "--state-bits",
+        "8",
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "at step 8" in out.stdout + out.stderr and "over 2 steps" in out.stdout + out.stderr
+    assert "per rank, bytes after step() (fp32: 4 + 4 + 2 + scales per parameter" in out.stdout + out.stderr

@@ -97,3 +97,21 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, code: torch.Tensor, block:
 
 def num_blocks(numel: int, block: int) -> int:
     return -(-numel // block)
+
+
+def code_of(kind: str) -> torch.Tensor:
+    """The code a moment is stored in: exp_avg's signed, exp_avg_sq's unsigned."""
+    if kind not in ("exp_avg", "exp_avg_sq"):
+        raise ValueError(f"zerofast.quant.code_of: kind must be exp_avg or exp_avg_sq; got {kind!r}")
+    return dynamic_code(kind == "exp_avg")
+
+
+def scale_kind(kind: str) -> str:
+    """The name a moment's per-block scales go by in a checkpoint: "exp_avg_scale", "exp_avg_sq_scale"."""
+    return kind + "_scale"
+
+
+def block_slice(offset: int, numel: int, block: int) -> slice:
+    """The blocks of the elements [offset, offset + numel) of one parameter, `offset` a multiple of
+    `block` ([Note: quantized state]): a slice of the parameter's per-block scales."""
+    return slice(offset // block, offset // block + num_blocks(numel, block))

@@ -21,6 +21,7 @@ import torch
 import torch.distributed.checkpoint as torch_dcp
 import torch.nn as nn
 
+from ..quant import code_of, dequantize, num_blocks, scale_kind
 from . import safe
 from .dcp import finish_load, groups_by_name, sharded_tensors
 from .io import read_manifest, read_small
@@ -66,7 +67,8 @@ def to_torch(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     in model order: AdamW(model.parameters()) for one group. A ZeroMuon checkpoint gives
     {"muon": torch.optim.Muon's state dict, "adamw": torch.optim.AdamW's} instead ([Note: ZeroMuon's
     torch state dicts])."""
-    read_manifest(path)  # every file checked, the metadata through the allowlist: [Note: safe checkpoints]
+    # every file checked, the metadata through the allowlist: [Note: safe checkpoints]
+    block = read_manifest(path).get("state_block", 0)
     small = read_small(path)
     meta = safe.read_metadata(os.path.join(path, ".metadata")).state_dict_metadata
     model_sd = {
@@ -83,11 +85,9 @@ def to_torch(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         )
     muon = {n for g in small["param_groups"] if g.get("use_muon") for n in g["params"]}
     moments = {
-        n: (
-            {"momentum_buffer": torch.empty(model_sd[n].shape)}
-            if n in muon
-            else {"exp_avg": torch.empty(model_sd[n].shape), "exp_avg_sq": torch.empty(model_sd[n].shape)}
-        )
+        n: {"momentum_buffer": torch.empty(model_sd[n].shape)}
+        if n in muon
+        else _saved_moments(model_sd[n].shape, block)
         for n in names
     }
     with sharded_tensors():
@@ -97,6 +97,8 @@ def to_torch(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             planner=safe.SafeLoadPlanner(),
             no_dist=True,
         )
+    if block:
+        moments = {n: m if n in muon else _dequantized(m, block) for n, m in moments.items()}
     if any("use_muon" in g for g in small["param_groups"]):  # ZeroMuon's
         steps = small["steps"]
         return model_sd, {
@@ -125,6 +127,28 @@ def to_torch(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         index[n]: {"step": torch.tensor(float(small["steps"][n])), **moments[n]} for n in names if small["steps"][n] > 0
     }
     return model_sd, {"state": state, "param_groups": groups}
+
+
+def _saved_moments(shape: torch.Size, block: int) -> dict[str, torch.Tensor]:
+    """Empty tensors for a parameter's Adam moments as a checkpoint stores them: fp32 in its shape,
+    or 8-bit (block > 0) as uint8 codes in its shape and fp32 scales per block ([Note: 8-bit
+    checkpoints] in dcp.py)."""
+    if not block:
+        return {"exp_avg": torch.empty(shape), "exp_avg_sq": torch.empty(shape)}
+    blocks = num_blocks(shape.numel(), block)
+    return {
+        k: v
+        for kind in ("exp_avg", "exp_avg_sq")
+        for k, v in ((kind, torch.empty(shape, dtype=torch.uint8)), (scale_kind(kind), torch.empty(blocks)))
+    }
+
+
+def _dequantized(saved: dict[str, torch.Tensor], block: int) -> dict[str, torch.Tensor]:
+    """A parameter's 8-bit moments as torch.optim.AdamW keeps them: fp32 in its shape."""
+    return {
+        kind: dequantize(saved[kind].reshape(-1), saved[scale_kind(kind)], code_of(kind), block).view(saved[kind].shape)
+        for kind in ("exp_avg", "exp_avg_sq")
+    }
 
 
 def from_torch(

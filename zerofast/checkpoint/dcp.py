@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,12 +39,15 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
+from ..quant import block_slice, code_of, num_blocks, scale_kind
 from . import safe
 from .view import Checkpointable, CheckpointView, ShardedPart
 
 __all__ = [
     "boxes",
     "tensors",
+    "loading_tensors",
+    "saved_kinds",
     "small_state",
     "finish_load",
     "groups_by_name",
@@ -106,7 +110,13 @@ class _Chunks:
     rank's boxes under the part's layout. With `staged`, the values are views of its copy instead
     of the live state."""
 
-    def __init__(self, view: CheckpointView, part: ShardedPart, staged: Staging | None = None):
+    def __init__(
+        self,
+        view: CheckpointView,
+        part: ShardedPart,
+        staged: Staging | _Decoding | None = None,
+        block: int | None = None,
+    ):
         self.facts = view.facts
         # The boxes of every rank of this rank's shard group. Under hybrid sharding each replica
         # describes the same boxes, and DCP's planner writes each box once, the replicas splitting
@@ -121,36 +131,53 @@ class _Chunks:
         # per parameter: [(rank, offsets, sizes)] over every rank; this rank's: [(piece, offsets, sizes, start)]
         self.all: list[list[tuple[int, tuple, tuple]]] = [[] for _ in self.shapes]
         self.mine: list[list[tuple]] = [[] for _ in self.shapes]
+        # 8-bit state's scales: per parameter a 1-D tensor, one per block ([Note: 8-bit checkpoints])
+        self.block = part.state_block if block is None else block  # the format saved (a load's: the checkpoint's)
+        self.scale_shapes = [(num_blocks(_numel(s), self.block),) if self.block else () for s in self.shapes]
+        self.scale_all: list[list[tuple[int, tuple, tuple]]] = [[] for _ in self.shapes]
+        self.scale_mine: list[list[tuple]] = [[] for _ in self.shapes]
         for r in range(world):
             for pc in layout.pieces(r):
                 for offsets, sizes, start in boxes(self.shapes[pc.param], pc.param_offset, pc.param_offset + pc.numel):
                     self.all[pc.param].append((r, offsets, sizes))
                     if r == rank:
                         self.mine[pc.param].append((pc, offsets, sizes, start))
+                if self.block:
+                    blocks = block_slice(pc.param_offset, pc.numel, self.block)
+                    box = ((blocks.start,), (blocks.stop - blocks.start,))
+                    self.scale_all[pc.param].append((r, *box))
+                    if r == rank:
+                        self.scale_mine[pc.param].append((pc, *box, pc.param_offset))
+
+    def _geometry(self, i: int, kind: str):
+        """Parameter i's `kind` as saved: (every rank's boxes, this rank's, shape, dtype)."""
+        if self.block and kind.endswith("_scale"):
+            return self.scale_all[i], self.scale_mine[i], self.scale_shapes[i], torch.float32
+        if self.block and kind != "master":
+            return self.all[i], self.mine[i], self.shapes[i], torch.uint8
+        return self.all[i], self.mine[i], self.shapes[i], self.dtype
 
     def sharded(self, i: int, kind: str) -> ShardedTensor:
-        """Parameter i's `kind` ("master" or one of its optimizer state's kinds) as a ShardedTensor of
-        its shape whose local shards are this rank's boxes, views of the live state (the part's
-        piece_view)."""
+        """Parameter i's `kind` ("master" or one of its optimizer state's kinds; with 8-bit state also
+        their scales) as a ShardedTensor of its shape whose local shards are this rank's boxes,
+        views of the live state (the part's piece_view)."""
+        every, mine, shape, dtype = self._geometry(i, kind)
         local = []
-        for pc, offsets, sizes, start in self.mine[i]:
+        for pc, offsets, sizes, start in mine:
             flat = self.view(pc, kind)
             lo = start - pc.param_offset
-            n = 1
-            for s in sizes:
-                n *= s
-            box = _exact(flat[lo : lo + n].view(sizes))
+            box = _exact(flat[lo : lo + _numel(sizes)].view(sizes))
             local.append(Shard(box, self._meta(offsets, sizes, self.facts.shard_rank, flat.device)))
         dev = local[0].tensor.device if local else self.device
-        metas = [self._meta(o, z, r, dev) for r, o, z in self.all[i]]
+        metas = [self._meta(o, z, r, dev) for r, o, z in every]
         props = TensorProperties(
-            dtype=self.dtype,
+            dtype=dtype,
             layout=torch.strided,
             requires_grad=False,
             memory_format=torch.contiguous_format,
             pin_memory=False,
         )
-        meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size(self.shapes[i]), tensor_properties=props)
+        meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size(shape), tensor_properties=props)
         return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta, process_group=self.facts.group)
 
     def _meta(self, offsets, sizes, rank, device) -> ShardMetadata:
@@ -191,22 +218,117 @@ def _model_entries(
     return out
 
 
+def saved_kinds(part: ShardedPart, i: int) -> tuple[str, ...]:
+    """The optimizer-state entries of parameter i in a checkpoint of `part`: its kinds, and with 8-bit
+    state each moment's scales after it ([Note: 8-bit checkpoints])."""
+    if not part.state_block:
+        return part.kinds[i]
+    return tuple(k for kind in part.kinds[i] for k in (kind, scale_kind(kind)))
+
+
 def _optim_entries(part: ShardedPart, chunks: _Chunks) -> dict[str, Any]:
     """Per parameter name, its optimizer state by kind (Adam's exp_avg and exp_avg_sq, or a ZeroMuon
-    matrix's momentum_buffer: what the view says it holds)."""
-    return {name: {kind: chunks.sharded(i, kind) for kind in part.kinds[i]} for i, (name, _) in enumerate(part.params)}
+    matrix's momentum_buffer: what the view says it holds; 8-bit state: saved_kinds)."""
+    return {
+        name: {kind: chunks.sharded(i, kind) for kind in saved_kinds(part, i)}
+        for i, (name, _) in enumerate(part.params)
+    }
 
 
-def tensors(model: nn.Module, view: CheckpointView, staged: Staging | None = None) -> dict[str, Any]:
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def tensors(
+    model: nn.Module, view: CheckpointView, staged: Staging | None = None, decoding: _Decoding | None = None
+) -> dict[str, Any]:
     """The checkpoint's tensors as a DCP state dict ({"model": ..., "optim": ...}), views into the
     live state: dcp.save reads them, dcp.load writes into them. See the module docstring. With
     `staged` (an asynchronous save): the state is copied into it first, and the trainable values and
-    buffers are views of the copy, which the next step() does not touch."""
+    buffers are views of the copy, which the next step() does not touch. With `decoding` (a load
+    from another optimizer-state format: loading_tensors), "optim" is its temporaries."""
     view.quiesce()  # stage 3: only the shard is the state
     if staged is not None:
         staged.copy_from(view)
     chunks = _Chunks(view, view.trainable, staged)
-    return {"model": _model_entries(model, view, chunks, staged), "optim": _optim_entries(view.trainable, chunks)}
+    optim = decoding.entries(view) if decoding is not None else _optim_entries(view.trainable, chunks)
+    return {"model": _model_entries(model, view, chunks, staged), "optim": optim}
+
+
+def loading_tensors(model: nn.Module, view: CheckpointView, saved_block: int) -> tuple[dict[str, Any], Callable]:
+    """What dcp.load fills for a checkpoint whose optimizer state was saved in `saved_block`'s
+    format (0: fp32), and what to call after it: tensors() and nothing when the run's format is the
+    same, else the temporaries of a conversion and their write ([Note: 8-bit checkpoints])."""
+    if saved_block == view.trainable.state_block:
+        return tensors(model, view), lambda: None
+    decoding = _Decoding(view.trainable, saved_block)
+    return tensors(model, view, decoding=decoding), decoding.write
+
+
+# [Note: 8-bit checkpoints]
+# 8-bit state is saved as it is stored: per parameter and moment, its uint8 code indices in the
+# parameter's shape (chunked like the fp32 moments: [Note: flat slices as chunks]) and its blocks'
+# fp32 scales as a 1-D tensor of its own (scale_kind: "exp_avg_scale", one per `state_block`
+# elements of the flattened parameter). Blocks belong to parameters, not ranks, and every rank's
+# piece of a parameter starts at a block boundary ([Note: quantized state] in zerofast/quant.py), so
+# a piece's scales are one contiguous range of that 1-D tensor: DCP reshards codes and scales like
+# any tensor, to any world size, stage, partition or shard size of a run with the same block size,
+# and the bytes loaded are the bytes saved. The manifest records the format ("state_block": 0 for
+# fp32 state). Where a checkpoint's format differs from the run's (fp32 into 8-bit, 8-bit into
+# fp32, another block size), load reads the saved records for this rank's pieces into temporaries
+# (_Decoding: the codes chunked, each parameter's scales whole, they are 1/64 of its fp32 bytes at
+# block 256), turns them into fp32 values (dequantized) and writes them through the view's
+# write_piece, which quantizes them into 8-bit state. to_torch dequantizes.
+
+
+class _Decoding:
+    """A load from a checkpoint whose optimizer-state format (`saved_block`: 0 fp32, else 8-bit in
+    blocks of that size) differs from the run's: temporaries for this rank's pieces in the saved
+    format, which dcp.load fills, then decoded and written into the live state ([Note: 8-bit
+    checkpoints])."""
+
+    def __init__(self, part: ShardedPart, saved_block: int):
+        self.part, self.saved_block = part, saved_block
+        dtype = torch.uint8 if saved_block else torch.float32
+        self.pieces = {
+            (pc.param, pc.param_offset, kind): torch.empty(pc.numel, dtype=dtype)
+            for pc in part.pieces
+            for kind in part.kinds[pc.param]
+        }
+        # 8-bit: each parameter's scales whole (every rank reads the blocks its pieces need, wherever they lie)
+        self.scales = {
+            (i, kind): torch.empty(num_blocks(_numel(tuple(p.shape)), saved_block))
+            for i, (_, p) in enumerate(part.params)
+            for kind in part.kinds[i]
+            if saved_block
+        }
+
+    def piece_view(self, pc, kind: str) -> torch.Tensor:
+        return self.pieces[(pc.param, pc.param_offset, kind)]
+
+    def entries(self, view: CheckpointView) -> dict[str, Any]:
+        """The "optim" entry of the load's state dict, in the saved format."""
+        chunks = _Chunks(view, self.part, self, block=self.saved_block)
+        out = {}
+        for i, (name, _) in enumerate(self.part.params):
+            out[name] = {kind: chunks.sharded(i, kind) for kind in self.part.kinds[i]}
+            for kind in self.part.kinds[i] if self.saved_block else ():
+                out[name][scale_kind(kind)] = self.scales[(i, kind)]
+        return out
+
+    def write(self) -> None:
+        """After dcp.load: every piece's moments as fp32 values, written into the live state."""
+        for pc in self.part.pieces:
+            for kind in self.part.kinds[pc.param]:
+                values = self.piece_view(pc, kind)
+                if self.saved_block:
+                    scales = self.scales[(pc.param, kind)]
+                    index = (torch.arange(pc.numel) + pc.param_offset) // self.saved_block
+                    values = code_of(kind)[values.long()] * scales[index]  # quant.dequantize's product
+                self.part.write_piece(pc, kind, values.to(self.part.device))
 
 
 class Staging:
@@ -225,6 +347,7 @@ class Staging:
         self.flat: dict[str, torch.Tensor] = {}  # by the shard's buffer name ("master", "exp_avg", ...)
         self.buffers: dict[str, torch.Tensor] = {}
         self.buffer_of = lambda kind: kind  # the part's, once copied
+        self.block = 0  # the part's state_block, once copied
 
     def _host(self, device: torch.device, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
@@ -234,19 +357,29 @@ class Staging:
         every flat buffer its kinds live in, each once; returns when the copy is complete, so the
         live state may change at once."""
         part = view.trainable
+        self.block = part.state_block
         numel = part.layout.shard_numel(view.facts.shard_rank)
-        names = {"master"} | {part.buffer_of(kind) for kinds in part.kinds for kind in kinds}
+        names = {"master"} | {part.buffer_of(k) for i in range(len(part.params)) for k in saved_kinds(part, i)}
         with torch.no_grad():
             for name in sorted(names):
+                size, dtype = numel, torch.float32
+                if self.block and name.endswith("_scale"):
+                    size = num_blocks(numel, self.block)
+                elif self.block and name != "master":
+                    dtype = torch.uint8  # 8-bit moments, as stored
                 out = self.flat.get(name)
-                if out is None or out.numel() != numel:
-                    out = self.flat[name] = self._host(part.device, (numel,), torch.float32)
+                if out is None or out.numel() != size or out.dtype != dtype:
+                    out = self.flat[name] = self._host(part.device, (size,), dtype)
                 for pc in part.pieces:  # a buffer by any kind it holds: the same memory
-                    out[pc.state_offset : pc.state_offset + pc.numel].copy_(
-                        part.piece_view(pc, name), non_blocking=True
-                    )
+                    out[self._range(pc, name)].copy_(part.piece_view(pc, name), non_blocking=True)
         self.buffer_of = part.buffer_of
         self._device = part.device
+
+    def _range(self, pc, name: str) -> slice:
+        """Where a piece's values of the buffer `name` sit in it: its elements, or its blocks' scales."""
+        if self.block and name.endswith("_scale"):
+            return block_slice(pc.state_offset, pc.numel, self.block)
+        return slice(pc.state_offset, pc.state_offset + pc.numel)
 
     def buffer(self, key: str, live: torch.Tensor) -> torch.Tensor:
         """The copy of the model's buffer `key` (made or refilled now)."""
@@ -264,7 +397,8 @@ class Staging:
 
     def piece_view(self, pc, kind: str) -> torch.Tensor:
         # by the shard's own buffer: [Note: Muon's momentum in exp_avg's slot] in zerofast/optim/state.py
-        return self.flat[self.buffer_of(kind)][pc.state_offset : pc.state_offset + pc.numel]
+        name = self.buffer_of(kind)
+        return self.flat[name][self._range(pc, name)]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in [*self.flat.values(), *self.buffers.values()])

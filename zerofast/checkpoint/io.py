@@ -34,7 +34,7 @@ import torch.nn as nn
 from .. import __version__
 from . import background, safe
 from .background import AsyncSave
-from .dcp import Staging, finish_load, sharded_tensors, small_state, tensors
+from .dcp import Staging, finish_load, loading_tensors, sharded_tensors, small_state, tensors
 from .view import Checkpointable, CheckpointView
 
 __all__ = [
@@ -176,15 +176,18 @@ def load(path: str, model: nn.Module, opt: Checkpointable) -> dict:
     background.settle()
     path = os.fspath(path)
     view = opt.checkpoint_view
-    _check_manifest(path, view)
+    manifest = _check_manifest(path, view)
     small = read_small(path)
     with sharded_tensors():
+        # fp32 and 8-bit state load into each other: [Note: 8-bit checkpoints] in dcp.py
+        state, convert = loading_tensors(model, view, manifest.get("state_block", 0))
         torch_dcp.load(
-            tensors(model, view),
+            state,
             storage_reader=safe.SafeReader(path),
             planner=safe.SafeLoadPlanner(),
             process_group=view.facts.group,
         )
+    convert()
     finish_load(view, small)
     return small["extra"]
 
@@ -242,6 +245,7 @@ def _manifest(view: CheckpointView, step: int) -> dict:
         "stage": f.stage,
         "partition": f.partition,
         "precision": f.precision,
+        "state_block": view.trainable.state_block,  # 0: fp32 optimizer state ([Note: 8-bit checkpoints])
         "zerofast": __version__,
         "torch": torch.__version__,
         "step": step,
@@ -249,8 +253,9 @@ def _manifest(view: CheckpointView, step: int) -> dict:
     }
 
 
-def _check_manifest(path: str, view: CheckpointView) -> None:
-    """Every rank reads the manifest itself, so a mismatch is the same error everywhere, never a hang."""
+def _check_manifest(path: str, view: CheckpointView) -> dict:
+    """Every rank reads the manifest itself, so a mismatch is the same error everywhere, never a
+    hang; returns it."""
     if not os.path.exists(path):
         if os.path.exists(path + INCOMPLETE):
             raise FileNotFoundError(
@@ -258,7 +263,8 @@ def _check_manifest(path: str, view: CheckpointView) -> None:
                 f"exists: the save was interrupted); use latest() to find the last complete one"
             )
         raise FileNotFoundError(f"zerofast.checkpoint.load: no checkpoint at {path}")
-    saved = read_manifest(path)["params"]
+    manifest = read_manifest(path)
+    saved = manifest["params"]
     mine = [(n, list(p.shape)) for n, p in view.trainable.params]
     theirs = [(e["name"], e["shape"]) for e in saved]
     for k, (a, b) in enumerate(zip(theirs, mine)):
@@ -271,6 +277,7 @@ def _check_manifest(path: str, view: CheckpointView) -> None:
         raise ValueError(
             f"zerofast.checkpoint.load: the checkpoint has {len(theirs)} trainable parameters, the model {len(mine)}"
         )
+    return manifest
 
 
 # --- looking inside without a process group -------------------------------------------------------
@@ -342,6 +349,9 @@ def _manifest_fields(manifest_path: str) -> dict:
             )
             and all(isinstance(m.get(k), str) for k in ("partition", "precision", "zerofast", "torch"))
             and _valid_shard_size(m)
+            and isinstance(m.get("state_block", 0), int)
+            and not isinstance(m.get("state_block", 0), bool)
+            and m.get("state_block", 0) >= 0
             and isinstance(m.get("params"), list)
             and all(
                 isinstance(e, dict)

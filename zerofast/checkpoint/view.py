@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..layout import Layout, Piece
+from ..quant import code_of, dequantize, scale_kind
 
 __all__ = ["CheckpointView", "Checkpointable", "Facts", "ScalerState", "ShardedPart"]
 
@@ -63,13 +64,20 @@ class ShardedPart:
     device: torch.device
     # The live 1-D values of one of this rank's pieces: "master" (the parameter's value) or a kind of
     # `kinds`; reading reads the state, writing writes it (after writing the master, the view's
-    # sync_params_from_master()).
+    # sync_params_from_master()). With 8-bit state (state_block > 0) a moment's values are its uint8
+    # code indices, and scale_kind(kind) gives the fp32 scales of the piece's blocks.
     piece_view: Callable[[Piece, str], torch.Tensor]
+    # Write one of this rank's pieces of a kind ("master" or one of `kinds`) from fp32 values
+    # (8-bit state: quantized).
+    write_piece: Callable[[Piece, str, torch.Tensor], None]
     # Write this rank's pieces of a kind ("master" or one of `kinds`) from whole tensors by index.
     load_pieces: Callable[[str, Mapping[int, torch.Tensor]], None]
     # The flat buffer of the shard that holds a kind: kinds sharing one are copied once by an
     # asynchronous save ([Note: Muon's momentum in exp_avg's slot] in zerofast/optim/state.py).
     buffer_of: Callable[[str], str]
+    # 0: fp32 state; else 8-bit state in blocks of this many elements of each parameter, every piece
+    # starting at a block boundary ([Note: quantized state] in zerofast/quant.py).
+    state_block: int = 0
 
     @functools.cached_property
     def _index_of(self) -> dict[int, int]:
@@ -88,10 +96,18 @@ class ShardedPart:
         the flattened parameter, fp32 copy of the values) pieces; the ranks' pieces together cover
         every parameter holding `kind` once."""
         return [
-            (self.params[pc.param][0], pc.param_offset, self.piece_view(pc, kind).detach().float().clone())
+            (self.params[pc.param][0], pc.param_offset, self.piece_values(pc, kind))
             for pc in self.pieces
             if kind == "master" or kind in self.kinds[pc.param]
         ]
+
+    def piece_values(self, pc: Piece, kind: str) -> torch.Tensor:
+        """One of this rank's pieces of `kind` as fp32 values, copied (8-bit state: dequantized)."""
+        values = self.piece_view(pc, kind).detach()
+        if self.state_block and kind != "master":
+            scales = self.piece_view(pc, scale_kind(kind)).detach()
+            return dequantize(values, scales, code_of(kind).to(values.device), self.state_block)
+        return values.float().clone()
 
 
 @dataclass(frozen=True, eq=False)

@@ -2,7 +2,10 @@
 
 Per parameter, mixed-precision Adam holds 2 bytes of parameter, 2 of gradient and 12 of optimizer
 state (fp32 master copy, m, v): the paper's 16Φ. In fp32 there is no separate master copy (the
-parameter is the master): 4 + 4 + 8. Each stage keeps a part of each on a rank:
+parameter is the master): 4 + 4 + 8. With 8-bit state (MixedPrecisionPolicy(state_bits=8)) m and v
+are one byte each plus one fp32 scale per block of each: 2 + 8 / state_block instead of 8 (the
+block alignment of each parameter, at most state_block - 1 elements, is not counted). Each stage
+keeps a part of each on a rank:
 
 | stage       | parameters | gradients | optimizer state |
 |-------------|------------|-----------|-----------------|
@@ -30,6 +33,7 @@ import torch.nn as nn
 
 from ..config import DEFAULT_BUCKET_MB, check_stage, comm_policy, precision_policy, resolve_plan, unit_policy
 from ..layout import ALIGN
+from ..quant import num_blocks
 from ..topology import check_shard_size
 
 
@@ -93,19 +97,26 @@ def estimate_memory(
         unit_policy(units)
         param_dtype, reduce_dtype = precision.param_dtype, precision.reduce_dtype or precision.param_dtype
         bucket_bytes, buffers, views = 0, comm_p.bucket_buffers, False
+        state_bits, state_block = precision.state_bits, precision.state_block
     else:
         plan = resolve_plan(stage, mixed_precision=mixed_precision, comm=comm, units=units)
         param_dtype, reduce_dtype = plan.param_dtype, plan.reduce_dtype
         bucket_bytes = plan.bucket_bytes or int(DEFAULT_BUCKET_MB[2] * 2**20)  # stage 3: a unit's stand-in
         buffers, views = plan.bucket_buffers, plan.grads_as_bucket_views
+        state_bits, state_block = plan.state_bits, plan.state_block
     p_bytes, r_bytes = param_dtype.itemsize, reduce_dtype.itemsize
     g_bytes = p_bytes if stage < 2 else r_bytes  # full gradients in the parameters' dtype
-    o_bytes = 8 + (4 if param_dtype != torch.float32 else 0)  # m, v and a separate fp32 master
+    # m and v (fp32, or one byte each: [Note: quantized state]) and a separate fp32 master
+    o_bytes = (8 if state_bits == 32 else 2) + (4 if param_dtype != torch.float32 else 0)
+
+    def state_bytes(elements: int) -> int:  # 8-bit state adds one fp32 scale per block per moment
+        return o_bytes * elements + (2 * 4 * num_blocks(elements, state_block) if state_bits == 8 else 0)
+
     shard = -(-numel // shards)  # ceil: this rank's part
     params = p_bytes * (shard if stage == 3 else numel)
     params += p_bytes * (-(-frozen // shards) if stage == 3 else frozen)
     grads = g_bytes * (shard if stage >= 2 else numel)
-    optimizer = o_bytes * (shard if stage >= 1 else numel)
+    optimizer = state_bytes(shard if stage >= 1 else numel)
     extra = 0
     if stage >= 1:
         all_grads = r_bytes * numel

@@ -274,8 +274,10 @@ def checkpoint_view(parts: Parts, param_groups: list[dict]) -> CheckpointView:
         dtype=torch.float32,
         device=shard.device,
         piece_view=shard.piece_view,
+        write_piece=shard.write_piece,
         load_pieces=shard.load_pieces,
         buffer_of=storage_of,
+        state_block=plan.state_block if plan.quantized_state else 0,
     )
     return CheckpointView(
         model=parts.model,
@@ -314,6 +316,7 @@ def _frozen_view(parts: Parts) -> ShardedPart | None:
         dtype=fz.dtype,
         device=fz.device,
         piece_view=lambda pc, kind: fz.piece_view(pc),  # its values, whatever the kind: it has no state
+        write_piece=lambda pc, kind, values: fz.piece_view(pc).copy_(values.reshape(-1)),
         load_pieces=lambda kind, full: fz.load_pieces(full),
         buffer_of=lambda kind: "master",
     )

@@ -21,7 +21,7 @@ import torch
 from .. import _ops
 from ..config import Plan
 from ..layout import Layout, Piece, bind_views
-from ..quant import dequantize, dynamic_code, num_blocks
+from ..quant import block_slice, dequantize, dynamic_code, midpoints, num_blocks, quantize, scale_kind
 
 
 @dataclass(frozen=True)
@@ -245,36 +245,44 @@ class ShardState:
         if not self.plan.quantized_state:
             raise ValueError(f"ShardState.{where}: the state is fp32 (MixedPrecisionPolicy(state_bits=32))")
 
-    def _refuse_quantized(self, where: str, kind: str) -> None:
-        if self.plan.quantized_state and kind != "master":
-            raise NotImplementedError(
-                f"ShardState.{where}({kind!r}): 8-bit Adam state (MixedPrecisionPolicy(state_bits=8)) has no "
-                f"fp32 view to read or write in place; checkpoints of 8-bit state are not supported yet "
-                f"(state_pieces gives the dequantized values, quantized_pieces the stored ones)"
-            )
-
     def piece_view(self, pc: Piece, kind: str) -> torch.Tensor:
         """The live 1-D values of "master", "exp_avg" or "exp_avg_sq" for one of this rank's
         pieces: a view into the state, so reading it reads the state and writing into it writes
         the state (a checkpoint's save reads these views, its load writes them; after writing the
-        master, sync_params_from_master())."""
+        master, sync_params_from_master()). With 8-bit state, "exp_avg" and "exp_avg_sq" are the
+        uint8 code indices as stored, and "exp_avg_scale" / "exp_avg_sq_scale" the fp32 scales of
+        the piece's blocks (it starts at a block boundary: [Note: quantized state])."""
+        if self.plan.quantized_state and kind in (scale_kind("exp_avg"), scale_kind("exp_avg_sq")):
+            scales = self.exp_avg_scale if kind == scale_kind("exp_avg") else self.exp_avg_sq_scale
+            return scales[block_slice(pc.state_offset, pc.numel, self.plan.state_block)]
         _check_kind("piece_view", kind)
-        self._refuse_quantized("piece_view", kind)
+        if self.plan.quantized_state and kind == "momentum_buffer":
+            raise ValueError("ShardState.piece_view: 8-bit state holds no momentum_buffer")
         state = slice(pc.state_offset, pc.state_offset + pc.numel)
         if kind == "master":
             return self.master_and_copy(pc.bucket, pc.bucket_offset, state)[0]
         return getattr(self, storage_of(kind))[state]
 
+    def write_piece(self, pc: Piece, kind: str, values: torch.Tensor) -> None:
+        """Write one of this rank's pieces of `kind` from its fp32 values (pc.numel of them): with
+        8-bit state a moment is quantized as the kernel stores it (its blocks are the parameter's)."""
+        with torch.no_grad():
+            if self.plan.quantized_state and kind != "master":
+                index = ("exp_avg", "exp_avg_sq").index(kind)
+                q, scales = quantize(values.float().reshape(-1), self.codes[index], self.plan.state_block)
+                self.piece_view(pc, kind).copy_(q)
+                self.piece_view(pc, scale_kind(kind)).copy_(scales)
+            else:
+                self.piece_view(pc, kind).copy_(values.reshape(-1))
+
     def load_pieces(self, kind: str, full: Mapping[int, torch.Tensor]) -> None:
         """Write this rank's pieces of `kind` from whole tensors, by parameter index (each of its
-        parameter's numel, any shape); parameters not in `full` keep their values."""
+        parameter's numel, any shape); parameters not in `full` keep their values (8-bit state:
+        quantized, write_piece)."""
         _check_kind("load_pieces", kind)
-        self._refuse_quantized("load_pieces", kind)
-        with torch.no_grad():
-            for pc in self.pieces:
-                if pc.param in full:
-                    src = full[pc.param].reshape(-1)[pc.param_offset : pc.param_offset + pc.numel]
-                    self.piece_view(pc, kind).copy_(src)
+        for pc in self.pieces:
+            if pc.param in full:
+                self.write_piece(pc, kind, full[pc.param].reshape(-1)[pc.param_offset : pc.param_offset + pc.numel])
 
     def _dequantized_pieces(self, kind: str) -> list[tuple[str, int, torch.Tensor]]:
         """state_pieces of 8-bit exp_avg or exp_avg_sq: the fp32 values they stand for."""
@@ -289,8 +297,9 @@ class ShardState:
 
     def sync_params_from_master(self) -> None:
         """After the fp32 master was written outside a step (a load): this rank's owned
-        low-precision parameters become its rounding, as a step's kernel leaves them. Nothing to
-        do in fp32, where the master is the parameters."""
+        low-precision parameters become its rounding, as a step's kernel leaves them (nothing to
+        do in fp32, where the master is the parameters); and 8-bit state's block tails settled."""
+        self._settle_block_tails()
         with torch.no_grad():
             for pc in self.pieces:
                 state = slice(pc.state_offset, pc.state_offset + pc.numel)
@@ -298,6 +307,25 @@ class ShardState:
                 if copy is None:
                     return
                 copy.copy_(master)
+
+    # [Note: block tails]
+    # A parameter whose size is not a multiple of the block ends inside its last block; the rest of
+    # that block is padding, which the kernel steps with the block (a zero gradient) and stores as
+    # the code index of 0, so it dequantizes to 0 under any scale. A load writes the parameter's
+    # elements and the block's scale but not the padding, which a fresh shard holds as index 0
+    # (code value -0.99 in the signed code): times the loaded scale it would enter the next step as
+    # a moment and change the block's scale. After a load the tails are set as a step leaves them.
+    def _settle_block_tails(self) -> None:
+        if not self.plan.quantized_state:
+            return
+        block = self.plan.state_block
+        zero = [int(torch.searchsorted(midpoints(code.cpu()), torch.tensor(0.0))) for code in self.codes]
+        with torch.no_grad():
+            for pc in self.pieces:
+                end = pc.state_offset + pc.numel
+                tail = slice(end, pc.state_offset + num_blocks(pc.numel, block) * block)
+                self.exp_avg[tail] = zero[0]
+                self.exp_avg_sq[tail] = zero[1]
 
     def step_counts(self) -> dict[str, int]:
         """Adam steps taken by each parameter, by name."""

@@ -32,11 +32,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..checkpoint import latest, load, save
 from ..comm import CollectiveError, OutOfStepError
-from ..config import CommPolicy
+from ..config import CommPolicy, MixedPrecisionPolicy, precision_policy
 from ..estimate import estimate_memory
 from ..optim.grads import StepNotAppliedError
 from ..optim.zero_adam import ZeroAdam
 from ..partition import PARTITIONS
+from ..quant import STATE_BITS
 from ..reference import ReferenceZero
 from . import replica_demo
 from .data import corpus_tokens, text_batch
@@ -63,6 +64,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl with GPUs, else gloo)")
     p.add_argument(
         "--mixed-precision", default=None, help="bf16 or fp16 (fp16 with dynamic loss scaling); default fp32"
+    )
+    p.add_argument(
+        "--state-bits",
+        type=int,
+        default=32,
+        help="Adam's moments in 32 bits or 8 (one byte per element plus a scale per block: docs/8bit-state.md)",
     )
     p.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm to this")
     p.add_argument(
@@ -146,6 +153,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.nproc = _resolve_nproc(p, args.nproc, args.backend)
     if args.mixed_precision not in (None, "bf16", "fp16"):
         p.error(f"--mixed-precision must be bf16 or fp16; got {args.mixed_precision!r}")
+    if args.state_bits not in STATE_BITS:
+        p.error(f"--state-bits must be 32 or 8; got {args.state_bits}")
     if args.shard_size is not None and args.shard_size < 1:
         p.error(f"--shard-size must be at least 1; got {args.shard_size}")
     if args.max_grad_norm is not None and not args.max_grad_norm > 0:
@@ -261,10 +270,17 @@ def _make_optimizer(kind: str, model, args, stage: int):
         stage=stage,
         lr=args.lr,
         weight_decay=0.1,
-        mixed_precision=args.mixed_precision,
+        mixed_precision=_precision(args),
         max_grad_norm=args.max_grad_norm,
         comm=CommPolicy(partition=args.partition, shard_size=args.shard_size),
     )
+
+
+def _precision(args):
+    """ZeroAdam's mixed_precision= from --mixed-precision and --state-bits."""
+    if args.state_bits == 32:
+        return args.mixed_precision
+    return MixedPrecisionPolicy(precision_policy(args.mixed_precision).param_dtype, state_bits=args.state_bits)
 
 
 def _measure(kind: str, model, opt) -> dict[str, int]:
@@ -377,10 +393,11 @@ def _median(xs):
 
 
 def report(args, measured_all, comm, numel, world) -> None:
-    est = estimate_memory(numel, world, args.stage, args.mixed_precision, shard_size=args.shard_size)
+    est = estimate_memory(numel, world, args.stage, _precision(args), shard_size=args.shard_size)
     p_bytes = 2 if args.mixed_precision else 4
     phi = p_bytes * numel
-    table = "2 + 2 + 12" if args.mixed_precision else "4 + 4 + 8"
+    moments = "8" if args.state_bits == 32 else "2 + scales"
+    table = f"2 + 2 + 4 + {moments}" if args.mixed_precision else f"4 + 4 + {moments}"
     print(
         f"\nper rank, bytes after step() ({args.mixed_precision or 'fp32'}: {table} per parameter; "
         f"estimate = the ZeRO paper's memory table)"
