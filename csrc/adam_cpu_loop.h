@@ -96,8 +96,8 @@ void adam_range(const AdamPointers& ptr, const AdamScalars& s, int64_t begin, in
 }
 
 // One block of the 8-bit step, in the two passes of [Note: quantized state] (adam_math.h), on the
-// block's elements [0, n) of the pointers. With kTable the second pass quantizes by table ([Note:
-// quantizing by table]) and vectorizes; without, it searches, element by element. The arrays
+// block's elements [0, n) of the pointers. With kTable the second pass quantizes by table
+// ([Note: quantizing by table]) and vectorizes; without, it searches, element by element. The arrays
 // written are restrict parameters of this function, never inlined: GCC proves from those (not from
 // restrict locals copied out of a struct, nor once inlined) that the gathers from the codes and
 // tables do not alias them.

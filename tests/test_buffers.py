@@ -139,7 +139,7 @@ def _budget_matrix(rank, world, sync_dir):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])  # 3 ranks: uneven shards; the budget does not depend on the count
 def test_buffers_alive_at_once_stay_within_the_budget(world, tmp_path):
     results = run_ranks(_budget_matrix, world, args=(str(tmp_path),), timeout=300)
     for rank, out in enumerate(results):

@@ -208,7 +208,10 @@ def _check_survivors(case, rows):
             assert re.search(TIMED_OUT, backend) and not re.search(PEER_GONE, backend), where
 
 
-@pytest.mark.parametrize("stage", STAGES)
+# Stages 1 and 3: stage 2 issues stage 1's collectives (the bucket reduces in backward, the
+# agreement, the gather after the step) through the same engine calls; stage 3 adds the gathers in
+# forward and backward. (A failed step on one rank, below, runs every stage.)
+@pytest.mark.parametrize("stage", (1, 3))
 def test_a_dead_or_stopped_rank_ends_the_others_with_one_message(stage, tmp_path):
     cases = [(stage, point, sig) for point in POINTS for sig in SIGNALS]
     results = _run_cases(cases, tmp_path)
