@@ -249,8 +249,9 @@ class ReplicaGroups:
     [Note: replica groups on torchft].
 
     replica_id: this group's name (the same on its K ranks). lighthouse: the Lighthouse's address
-    (default: $TORCHFT_LIGHTHOUSE). group: the replica group's own K ranks (default: the default
-    group, one c10d world per replica group); they shard the state. min_replicas: a step commits
+    (default: $TORCHFT_LIGHTHOUSE). The replica group's K ranks are the default group's: one c10d
+    world (and TCPStore, which torchft's Manager joins unprefixed) per replica group, e.g. one torchrun
+    per machine; they shard the state. min_replicas: a step commits
     only with at least this many groups. timeout: every collective and the quorum's wait; a
     Lighthouse that does not answer within it is a named error. manager: a torchft Manager made by
     the caller instead (its pg, transport and callbacks as this class would make them)."""
@@ -260,7 +261,6 @@ class ReplicaGroups:
         replica_id: str | None = None,
         *,
         lighthouse: str | None = None,
-        group: dist.ProcessGroup | None = None,
         min_replicas: int = 1,
         timeout: float = 60.0,
         manager: Manager | None = None,
@@ -269,7 +269,12 @@ class ReplicaGroups:
             raise ValueError(f"ReplicaGroups: min_replicas must be an int >= 1; got {min_replicas!r}")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"ReplicaGroups: timeout must be a positive number of seconds; got {timeout!r}")
-        self.group = group if group is not None else dist.group.WORLD
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "ReplicaGroups needs torch.distributed initialized: the replica group's own ranks "
+                "(dist.init_process_group, one world per replica group)"
+            )
+        self.group = dist.group.WORLD
         self._tracked: dict[str, object] = {}
         self._opt = None
         self._quorum_open = False  # a quorum was started since the last commit decision
