@@ -28,7 +28,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from oracles import HYPER, rank_batch  # noqa: E402
 
-from zerofast import ZeroAdam  # noqa: E402
+from zerofast import ZeroAdam, checkpoint  # noqa: E402
 from zerofast.integrations.torchft import ReplicaGroups, _flat_state  # noqa: E402
 from zerofast.optim.zero_adam import parts_of  # noqa: E402
 from zerofast.tools.models import make_gpt  # noqa: E402
@@ -79,6 +79,9 @@ def main(group: int, rank: int, port: int, lighthouse: str, gates: str, stage: i
     for t in _flat_state(parts_of(opt)).values():
         digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
     full = opt.full_state_dict()
+    if replicas.saves:  # one group saves: a plain K-rank checkpoint
+        checkpoint.save(os.path.join(gates, "ckpt"), model, opt)
+        log("saved")
     log("done", step=replicas.step, sha256=digest.hexdigest(), joint=joint)
     if group == 0 and rank == 0:
         torch.save(full, os.path.join(gates, "final.pt"))

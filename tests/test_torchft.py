@@ -24,6 +24,7 @@ from oracles import HYPER, fp32_tol, global_batch, max_abs_diff
 pytest.importorskip("torchft")
 from torchft.coordination import LighthouseServer  # noqa: E402
 
+from zerofast import checkpoint  # noqa: E402
 from zerofast.tools.models import make_gpt  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -135,9 +136,13 @@ def test_a_lost_group_leaves_the_other_training_and_heals_when_relaunched(tmp_pa
         (a,), (b,) = events.of(0, r, "done"), events.of(1, r, "done", after=t_relaunch)
         assert a["sha256"] == b["sha256"] and a["step"] == b["step"] == len(history)
     # The oracle: each committed step on the batches of the groups in it.
+    # One group saved (the first participating one): its checkpoint holds the final parameters.
+    assert sum(len(events.of(g, 0, "saved")) for g in (0, 1)) == 1
+    saved, _ = checkpoint.to_torch(os.path.join(gates, "ckpt"))
     want = _replay(history)
     got = {k: v for k, v in torch.load(os.path.join(gates, "final.pt")).items() if k in want}  # (tied: one name)
     assert max_abs_diff(got, want) <= fp32_tol(len(history)), max_abs_diff(got, want)
+    assert all(torch.equal(saved[k], got[k]) for k in got)
 
 
 def _replay(history: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
