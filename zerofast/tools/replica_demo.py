@@ -93,6 +93,7 @@ def worker(args) -> None:
     while replicas.step < args.steps:
         if gate and replicas.step == gate_step and not os.path.exists(gate):
             wait_for_gate(gate)  # the demo's survivors wait for the relaunched group's processes to start
+        t0 = time.perf_counter()
         opt.zero_grad()
         step, participants = replicas.step, replicas.participants
         # Every group's ranks read the windows of their data-parallel position at this step: a healed
@@ -100,7 +101,14 @@ def worker(args) -> None:
         _, loss = model(*text_batch(tokens, args.batch, seq, seed=(step * args.replica_groups + group) * k + rank))
         loss.backward()
         opt.step()
-        say("skipped" if opt.step_was_skipped else "step", step=step, participants=participants, loss=loss.item())
+        took = time.perf_counter() - t0
+        say(
+            "skipped" if opt.step_was_skipped else "step",
+            step=step,
+            participants=participants,
+            loss=loss.item(),
+            took=took,
+        )
     digest = hashlib.sha256()
     for t in _flat_state(parts_of(opt)).values():
         digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
@@ -241,7 +249,10 @@ def run(args, argv: list[str]) -> int:
 
 def _print(e: dict) -> None:
     if e["event"] == "step":
-        print(f"group {e['group']}  step {e['step']:4d}  loss {e['loss']:.4f}  groups in the step: {e['participants']}")
+        print(
+            f"group {e['group']}  step {e['step']:4d}  loss {e['loss']:.4f}  groups in the step: {e['participants']}"
+            f"  {e['took'] * 1e3:.0f} ms"
+        )
     elif e["event"] == "skipped":
         print(f"group {e['group']}  step {e['step']:4d}  not committed (a group failed in it); applied nothing")
 
