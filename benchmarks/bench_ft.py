@@ -10,8 +10,8 @@ the main job on 4 gloo ranks x 1 thread: 2 replica groups x 2 ranks; see docs/su
   processes were up, for the tiny and the small GPT (the state's size), and the steps lost (0: the
   broken step is retried).
 
-The torchrun restart path with a checkpoint reload (tests/test_launch.py's killed worker) loses the
-steps since the last save plus every worker's restart; it is not timed here.
+- the torchrun restart path on the same job: a run without a failure against one whose worker is
+  killed as a checkpoint completes (every worker restarts and reloads it).
 
 Each case is one launch (rounds=1): the figures are in the summary's extra columns.
 """
@@ -73,3 +73,49 @@ def test_a_lost_group_and_its_heal(benchmark, record, model):
     benchmark.extra_info.update(kill_to_next_step_s=alone, heal_s=heal, steps_lost=lost)
     print(f"\n{model}: kill -> next step alone {alone:.1f} s, heal {heal:.2f} s, steps lost {lost}")
     record(benchmark, GROUP, f"lost and healed, {model}")
+
+
+def _rank_worker(launcher_pid: int, rank: int) -> int:
+    """The launcher's worker of global rank `rank` (torchrun puts RANK in each worker's environment)."""
+    from zerofast.tools.replica_demo import _descendants
+
+    for pid in _descendants(launcher_pid):
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                return pid
+    raise AssertionError(f"no worker of rank {rank}")
+
+
+def test_the_restart_path(benchmark, record, tmp_path):
+    """The same job as test_step_time_when_nothing_fails's shard_size=2 run, with a checkpoint every 10
+    steps and torchrun's restart: the wall time of a run without a failure against one whose rank 3
+    is SIGKILLed as the step-10 checkpoint completes (every worker restarts and reloads it; the
+    steps since the save are done again: here the kill lands right after a save, the best case)."""
+    import signal
+    import time
+
+    argv = ["--nproc", "4", "--shard-size", "2", "--model", "small", *JOB, "--save-every", "10", "--max-restarts", "1"]
+
+    def both():
+        t0 = time.perf_counter()
+        _train(*argv, "--save-dir", str(tmp_path / "clean"))
+        clean = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "zerofast.train", *argv, "--save-dir", str(tmp_path / "kill")],
+            cwd=ROOT,
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        while not os.path.exists(tmp_path / "kill" / "step-000010"):
+            assert proc.poll() is None
+            time.sleep(0.02)
+        os.kill(_rank_worker(proc.pid, 3), signal.SIGKILL)
+        assert proc.wait(timeout=900) == 0
+        return clean, time.perf_counter() - t0
+
+    clean, killed = benchmark.pedantic(both, rounds=1, iterations=1)
+    benchmark.extra_info.update(clean_s=clean, killed_s=killed, lost_s=killed - clean)
+    print(f"\nrestart path: {clean:.1f} s without a failure, {killed:.1f} s with one ({killed - clean:.1f} s lost)")
+    record(benchmark, GROUP, "torchrun restart + reload")
