@@ -2,7 +2,7 @@
 // with the same messages (each names the argument and what it got).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <utility>

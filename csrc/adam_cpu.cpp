@@ -2,8 +2,8 @@
 // instruction set whose loop runs (see adam_cpu_loop.h and [Note: one math, many ISAs]).
 #include "adam_cpu.h"
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <algorithm>

@@ -1,6 +1,6 @@
 // CUDA driver of fused_adam_: a vectorized grid-stride kernel on the current stream. The math is
 // adam_math.h's; this file only decides how threads walk the flat tensors.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

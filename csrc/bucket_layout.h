@@ -3,7 +3,7 @@
 // (buckets.h) and the replica reducer (replica_reducer.h) read it, neither owns the other's view.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <vector>

@@ -1,6 +1,9 @@
 // See bucket_pool.h; [Note: bucket pool] and [Note: buffers in flight] are at take().
 #include "bucket_pool.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+
 #include <algorithm>
 
 namespace zerofast {

@@ -5,7 +5,7 @@
 // buffer. See [Note: bucket pool] and [Note: buffers in flight] in bucket_pool.cpp.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <vector>

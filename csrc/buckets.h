@@ -9,7 +9,7 @@
 // TORCH_CHECKs.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>

@@ -10,7 +10,7 @@
 // around each call). See [Note: the gradient path] in grad_path.cpp.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/node.h>
 
 #include <cstdint>

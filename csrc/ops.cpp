@@ -1,8 +1,8 @@
 // Every op schema of the zerofast library (TORCH_LIBRARY), and the module's Python bindings: the
 // one file that includes pybind11 (the core, buckets and the gradient path, compiles without it).
 // Backend files only add their TORCH_LIBRARY_IMPL; nothing else spells a signature.
-#include <torch/extension.h>
 #include <torch/library.h>
+#include <torch/python.h>
 
 #include "adam_cpu.h"
 #include "buckets.h"

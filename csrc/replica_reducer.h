@@ -6,7 +6,7 @@
 // A failure of a c10d call is thrown as CommError (errors.h).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
