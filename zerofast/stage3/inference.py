@@ -29,6 +29,7 @@ is the UnitBuffers' only part, and no optimizer.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -45,6 +46,7 @@ from .units import find_units, hook_needs
 from .weights import named_full_tensors
 
 WHO = "shard_frozen"
+_SHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its ShardedFrozenModel
 
 
 class ShardedFrozenModel:
@@ -99,6 +101,7 @@ class ShardedFrozenModel:
             h.remove()
         self._hooks = []
         self._units.remove()
+        _SHARDED.pop(self.model, None)
 
 
 def shard_frozen(
@@ -121,10 +124,7 @@ def shard_frozen(
     group, _, _ = checks.data_parallel_group(process_group, None)
     for p in model.parameters():
         p.requires_grad_(False)
-    hooks = []
-    if param_dtype is not None and param_dtype != torch.float32:
-        cast_unmanaged(model, param_dtype)
-        hooks.append(model.register_forward_pre_hook(InputCast(param_dtype), prepend=True, with_kwargs=True))
+    hooks = in_precision(model, param_dtype)
     checks.check_same_across_ranks(model, group, WHO)
     checks.broadcast_from_rank0(model, group)
     named = _sharded_params(model, param_dtype)
@@ -143,7 +143,24 @@ def shard_frozen(
     buffers = UnitBuffers(frozen.buffers, frozen.shard, frozen.layout, rank, comm, frozen.bucket_of)
     buffers.shard_out()
     tracker = UnitTracker(model, hook_needs(model, params, plan), buffers)
-    return ShardedFrozenModel(model, tracker, frozen, hooks)
+    handle = ShardedFrozenModel(model, tracker, frozen, hooks)
+    _SHARDED[model] = handle
+    return handle
+
+
+def sharded_frozen_of(model: nn.Module) -> ShardedFrozenModel | None:
+    """The handle shard_frozen() returned for `model`, or None if it was never sharded so."""
+    return _SHARDED.get(model)
+
+
+def in_precision(model: nn.Module, param_dtype: torch.dtype | None) -> list:
+    """A model run for inference beside a policy in low precision: its floating parameters and
+    buffers converted to param_dtype and its floating inputs cast, as ZeroAdam's mixed precision
+    does to the policy (nothing for None or float32). Returns the hook handles."""
+    if param_dtype is None or param_dtype == torch.float32:
+        return []
+    cast_unmanaged(model, param_dtype)
+    return [model.register_forward_pre_hook(InputCast(param_dtype), prepend=True, with_kwargs=True)]
 
 
 def _sharded_params(model: nn.Module, param_dtype: torch.dtype | None) -> list[tuple[str, nn.Parameter]]:
