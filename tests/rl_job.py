@@ -1,12 +1,15 @@
 """TRL's GRPO with the mixin, run by tests/test_rl.py under torchrun (2 CPU ranks, gloo):
 `python tests/rl_job.py grpo OUT`. Rank 0 writes OUT/grpo.json.
 
-One launch, three trainings of a 2-layer Llama (built from a config, saved locally so that TRL
+One launch, trainings of a 2-layer Llama (built from a config, saved locally so that TRL
 builds its reference model from the path, as it does from a hub name), greedy generation, beta > 0:
-  - ZeroGRPOTrainer stage 3, fp32: its reference model sharded (shard_frozen);
+  - ZeroGRPOTrainer stage 3, fp32: its reference model sharded (shard_frozen), generating with the
+    whole model gathered (ds3_gather_for_generation=True, TRL's default);
   - GRPOTrainer + DDP, fp32, the same arguments: the oracle;
-  - ZeroGRPOTrainer stage 3, bf16 (TRL's default): the reference in the policy's bf16, so the KL
-    of the first step is exactly 0.
+  - ZeroGRPOTrainer stage 3, fp32, generating unit by unit (ds3_gather_for_generation=False);
+  - ZeroGRPOTrainer stage 3 and stage 2, bf16 (TRL's default): the reference in the policy's bf16,
+    so the KL of the first step is exactly 0;
+  - DPO: ZeroDPOTrainer stage 3 and DPOTrainer + DDP in fp32, ZeroDPOTrainer stage 3 in bf16.
 The end-of-sequence token is chosen from the untrained model's greedy continuations so that the
 ranks' completions end at different lengths (recorded per rank by the reward function): the case
 that left a rank waiting in a gather. Greedy completions of one prompt are identical, so the
@@ -131,8 +134,9 @@ def run(cls, name, path, tok, **kw):
     LENGTHS.clear()
     zero = kw.pop("zero", {"stage": 3})
     trainer_kw = {} if cls.__name__ == "GRPOTrainer" else {"zero": zero}
+    model = AutoModelForCausalLM.from_pretrained(path)
     trainer = cls(
-        model=AutoModelForCausalLM.from_pretrained(path),
+        model=model,
         reward_funcs=reward,
         args=grpo_config(name, **kw),
         train_dataset=Dataset.from_dict({"prompt": prompts()}),
@@ -140,17 +144,35 @@ def run(cls, name, path, tok, **kw):
         **trainer_kw,
     )
     ref = trainer.ref_model
+    generate_gathers = _count_generate_gathers(model, trainer)
     trainer.train()
     logs = [{k: e[k] for k in ("loss", "kl", "reward") if k in e} for e in trainer.state.log_history if "loss" in e]
     lengths = [None] * dist.get_world_size()
     dist.all_gather_object(lengths, list(LENGTHS))
     out = {"logs": logs, "lengths": lengths, "ref_dtype": str(next(ref.parameters()).dtype)}
     out["ref_sharded"] = _ref_storage(ref)
+    out["generate_gathers"] = generate_gathers
     if hasattr(trainer.optimizer, "full_state_dict"):
+        out["policy_units"] = len(trainer.optimizer.report().units)
         params = trainer.optimizer.full_state_dict()
     else:
         params = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     return out, params
+
+
+def _count_generate_gathers(model, trainer) -> list:
+    """The unit gathers each generate() call of the policy starts (filled during training)."""
+    counts, generate = [], model.generate
+
+    def counting(*args, **kwargs):
+        report = getattr(trainer.optimizer, "report", None)
+        before = report().unit_gathers if report else 0
+        result = generate(*args, **kwargs)
+        counts.append((report().unit_gathers if report else 0) - before)
+        return result
+
+    model.generate = counting
+    return counts
 
 
 def _ref_storage(ref):
@@ -180,8 +202,14 @@ def grpo():
     results, params = {}, {}
     results["zero3"], params["zero3"] = run(ZeroGRPOTrainer, "zero3", path, tok)
     results["ddp"], params["ddp"] = run(GRPOTrainer, "ddp", path, tok)
+    results["zero3_streamed"], params["zero3_streamed"] = run(
+        ZeroGRPOTrainer, "zero3_streamed", path, tok, ds3_gather_for_generation=False
+    )
     results["zero3_bf16"], _ = run(ZeroGRPOTrainer, "zero3_bf16", path, tok, bf16=True)
-    diff = max((params["zero3"][k].float() - params["ddp"][k].float()).abs().max().item() for k in params["ddp"])
+    diff = {
+        name: max((params[name][k].float() - params["ddp"][k].float()).abs().max().item() for k in params["ddp"])
+        for name in ("zero3", "zero3_streamed")
+    }
     moved = max(
         (params["ddp"][k].float() - v.float()).abs().max().item()
         for k, v in _initial(path).items()

@@ -68,19 +68,32 @@ def _sharded_reference(storage: dict) -> None:
     assert storage["padded_numel"] - storage["all_numel"] <= slack, storage
 
 
-def test_grpo_with_a_reference_model_at_stage_3_equals_trl_with_ddp(results):
-    """GRPO, beta 0.1: completions end at different lengths on the two ranks in some step (the case
-    that needs generate()'s ranks synced), and training finishes with the logged loss, KL and
-    reward and the final parameters of TRL + DDP; the reference model is sharded, half per rank."""
-    zero, ddp = results["zero3"], results["ddp"]
+@pytest.mark.parametrize("run", ["zero3", "zero3_streamed"])
+def test_grpo_with_a_reference_model_at_stage_3_equals_trl_with_ddp(results, run):
+    """GRPO, beta 0.1: completions end at different lengths on the two ranks in some step, and
+    training finishes with the logged loss, KL and reward and the final parameters of TRL + DDP;
+    the reference model is sharded, half per rank. Generation with the whole model gathered
+    (ds3_gather_for_generation=True: no unit gather inside generate()) or unit by unit (False:
+    generate() synced across the ranks, every unit gathered once per forward)."""
+    zero, ddp = results[run], results["ddp"]
     assert any(a != b for a, b in zip(*zero["lengths"])), zero["lengths"]
     assert zero["lengths"] == ddp["lengths"]
     _close(zero["logs"], ddp["logs"])
-    assert results["max_param_diff"] <= PARAM_TOL
+    assert results["max_param_diff"][run] <= PARAM_TOL
     assert results["moved"] > 100 * PARAM_TOL  # the parameters did move: the comparison is not vacuous
     assert zero["ref_dtype"] == ddp["ref_dtype"] == "torch.float32"
     _sharded_reference(zero["ref_sharded"])
     assert ddp["ref_sharded"] is None
+    counts, longest = zero["generate_gathers"], [max(step) for step in zip(*zero["lengths"])]
+    units = zero["policy_units"]
+    if run == "zero3":
+        assert counts == [0] * STEPS, counts
+    else:  # every rank runs one forward per token of the longest rank's completions (synced_gpus)
+        # The very first forward after the optimizer is built knows no call order yet, so its merged
+        # unit (both blocks) is gathered once per block instead of carried: one more gather.
+        expected = [units * n for n in longest]
+        expected[0] += 1
+        assert counts == expected, (counts, units, longest)
 
 
 def test_the_reference_model_runs_in_the_policys_bf16(results):

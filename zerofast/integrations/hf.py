@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import warnings
 import weakref
 
@@ -189,6 +190,10 @@ class ZeroTrainerMixin:
         hosts.check_instance(RELIES_ON, self)
         self._check_arguments()
         self._check_frozen_models()
+        if "trl" in sys.modules:  # a TRL trainer: its generation mode ([Note: TRL's generation mode])
+            from . import _trl
+
+            _trl.adopt(self)
 
     def _check_arguments(self) -> None:
         a = self.args
