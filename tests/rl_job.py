@@ -1,4 +1,4 @@
-"""TRL's GRPO with the mixin, run by tests/test_rl.py under torchrun (2 CPU ranks, gloo):
+"""TRL's GRPO, RLOO and DPO with the mixin, run by tests/test_rl.py under torchrun (2 CPU ranks, gloo):
 `python tests/rl_job.py grpo OUT`. Rank 0 writes OUT/grpo.json.
 
 One launch, trainings of a 2-layer Llama (built from a config, saved locally so that TRL
@@ -9,6 +9,7 @@ builds its reference model from the path, as it does from a hub name), greedy ge
   - ZeroGRPOTrainer stage 3, fp32, generating unit by unit (ds3_gather_for_generation=False);
   - ZeroGRPOTrainer stage 3 and stage 2, bf16 (TRL's default): the reference in the policy's bf16,
     so the KL of the first step is exactly 0;
+  - RLOO: ZeroRLOOTrainer stage 3 and RLOOTrainer + DDP in fp32;
   - DPO: ZeroDPOTrainer stage 3 and DPOTrainer + DDP in fp32, ZeroDPOTrainer stage 3 in bf16.
 The end-of-sequence token is chosen from the untrained model's greedy continuations so that the
 ranks' completions end at different lengths (recorded per rank by the reward function): the case
@@ -101,9 +102,7 @@ def reward(completions, completion_ids, **kwargs):
     return [0.1 * len(c) + (i % 2) for i, c in enumerate(completion_ids)]
 
 
-def grpo_config(name, **kw):
-    from trl import GRPOConfig
-
+def rl_config(config_cls, name, **kw):
     base = dict(
         output_dir=os.path.join(OUT, name),
         use_cpu=True,
@@ -124,21 +123,24 @@ def grpo_config(name, **kw):
         dataloader_num_workers=0,
     )
     base.update(kw)
-    return GRPOConfig(**base)
+    return config_cls(**base)
 
 
 def run(cls, name, path, tok, **kw):
+    """Train `cls` (GRPO or RLOO, with or without the mixin) from the saved policy."""
+    import trl
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
     LENGTHS.clear()
     zero = kw.pop("zero", {"stage": 3})
-    trainer_kw = {} if cls.__name__ == "GRPOTrainer" else {"zero": zero}
+    trainer_kw = {} if cls.__module__.startswith("trl") else {"zero": zero}
+    config_cls = trl.RLOOConfig if "RLOO" in cls.__name__ else trl.GRPOConfig
     model = AutoModelForCausalLM.from_pretrained(path)
     trainer = cls(
         model=model,
         reward_funcs=reward,
-        args=grpo_config(name, **kw),
+        args=rl_config(config_cls, name, **kw),
         train_dataset=Dataset.from_dict({"prompt": prompts()}),
         processing_class=tok,
         **trainer_kw,
@@ -193,9 +195,9 @@ def _ref_storage(ref):
 
 
 def grpo():
-    from trl import GRPOTrainer
+    from trl import GRPOTrainer, RLOOTrainer
 
-    from zerofast.integrations.hf import ZeroGRPOTrainer
+    from zerofast.integrations.hf import ZeroGRPOTrainer, ZeroRLOOTrainer
 
     tok = tokenizer()
     path = saved_policy(tok)
@@ -216,6 +218,13 @@ def grpo():
         if k in params["ddp"]
     )
     results["zero2_bf16"], _ = run(ZeroGRPOTrainer, "zero2_bf16", path, tok, bf16=True, zero={"stage": 2})
+    rloo, rloo_params = {}, {}
+    rloo["zero3"], rloo_params["zero3"] = run(ZeroRLOOTrainer, "rloo_zero3", path, tok)
+    rloo["ddp"], rloo_params["ddp"] = run(RLOOTrainer, "rloo_ddp", path, tok)
+    rloo["max_param_diff"] = max(
+        (rloo_params["zero3"][k].float() - rloo_params["ddp"][k].float()).abs().max().item() for k in rloo_params["ddp"]
+    )
+    results["rloo"] = rloo
     results["dpo"] = dpo(path, tok)
     if RANK == 0:
         with open(os.path.join(OUT, "rl.json"), "w") as f:

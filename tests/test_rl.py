@@ -1,4 +1,4 @@
-"""TRL's GRPO (beta > 0) and DPO with ZeroTrainerMixin at stage 3, in one torchrun launch of 2 CPU
+"""TRL's GRPO (beta > 0), RLOO and DPO with ZeroTrainerMixin at stage 3, in one torchrun launch of 2 CPU
 ranks (tests/rl_job.py; about 15-20 s on a 2-core machine), against the same TRL trainer + DDP:
 greedy generation (deterministic), so both runs see the same completions, which end at different
 lengths on the two ranks. TRL's reference model is sharded by zerofast.shard_frozen and runs in the
@@ -107,6 +107,16 @@ def test_the_reference_model_runs_in_the_policys_bf16(results):
         assert (run["ref_sharded"] is not None) == sharded, name
 
 
+def test_rloo_with_a_reference_model_at_stage_3_equals_trl_with_ddp(results):
+    rloo = results["rloo"]
+    zero, ddp = rloo["zero3"], rloo["ddp"]
+    assert zero["lengths"] == ddp["lengths"] and any(a != b for a, b in zip(*zero["lengths"])), zero["lengths"]
+    _close(zero["logs"], ddp["logs"])
+    assert rloo["max_param_diff"] <= PARAM_TOL
+    _sharded_reference(zero["ref_sharded"])
+    assert zero["generate_gathers"] == [0] * STEPS  # ds3_gather_for_generation=True: the whole model gathered
+
+
 def test_dpo_at_stage_3_equals_trl_with_ddp_and_starts_at_zero_rewards_in_bf16(results):
     dpo = results["dpo"]
     _close(dpo["zero3"]["logs"], dpo["ddp"]["logs"])
@@ -115,3 +125,30 @@ def test_dpo_at_stage_3_equals_trl_with_ddp_and_starts_at_zero_rewards_in_bf16(r
     first = dpo["zero3_bf16"]["logs"][0]
     assert dpo["zero3_bf16"]["ref_dtype"] == "torch.bfloat16"
     assert first["rewards/chosen"] == first["rewards/rejected"] == first["rewards/margins"] == 0.0, first
+
+
+def test_a_reference_model_that_skipped_the_hook_is_a_named_error():
+    """A reference model the host built without passing it through prepare_model(evaluation_mode=
+    True) (a TRL that changed how it prepares one) is an error when the trainer is built, not a
+    whole copy kept silently in another precision. No launch: the check alone, on a stand-in."""
+    pytest.importorskip("accelerate")
+    import types
+    import weakref
+
+    import torch.nn as nn
+
+    from zerofast.integrations.hf import ZeroTrainerMixin
+    from zerofast.integrations.hosts import IncompatibleHostError
+
+    prepared = nn.Linear(2, 2)
+    trainer = types.SimpleNamespace(
+        ref_model=nn.Linear(2, 2), reward_funcs=[], _prepared_for_inference=weakref.WeakSet()
+    )
+    with pytest.raises(IncompatibleHostError, match="never passed through accelerator.prepare_model"):
+        ZeroTrainerMixin._check_frozen_models(trainer)
+    trainer._prepared_for_inference.add(trainer.ref_model)
+    trainer.reward_funcs = [
+        prepared,
+        lambda completions, **kw: [0.0],
+    ]  # a plain module or function: not TRL's to prepare
+    ZeroTrainerMixin._check_frozen_models(trainer)
