@@ -178,7 +178,11 @@ def _generation(rank, world):
         out["named_error"] = "synced_gpus=False" in str(e) and "gathered_params" in str(e)
     out["units"] = units
     out["bad_input"] = []
-    for call in (lambda: shard_frozen("model"), lambda: shard_frozen(tiny_llama(), mixed_precision="fp8")):
+    for call in (
+        lambda: shard_frozen("model"),
+        lambda: shard_frozen(tiny_llama(), mixed_precision="fp8"),
+        lambda: shard_frozen(model),  # sharded above
+    ):
         try:
             call()
         except (TypeError, ValueError) as e:
@@ -197,8 +201,9 @@ def test_generation_from_a_sharded_frozen_model_in_both_modes():
     for rank, out in enumerate(results):
         assert out["gathers_in_block"] == 0 and out["named_error"], f"{rank=}"
         bad = out["bad_input"]
-        assert len(bad) == 2 and "shard_frozen: model must be an nn.Module" in bad[0], bad
+        assert len(bad) == 3 and "shard_frozen: model must be an nn.Module" in bad[0], bad
         assert "shard_frozen: mixed_precision" in bad[1] and "fp8" in bad[1], bad
+        assert "sharded already" in bad[2], bad
         for b in range(3):
             longest = max(PLANS[r][b][1] if b < len(PLANS[r]) else 1 for r in range(2))
             assert out["gathers"][b] == longest * out["units"], f"{rank=} batch {b}: {out['gathers']}"

@@ -116,6 +116,10 @@ def shard_frozen(
     gives the policy's log-probs bitwise. units: stage 3's units as ZeroAdam takes them."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"{WHO}: model must be an nn.Module; got {type(model).__name__}")
+    if model in _SHARDED:
+        raise ValueError(
+            f"{WHO}: this {type(model).__name__} is sharded already (shard_frozen was called on it before)"
+        )
     if isinstance(process_group, checks.LiveReplicas):
         raise TypeError(f"{WHO}: process_group must be a ProcessGroup, a DeviceMesh or None; got torchft's replicas")
     checks.check_process_group(process_group)
