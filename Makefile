@@ -15,7 +15,7 @@ export ZEROFAST_CUDA
 # written and tested against (it hooks the Trainer's and the Accelerator's methods named there; the
 # extras in pyproject.toml allow the patch releases of these minor versions, and the integrations
 # check their hosts at import): transformers (also the tests' models, built from a config, no
-# download), accelerate, peft (LoRA), trl (SFTTrainer) and datasets (trl's).
+# download), accelerate, peft (LoRA), trl (SFT, DPO, GRPO) and datasets (trl's).
 HF_DEPS  := "transformers==5.24.0" "accelerate==1.15.0" "peft==0.21.2" "trl==1.16.0" "datasets==5.2.0"
 # Lightning, both packages, for zerofast.integrations.lightning / .pytorch_lightning (ZeroStrategy
 # subclasses their DDPStrategy and Precision, written against these versions).

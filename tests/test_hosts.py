@@ -231,6 +231,10 @@ def _tables():
         from zerofast.integrations import hf
 
         tables.append(hf.RELIES_ON)
+        if _importable("trl"):
+            from zerofast.integrations import _trl
+
+            tables.append(_trl.RELIES_ON)
     if _importable("lightning"):
         from zerofast.integrations import lightning
 

@@ -1,6 +1,7 @@
 """zerofast: ZeRO stages 1-3 for PyTorch (the ZeRO paper, Rajbhandari et al., 2020).
 
-Public names: ZeroAdam (the sharded optimizer), ZeroMuon (Muon + AdamW on whole-matrix owners) and its policies (MixedPrecisionPolicy,
+Public names: ZeroAdam (the sharded optimizer), ZeroMuon (Muon + AdamW on whole-matrix owners),
+shard_frozen (a reference or reward model sharded for inference only, a ShardedFrozenModel) and their policies (MixedPrecisionPolicy,
 LossScalePolicy, CommPolicy, UnitPolicy: zerofast/config.py), the errors it raises
 (CollectiveError, OutOfStepError, StepNotAppliedError,
 GradientError), estimate_memory (the paper's memory table), estimate_traffic (report().comm without a run),
@@ -23,6 +24,8 @@ from .estimate import estimate_memory, estimate_traffic
 _LAZY = {
     "ZeroAdam": "zerofast.optim.zero_adam",
     "ZeroMuon": "zerofast.optim.muon",
+    "shard_frozen": "zerofast.stage3.inference",
+    "ShardedFrozenModel": "zerofast.stage3.inference",
     "CollectiveError": "zerofast.comm",
     "OutOfStepError": "zerofast.comm",
     "GradientError": "zerofast.comm",
@@ -37,6 +40,8 @@ _LAZY = {
 __all__ = [
     "ZeroAdam",
     "ZeroMuon",
+    "shard_frozen",
+    "ShardedFrozenModel",
     "MixedPrecisionPolicy",
     "LossScalePolicy",
     "CommPolicy",

@@ -102,6 +102,17 @@ def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
 _KINDS = ("reduce", "gather", "agree_used", "agree_stats", "forward", "replicate")
 
 
+def second_group(group: dist.ProcessGroup | None, timeout_of: dist.ProcessGroup) -> dist.ProcessGroup | None:
+    """A second group of the same ranks (None for None): collectives whose order is set by timing
+    (stage 3's gathers, the replicas' gradient all_reduces during backward) get a group of their
+    own, so they never pair up with another kind of collective. Every rank of `group` calls it."""
+    if group is None:
+        return None
+    ranks = dist.get_process_group_ranks(group)
+    # With the same timeout as the group given: new_group's default is 30 minutes ([Note: faults]).
+    return dist.new_group(ranks, timeout=group_timeout(timeout_of), use_local_synchronization=True)
+
+
 def _options(struct, **fields):
     """A compiled engine's options struct (csrc/buckets.h, csrc/bucket_layout.h), filled by field name."""
     for name, value in fields.items():

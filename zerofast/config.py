@@ -303,7 +303,7 @@ class Plan:
         return self.loss_scale is not None
 
 
-def precision_policy(mixed_precision) -> MixedPrecisionPolicy:
+def precision_policy(mixed_precision, who: str = "ZeroAdam") -> MixedPrecisionPolicy:
     """mixed_precision= as ZeroAdam takes it: None, "bf16", "fp16" or a MixedPrecisionPolicy."""
     if mixed_precision is None:
         return MixedPrecisionPolicy()
@@ -312,7 +312,7 @@ def precision_policy(mixed_precision) -> MixedPrecisionPolicy:
     if isinstance(mixed_precision, str) and mixed_precision in LOW_DTYPES:
         return MixedPrecisionPolicy(LOW_DTYPES[mixed_precision])
     raise ValueError(
-        f"ZeroAdam: mixed_precision must be None, 'bf16', 'fp16' or a MixedPrecisionPolicy; got {mixed_precision!r}"
+        f"{who}: mixed_precision must be None, 'bf16', 'fp16' or a MixedPrecisionPolicy; got {mixed_precision!r}"
     )
 
 

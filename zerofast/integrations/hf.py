@@ -1,5 +1,5 @@
-"""ZeroAdam inside the Hugging Face Trainer: `ZeroTrainer`, `ZeroTrainerMixin`, and `ZeroSFTTrainer`
-(TRL's SFTTrainer, where trl is installed).
+"""ZeroAdam inside the Hugging Face Trainer: `ZeroTrainer`, `ZeroTrainerMixin`, and TRL's trainers with
+it where trl is installed: `ZeroSFTTrainer`, `ZeroDPOTrainer`, `ZeroGRPOTrainer`, `ZeroRLOOTrainer`.
 
     trainer = ZeroTrainer(model=model, args=TrainingArguments(...), train_dataset=...,
                           zero={"stage": 3})            # any ZeroAdam option but those the arguments own
@@ -29,7 +29,9 @@ naming it, never an override silently skipped. What maps to what:
     ZeroTrainer(save_async=True) writes it in the background (zerofast.checkpoint.save(blocking=
     False)), the rotation of save_total_limit running once it is complete;
   - save_model(): a consolidated model (config + safetensors, or a PEFT adapter) from
-    opt.full_state_dict(), gathered unit by unit.
+    opt.full_state_dict(), gathered unit by unit;
+  - the frozen models TRL keeps beside the policy (reference, reward): frozen in the policy's
+    precision, sharded at stage 3 by zerofast.shard_frozen ([Note: frozen models in the Trainer]).
 """
 
 from __future__ import annotations
@@ -37,26 +39,31 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from accelerate import Accelerator
-from transformers import Trainer, TrainerState, TrainingArguments, trainer_utils, training_args
+from transformers import PreTrainedModel, Trainer, TrainerState, TrainingArguments, trainer_utils, training_args
 from transformers import trainer as trainer_module
 from transformers.trainer_pt_utils import AcceleratorConfig
 
 from .. import checkpoint as zckpt
-from ..config import MixedPrecisionPolicy
+from ..config import MixedPrecisionPolicy, UnitPolicy, precision_policy
 from ..optim.zero_adam import ZeroAdam
+from ..stage3.inference import in_precision, shard_frozen, sharded_frozen_of
 from . import hosts
+from .hosts import IncompatibleHostError
 
 __all__ = [
     "RELIES_ON",
     "ZeroTrainer",
     "ZeroTrainerMixin",
     "last_complete_checkpoint",
-]  # and ZeroSFTTrainer, made on first use where trl imports
+]  # and TRL_TRAINERS' classes (ZeroSFTTrainer, ...), made on first use where trl imports
 
 ZERO_DIR = "zerofast"  # checkpoint-N/zerofast: the sharded zerofast checkpoint
 # ZeroAdam options that TrainingArguments owns: zero= must not repeat them.
@@ -87,11 +94,15 @@ class _ZeroAccelerator(Accelerator):
     clip_grad_norm_ and optimizer_step_was_skipped are ZeroAdam's."""
 
     _zero: ZeroAdam | None = None
+    _for_inference = None  # the trainer's _prepare_for_inference: [Note: frozen models in the Trainer]
 
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
         if self._zero is not None:
             device_placement = False
-        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        if evaluation_mode and self._for_inference is not None:
+            prepared = self._for_inference(prepared)
+        return prepared
 
     def prepare_optimizer(self, optimizer, device_placement=None):
         if isinstance(optimizer, ZeroAdam):
@@ -127,6 +138,15 @@ class _ZeroAccelerator(Accelerator):
         if norm_type != 2:
             raise ValueError(f"ZeroTrainer: clip_grad_norm_ supports the 2-norm only; got norm_type={norm_type!r}")
         return self._zero.clip_grad_norm_(max_norm)
+
+
+def _units_for(units):
+    """The units in zero= for another model than the policy than the policy: a policy (classes, a callable) applies to
+    any model; submodules of the policy name none of the other's, which gets the default units."""
+    modules = units.modules if isinstance(units, UnitPolicy) else units
+    if isinstance(modules, (list, tuple)) and any(isinstance(m, nn.Module) for m in modules):
+        return UnitPolicy(min_unit_mb=units.min_unit_mb) if isinstance(units, UnitPolicy) else None
+    return units
 
 
 def _ensure_process_group(device: torch.device) -> None:
@@ -165,9 +185,15 @@ class ZeroTrainerMixin:
             )
         if kwargs.get("optimizer_cls_and_kwargs") is not None:
             raise ValueError("ZeroTrainer: optimizer_cls_and_kwargs= next to zero=; the trainer builds ZeroAdam")
+        self._prepared_for_inference = weakref.WeakSet()  # models frozen by _prepare_for_inference
         super().__init__(*args, **kwargs)
         hosts.check_instance(RELIES_ON, self)
         self._check_arguments()
+        self._check_frozen_models()
+        if "trl" in sys.modules:  # a TRL trainer: its generation mode ([Note: TRL's generation mode])
+            from . import _trl
+
+            _trl.adopt(self)
 
     def _check_arguments(self) -> None:
         a = self.args
@@ -222,6 +248,55 @@ class ZeroTrainerMixin:
                 f"accelerate.Accelerator; ZeroTrainer gives the accelerator a class of its own"
             )
         self.accelerator.__class__ = _ZeroAccelerator  # see [Note: the Trainer's accelerator]
+        self.accelerator._for_inference = self._prepare_for_inference
+
+    # --- models run for inference only beside the policy ------------------------------------------
+
+    def _prepare_for_inference(self, model):
+        """[Note: frozen models in the Trainer]
+        TRL's trainers keep frozen models beside the policy: DPO's and GRPO's (beta > 0) reference,
+        built by TRL 1.16.0 from the policy's path as a whole copy, and GRPO's reward models. Outside
+        DeepSpeed and FSDP, TRL hands each to `self.accelerator.prepare_model(m, evaluation_mode=True)`
+        once, in its constructor (DPOTrainer, GRPOTrainer, RLOOTrainer, KTOTrainer, the distillation
+        teacher): the one point where every such model passes, and already ours ([Note: the
+        Trainer's accelerator]). There every model other than the policy is frozen and brought to
+        the policy's precision (bf16= / fp16=, or the mixed_precision given in zero=), so that policy and
+        reference give identical log-probs at step 0, as under TRL + DDP's autocast; at stage 3 it
+        is also sharded (zerofast.shard_frozen: 1/N per rank plus two units, on the trainer's
+        process group), at stages 1 and 2 kept whole. The Trainer's own evaluation passes the
+        policy through the same call: left as it is. Checked after the host's constructor
+        (_check_frozen_models): a reference model that did not pass here is an error, not a whole
+        copy silently kept."""
+        if not isinstance(model, nn.Module) or model is self.model or model is getattr(self, "model_wrapped", None):
+            return model
+        if sharded_frozen_of(model) is not None or model in self._prepared_for_inference:
+            return model
+        self._prepared_for_inference.add(model)
+        precision = self._mixed_precision()
+        if self.zero.get("stage", 2) == 3:
+            _ensure_process_group(self.args.device)
+            units = _units_for(self.zero.get("units"))
+            shard_frozen(model, self.zero.get("process_group"), mixed_precision=precision, units=units)
+            return model
+        for p in model.parameters():
+            p.requires_grad_(False)
+        in_precision(model, precision_policy(precision).param_dtype if precision is not None else None)
+        return model
+
+    def _check_frozen_models(self) -> None:
+        """What the host built for inference went through _prepare_for_inference: [Note: frozen models
+        in the Trainer]."""
+        models = [getattr(self, "ref_model", None)] + [
+            f for f in getattr(self, "reward_funcs", None) or [] if isinstance(f, PreTrainedModel)
+        ]
+        for model in models:
+            if isinstance(model, nn.Module) and model not in self._prepared_for_inference:
+                raise IncompatibleHostError(
+                    f"ZeroTrainer: {type(self).__name__} built a {type(model).__name__} for inference that "
+                    f"never passed through accelerator.prepare_model(..., evaluation_mode=True), where "
+                    f"zerofast shards it and brings it to the policy's precision (written against trl "
+                    f"{TRL.tested}); it would stay a whole copy in another precision"
+                )
 
     # --- the optimizer ---------------------------------------------------------------------------
 
@@ -410,7 +485,7 @@ class ZeroTrainer(ZeroTrainerMixin, Trainer):
 # The versions: the Makefile's HF_DEPS pins (tested) and pyproject.toml's extra `hf` (supported).
 TRANSFORMERS = hosts.Pin("transformers", tested="5.24.0", supported=">=5.24.0,<5.25")
 ACCELERATE = hosts.Pin("accelerate", tested="1.15.0", supported=">=1.15.0,<1.16")
-TRL = hosts.Pin("trl", tested="1.16.0", supported=">=1.16.0,<1.17")  # ZeroSFTTrainer's, checked when made
+TRL = hosts.Pin("trl", tested="1.16.0", supported=">=1.16.0,<1.17")  # TRL_TRAINERS', checked when made
 # The Trainer methods ZeroTrainerMixin replaces; the private ones are named after transformers 5.24.0.
 TRAINER_OVERRIDES = (
     "create_accelerator_and_postprocess",
@@ -511,27 +586,43 @@ RELIES_ON = hosts.Reliance(
 hosts.check(RELIES_ON)
 
 
-def _sft_reliance(sft_trainer: type) -> hosts.Reliance:
-    """ZeroTrainerMixin over TRL's SFTTrainer: the same overrides, against what SFTTrainer changes."""
+# TRL's trainers made with the mixin, by the name each is exported under here.
+TRL_TRAINERS = {
+    "ZeroSFTTrainer": "SFTTrainer",
+    "ZeroDPOTrainer": "DPOTrainer",
+    "ZeroGRPOTrainer": "GRPOTrainer",
+    "ZeroRLOOTrainer": "RLOOTrainer",
+}
+
+
+def _trl_reliance(name: str, host: type) -> hosts.Reliance:
+    """ZeroTrainerMixin over one of TRL's trainers: the same overrides, against what it changes."""
     return hosts.Reliance(
-        "zerofast.integrations.hf.ZeroSFTTrainer",
+        f"zerofast.integrations.hf.{name}",
         extra="hf",
         pins=(TRL,),
-        entries=(hosts.Overrides(ZeroTrainerMixin, sft_trainer, TRAINER_OVERRIDES),),
+        entries=(hosts.Overrides(ZeroTrainerMixin, host, TRAINER_OVERRIDES),),
     )
 
 
 def __getattr__(name: str):
-    if name == "ZeroSFTTrainer":  # TRL's SFTTrainer with ZeroAdam, made where trl imports
+    if name in TRL_TRAINERS:  # TRL's trainer with ZeroAdam, made where trl imports
         try:
-            from trl import SFTTrainer
+            import trl
+
+            host = getattr(trl, TRL_TRAINERS[name])
         except ImportError as e:
-            raise AttributeError(f"zerofast.integrations.hf.ZeroSFTTrainer needs trl ({e})") from e
-        hosts.check(_sft_reliance(SFTTrainer))
+            raise AttributeError(f"zerofast.integrations.hf.{name} needs trl ({e})") from e
+        hosts.check(_trl_reliance(name, host))
         cls = type(
-            "ZeroSFTTrainer",
-            (ZeroTrainerMixin, SFTTrainer),
-            {"__module__": __name__, "__doc__": "trl.SFTTrainer with ZeroAdam: ZeroSFTTrainer(..., zero={...})."},
+            name,
+            (ZeroTrainerMixin, host),
+            {
+                "__module__": __name__,
+                "__doc__": f"trl.{host.__name__} with ZeroAdam: {name}(..., zero={{...}}); its reference "
+                "and reward models frozen in the policy's precision, sharded at stage 3: see "
+                "ZeroTrainerMixin._prepare_for_inference.",
+            },
         )
         globals()[name] = cls
         return cls

@@ -22,11 +22,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..checkpoint.view import CheckpointView, Facts, ScalerState, ShardedPart
-from ..comm import BucketComm, group_timeout
+from ..comm import BucketComm, group_timeout, second_group
 from ..config import Plan
 from ..layout import Layout
-from ..stage3.frozen import FrozenShard, placeholder_grad_shard
-from ..stage3.runtime import UnitBuffers, UnitPart, UnitTracker
+from ..stage3.frozen import FrozenShard, frozen_part
+from ..stage3.runtime import UnitBuffers, UnitTracker
 from ..stage3.units import UnitPlan, hook_needs
 from ..topology import LiveReplicas, Topology, resolve_topology
 from . import checks
@@ -152,7 +152,7 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
         # all_reduces instead ([Note: replica groups on torchft]).
         replicate_grads_group=topology.replicate_group
         if topology.live
-        else _second_group(topology.replicate_group, topology.group),
+        else second_group(topology.replicate_group, topology.group),
         live=topology.live,
         replicate_min_bytes=plan.replicate_bytes,
         dp_rank=topology.rank,
@@ -194,21 +194,10 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
     )
 
 
-def _second_group(group: dist.ProcessGroup | None, timeout_of: dist.ProcessGroup) -> dist.ProcessGroup | None:
-    """A second group of the same ranks (None for None): collectives whose order is set by timing
-    (stage 3's gathers, the replicas' gradient all_reduces during backward) get a group of their
-    own, so they never pair up with another kind of collective."""
-    if group is None:
-        return None
-    ranks = dist.get_process_group_ranks(group)
-    # With the same timeout as the group given: new_group's default is 30 minutes ([Note: faults]).
-    return dist.new_group(ranks, timeout=group_timeout(timeout_of), use_local_synchronization=True)
-
-
 def _gather_group(topology: Topology) -> dist.ProcessGroup:
     """Stage 3 gathers on a second group: see [Note: two process groups] in csrc/buckets.cpp. Only a
     rank's own shard group gathers its parameters."""
-    return _second_group(topology.shard_group, topology.group)
+    return second_group(topology.shard_group, topology.group)
 
 
 def _frozen_part(layouts, topology: Topology, plan: Plan, comm: BucketComm):
@@ -217,22 +206,14 @@ def _frozen_part(layouts, topology: Topology, plan: Plan, comm: BucketComm):
     shard); (None, None) when there are none."""
     if layouts.frozen_layout is None:
         return None, None
-    rank = topology.shard_rank
-    frozen = FrozenShard(
+    frozen, frozen_comm = frozen_part(
+        layouts.frozen_named,
         layouts.frozen_layout,
-        rank,
-        [n for n, _ in layouts.frozen_named],
-        [p for _, p in layouts.frozen_named],
         layouts.frozen_bucket_of,
-    )
-    frozen_comm = BucketComm(
+        topology.shard_rank,
         topology.shard_group,
-        frozen.layout,
-        rank,
-        placeholder_grad_shard(frozen.layout.shard_numel(rank), plan.reduce_dtype, frozen.device),
         comm.gather_group,
-        None,
-        0,
+        plan.reduce_dtype,
         plan.check_collectives,
         dp_rank=topology.rank,
         dp_world=topology.world,
@@ -243,9 +224,6 @@ def _frozen_part(layouts, topology: Topology, plan: Plan, comm: BucketComm):
 
 def _shard_params(model, layouts, topology: Topology, shard: ShardState, comm, frozen, frozen_comm) -> UnitTracker:
     """Stage 3: copy this rank's shards out, release every unit, and install the hooks."""
-    frozen_part = None
-    if frozen is not None:
-        frozen_part = UnitPart(frozen.buffers, frozen.shard, frozen.layout, frozen_comm, frozen.bucket_of)
     buffers = UnitBuffers(
         shard.param_buffers,
         shard.param_shard,
@@ -253,7 +231,7 @@ def _shard_params(model, layouts, topology: Topology, shard: ShardState, comm, f
         topology.shard_rank,
         comm,
         layouts.unit_buckets,
-        frozen_part,
+        frozen.unit_part(frozen_comm) if frozen is not None else None,
     )
     buffers.shard_out()
     return UnitTracker(model, hook_needs(model, layouts.unit_params, layouts.unit_plan), buffers)

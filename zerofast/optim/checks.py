@@ -142,7 +142,7 @@ def data_parallel_group(process_group, shard_size):
     return dist.new_group(sorted(ranks), use_local_synchronization=True), k, mesh
 
 
-def check_same_across_ranks(model: nn.Module, group) -> None:
+def check_same_across_ranks(model: nn.Module, group, who: str = "ZeroAdam") -> None:
     """Every rank raises the same error (naming the first mismatch) instead of hanging later."""
     mine = _signature(model)
     everyone: list = [None] * dist.get_world_size(group)
@@ -154,12 +154,12 @@ def check_same_across_ranks(model: nn.Module, group) -> None:
         for a, b in zip(reference, sig):
             if a != b:
                 raise ValueError(
-                    f"ZeroAdam: ranks hold different models: rank 0 has {a[0]} {a[1]} "
+                    f"{who}: ranks hold different models: rank 0 has {a[0]} {a[1]} "
                     f"{a[2]} {a[3]} (requires_grad={a[4]}), rank {rank} has {b[0]} {b[1]} "
                     f"{b[2]} {b[3]} (requires_grad={b[4]})"
                 )
         raise ValueError(
-            f"ZeroAdam: ranks hold different models: rank 0 has {len(reference)} parameters "
+            f"{who}: ranks hold different models: rank 0 has {len(reference)} parameters "
             f"and buffers, rank {rank} has {len(sig)}"
         )
 

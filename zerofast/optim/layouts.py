@@ -14,6 +14,7 @@ import torch.nn as nn
 from ..config import Plan
 from ..layout import Layout, build_layout
 from ..partition import owners_for
+from ..stage3.frozen import frozen_layout as frozen_layout_of
 from ..stage3.frozen import split_units, unit_layout
 from ..stage3.units import UnitPlan, find_units
 
@@ -77,11 +78,8 @@ def plan_layouts(model: nn.Module, plan: Plan, world: int, costs: list[int] | No
     layout, unit_buckets = unit_layout(parts, numels, world, plan.partition, costs, plan.layout_block)
     frozen_layout = frozen_bucket_of = None
     if frozen_named:
-        frozen_index = {id(p): j for j, (_, p) in enumerate(frozen_named)}
-        _, fparts = split_units(unit_plan.groups, [id(p) not in frozen_index for p in unit_params])
-        fparts = [[frozen_index[id(unit_params[i])] for i in part] for part in fparts]
-        frozen_layout, frozen_bucket_of = unit_layout(
-            fparts, [p.numel() for _, p in frozen_named], world, plan.partition
+        frozen_layout, frozen_bucket_of = frozen_layout_of(
+            unit_plan.groups, unit_params, [p for _, p in frozen_named], world, plan.partition
         )
     return Layouts(
         names, params, layout, unit_plan, unit_params, unit_buckets, frozen_named, frozen_layout, frozen_bucket_of

@@ -36,6 +36,7 @@ import torch
 
 from ..layout import Layout, Piece, bind_views, layout_from_groups
 from ..partition import owners_for
+from .runtime import UnitPart
 
 
 def split_units(groups: list[list[int]], trainable: list[bool]) -> tuple[list[list[int]], list[list[int]]]:
@@ -64,6 +65,54 @@ def unit_layout(
     return layout, bucket_of
 
 
+def frozen_layout(
+    groups: list[list[int]],
+    unit_params: list[torch.nn.Parameter],
+    frozen_params: list[torch.nn.Parameter],
+    world: int,
+    partition: str,
+) -> tuple[Layout, list[int | None]]:
+    """The frozen parameters' layout: one bucket per unit that holds any (groups: the unit plan's,
+    indices into unit_params), and each unit's bucket (None: it holds none)."""
+    index = {id(p): j for j, p in enumerate(frozen_params)}
+    parts = [[index[id(unit_params[i])] for i in g if id(unit_params[i]) in index] for g in groups]
+    return unit_layout(parts, [p.numel() for p in frozen_params], world, partition)
+
+
+def frozen_part(
+    named: list[tuple[str, torch.nn.Parameter]],
+    layout: Layout,
+    bucket_of: list[int | None],
+    rank: int,
+    group,
+    gather_group,
+    grad_dtype: torch.dtype,
+    check_collectives: bool = False,
+    dp_rank: int | None = None,
+    dp_world: int | None = None,
+):
+    """The frozen parameters' FrozenShard (the parameters become views of its buffers) and the
+    BucketComm that gathers them on `gather_group` (no reduce, no gradient shard); the runtime's
+    UnitPart is FrozenShard.unit_part(comm). Stage 3 under ZeroAdam (zerofast/optim/builder.py) and
+    a model sharded for inference only (zerofast/stage3/inference.py) both build it here."""
+    from ..comm import BucketComm  # compiled: imported here, so that the estimator's layouts never load it
+
+    frozen = FrozenShard(layout, rank, [n for n, _ in named], [p for _, p in named], bucket_of)
+    comm = BucketComm(
+        group,
+        layout,
+        rank,
+        placeholder_grad_shard(layout.shard_numel(rank), grad_dtype, frozen.device),
+        gather_group,
+        None,
+        0,
+        check_collectives,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+    )
+    return frozen, comm
+
+
 class FrozenShard:
     """The frozen parameters' flat buffers (one per bucket of `layout`; the parameters become views of
     them) and this rank's shard. Built with every buffer full; UnitBuffers.shard_out copies the owned
@@ -82,6 +131,10 @@ class FrozenShard:
     @property
     def dtype(self) -> torch.dtype:
         return self.shard.dtype
+
+    def unit_part(self, comm):
+        """The runtime's view of these buffers (zerofast/stage3/runtime.py's UnitPart), gathered by `comm`."""
+        return UnitPart(self.buffers, self.shard, self.layout, comm, self.bucket_of)
 
     @property
     def device(self) -> torch.device:

@@ -97,7 +97,9 @@ class UnitBuffers:
     unit_buckets None, unit u is bucket num_units - 1 - u: buckets follow backward order ([Note:
     bucket order]). `frozen`: a second UnitPart for the frozen parameters, gathered and released
     with their unit ([Note: frozen parameters in stage 3]); then unit_buckets maps each unit to its
-    trainable bucket (None: the unit is frozen only)."""
+    trainable bucket (None: the unit is frozen only). A model sharded for inference only has a
+    frozen part alone, given as the first ([Note: models sharded for inference only] in
+    inference.py)."""
 
     def __init__(
         self,

@@ -1,0 +1,315 @@
+"""TRL's GRPO, RLOO and DPO with the mixin, run by tests/test_rl.py under torchrun (2 CPU ranks, gloo):
+`python tests/rl_job.py grpo OUT`. Rank 0 writes OUT/grpo.json.
+
+One launch, trainings of a 2-layer Llama (built from a config, saved locally so that TRL
+builds its reference model from the path, as it does from a hub name), greedy generation, beta > 0:
+  - ZeroGRPOTrainer stage 3, fp32: its reference model sharded (shard_frozen), generating with the
+    whole model gathered (ds3_gather_for_generation=True, TRL's default);
+  - GRPOTrainer + DDP, fp32, the same arguments: the oracle;
+  - ZeroGRPOTrainer stage 3, fp32, generating unit by unit (ds3_gather_for_generation=False);
+  - ZeroGRPOTrainer stage 3 and stage 2, bf16 (TRL's default): the reference in the policy's bf16,
+    so the KL of the first step is exactly 0;
+  - RLOO: ZeroRLOOTrainer stage 3 and RLOOTrainer + DDP in fp32;
+  - DPO: ZeroDPOTrainer stage 3 and DPOTrainer + DDP in fp32, ZeroDPOTrainer stage 3 in bf16.
+The end-of-sequence token is chosen from the untrained model's greedy continuations so that the
+ranks' completions end at different lengths (recorded per rank by the reward function): the case
+that left a rank waiting in a gather. Greedy completions of one prompt are identical, so the
+reward also depends on the completion's place in its batch (parity), for advantages that are not 0.
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+torch.set_num_threads(1)
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+hf_logging.set_verbosity_error()
+JOB, OUT = sys.argv[1], sys.argv[2]
+RANK = int(os.environ.get("RANK", 0))
+WORDS = "the a cat dog sat ran on under mat log red blue big small".split()
+MAX_NEW = 6
+STEPS = 3
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "<s>", "</s>"] + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def prompts(n=12):
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(2, 6, (n,), generator=g)
+    return [" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (int(k),), generator=g)) for k in lengths]
+
+
+def saved_policy(tok) -> str:
+    """The policy, saved where TRL will load its reference from; its generation config's
+    end-of-sequence token chosen so that greedy completions end at different lengths."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            pad_token_id=tok.pad_token_id,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    ).eval()
+    model.generation_config.eos_token_id = [tok.eos_token_id, _varied_stop(model, tok)]
+    path = os.path.join(OUT, f"policy-rank{RANK}")  # each rank its own copy: no file shared while written
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _varied_stop(model, tok) -> int:
+    """The word whose first appearance in the prompts' greedy continuations is spread over the most
+    different steps (never: MAX_NEW)."""
+    firsts = {t: [] for t in range(4, 4 + len(WORDS))}
+    with torch.no_grad():
+        for text in prompts():
+            ids = tok(text, return_tensors="pt").input_ids
+            out = model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+            new = out[0, ids.shape[1] :].tolist()
+            for t in firsts:
+                firsts[t].append(new.index(t) if t in new else MAX_NEW)
+    return max(firsts, key=lambda t: (len(set(firsts[t])), -t))
+
+
+LENGTHS = []  # per reward call on this rank: the longest completion of the rank's batch
+
+
+def reward(completions, completion_ids, **kwargs):
+    LENGTHS.append(max(len(c) for c in completion_ids))
+    return [0.1 * len(c) + (i % 2) for i, c in enumerate(completion_ids)]
+
+
+def rl_config(config_cls, name, **kw):
+    base = dict(
+        output_dir=os.path.join(OUT, name),
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=MAX_NEW,
+        max_steps=STEPS,
+        learning_rate=1e-2,
+        beta=0.1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        bf16=False,
+        generation_kwargs={"do_sample": False},
+        ddp_backend="gloo",
+        dataloader_num_workers=0,
+    )
+    base.update(kw)
+    return config_cls(**base)
+
+
+def run(cls, name, path, tok, **kw):
+    """Train `cls` (GRPO or RLOO, with or without the mixin) from the saved policy."""
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    LENGTHS.clear()
+    zero = kw.pop("zero", {"stage": 3})
+    trainer_kw = {} if cls.__module__.startswith("trl") else {"zero": zero}
+    config_cls = trl.RLOOConfig if "RLOO" in cls.__name__ else trl.GRPOConfig
+    model = AutoModelForCausalLM.from_pretrained(path)
+    trainer = cls(
+        model=model,
+        reward_funcs=reward,
+        args=rl_config(config_cls, name, **kw),
+        train_dataset=Dataset.from_dict({"prompt": prompts()}),
+        processing_class=tok,
+        **trainer_kw,
+    )
+    ref = trainer.ref_model
+    generate_gathers = _count_generate_gathers(model, trainer)
+    trainer.train()
+    logs = [{k: e[k] for k in ("loss", "kl", "reward") if k in e} for e in trainer.state.log_history if "loss" in e]
+    lengths = [None] * dist.get_world_size()
+    dist.all_gather_object(lengths, list(LENGTHS))
+    out = {"logs": logs, "lengths": lengths, "ref_dtype": str(next(ref.parameters()).dtype)}
+    out["ref_sharded"] = _ref_storage(ref)
+    out["generate_gathers"] = generate_gathers
+    if hasattr(trainer.optimizer, "full_state_dict"):
+        out["policy_units"] = len(trainer.optimizer.report().units)
+        params = trainer.optimizer.full_state_dict()
+    else:
+        params = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return out, params
+
+
+def _count_generate_gathers(model, trainer) -> list:
+    """The unit gathers each generate() call of the policy starts (filled during training)."""
+    counts, generate = [], model.generate
+
+    def counting(*args, **kwargs):
+        report = getattr(trainer.optimizer, "report", None)
+        before = report().unit_gathers if report else 0
+        result = generate(*args, **kwargs)
+        counts.append((report().unit_gathers if report else 0) - before)
+        return result
+
+    model.generate = counting
+    return counts
+
+
+def _ref_storage(ref):
+    """The reference model's parameter storage on this rank, if shard_frozen sharded it."""
+    from zerofast.stage3.inference import sharded_frozen_of
+
+    handle = sharded_frozen_of(ref)
+    if handle is None:
+        return None
+    layout = handle._frozen.layout
+    return {
+        "shard_numel": handle._frozen.shard.numel(),
+        "padded_numel": sum(b.numel for b in layout.buckets),
+        "all_numel": sum(p.numel() for p in ref.parameters()),
+        "tensors": len(list(ref.parameters())),
+        "buckets": len(layout.buckets),
+    }
+
+
+def grpo():
+    from trl import GRPOTrainer, RLOOTrainer
+
+    from zerofast.integrations.hf import ZeroGRPOTrainer, ZeroRLOOTrainer
+
+    tok = tokenizer()
+    path = saved_policy(tok)
+    results, params = {}, {}
+    results["zero3"], params["zero3"] = run(ZeroGRPOTrainer, "zero3", path, tok)
+    results["ddp"], params["ddp"] = run(GRPOTrainer, "ddp", path, tok)
+    results["zero3_streamed"], params["zero3_streamed"] = run(
+        ZeroGRPOTrainer, "zero3_streamed", path, tok, ds3_gather_for_generation=False
+    )
+    results["zero3_bf16"], _ = run(ZeroGRPOTrainer, "zero3_bf16", path, tok, bf16=True)
+    diff = {
+        name: max((params[name][k].float() - params["ddp"][k].float()).abs().max().item() for k in params["ddp"])
+        for name in ("zero3", "zero3_streamed")
+    }
+    moved = max(
+        (params["ddp"][k].float() - v.float()).abs().max().item()
+        for k, v in _initial(path).items()
+        if k in params["ddp"]
+    )
+    results["zero2_bf16"], _ = run(ZeroGRPOTrainer, "zero2_bf16", path, tok, bf16=True, zero={"stage": 2})
+    rloo, rloo_params = {}, {}
+    rloo["zero3"], rloo_params["zero3"] = run(ZeroRLOOTrainer, "rloo_zero3", path, tok)
+    rloo["ddp"], rloo_params["ddp"] = run(RLOOTrainer, "rloo_ddp", path, tok)
+    rloo["max_param_diff"] = max(
+        (rloo_params["zero3"][k].float() - rloo_params["ddp"][k].float()).abs().max().item() for k in rloo_params["ddp"]
+    )
+    results["rloo"] = rloo
+    results["dpo"] = dpo(path, tok)
+    if RANK == 0:
+        with open(os.path.join(OUT, "rl.json"), "w") as f:
+            json.dump({**results, "max_param_diff": diff, "moved": moved}, f)
+
+
+def _initial(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path).state_dict()
+
+
+def preferences(n=8):
+    g = torch.Generator().manual_seed(1)
+
+    def text(k):
+        return " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (k,), generator=g))
+
+    return {
+        "prompt": [text(3) for _ in range(n)],
+        "chosen": [text(3) for _ in range(n)],
+        "rejected": [text(2) for _ in range(n)],
+    }
+
+
+def run_dpo(cls, name, path, tok, **kw):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig
+
+    extra = {} if cls.__name__ == "DPOTrainer" else {"zero": {"stage": 3}}
+    args = dict(
+        output_dir=os.path.join(OUT, name),
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        max_steps=STEPS,
+        learning_rate=1e-2,
+        beta=0.1,
+        max_length=16,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        bf16=False,
+        ddp_backend="gloo",
+        dataloader_num_workers=0,
+        dataset_num_proc=None,
+    )
+    args.update(kw)
+    trainer = cls(
+        model=AutoModelForCausalLM.from_pretrained(path),
+        args=DPOConfig(**args),
+        train_dataset=Dataset.from_dict(preferences()),
+        processing_class=tok,
+        **extra,
+    )
+    ref = trainer.ref_model
+    trainer.train()
+    keys = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins")
+    logs = [{k: e[k] for k in keys if k in e} for e in trainer.state.log_history if "loss" in e]
+    out = {"logs": logs, "ref_dtype": str(next(ref.parameters()).dtype), "ref_sharded": _ref_storage(ref)}
+    if hasattr(trainer.optimizer, "full_state_dict"):
+        params = trainer.optimizer.full_state_dict()
+    else:
+        params = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return out, params
+
+
+def dpo(path, tok):
+    from trl import DPOTrainer
+
+    from zerofast.integrations.hf import ZeroDPOTrainer
+
+    results, params = {}, {}
+    results["zero3"], params["zero3"] = run_dpo(ZeroDPOTrainer, "dpo_zero3", path, tok)
+    results["ddp"], params["ddp"] = run_dpo(DPOTrainer, "dpo_ddp", path, tok)
+    results["zero3_bf16"], _ = run_dpo(ZeroDPOTrainer, "dpo_zero3_bf16", path, tok, bf16=True)
+    results["max_param_diff"] = max(
+        (params["zero3"][k].float() - params["ddp"][k].float()).abs().max().item() for k in params["ddp"]
+    )
+    return results
+
+
+{"grpo": grpo}[JOB]()
+if dist.is_initialized():
+    dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,179 @@
+"""Models sharded for inference only: a reference, reward or judge model beside the policy that a
+ZeroAdam trains, held as stage-3 units with no optimizer (`zerofast.shard_frozen`).
+
+[Note: models sharded for inference only]
+RL post-training keeps frozen models beside the policy (DPO's and GRPO's reference, a reward
+model): kept whole on every rank, each costs the whole model per rank. shard_frozen() shards one
+exactly as stage 3 shards a trained model's frozen parameters ([Note: frozen parameters in stage 3]
+in zerofast/stage3/frozen.py), with the same code: units.py plans the units, frozen.py lays out the
+frozen part and builds its FrozenShard and gather-only BucketComm, runtime.py's UnitBuffers and
+UnitTracker gather and release each unit around the modules that use it (the schedule of
+schedule.py, two units in flight), and hf_generation.py makes generate() sync the ranks. What
+differs from ZeroAdam's frozen part is only what is absent: no trainable part, so the frozen part
+is the UnitBuffers' only part, and no optimizer.
+  - Every parameter is frozen (requires_grad=False): the model is never trained through this.
+  - Precision: `mixed_precision` as ZeroAdam takes it. A low-precision policy converts the model's
+    floating parameters and buffers to that dtype and casts floating inputs, as ZeroAdam's mixed
+    precision does to the policy ([Note: mixed precision] in zerofast/optim/precision.py): a
+    reference model loaded from the policy's weights then holds bitwise the policy's parameters at
+    step 0 (both are the fp32 weights rounded to nearest), so the two give identical log-probs.
+  - Process group: its gathers run on a group of their own (the same ranks as `process_group`,
+    its timeout), so they never pair up with the collectives of a ZeroAdam on the same ranks,
+    whose reduces are issued during backward in an order set by timing.
+  - Ranks must run the same number of forwards, as any stage-3 model ([Note: generation on stage
+    3] in schedule.py): generate() is synced by zerofast; a loop of one's own, or ranks with
+    different numbers of batches, run inside gathered_params(), or every rank calls generate()
+    the same number of times (docs/rl.md shows both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..comm import second_group
+from ..config import DEFAULT_MIN_UNIT_MB, CommPolicy, precision_policy, unit_policy
+from ..optim import checks
+from ..optim.precision import InputCast, cast_unmanaged
+from .frozen import FrozenShard, frozen_layout, frozen_part
+from .runtime import UnitBuffers, UnitTracker
+from .units import find_units, hook_needs
+from .weights import named_full_tensors
+
+WHO = "shard_frozen"
+_SHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its ShardedFrozenModel
+
+
+class ShardedFrozenModel:
+    """What shard_frozen() returns: the model (called as before: its forwards gather unit by unit)
+    and the whole-model access a ZeroAdam gives (gathered_params(), named_full_tensors())."""
+
+    def __init__(self, model: nn.Module, units: UnitTracker, frozen: FrozenShard, hooks: list):
+        self.model = model
+        self._units, self._frozen, self._hooks = units, frozen, hooks
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The sharded parameters' dtype."""
+        return self._frozen.dtype
+
+    @contextlib.contextmanager
+    def gathered_params(self) -> Iterator[nn.Module]:
+        """Every unit gathered on entry (a collective: every rank enters), kept through any number of
+        forwards inside with no collective (ranks may run different numbers of them), released on
+        exit: [Note: generation on stage 3] in zerofast/stage3/schedule.py."""
+        self._units.pin()
+        try:
+            yield self.model
+        finally:
+            self._units.unpin()
+
+    def named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, whole tensor) for every entry of model.state_dict(), one unit gathered at a time
+        (zerofast/stage3/weights.py). Every rank runs it to its end (the gathers are collectives)."""
+        self._units.release_all()
+        return named_full_tensors(self.model, self._units)
+
+    @property
+    def unit_gathers(self) -> int:
+        """Unit gathers started since it was sharded (what generation costs: [Note: generation on
+        stage 3])."""
+        return self._units.gathers
+
+    def parameter_bytes(self) -> dict[str, int]:
+        """This rank's parameter storage now: "shard" (its part of every unit) and "gathered" (the
+        unit buffers that exist at the moment)."""
+        shard = self._frozen.shard
+        return {
+            "shard": shard.numel() * shard.element_size(),
+            "gathered": sum(b.untyped_storage().nbytes() for b in self._frozen.buffers),
+        }
+
+    def remove_hooks(self) -> None:
+        """Take every hook off the model (its parameters stay views of released unit buffers: the
+        model is unusable afterwards; for tearing down)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._units.remove()
+        _SHARDED.pop(self.model, None)
+
+
+def shard_frozen(
+    model: nn.Module, process_group: dist.ProcessGroup | None = None, *, mixed_precision=None, units=None
+) -> ShardedFrozenModel:
+    """Shard `model` for inference only across `process_group` (None: the world; a 2-D DeviceMesh:
+    every rank of it), as stage-3 units with no optimizer: each rank keeps 1/N of the parameters,
+    and a forward gathers two units at a time ([Note: models sharded for inference only]).
+    Every parameter is frozen; every rank calls it, with the same model (rank 0's values are
+    broadcast). mixed_precision: None (the model's own dtype), "bf16", "fp16" or a
+    MixedPrecisionPolicy: the policy's, so that a reference model loaded from the same weights
+    gives the policy's log-probs bitwise. units: stage 3's units as ZeroAdam takes them."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{WHO}: model must be an nn.Module; got {type(model).__name__}")
+    if model in _SHARDED:
+        raise ValueError(
+            f"{WHO}: this {type(model).__name__} is sharded already (shard_frozen was called on it before)"
+        )
+    if isinstance(process_group, checks.LiveReplicas):
+        raise TypeError(f"{WHO}: process_group must be a ProcessGroup, a DeviceMesh or None; got torchft's replicas")
+    checks.check_process_group(process_group)
+    param_dtype = precision_policy(mixed_precision, WHO).param_dtype if mixed_precision is not None else None
+    unit_p = unit_policy(units)
+    group, _, _ = checks.data_parallel_group(process_group, None)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    hooks = in_precision(model, param_dtype)
+    checks.check_same_across_ranks(model, group, WHO)
+    checks.broadcast_from_rank0(model, group)
+    named = _sharded_params(model, param_dtype)
+    params = [p for _, p in named]
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    min_unit_mb = unit_p.min_unit_mb if unit_p.min_unit_mb is not None else DEFAULT_MIN_UNIT_MB
+    plan = find_units(
+        model,
+        params,
+        unit_p.modules,
+        int(min_unit_mb * 2**20) if unit_p.modules is None else 0,
+        params[0].element_size(),
+    )
+    layout, bucket_of = frozen_layout(plan.groups, params, params, world, CommPolicy().partition)
+    frozen, comm = frozen_part(named, layout, bucket_of, rank, group, second_group(group, group), params[0].dtype)
+    buffers = UnitBuffers(frozen.buffers, frozen.shard, frozen.layout, rank, comm, frozen.bucket_of)
+    buffers.shard_out()
+    tracker = UnitTracker(model, hook_needs(model, params, plan), buffers)
+    handle = ShardedFrozenModel(model, tracker, frozen, hooks)
+    _SHARDED[model] = handle
+    return handle
+
+
+def sharded_frozen_of(model: nn.Module) -> ShardedFrozenModel | None:
+    """The handle shard_frozen() returned for `model`, or None if it was never sharded so."""
+    return _SHARDED.get(model)
+
+
+def in_precision(model: nn.Module, param_dtype: torch.dtype | None) -> list:
+    """A model run for inference beside a policy in low precision: its floating parameters and
+    buffers converted to param_dtype and its floating inputs cast, as ZeroAdam's mixed precision
+    does to the policy (nothing for None or float32). Returns the hook handles."""
+    if param_dtype is None or param_dtype == torch.float32:
+        return []
+    cast_unmanaged(model, param_dtype)
+    return [model.register_forward_pre_hook(InputCast(param_dtype), prepend=True, with_kwargs=True)]
+
+
+def _sharded_params(model: nn.Module, param_dtype: torch.dtype | None) -> list[tuple[str, nn.Parameter]]:
+    """The parameters to shard: the floating ones in the model's dtype (param_dtype, or the first
+    floating parameter's) on its device; any other (an int8 table, a buffer-like parameter on
+    another device) stays whole on every rank, as stage 3 leaves it."""
+    floating = [(n, p) for n, p in model.named_parameters() if p.is_floating_point()]
+    if not floating:
+        raise ValueError(f"{WHO}: the model has no floating-point parameters to shard")
+    dtype = param_dtype or floating[0][1].dtype
+    device = floating[0][1].device
+    return [(n, p) for n, p in floating if p.dtype == dtype and p.device == device]
