@@ -20,8 +20,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from harness import free_port, run_ranks
+from harness import context, free_port, run_ranks
 from oracles import HYPER, rank_batch, train_steps, zero_options
 
 from zerofast import ZeroAdam
@@ -39,16 +38,6 @@ HANG_S = TIMEOUT_S + 60  # a survivor still running after this never left: a han
 # closed connection at once); a stopped rank's stay open, and the wait ends at the timeout.
 PEER_GONE = r"Connection (reset|closed) by peer|Broken pipe"
 TIMED_OUT = r"Timed out waiting \d+ms|Application timeout caused pair closure"
-
-_CTX = None
-
-
-def _context():
-    global _CTX
-    if _CTX is None:
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "zerofast", "zerofast.tools.models", "oracles"])
-    return _CTX
 
 
 def _install_fault(model, opt, point: str, sig: int, state: dict) -> None:
@@ -137,7 +126,7 @@ def _rank_main(rank, world, port, stage, point, sig_name, out_dir):
 
 def _run_cases(cases, tmp_path, world=2):
     """Run the cases, PARALLEL at a time; return {case: [per-survivor result dicts]}."""
-    ctx = _context()
+    ctx = context()
     results = {}
     for i in range(0, len(cases), PARALLEL):
         batch = []
