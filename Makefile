@@ -25,7 +25,7 @@ LIGHTNING_DEPS := "lightning==2.6.6" "pytorch-lightning==2.6.6"
 FT_DEPS := "torchft==0.2.0"
 # Lint and docs: ruff (Python lint and format), clang-format (csrc/), mkdocs-material (docs/).
 TOOL_DEPS := "ruff==0.17.6" "clang-format==23.1.5" "mkdocs-material==9.8.2"
-PIP_DEPS := "$(TORCH_SPEC)" ninja setuptools wheel pytest pytest-benchmark numpy matplotlib $(HF_DEPS) $(LIGHTNING_DEPS) $(FT_DEPS) $(TOOL_DEPS)
+PIP_DEPS := "$(TORCH_SPEC)" ninja setuptools wheel pytest pytest-benchmark pytest-xdist numpy matplotlib $(HF_DEPS) $(LIGHTNING_DEPS) $(FT_DEPS) $(TOOL_DEPS)
 
 PY      := $(VENV)/bin/python
 # The marker names the package list, so a venv made before a package was added gets it.
@@ -68,8 +68,9 @@ build: $(BUILT)
 demo: $(BUILT)
 	$(PY) -m zerofast.train --compare --plot memory.png
 
+# Two pytest-xdist workers, a file at a time each, slowest files first (tests/conftest.py says why).
 test: $(BUILT)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # Lint: ruff's linter and formatter (pyproject.toml's [tool.ruff]) and clang-format (.clang-format) over
 # csrc/, checking only; `make format` rewrites the tree the same way.

@@ -19,7 +19,10 @@ import cuda_toolkit  # noqa: E402  (scripts/ is no package)
 
 
 def test_gpu_check_dry_run_goes_through_every_step(tmp_path):
-    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+    # Not the xdist worker's variables: the script's own pytest runs would take themselves for
+    # workers (pytest-benchmark then disables benchmarks, which --benchmark-only refuses).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env.update(OUT=str(tmp_path), PYTHON=sys.executable)
     out = subprocess.run(
         ["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--dry-run"],
         capture_output=True,
