@@ -43,7 +43,7 @@ from ..optim.precision import InputCast, cast_unmanaged
 from .frozen import FrozenShard, frozen_layout, frozen_part
 from .runtime import UnitBuffers, UnitTracker
 from .units import find_units, hook_needs
-from .weights import named_full_tensors
+from .weights import entries_for, named_full_tensors
 
 WHO = "shard_frozen"
 _SHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its ShardedFrozenModel
@@ -73,11 +73,13 @@ class ShardedFrozenModel:
         finally:
             self._units.unpin()
 
-    def named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_full_tensors(self, peft: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, whole tensor) for every entry of model.state_dict(), one unit gathered at a time
-        (zerofast/stage3/weights.py). Every rank runs it to its end (the gathers are collectives)."""
+        (zerofast/stage3/weights.py); peft: as ZeroAdam.named_full_tensors's. Every rank runs it to
+        its end (the gathers are collectives)."""
+        entries = entries_for(self.model, peft, "named_full_tensors")
         self._units.release_all()
-        return named_full_tensors(self.model, self._units)
+        return named_full_tensors(self.model, self._units, entries)
 
     @property
     def unit_gathers(self) -> int:
