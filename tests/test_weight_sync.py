@@ -5,7 +5,7 @@ with a tiny Hugging Face Llama + LoRA built from a config (random weights, no do
 is PEFT itself on the same trained weights: an unsharded PeftModel loaded with
 opt.full_state_dict(), whose merge_and_unload().state_dict() and get_peft_model_state_dict() the
 iterator must give bitwise (the same merge code on the same tensors). One run_ranks call on the
-2-rank pool, about 10 s on a 2-core machine."""
+2-rank pool: 3-5 s with the pool warm on a 2-core machine (its first use adds the pool's start)."""
 
 import torch
 import torch.nn as nn
