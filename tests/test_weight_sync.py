@@ -222,3 +222,21 @@ def test_peft_merged_and_adapter_weights_bitwise_peft_one_unit_at_a_time():
         if rank == 0:
             assert results["stage3"]["sync"] == [True, True], results["stage3"]
             assert 0 < results["stage3"]["sync_peak"] <= results["stage3"]["largest_unit"]
+
+
+def test_a_bad_peft_choice_is_a_named_error():
+    """peft= other than None, 'merged' or 'adapter', or given for a model that is not a PeftModel:
+    a ValueError naming the argument and the value, when the iterator is asked for (before any
+    gather)."""
+    import pytest
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zerofast.stage3.weights import entries_for
+
+    with pytest.raises(ValueError, match="peft must be None, 'merged' or 'adapter'; got 'merge'"):
+        entries_for(lora_llama(dict(target_modules=["q_proj"])), "merge", "named_full_tensors")
+    plain = LlamaForCausalLM(
+        LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)
+    )
+    with pytest.raises(ValueError, match="peft='merged' needs a peft.PeftModel; the model is a LlamaForCausalLM"):
+        entries_for(plain, "merged", "named_full_tensors")
