@@ -14,8 +14,8 @@ ZeRO-3 gathers the whole model to do so. Here nothing of the model is changed an
     one state_dict(keep_vars=True) call and undone, so the names are exactly the merged model's,
     mapped to the live tensors they come from;
   - values: an adapted layer's entries are made when its unit is gathered (its tensors have
-    storage), by PEFT's own merge (the layer's merge(), as merge_and_unload calls it: LoRA, DoRA,
-    lora_bias alike) run onto copies of the base layer's parameters, swapped in for the call and
+    storage), by PEFT's own merge (the layer's merge(), as merge_and_unload calls it, whatever the variant:
+    LoRA, DoRA) run onto copies of the base layer's parameters, swapped in for the call and
     swapped back; so the values are bitwise PEFT's, and a rank holds one unit plus one layer's
     merged copies. A layer whose tensors lie in several units is made with those units gathered
     together (stage 3's units= can split it).
