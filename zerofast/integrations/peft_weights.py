@@ -35,8 +35,6 @@ from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from ..stage3.weights import Entry, copy_of
 from . import hosts
 
-CHOICES = ("merged", "adapter")
-
 
 def peft_entries(model: nn.Module, peft: str, who: str) -> list[tuple[str, Entry]]:
     """The entries of `model` (a PeftModel) for peft="merged" or "adapter"."""
