@@ -10,7 +10,9 @@ builds its reference model from the path, as it does from a hub name), greedy ge
   - ZeroGRPOTrainer stage 3 and stage 2, bf16 (TRL's default): the reference in the policy's bf16,
     so the KL of the first step is exactly 0;
   - RLOO: ZeroRLOOTrainer stage 3 and RLOOTrainer + DDP in fp32;
-  - DPO: ZeroDPOTrainer stage 3 and DPOTrainer + DDP in fp32, ZeroDPOTrainer stage 3 in bf16.
+  - DPO: ZeroDPOTrainer stage 3 and DPOTrainer + DDP in fp32, ZeroDPOTrainer stage 3 in bf16;
+  - vLLM weight sync: ZeroGRPOTrainer stage 3 with LoRA and use_vllm, its vLLM connection replaced by
+    a recorder, one sync_weights() against PEFT's merge_and_unload() of the same weights.
 The end-of-sequence token is chosen from the untrained model's greedy continuations so that the
 ranks' completions end at different lengths (recorded per rank by the reward function): the case
 that left a rank waiting in a gather. Greedy completions of one prompt are identical, so the
@@ -226,6 +228,7 @@ def grpo():
     )
     results["rloo"] = rloo
     results["dpo"] = dpo(path, tok)
+    results["vllm_sync"] = vllm_sync(path, tok)
     if RANK == 0:
         with open(os.path.join(OUT, "rl.json"), "w") as f:
             json.dump({**results, "max_param_diff": diff, "moved": moved}, f)
@@ -307,6 +310,68 @@ def dpo(path, tok):
         (params["zero3"][k].float() - params["ddp"][k].float()).abs().max().item() for k in params["ddp"]
     )
     return results
+
+
+class _VLLMServer:
+    """vLLM's server as TRL's VLLMClient reaches it (vLLM does not run here): records what arrives."""
+
+    def __init__(self):
+        self.updates = []
+
+    def get_server_info(self):
+        return {"model_config": {"logprobs_mode": "processed_logprobs"}}
+
+    def update_named_params(self, metadata, named_params):
+        self.updates.append((metadata, [(n, t.clone()) for n, t in named_params]))
+
+    def reset_prefix_cache(self):
+        pass
+
+
+def vllm_sync(path, tok):
+    """ZeroGRPOTrainer stage 3 with LoRA and use_vllm (server mode), VLLMGeneration's connection to
+    vLLM replaced by a recorder: TRL's sync_weights() sends, as the mixin set it up, PEFT's
+    merge_and_unload().state_dict() of the same weights, bitwise."""
+    import trl
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    from zerofast.integrations.hf import ZeroGRPOTrainer
+
+    server = _VLLMServer()
+
+    def connect(self):  # what _init_vllm does in server mode, without a server
+        if self.accelerator.is_main_process:
+            self.vllm_client = server
+
+    lora = dict(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    original, VLLMGeneration._init_vllm = VLLMGeneration._init_vllm, connect
+    try:
+        trainer = ZeroGRPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(path),
+            reward_funcs=reward,
+            args=rl_config(trl.GRPOConfig, "vllm", beta=0.0, use_vllm=True, vllm_mode="server"),
+            train_dataset=Dataset.from_dict({"prompt": prompts()}),
+            processing_class=tok,
+            peft_config=LoraConfig(**lora),
+            zero={"stage": 3},
+        )
+    finally:
+        VLLMGeneration._init_vllm = original
+    opt = trainer.create_optimizer()
+    trainer.vllm_generation.sync_weights()
+    oracle = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(**lora))
+    oracle.load_state_dict(opt.full_state_dict())
+    want = oracle.merge_and_unload().state_dict()
+    out = {"class": type(trainer.vllm_generation).__name__, "updates": len(server.updates)}
+    if server.updates:
+        metadata, got = server.updates[0]
+        got = dict(got)
+        out["equal"] = got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
+        out["metadata"] = metadata == [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in got.items()]
+    return out
 
 
 {"grpo": grpo}[JOB]()

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from harness import run_ranks
 from oracles import Nested, rank_batch
 
@@ -110,6 +111,7 @@ def test_estimator_imports_no_compiled_code():
         "import sys; from zerofast.estimate import estimate_traffic; import zerofast.estimate.timemodel; "
         "from zerofast.tools.models import make_gpt; "
         "estimate_traffic(make_gpt('tiny'), 4, 3, shard_size=2); estimate_traffic(make_gpt('tiny'), 4, 1); "
+        "from zerofast.estimate import estimate_memory; estimate_memory(1000, 4, 3, frozen_models=[make_gpt('tiny')]); "
         "assert 'zerofast._C' not in sys.modules, 'the compiled extension was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -271,3 +273,64 @@ def test_cli_prints_links_and_times(capsys):
     main(["--params", "7.5B", "--world", "64", "--time", "--stage", "2"])
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("stage 2")]
     assert [r[2] for r in rows] == ["64", "8"]  # flat, then hybrid with a node per shard group
+
+
+def _inference_models(rank, world):
+    """shard_frozen's parameter storage per rank at its peak (shard + the most gathered at any
+    decoder layer's pre- or post-forward, in a forward after the first, which prefetches), fp32 and bf16 (the policy's precision), beside the
+    estimate of the same model unsharded (estimate_memory plans it without a process group)."""
+    from test_generation import prompt, tiny_llama
+
+    from zerofast import shard_frozen
+    from zerofast.estimate.memory import frozen_model_bytes
+
+    out = []
+    for precision, dtype in ((None, torch.float32), ("bf16", torch.bfloat16)):
+        model = tiny_llama()
+        estimated = frozen_model_bytes(model, world, dtype, UnitPolicy(min_unit_mb=0))
+        listed = estimate_memory(
+            model, world, 3, precision, units=UnitPolicy(min_unit_mb=0), frozen_models=[model, model]
+        ).frozen_models
+        ref = shard_frozen(model, mixed_precision=precision, units=UnitPolicy(min_unit_mb=0))
+        peak = [0]
+
+        def sample(*_):
+            peak.append(ref.parameter_bytes()["gathered"])
+
+        for layer in model.model.layers:
+            layer.register_forward_pre_hook(sample)
+            layer.register_forward_hook(sample)
+        with torch.no_grad():
+            for _ in range(2):  # the second prefetches the next block (in the first one's order)
+                peak[:] = [0]
+                model(prompt(rank, 0, 6))
+        out.append((ref.parameter_bytes()["shard"] + max(peak), estimated, listed))
+        ref.remove_hooks()
+    return out
+
+
+def test_estimate_counts_models_sharded_for_inference():
+    """estimate_memory(frozen_models=[...]): each model sharded by shard_frozen costs its shard
+    plus the root's unit and two block units per rank, planned as shard_frozen plans it: equal to
+    ShardedFrozenModel.parameter_bytes() measured at its peak in a forward (2 ranks, a 4-unit
+    Llama, fp32 and bf16; one pooled call, about 3 s)."""
+    for rank, results in enumerate(run_ranks(_inference_models, 2, timeout=120)):
+        for measured, estimated, listed in results:
+            assert measured == estimated, f"{rank=} {measured=} {estimated=}"
+            assert listed == 2 * estimated
+
+
+def test_estimate_counts_inference_models_given_as_counts():
+    """A count: Φ/N in the dtype, plus two of stage 2's default buckets standing in for the units
+    (at most the whole model); in the total; a bad value named."""
+    phi = 10**9
+    base = estimate_memory(phi, 8, 3, "bf16")
+    with_ref = estimate_memory(phi, 8, 3, "bf16", frozen_models=[phi])
+    stand_in = 2 * 8 * 2**20  # two of stage 2's default 8 MiB buckets, in bytes
+    assert with_ref.frozen_models == 2 * phi // 8 + stand_in
+    assert with_ref.total == base.total + with_ref.frozen_models
+    assert estimate_memory(1000, 8, 3, None, frozen_models=[1000]).frozen_models == 4 * (125 + 1000)
+    with pytest.raises(ValueError, match="frozen_models"):
+        estimate_memory(phi, 8, 3, frozen_models=phi)
+    with pytest.raises(ValueError, match="frozen_models"):
+        estimate_memory(phi, 8, 3, frozen_models=[-1])

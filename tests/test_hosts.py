@@ -235,6 +235,10 @@ def _tables():
             from zerofast.integrations import _trl
 
             tables.append(_trl.RELIES_ON)
+        if _importable("peft"):
+            from zerofast.integrations import peft_weights
+
+            tables.append(peft_weights.RELIES_ON)
     if _importable("lightning"):
         from zerofast.integrations import lightning
 

@@ -152,3 +152,13 @@ def test_a_reference_model_that_skipped_the_hook_is_a_named_error():
         lambda completions, **kw: [0.0],
     ]  # a plain module or function: not TRL's to prepare
     ZeroTrainerMixin._check_frozen_models(trainer)
+
+
+def test_trls_vllm_sync_sends_the_merged_weights_unit_by_unit(results):
+    """ZeroGRPOTrainer(use_vllm=True, peft_config=LoRA) at stage 3, vLLM's server replaced by a
+    recorder (vLLM does not run here): the trainer's VLLMGeneration reads opt.named_full_tensors
+    (peft="merged") ([Note: TRL's vLLM weight sync]), and TRL's sync_weights() delivers PEFT's
+    merge_and_unload().state_dict() of the same weights, bitwise, with matching metadata."""
+    sync = results["vllm_sync"]
+    assert sync["class"] == "_ZeroWeightSync", sync
+    assert sync["updates"] == 1 and sync["equal"] and sync["metadata"], sync

@@ -45,10 +45,11 @@ class MemoryEstimate:
     grads: int
     optimizer: int
     zerofast_extra: int  # bucket buffers, padding, stage 1's gradient shard (0 for DDP)
+    frozen_models: int = 0  # models sharded for inference only (shard_frozen): shards + units in flight
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.zerofast_extra
+        return self.params + self.grads + self.optimizer + self.zerofast_extra + self.frozen_models
 
 
 # Where the estimator's keywords of before the policies live now.
@@ -60,7 +61,15 @@ _MOVED = {
 
 
 def estimate_memory(
-    model_or_param_count, world: int, stage: int, mixed_precision=None, comm=None, units=None, shard_size=None, **moved
+    model_or_param_count,
+    world: int,
+    stage: int,
+    mixed_precision=None,
+    comm=None,
+    units=None,
+    shard_size=None,
+    frozen_models=(),
+    **moved,
 ) -> MemoryEstimate:
     """Per-rank bytes of parameters, gradients and optimizer state for DDP (stage 0) or a ZeRO stage,
     by the paper's formulas, plus the buffers ZeroAdam adds. mixed_precision, comm and units as
@@ -69,7 +78,10 @@ def estimate_memory(
     of trainable parameters; a module's frozen parameters are counted apart, as parameter bytes
     only (in the parameters' dtype; sharded in stage 3, whole in stages 0-2). shard_size=K (hybrid
     sharding, ZeroAdam's shard_size): the state is sharded over K ranks and replicated W/K times,
-    so each sharded part is divided by K instead of W (None: K = world, flat ZeRO)."""
+    so each sharded part is divided by K instead of W (None: K = world, flat ZeRO).
+    frozen_models: models sharded for inference only with zerofast.shard_frozen over the world's
+    ranks in the policy's precision (a reference model, reward models), each a module or a
+    parameter count: counted in `frozen_models` by frozen_model_bytes."""
     for name in moved:
         if name in _MOVED:
             raise TypeError(f"estimate_memory: the keyword {name}= is now {_MOVED[name]}")
@@ -126,4 +138,36 @@ def estimate_memory(
         extra += r_bytes * shard if stage == 1 and not views else 0  # stage 1's reduced shard in reduce_dtype
         padding_elements = ALIGN * shards * max(1, -(-r_bytes * numel // bucket_bytes))
         extra += padding_elements * (p_bytes + r_bytes + o_bytes)
-    return MemoryEstimate(stage, world, params, grads, optimizer, extra)
+    if isinstance(frozen_models, (nn.Module, int)) or not isinstance(frozen_models, (list, tuple)):
+        raise ValueError(
+            f"estimate_memory: frozen_models must be a list of modules or parameter counts; got {frozen_models!r}"
+        )
+    inference = sum(frozen_model_bytes(m, world, param_dtype, units) for m in frozen_models)
+    return MemoryEstimate(stage, world, params, grads, optimizer, extra, inference)
+
+
+def frozen_model_bytes(model_or_param_count, world: int, param_dtype: torch.dtype, units=None) -> int:
+    """Per-rank parameter bytes of a model sharded for inference only (zerofast.shard_frozen) over
+    `world` ranks in param_dtype, at its peak: this rank's shard (Φ/N plus alignment padding) and
+    the units a forward holds at once, the root's and two others (the stage-3 schedule: [Note: models
+    sharded for inference only] in zerofast/stage3/inference.py), plus any parameter it leaves whole
+    (another dtype). A module is planned as shard_frozen plans it (its units and their padded
+    layout: exact); a count has no units, so two of stage 2's default buckets stand in for them."""
+    size = param_dtype.itemsize
+    if isinstance(model_or_param_count, nn.Module):
+        from ..stage3.frozen import inference_plan
+
+        model = model_or_param_count
+        named, plan, layout, bucket_of = inference_plan(model, None, unit_policy(units), world, "estimate_memory", size)
+        sharded = {id(p) for _, p in named}
+        whole = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in sharded)
+        shard = max(layout.shard_numel(r) for r in range(world))
+        unit_numel = [layout.buckets[b].numel if b is not None else 0 for b in bucket_of]
+        root = unit_numel[0] if plan.has_root_unit else 0
+        others = sorted(unit_numel[1:] if plan.has_root_unit else unit_numel, reverse=True)
+        return size * (shard + root + sum(others[:2])) + whole
+    count = model_or_param_count
+    if not (isinstance(count, int) and not isinstance(count, bool) and count >= 0):
+        raise ValueError(f"estimate_memory: frozen_models must hold modules or counts >= 0; got {count!r}")
+    stand_in = int(DEFAULT_BUCKET_MB[2] * 2**20) // size
+    return size * (-(-count // world) + min(count, 2 * stand_in))

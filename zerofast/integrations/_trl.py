@@ -1,5 +1,6 @@
 """TRL's generation on a stage-3 policy: ds3_gather_for_generation chooses between the whole model
-gathered and unit by unit ([Note: generation on stage 3] in zerofast/stage3/schedule.py).
+gathered and unit by unit ([Note: generation on stage 3] in zerofast/stage3/schedule.py); and the
+weights TRL sends to vLLM come from the weight iterator ([Note: TRL's vLLM weight sync]).
 
 Imported by ZeroTrainerMixin only where trl is (zerofast.integrations.hf), written against trl
 1.16.0 (the Makefile's HF_DEPS): RELIES_ON below is checked at import.
@@ -15,6 +16,22 @@ gathered per token, generate() synced). So the trainer's DistributedBackend gets
 own (as the Trainer's accelerator does: [Note: the Trainer's accelerator] in hf.py) whose
 summon_full_params enters opt.gathered_params() when the policy is stage 3 and the option is on,
 and does what TRL's does otherwise.
+
+[Note: TRL's vLLM weight sync]
+With use_vllm, GRPOTrainer and RLOOTrainer 1.16.0 keep a VLLMGeneration (trainer.vllm_generation)
+whose sync_weights() sends the policy's weights to vLLM after each step, in both modes (server:
+VLLMClient.update_named_params, after a first pass that collects names, dtypes and shapes;
+colocate: load_weights one tensor at a time). Both read one generator, `_iter_named_params()`,
+which every rank runs to its end. Outside DeepSpeed and FSDP it reads named_parameters() as they
+are: on a stage-3 policy those have no storage, and with PEFT it merges the adapters into the
+training parameters in place and unmerges them after (merge_adapter / unmerge_adapter), which
+leaves the rounding of w + d - d in weights that ZeroAdam at stages 1 and 2 keeps. So the trainer's
+VLLMGeneration gets a class of its own whose _iter_named_params is opt.named_full_tensors(): one
+unit gathered at a time, and for a PEFT model peft="merged", merge_and_unload()'s names and values
+bitwise, the model untouched ([Note: merged weights unit by unit] in peft_weights.py); names pass
+through TRL's own _fix_param_name_to_vllm. What is sent is the state_dict's entries: tied weights
+under each name (vLLM's loaders skip a tied head) and persistent buffers, where TRL sends
+named_parameters().
 """
 
 from __future__ import annotations
@@ -22,8 +39,11 @@ from __future__ import annotations
 import contextlib
 import weakref
 
+from accelerate.utils import is_peft_model
 from trl.distributed import DistributedBackend
+from trl.generation.vllm_generation import VLLMGeneration
 
+from ..optim.zero_adam import ZeroAdam
 from . import hosts
 from .hf import TRL
 
@@ -52,13 +72,33 @@ class _ZeroGeneration(DistributedBackend):
             yield
 
 
+class _ZeroWeightSync(VLLMGeneration):
+    """The trainer's VLLMGeneration, moved into this class: [Note: TRL's vLLM weight sync]."""
+
+    _trainer = None  # a weak reference to the trainer
+
+    def _iter_named_params(self):
+        trainer = self._trainer() if self._trainer is not None else None
+        opt = getattr(trainer, "optimizer", None)
+        if not isinstance(opt, ZeroAdam) or opt.model is not self.model:
+            yield from super()._iter_named_params()
+            return
+        for name, tensor in opt.named_full_tensors(peft="merged" if is_peft_model(self.model) else None):
+            yield self._fix_param_name_to_vllm(name), tensor
+
+
 def adopt(trainer) -> None:
     """Give a TRL trainer's DistributedBackend (if it has one) the generation mode of [Note: TRL's
-    generation mode]."""
+    generation mode], and its VLLMGeneration (with use_vllm) the weights of [Note: TRL's vLLM
+    weight sync]."""
     backend = getattr(trainer, "_dist", None)
     if type(backend) is DistributedBackend:
         backend.__class__ = _ZeroGeneration
         backend._trainer = weakref.ref(trainer)
+    generation = getattr(trainer, "vllm_generation", None)
+    if type(generation) is VLLMGeneration:
+        generation.__class__ = _ZeroWeightSync
+        generation._trainer = weakref.ref(trainer)
 
 
 RELIES_ON = hosts.Reliance(
@@ -68,6 +108,9 @@ RELIES_ON = hosts.Reliance(
     entries=(
         hosts.Overrides(_ZeroGeneration, DistributedBackend, ("summon_full_params",)),
         hosts.Calls(DistributedBackend, "summon_full_params", 1),
+        hosts.Overrides(_ZeroWeightSync, VLLMGeneration, ("_iter_named_params",)),
+        hosts.Reads(VLLMGeneration, ("sync_weights", "_fix_param_name_to_vllm")),
+        hosts.Calls(VLLMGeneration, "_fix_param_name_to_vllm", 1),
     ),
 )
 hosts.check(RELIES_ON)

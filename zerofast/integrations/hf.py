@@ -31,7 +31,10 @@ naming it, never an override silently skipped. What maps to what:
   - save_model(): a consolidated model (config + safetensors, or a PEFT adapter) from
     opt.full_state_dict(), gathered unit by unit;
   - the frozen models TRL keeps beside the policy (reference, reward): frozen in the policy's
-    precision, sharded at stage 3 by zerofast.shard_frozen ([Note: frozen models in the Trainer]).
+    precision, sharded at stage 3 by zerofast.shard_frozen ([Note: frozen models in the Trainer]);
+  - TRL's generation and vLLM weight sync (GRPO, RLOO): ds3_gather_for_generation as
+    opt.gathered_params() or unit by unit, and the weights sent to vLLM from opt.named_full_tensors()
+    (a PEFT model's merged weights), in _trl.py.
 """
 
 from __future__ import annotations

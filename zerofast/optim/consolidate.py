@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..stage3.weights import named_full_tensors as stage3_named_full_tensors
+from ..stage3 import weights
 from .builder import Parts
 
 
@@ -29,10 +29,12 @@ def gathered(parts: Parts) -> Iterator[None]:
         parts.units.unpin()
 
 
-def named_full_tensors(parts: Parts) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every state_dict() entry whole, one unit gathered at a time (zerofast/stage3/weights.py)."""
+def named_full_tensors(parts: Parts, peft: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every state_dict() entry (or a PEFT model's merged weights or adapter) whole, one unit
+    gathered at a time (zerofast/stage3/weights.py)."""
+    entries = weights.entries_for(parts.model, peft, "named_full_tensors")
     parts.quiesce()
-    return stage3_named_full_tensors(parts.model, parts.units)
+    return weights.named_full_tensors(parts.model, parts.units, entries)
 
 
 def full_state_dict(parts: Parts, keep: bool, device) -> dict[str, torch.Tensor] | None:

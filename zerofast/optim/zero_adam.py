@@ -302,12 +302,15 @@ class ZeroAdam(torch.optim.Optimizer):
         counts, the loss scale."""
         return self._view
 
-    def named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_full_tensors(self, peft: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) for every entry of model.state_dict(), whole and in the model's dtype, one
         at a time, stage 3 gathering one unit at a time: for sending weights to an inference engine
         with no rank holding the whole model (zerofast/stage3/weights.py). Every rank must run it
-        to its end (the gathers are collectives)."""
-        return consolidate.named_full_tensors(self._parts)
+        to its end (the gathers are collectives). For a PEFT model, peft="merged" gives
+        merge_and_unload().state_dict() (what TRL's vLLM sync sends) and peft="adapter"
+        get_peft_model_state_dict(), bitwise, the model left as it was ([Note: merged weights unit
+        by unit] in zerofast/integrations/peft_weights.py)."""
+        return consolidate.named_full_tensors(self._parts, peft)
 
     def state_dict(self) -> dict:
         """This rank's part of the training state as a torch.distributed.checkpoint state dict, for

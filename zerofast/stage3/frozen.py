@@ -34,9 +34,11 @@ from collections.abc import Mapping
 
 import torch
 
+from ..config import DEFAULT_MIN_UNIT_MB, CommPolicy, UnitPolicy
 from ..layout import Layout, Piece, bind_views, layout_from_groups
 from ..partition import owners_for
 from .runtime import UnitPart
+from .units import UnitPlan, find_units
 
 
 def split_units(groups: list[list[int]], trainable: list[bool]) -> tuple[list[list[int]], list[list[int]]]:
@@ -77,6 +79,43 @@ def frozen_layout(
     index = {id(p): j for j, p in enumerate(frozen_params)}
     parts = [[index[id(unit_params[i])] for i in g if id(unit_params[i]) in index] for g in groups]
     return unit_layout(parts, [p.numel() for p in frozen_params], world, partition)
+
+
+def inference_plan(
+    model: torch.nn.Module,
+    param_dtype: torch.dtype | None,
+    unit_p: UnitPolicy,
+    world: int,
+    who: str,
+    element_size: int | None = None,
+) -> tuple[list[tuple[str, torch.nn.Parameter]], UnitPlan, Layout, list[int | None]]:
+    """A model sharded for inference only (zerofast.shard_frozen), planned without a process group
+    (the estimator plans the same): the parameters it shards, its units, their layout over `world`
+    ranks and each unit's bucket. element_size: the sharded dtype's, where the model is not
+    converted to it yet (the estimator); else the parameters'."""
+    named = sharded_params(model, param_dtype, who)
+    params = [p for _, p in named]
+    min_unit_mb = unit_p.min_unit_mb if unit_p.min_unit_mb is not None else DEFAULT_MIN_UNIT_MB
+    element_size = element_size or params[0].element_size()
+    plan = find_units(
+        model, params, unit_p.modules, int(min_unit_mb * 2**20) if unit_p.modules is None else 0, element_size
+    )
+    layout, bucket_of = frozen_layout(plan.groups, params, params, world, CommPolicy().partition)
+    return named, plan, layout, bucket_of
+
+
+def sharded_params(
+    model: torch.nn.Module, param_dtype: torch.dtype | None, who: str
+) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters shard_frozen shards: the floating ones in the model's dtype (param_dtype, or
+    the first floating parameter's) on its device; any other (an int8 table, a buffer-like
+    parameter on another device) stays whole on every rank, as stage 3 leaves it."""
+    floating = [(n, p) for n, p in model.named_parameters() if p.is_floating_point()]
+    if not floating:
+        raise ValueError(f"{who}: the model has no floating-point parameters to shard")
+    dtype = param_dtype or floating[0][1].dtype
+    device = floating[0][1].device
+    return [(n, p) for n, p in floating if p.dtype == dtype and p.device == device]
 
 
 def frozen_part(

@@ -37,13 +37,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..comm import second_group
-from ..config import DEFAULT_MIN_UNIT_MB, CommPolicy, precision_policy, unit_policy
+from ..config import precision_policy, unit_policy
 from ..optim import checks
 from ..optim.precision import InputCast, cast_unmanaged
-from .frozen import FrozenShard, frozen_layout, frozen_part
+from .frozen import FrozenShard, frozen_part, inference_plan
 from .runtime import UnitBuffers, UnitTracker
-from .units import find_units, hook_needs
-from .weights import named_full_tensors
+from .units import hook_needs
+from .weights import entries_for, named_full_tensors
 
 WHO = "shard_frozen"
 _SHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its ShardedFrozenModel
@@ -73,11 +73,13 @@ class ShardedFrozenModel:
         finally:
             self._units.unpin()
 
-    def named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_full_tensors(self, peft: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, whole tensor) for every entry of model.state_dict(), one unit gathered at a time
-        (zerofast/stage3/weights.py). Every rank runs it to its end (the gathers are collectives)."""
+        (zerofast/stage3/weights.py); peft: as ZeroAdam.named_full_tensors's. Every rank runs it to
+        its end (the gathers are collectives)."""
+        entries = entries_for(self.model, peft, "named_full_tensors")
         self._units.release_all()
-        return named_full_tensors(self.model, self._units)
+        return named_full_tensors(self.model, self._units, entries)
 
     @property
     def unit_gathers(self) -> int:
@@ -131,18 +133,9 @@ def shard_frozen(
     hooks = in_precision(model, param_dtype)
     checks.check_same_across_ranks(model, group, WHO)
     checks.broadcast_from_rank0(model, group)
-    named = _sharded_params(model, param_dtype)
-    params = [p for _, p in named]
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    min_unit_mb = unit_p.min_unit_mb if unit_p.min_unit_mb is not None else DEFAULT_MIN_UNIT_MB
-    plan = find_units(
-        model,
-        params,
-        unit_p.modules,
-        int(min_unit_mb * 2**20) if unit_p.modules is None else 0,
-        params[0].element_size(),
-    )
-    layout, bucket_of = frozen_layout(plan.groups, params, params, world, CommPolicy().partition)
+    named, plan, layout, bucket_of = inference_plan(model, param_dtype, unit_p, world, WHO)
+    params = [p for _, p in named]
     frozen, comm = frozen_part(named, layout, bucket_of, rank, group, second_group(group, group), params[0].dtype)
     buffers = UnitBuffers(frozen.buffers, frozen.shard, frozen.layout, rank, comm, frozen.bucket_of)
     buffers.shard_out()
@@ -165,15 +158,3 @@ def in_precision(model: nn.Module, param_dtype: torch.dtype | None) -> list:
         return []
     cast_unmanaged(model, param_dtype)
     return [model.register_forward_pre_hook(InputCast(param_dtype), prepend=True, with_kwargs=True)]
-
-
-def _sharded_params(model: nn.Module, param_dtype: torch.dtype | None) -> list[tuple[str, nn.Parameter]]:
-    """The parameters to shard: the floating ones in the model's dtype (param_dtype, or the first
-    floating parameter's) on its device; any other (an int8 table, a buffer-like parameter on
-    another device) stays whole on every rank, as stage 3 leaves it."""
-    floating = [(n, p) for n, p in model.named_parameters() if p.is_floating_point()]
-    if not floating:
-        raise ValueError(f"{WHO}: the model has no floating-point parameters to shard")
-    dtype = param_dtype or floating[0][1].dtype
-    device = floating[0][1].device
-    return [(n, p) for n, p in floating if p.dtype == dtype and p.device == device]

@@ -4,31 +4,70 @@ after each step (vLLM's load_weights) reads, without any rank ever holding the w
 Stage 3 gathers one unit at a time and hands out copies of the tensors that unit brings into
 existence, then releases it; stages 1 and 2 hold the full parameters and hand out copies of them.
 So a rank holds at most one gathered unit plus the copy being handed over (if the receiver drops
-each before asking for the next). The names and order are model.state_dict()'s (tied tensors under
-each of their names), grouped by unit; the tensors are bitwise those state_dict() holds.
+each before asking for the next). By default the names and order are model.state_dict()'s (tied
+tensors under each of their names), grouped by unit; the tensors are bitwise those state_dict()
+holds. Another view of the model (a PEFT model's merged weights or its adapter alone:
+zerofast/integrations/peft_weights.py) passes its own entries, each made from tensors of the model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 
-def named_full_tensors(model: nn.Module, units=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) for every entry of model.state_dict(); `units`: stage 3's UnitTracker
-    (None: the parameters are whole already). The gathers are collectives: every rank must run the
-    iterator to its end."""
-    entries = model.state_dict(keep_vars=True)
-    handed: set[str] = set()
+@dataclass(frozen=True)
+class Entry:
+    """One tensor to hand out, made once every tensor it reads has storage."""
+
+    needs: tuple[torch.Tensor, ...]  # the model's tensors it is made from
+    make: Callable[[], torch.Tensor]  # a new tensor, the receiver's to keep
+    modules: tuple[nn.Module, ...] = ()  # whose units to gather together if `needs` span several
+
+
+def copy_of(t: torch.Tensor) -> Entry:
+    """The entry that hands out a copy of `t`."""
+    return Entry((t,), lambda: t.detach().clone())
+
+
+def state_dict_entries(model: nn.Module) -> list[tuple[str, Entry]]:
+    """model.state_dict()'s names, each handing out a copy of its tensor."""
+    return [(name, copy_of(t)) for name, t in model.state_dict(keep_vars=True).items()]
+
+
+def entries_for(model: nn.Module, peft: str | None, who: str) -> list[tuple[str, Entry]]:
+    """The entries the weight iterator hands out: state_dict()'s (peft=None), or a PEFT model's
+    merged weights ("merged") or adapter ("adapter"): zerofast/integrations/peft_weights.py."""
+    if peft is None:
+        return state_dict_entries(model)
+    if peft not in ("merged", "adapter"):
+        raise ValueError(f"{who}: peft must be None, 'merged' or 'adapter'; got {peft!r}")
+    from ..integrations.peft_weights import peft_entries
+
+    return peft_entries(model, peft, who)
+
+
+def _has_storage(t: torch.Tensor) -> bool:
+    return t.numel() == 0 or t.untyped_storage().nbytes() > 0
+
+
+def named_full_tensors(
+    model: nn.Module, units=None, entries: list[tuple[str, Entry]] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for every entry (default: state_dict_entries(model)); `units`: stage 3's
+    UnitTracker (None: the parameters are whole already). The gathers are collectives: every rank
+    must run the iterator to its end."""
+    pending = dict(entries if entries is not None else state_dict_entries(model))
 
     def present() -> Iterator[tuple[str, torch.Tensor]]:
-        """The entries whose storage exists now (stage 3: those of the unit gathered now)."""
-        for name, t in entries.items():
-            if name not in handed and (t.numel() == 0 or t.untyped_storage().nbytes() > 0):
-                handed.add(name)
-                yield name, t.detach().clone()
+        """The entries whose tensors all have storage now (stage 3: those of the unit gathered now)."""
+        for name, entry in list(pending.items()):
+            if all(_has_storage(t) for t in entry.needs):
+                del pending[name]
+                yield name, entry.make()
 
     if units is not None:
         for u in range(len(units.state)):
@@ -37,4 +76,19 @@ def named_full_tensors(model: nn.Module, units=None) -> Iterator[tuple[str, torc
                 yield from present()
             finally:
                 units.release((u,))
+        # An entry made from tensors of several units (a LoRA layer split across units): those
+        # units together, then released; every rank has the same entries, so the same gathers.
+        for name in list(pending):
+            if name not in pending:  # made while another entry's units were gathered
+                continue
+            together = sorted({u for m in pending[name].modules for u in units.schedule.needs.get(m, ())})
+            if len(together) < 2:
+                continue
+            units.acquire(together)
+            try:
+                yield from present()
+            finally:
+                units.release(together)
     yield from present()  # buffers, and whatever no unit holds
+    if pending:
+        raise RuntimeError(f"named_full_tensors: never gathered whole: {sorted(pending)}")
