@@ -9,6 +9,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 _ROWS = []
+_NOT_RUN = []
 
 
 @pytest.fixture
@@ -21,10 +22,23 @@ def record():
     return _record
 
 
+@pytest.fixture
+def record_not_run():
+    """record_not_run(group, name, reason): a case that could not run here, printed with its reason
+    under its group's table."""
+
+    def _record(group, name, reason):
+        _NOT_RUN.append((group, name, reason))
+
+    return _record
+
+
 def pytest_terminal_summary(terminalreporter):
-    if not _ROWS:
+    if not _ROWS and not _NOT_RUN:
         return
     tr = terminalreporter
+    for group, name, reason in _NOT_RUN:
+        tr.write_line(f"not run ({group}): {name}: {reason}")
     groups = {}
     for group, name, bench, nbytes in _ROWS:
         if bench.stats is None:

@@ -100,18 +100,14 @@ void adam_range(const AdamPointers& ptr, const AdamScalars& s, int64_t begin, in
 // element that stays in L1 (4 KiB for a block of 256), in five loops over the block: dequantize
 // each moment into the scratch; the fp32 Adam math in place (param, grad and the copy streamed, the
 // parameter written); the two new scales (largest magnitudes); the table's bucket and key of each
-// normalized moment; the table lookups and the final index. Each loop is simple enough to
-// vectorize on its own (the math, the scales, the bucket and the index arithmetic); the two kinds
-// of lookup are the exceptions:
-// - Dequantizing reads a 256-entry code. The AVX-512 loop keeps each code in 16 registers and
-//   looks up 16 elements with eight two-register permutes and a three-level blend
-//   (decode_avx512); elsewhere the compiler's gathers or scalar loads.
-// - The table (kTableSize entries per code, [Note: quantizing by table] in adam_math.h) is read
-//   with scalar loads: a gather of 16 lanes costs more than 16 scalar loads on the machines
-//   measured (AMD EPYC, docs/8bit-state.md), and the table does not fit in registers. An empty asm
-//   keeps the compiler from vectorizing that loop into gathers.
-// Every value is the one the element functions of adam_math.h compute, in the same order, so every
-// instruction set gives the same bits (and the CUDA kernel's two passes too).
+// normalized moment; the table lookups and the final index. Each loop is simple enough for the
+// compiler to vectorize on its own, the table lookups as gathers (one per moment: the table packs
+// the count and the cut, [Note: quantizing by table] in adam_math.h). The exception is the
+// 256-entry code that dequantizing reads: the AVX-512 loop keeps it in 16 registers and looks up
+// 16 elements with eight two-register permutes and a three-level blend, which measured faster than
+// gathers (AMD EPYC, docs/8bit-state.md). Every value is the one the element functions of
+// adam_math.h compute, in the same order, so every instruction set gives the same bits, and so does
+// the CUDA kernel's two passes.
 
 // The block's fp32 moments, and the table's bucket and key of each (reused for both moments).
 struct Scratch8 {
@@ -144,8 +140,10 @@ C10_NOINLINE void dequantize_block(const uint8_t* __restrict q, const float* __r
     const __mmask16 m5 = _mm512_test_epi32_mask(index, bit5);
     const __mmask16 m6 = _mm512_test_epi32_mask(index, bit6);
     const __mmask16 m7 = _mm512_test_epi32_mask(index, bit7);
-    const __m512 low = _mm512_mask_blend_ps(m6, _mm512_mask_blend_ps(m5, r[0], r[1]), _mm512_mask_blend_ps(m5, r[2], r[3]));
-    const __m512 high = _mm512_mask_blend_ps(m6, _mm512_mask_blend_ps(m5, r[4], r[5]), _mm512_mask_blend_ps(m5, r[6], r[7]));
+    const __m512 low =
+        _mm512_mask_blend_ps(m6, _mm512_mask_blend_ps(m5, r[0], r[1]), _mm512_mask_blend_ps(m5, r[2], r[3]));
+    const __m512 high =
+        _mm512_mask_blend_ps(m6, _mm512_mask_blend_ps(m5, r[4], r[5]), _mm512_mask_blend_ps(m5, r[6], r[7]));
     _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mask_blend_ps(m7, low, high), scale16));
   }
   for (; i < n; ++i) out[i] = dequantize(q[i], scale, code);
@@ -194,13 +192,9 @@ C10_NOINLINE void bucket_block(const float* __restrict x, float scale, uint32_t*
   }
 }
 
-// bucket[i] becomes its table entry, by scalar loads ([Note: one pass per block]).
+// bucket[i] becomes its table entry.
 C10_NOINLINE void lookup_block(uint32_t* __restrict bucket, const int32_t* __restrict table, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t b = bucket[i];
-    asm("" : "+r"(b));  // opaque to the vectorizer: no gather
-    bucket[i] = static_cast<uint32_t>(table[b]);
-  }
+  for (int64_t i = 0; i < n; ++i) bucket[i] = static_cast<uint32_t>(table[bucket[i]]);
 }
 
 C10_NOINLINE void index_block(const uint32_t* __restrict entry, const uint32_t* __restrict key, uint8_t* __restrict q,
@@ -231,8 +225,8 @@ void adam8_block(const Adam8Pointers& ptr, const AdamScalars& s, int64_t blk, Sc
   C* copy = static_cast<C*>(ptr.param_copy);
   dequantize_block(ptr.exp_avg + lo, ptr.exp_avg_code, ptr.exp_avg_scale[blk], exp_avg, n);
   dequantize_block(ptr.exp_avg_sq + lo, ptr.exp_avg_sq_code, ptr.exp_avg_sq_scale[blk], exp_avg_sq, n);
-  adam8_math<G, C>(ptr.param + lo, static_cast<const G*>(ptr.grad) + lo, copy == nullptr ? nullptr : copy + lo,
-                   exp_avg, exp_avg_sq, s, n);
+  adam8_math<G, C>(ptr.param + lo, static_cast<const G*>(ptr.grad) + lo, copy == nullptr ? nullptr : copy + lo, exp_avg,
+                   exp_avg_sq, s, n);
   const float scale_avg = block_scale(exp_avg, n);
   const float scale_avg_sq = block_scale(exp_avg_sq, n);
   quantize_moment(exp_avg, scale_avg, ptr.exp_avg_thresholds, ptr.exp_avg_table, scratch, ptr.exp_avg + lo, n);

@@ -185,7 +185,7 @@ constexpr uint32_t kTableHighBits = 127u << 23;         // 1.0
 constexpr int32_t kTableHalf = static_cast<int32_t>((kTableHighBits - kTableLowBits) >> (23 - kTableMantissaBits)) + 1;
 constexpr int32_t kTableSize = 2 * kTableHalf;
 constexpr uint32_t kKeyMask = (1u << (23 - kTableMantissaBits)) - 1;  // the bits below a bucket's
-constexpr uint32_t kNoCut = kKeyMask + 2;                              // above every key
+constexpr uint32_t kNoCut = kKeyMask + 2;                             // above every key
 
 C10_HOST_DEVICE C10_ALWAYS_INLINE uint32_t float_bits(float x) {
 #ifdef __CUDA_ARCH__
