@@ -15,6 +15,8 @@ error it raised (the summary's "not run" line) instead of a time.
 """
 
 import os
+import statistics
+import time
 
 import pytest
 import torch
@@ -173,6 +175,49 @@ def test_anchor_adamw8bit(benchmark, record, record_not_run, device, library):
     run(benchmark, device, opt.step, rounds=5)
     version = __import__(library).__version__
     record(benchmark, group, f"{library} {version} AdamW8bit", 28 * n)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_8bit_interleaved(benchmark, record_ratios, device):
+    """The ratios of the 8-bit rows, robust to a machine shared with other work: each round runs the
+    fp32 fused step, zerofast's 8-bit step and torchao's AdamW8bit (where it runs) once each, in an
+    order that rotates, so every case sees the same load; the medians over the rounds and their
+    ratios to the fp32 step go to the summary. (bitsandbytes' CPU step, two orders of magnitude
+    slower, stays in test_anchor_adamw8bit.)"""
+    n = numel_for(device)
+    fp32, q8 = FlatState(n, device), FlatState8(n, device)
+    cases = {"zerofast fused_adam_ (fp32)": fp32.zerofast_step, "zerofast fused_adam_8bit_": q8.zerofast_step}
+    try:
+        p, _ = torch_optimizer(n, device)
+        ao = anchor_adamw8bit("torchao")([p], **HYPER)
+        ao.step()  # compiles
+        cases["torchao AdamW8bit"] = ao.step
+    except Exception as e:  # recorded below instead of a time
+        cases_error = f"torchao AdamW8bit not run: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    else:
+        cases_error = None
+    times = {name: [] for name in cases}
+    names = list(cases)
+
+    def one_round():
+        for name in names:
+            t0 = time.perf_counter()
+            cases[name]()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t0)
+        names.append(names.pop(0))  # the next round starts with the next case
+
+    for step in cases.values():
+        step()  # warm-up
+    benchmark.pedantic(one_round, rounds=15, warmup_rounds=0, iterations=1)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    base = medians["zerofast fused_adam_ (fp32)"]
+    lines = [f"{name:44s} {1e3 * m:10.2f} ms {m / base:8.2f}x the fp32 step" for name, m in medians.items()]
+    if cases_error:
+        lines.append(cases_error)
+    record_ratios(f"8-bit side by side, interleaved rounds: {device} {n / 1e6:.0f}M", lines)
+    benchmark.extra_info.update({f"{name} ms": 1e3 * m for name, m in medians.items()})
 
 
 @pytest.mark.parametrize("device", DEVICES)

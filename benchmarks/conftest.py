@@ -10,6 +10,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 _ROWS = []
 _NOT_RUN = []
+_RATIOS = []
 
 
 @pytest.fixture
@@ -33,10 +34,25 @@ def record_not_run():
     return _record
 
 
+@pytest.fixture
+def record_ratios():
+    """record_ratios(title, lines): a table a case formats itself (times measured inside one case,
+    such as interleaved rounds), printed under its title."""
+
+    def _record(title, lines):
+        _RATIOS.append((title, lines))
+
+    return _record
+
+
 def pytest_terminal_summary(terminalreporter):
-    if not _ROWS and not _NOT_RUN:
+    if not _ROWS and not _NOT_RUN and not _RATIOS:
         return
     tr = terminalreporter
+    for title, lines in _RATIOS:
+        tr.write_sep("=", f"zerofast summary: {title}")
+        for line in lines:
+            tr.write_line(line)
     for group, name, reason in _NOT_RUN:
         tr.write_line(f"not run ({group}): {name}: {reason}")
     groups = {}
