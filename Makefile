@@ -23,6 +23,9 @@ LIGHTNING_DEPS := "lightning==2.6.6" "pytorch-lightning==2.6.6"
 # torchft, for zerofast.integrations.torchft (replica groups that survive a lost machine; its Manager,
 # ManagedProcessGroup and Lighthouse, written against this version).
 FT_DEPS := "torchft==0.2.0"
+# Benchmarks only (`make bench`, not the tests): torchao's and bitsandbytes' AdamW8bit, the anchors that
+# benchmarks/bench_adam.py runs beside zerofast's 8-bit Adam state.
+BENCH_DEPS := "torchao==0.18.0" "bitsandbytes==0.50.2"
 # Lint and docs: ruff (Python lint and format), clang-format (csrc/), mkdocs-material (docs/).
 TOOL_DEPS := "ruff==0.17.6" "clang-format==23.1.5" "mkdocs-material==9.8.2"
 PIP_DEPS := "$(TORCH_SPEC)" ninja setuptools wheel pytest pytest-benchmark pytest-xdist numpy matplotlib $(HF_DEPS) $(LIGHTNING_DEPS) $(FT_DEPS) $(TOOL_DEPS)
@@ -53,6 +56,13 @@ $(DEPS): | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(PIP_DEPS)
 	rm -f $(VENV)/.zerofast-deps*
+	touch $@
+
+# The benchmarks' anchors, on top of the same venv (their marker names their list, as DEPS's does).
+BENCH_MARK := $(VENV)/.zerofast-bench-deps-$(shell echo '$(BENCH_DEPS)' | cksum | cut -d' ' -f1)
+$(BENCH_MARK): $(DEPS)
+	$(PY) -m pip install --quiet $(BENCH_DEPS)
+	rm -f $(VENV)/.zerofast-bench-deps*
 	touch $@
 
 # The package itself, editable: rebuilt when a C++/CUDA source or the build files change.
@@ -91,7 +101,7 @@ format: $(DEPS)
 docs: $(DEPS)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
-bench: $(BUILT)
+bench: $(BUILT) $(BENCH_MARK)
 	$(PY) -m pytest -q benchmarks --benchmark-only --benchmark-columns=min,median,max,rounds
 
 # The same sources built by CMake against torch's CMake package (IDEs, sanitizers); see CMakeLists.txt.

@@ -6,10 +6,17 @@ exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq); mixed precision, 28 as w
 read and the weights written are bf16: 2 + 2 + 24). The machine's in-place streaming bandwidth is
 measured in the same run as `a.add_(b)` on the same size, counted as 12 bytes per element.
 
+The 8-bit rows (test_zerofast_8bit, test_anchor_adamw8bit) put zerofast's fused_adam_8bit_ beside
+the fp32 step and beside torchao's and bitsandbytes' AdamW8bit (block 256 all, the same
+hyperparameters, one flat parameter). An anchor that raises on this device is recorded with the
+error it raised (the summary's "not run" line) instead of a time.
+
     make bench        # or: pytest benchmarks/bench_adam.py --benchmark-only
 """
 
 import os
+import statistics
+import time
 
 import pytest
 import torch
@@ -135,6 +142,82 @@ def test_zerofast_8bit(benchmark, record, device):
     run(benchmark, device, s.zerofast_step)
     isa = zerofast.cpu_isa() if device == "cpu" else "cuda"
     record(benchmark, f"adam fp32 {device} {n / 1e6:.0f}M", f"zerofast fused_adam_8bit_ ({isa})", 28 * n)
+
+
+def anchor_adamw8bit(name: str):
+    """The AdamW8bit class of an anchor library: torchao's (block 256 by default, its step compiled
+    by torch.compile on first use) or bitsandbytes' (block-wise, block 256 on CPU and GPU)."""
+    if name == "torchao":
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit
+    from bitsandbytes.optim import AdamW8bit
+
+    return AdamW8bit
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("library", ["torchao", "bitsandbytes"])
+def test_anchor_adamw8bit(benchmark, record, record_not_run, device, library):
+    """torchao's and bitsandbytes' AdamW8bit on the same flat parameter as test_zerofast_8bit, bytes
+    counted as the fp32 step's (28 per element) so the GB/s column compares times. Where the anchor
+    does not run on this device, the error it raised is recorded and the case skipped."""
+    n = numel_for(device)
+    group = f"adam fp32 {device} {n / 1e6:.0f}M"
+    p, _ = torch_optimizer(n, device)
+    try:
+        opt = anchor_adamw8bit(library)([p], **HYPER)
+        opt.step()  # the first step allocates the state (and compiles, for torchao)
+    except Exception as e:  # the anchor's own error, whatever its type: recorded, not hidden
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        record_not_run(group, f"{library} AdamW8bit", reason)
+        pytest.skip(f"{library} AdamW8bit does not run on {device}: {reason}")
+    run(benchmark, device, opt.step, rounds=5)
+    version = __import__(library).__version__
+    record(benchmark, group, f"{library} {version} AdamW8bit", 28 * n)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_8bit_interleaved(benchmark, record_ratios, device):
+    """The ratios of the 8-bit rows, robust to a machine shared with other work: each round runs the
+    fp32 fused step, zerofast's 8-bit step and torchao's AdamW8bit (where it runs) once each, in an
+    order that rotates, so every case sees the same load; the medians over the rounds and their
+    ratios to the fp32 step go to the summary. (bitsandbytes' CPU step, two orders of magnitude
+    slower, stays in test_anchor_adamw8bit.)"""
+    n = numel_for(device)
+    fp32, q8 = FlatState(n, device), FlatState8(n, device)
+    cases = {"zerofast fused_adam_ (fp32)": fp32.zerofast_step, "zerofast fused_adam_8bit_": q8.zerofast_step}
+    try:
+        p, _ = torch_optimizer(n, device)
+        ao = anchor_adamw8bit("torchao")([p], **HYPER)
+        ao.step()  # compiles
+        cases["torchao AdamW8bit"] = ao.step
+    except Exception as e:  # recorded below instead of a time
+        cases_error = f"torchao AdamW8bit not run: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    else:
+        cases_error = None
+    times = {name: [] for name in cases}
+    names = list(cases)
+
+    def one_round():
+        for name in names:
+            t0 = time.perf_counter()
+            cases[name]()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t0)
+        names.append(names.pop(0))  # the next round starts with the next case
+
+    for step in cases.values():
+        step()  # warm-up
+    benchmark.pedantic(one_round, rounds=15, warmup_rounds=0, iterations=1)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    base = medians["zerofast fused_adam_ (fp32)"]
+    lines = [f"{name:44s} {1e3 * m:10.2f} ms {m / base:8.2f}x the fp32 step" for name, m in medians.items()]
+    if cases_error:
+        lines.append(cases_error)
+    record_ratios(f"8-bit side by side, interleaved rounds: {device} {n / 1e6:.0f}M", lines)
+    benchmark.extra_info.update({f"{name} ms": 1e3 * m for name, m in medians.items()})
 
 
 @pytest.mark.parametrize("device", DEVICES)

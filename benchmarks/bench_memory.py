@@ -24,6 +24,14 @@ gradients 1 + Adam 2. Each row stands beside the paper's formula for it (N = 2 r
          No comm and DDP in bf16 are *pure* bf16 (model.to(bfloat16) + AdamW, no fp32 master, Adam
          state in bf16): 0.5 + 0.5 + 1 = 2 (DDP: plus 0.5 of buckets) -- not the same arithmetic as
          mixed precision, shown for scale, and the bf16 rows' overhead comes from that run.
+  8-bit Adam state ("zeroadam S state_bits=8": MixedPrecisionPolicy(state_bits=8), the moments one
+         byte per element each plus an fp32 scale per block of 256, so 2 + 8/256 bytes per element
+         = 0.5 + 1/128 units instead of 2): fp32 stage 1: 1 + 1 + 0.508/N = 2.25; stage 2:
+         1 + 1.508/N = 1.75; stage 3: 2.508/N = 1.25. bf16 (fp32 master kept, 1.508 units of state
+         and master): stage 1: 0.5 + 0.5 + 1.508/N = 1.75; stage 2: 0.5 + 2.008/N = 1.5; stage 3:
+         (0.5 + 0.5 + 1.508)/N = 1.25 -- the (2 + 2 + 4 + 2)/N of 16 bytes per parameter of mixed
+         precision's table, against 2 for 32-bit state. The padding that aligns each parameter to a
+         block (at most 255 elements per tensor) is not in the formulas.
 DeepSpeed ZeRO 1/2/3 rows (the ZeroAdam formulas) run only when deepspeed is installed.
 
 Method, identical in every case:
@@ -43,7 +51,7 @@ Method, identical in every case:
 Run: .venv/bin/python -m pytest -q benchmarks/bench_memory.py --benchmark-only -s
 Rows named "zeroadam S k=v ..." pass those arguments to ZeroAdam (the defaults' alternatives:
 stage 2 with 25 MB buckets, as before the buffer budget, and with no bound on its buffers; stage 3
-unbounded).
+unbounded); state_bits=8 goes to its MixedPrecisionPolicy.
 """
 
 from __future__ import annotations
@@ -132,7 +140,7 @@ def build(case, precision, rank, world):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from zerofast import CommPolicy, ZeroAdam
+    from zerofast import CommPolicy, MixedPrecisionPolicy, ZeroAdam
     from zerofast.tools.models import make_gpt, random_batch
 
     kind, _, rest = case.partition(" ")
@@ -170,13 +178,18 @@ def build(case, precision, rank, world):
         tensor_bytes = functools.partial(_torch_bytes, model, opt)
     elif kind == "zeroadam":
         extra = {k: float(v) if k == "bucket_mb" else int(v) for k, v in (kv.split("=") for kv in rest.split()[1:])}
+        state_bits = extra.pop("state_bits", 32)
+        if state_bits == 32:
+            precision_policy = "bf16" if bf16 else None
+        else:
+            precision_policy = MixedPrecisionPolicy(torch.bfloat16 if bf16 else torch.float32, state_bits=state_bits)
         opt = ZeroAdam(
             model,
             stage=int(rest.split()[0]),
-            mixed_precision="bf16" if bf16 else None,
+            mixed_precision=precision_policy,
             comm=CommPolicy(**extra),
             **HYPER,
-        )  # "k=v" words: CommPolicy's bucket_mb, bucket_buffers
+        )  # "k=v" words: CommPolicy's bucket_mb, bucket_buffers; MixedPrecisionPolicy's state_bits
 
         def tensor_bytes():
             nonlocal report
@@ -240,14 +253,30 @@ CASES = (
     ["nocomm", "ddp", "fsdp2"]
     + [f"zeroadam {s}" for s in (1, 2, 3)]
     + ["zeroadam 2 bucket_mb=25", "zeroadam 2 bucket_mb=25 bucket_buffers=0", "zeroadam 3 bucket_buffers=0"]
+    + [f"zeroadam {s} state_bits=8" for s in (1, 2, 3)]
     + [f"deepspeed {s}" for s in (1, 2, 3)]
 )
+
+STATE8_UNITS = 0.5 + 2 / 256 / 4  # two 1-byte moments and two fp32 scales per 256 elements, in 4-byte units
 
 
 def formula(case: str, precision: str, n: int) -> tuple[float, str]:
     """The ZeRO paper's figure for a row, in units of 4 * numel bytes, and how it is made up."""
     kind, _, rest = case.partition(" ")
     stage = int(rest.split()[0]) if rest else None
+    if "state_bits=8" in rest:
+        q = STATE8_UNITS
+        if precision == "fp32":
+            return {
+                1: (2 + q / n, "1+1+.508/N"),
+                2: (1 + (1 + q) / n, "1+1.508/N"),
+                3: ((2 + q) / n, "(1+1+.508)/N"),
+            }[stage]
+        return {
+            1: (1 + (1 + q) / n, ".5+.5+1.508/N"),
+            2: (0.5 + (1.5 + q) / n, ".5+2.008/N"),
+            3: ((2 + q) / n, "(.5+.5+1.508)/N"),
+        }[stage]
     if precision == "fp32":
         if kind == "nocomm":
             return 4.0, "1+1+2"

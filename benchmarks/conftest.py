@@ -9,6 +9,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 _ROWS = []
+_NOT_RUN = []
+_RATIOS = []
 
 
 @pytest.fixture
@@ -21,10 +23,38 @@ def record():
     return _record
 
 
+@pytest.fixture
+def record_not_run():
+    """record_not_run(group, name, reason): a case that could not run here, printed with its reason
+    under its group's table."""
+
+    def _record(group, name, reason):
+        _NOT_RUN.append((group, name, reason))
+
+    return _record
+
+
+@pytest.fixture
+def record_ratios():
+    """record_ratios(title, lines): a table a case formats itself (times measured inside one case,
+    such as interleaved rounds), printed under its title."""
+
+    def _record(title, lines):
+        _RATIOS.append((title, lines))
+
+    return _record
+
+
 def pytest_terminal_summary(terminalreporter):
-    if not _ROWS:
+    if not _ROWS and not _NOT_RUN and not _RATIOS:
         return
     tr = terminalreporter
+    for title, lines in _RATIOS:
+        tr.write_sep("=", f"zerofast summary: {title}")
+        for line in lines:
+            tr.write_line(line)
+    for group, name, reason in _NOT_RUN:
+        tr.write_line(f"not run ({group}): {name}: {reason}")
     groups = {}
     for group, name, bench, nbytes in _ROWS:
         if bench.stats is None:

@@ -2,6 +2,7 @@
 // target pragma, so only this file's own loop is compiled for AVX2: see [Note: one math, many ISAs].
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 
 #include "adam_cpu.h"

@@ -95,76 +95,181 @@ void adam_range(const AdamPointers& ptr, const AdamScalars& s, int64_t begin, in
   }
 }
 
-// One block of the 8-bit step, in the two passes of [Note: quantized state] (adam_math.h), on the
-// block's elements [0, n) of the pointers. With kTable the second pass quantizes by table
-// ([Note: quantizing by table]) and vectorizes; without, it searches, element by element. The arrays
-// written are restrict parameters of this function, never inlined: GCC proves from those (not from
-// restrict locals copied out of a struct, nor once inlined) that the gathers from the codes and
-// tables do not alias them.
-template <typename G, typename C, bool kTable>
-C10_NOINLINE void adam8_elements(float* __restrict param, const G* __restrict grad, uint8_t* __restrict q_avg,
-                                 uint8_t* __restrict q_avg_sq, C* __restrict copy, float* __restrict scale_avg,
-                                 float* __restrict scale_avg_sq, const Adam8Pointers& ptr, const AdamScalars& scalars,
-                                 int64_t n) {
-  const AdamScalars s = scalars;  // a local copy, as in adam_typed
-  const float* __restrict code_avg = ptr.exp_avg_code;
-  const float* __restrict code_avg_sq = ptr.exp_avg_sq_code;
-  const float* __restrict thr_avg = ptr.exp_avg_thresholds;
-  const float* __restrict thr_avg_sq = ptr.exp_avg_sq_thresholds;
-  const int32_t* __restrict table_avg = ptr.exp_avg_table;
-  const int32_t* __restrict table_avg_sq = ptr.exp_avg_sq_table;
-  const float old_scale_avg = *scale_avg;
-  const float old_scale_avg_sq = *scale_avg_sq;
-  float max_avg = 0.0f;
-  float max_avg_sq = 0.0f;
-#pragma omp simd reduction(max : max_avg, max_avg_sq)
-  for (int64_t i = 0; i < n; ++i) {
-    const AdamElement e = adam_moments(param[i], to_float(grad[i]), dequantize(q_avg[i], old_scale_avg, code_avg),
-                                       dequantize(q_avg_sq[i], old_scale_avg_sq, code_avg_sq), s);
-    max_avg = std::max(max_avg, scale_magnitude(e.exp_avg));
-    max_avg_sq = std::max(max_avg_sq, scale_magnitude(e.exp_avg_sq));
+// [Note: one pass per block]
+// The 8-bit step reads and writes each element's memory once. A chunk of whole blocks (2048
+// elements of blocks up to 2048, else one block) is stepped with its moments in a scratch of 16
+// bytes per element (32 KiB, in L1 or L2), in loops over the chunk: dequantize each moment into the
+// scratch; the fp32 Adam math in place (param, grad and the copy streamed, the parameter written);
+// each block's two new scales (largest magnitudes, written over the old ones, which the first loop
+// has read); the table's bucket and key of each normalized moment; the table lookups and the final
+// index. Each loop is simple enough for the compiler to vectorize on its own, the table lookups as
+// gathers (one per moment: the table packs the count and the cut, [Note: quantizing by table] in
+// adam_math.h). The exception is the 256-entry code that dequantizing reads: the AVX-512 loop keeps
+// it in 16 registers and looks up 16 elements with eight two-register permutes and a three-level
+// blend, which measured faster than gathers (AMD EPYC, docs/8bit-state.md). Every value is the one
+// the element functions of adam_math.h compute, in the same order, so every instruction set gives
+// the same bits, and so does the CUDA kernel's two passes.
+
+// Elements stepped together: whole blocks, at least one, and kChunk elements when blocks are smaller
+// ([Note: one pass per block]).
+constexpr int64_t kChunk = 2048;
+
+// A chunk's fp32 moments, and the table's bucket and key of each (reused for both moments).
+struct Scratch8 {
+  std::unique_ptr<float[]> exp_avg;
+  std::unique_ptr<float[]> exp_avg_sq;
+  std::unique_ptr<uint32_t[]> bucket;
+  std::unique_ptr<uint32_t[]> key;
+
+  explicit Scratch8(int64_t elements)
+      : exp_avg(new float[elements]),
+        exp_avg_sq(new float[elements]),
+        bucket(new uint32_t[elements]),
+        key(new uint32_t[elements]) {}
+};
+
+// out[i] = dequantize(q[i], scale of i's block, code) over the chunk's n elements.
+#if defined(ZEROFAST_AVX512_LOOKUPS)
+// 16 elements at a time from the code held in registers.
+C10_NOINLINE void dequantize_blocks(const uint8_t* __restrict q, const float* __restrict code,
+                                    const float* __restrict scales, int64_t block, float* __restrict out, int64_t n) {
+  __m512 t[16];
+  for (int k = 0; k < 16; ++k) t[k] = _mm512_loadu_ps(code + 16 * k);
+  const __m512i bit5 = _mm512_set1_epi32(32), bit6 = _mm512_set1_epi32(64), bit7 = _mm512_set1_epi32(128);
+  for (int64_t lo = 0; lo < n; lo += block) {
+    const int64_t hi = std::min(lo + block, n);
+    const float scale = scales[lo / block];
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    int64_t i = lo;
+    for (; i + 16 <= hi; i += 16) {
+      const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i)));
+      // permutex2var reads the index's low five bits: entries 32k .. 32k + 31 for each k.
+      __m512 r[8];
+      for (int k = 0; k < 8; ++k) r[k] = _mm512_permutex2var_ps(t[2 * k], index, t[2 * k + 1]);
+      const __mmask16 m5 = _mm512_test_epi32_mask(index, bit5);
+      const __mmask16 m6 = _mm512_test_epi32_mask(index, bit6);
+      const __mmask16 m7 = _mm512_test_epi32_mask(index, bit7);
+      const __m512 low =
+          _mm512_mask_blend_ps(m6, _mm512_mask_blend_ps(m5, r[0], r[1]), _mm512_mask_blend_ps(m5, r[2], r[3]));
+      const __m512 high =
+          _mm512_mask_blend_ps(m6, _mm512_mask_blend_ps(m5, r[4], r[5]), _mm512_mask_blend_ps(m5, r[6], r[7]));
+      _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mask_blend_ps(m7, low, high), scale16));
+    }
+    for (; i < hi; ++i) out[i] = dequantize(q[i], scale, code);
   }
-  // No `omp simd` here: under it GCC keeps `e` (a struct returned by value) in a per-lane array in
-  // memory, whose loads it does not vectorize; the plain loop vectorizes.
+}
+#else
+C10_NOINLINE void dequantize_blocks(const uint8_t* __restrict q, const float* __restrict code,
+                                    const float* __restrict scales, int64_t block, float* __restrict out, int64_t n) {
+  for (int64_t lo = 0; lo < n; lo += block) {
+    const int64_t hi = std::min(lo + block, n);
+    const float scale = scales[lo / block];
+    for (int64_t i = lo; i < hi; ++i) out[i] = dequantize(q[i], scale, code);
+  }
+}
+#endif
+
+// The Adam math of adam_typed on the chunk, its moments read from and written back to the scratch.
+// The arrays are restrict parameters of a function never inlined: GCC proves them free of aliasing
+// from those, not from restrict locals copied out of a struct. No `omp simd`: under it GCC keeps
+// `e` (a struct returned by value) in a per-lane array in memory; the plain loop vectorizes.
+template <typename G, typename C>
+C10_NOINLINE void adam8_math(float* __restrict param, const G* __restrict grad, C* __restrict copy,
+                             float* __restrict exp_avg, float* __restrict exp_avg_sq, const AdamScalars& scalars,
+                             int64_t n) {
+  const AdamScalars s = scalars;  // a local copy, as in adam_typed
   for (int64_t i = 0; i < n; ++i) {
-    const AdamElement e = adam_moments(param[i], to_float(grad[i]), dequantize(q_avg[i], old_scale_avg, code_avg),
-                                       dequantize(q_avg_sq[i], old_scale_avg_sq, code_avg_sq), s);
+    const AdamElement e = adam_moments(param[i], to_float(grad[i]), exp_avg[i], exp_avg_sq[i], s);
     const float p = adam_param(e, s);
     param[i] = p;
-    if constexpr (kTable) {
-      q_avg[i] = quantize_by_table(e.exp_avg, max_avg, thr_avg, table_avg);
-      q_avg_sq[i] = quantize_by_table(e.exp_avg_sq, max_avg_sq, thr_avg_sq, table_avg_sq);
-    } else {
-      q_avg[i] = quantize(e.exp_avg, max_avg, thr_avg);
-      q_avg_sq[i] = quantize(e.exp_avg_sq, max_avg_sq, thr_avg_sq);
-    }
+    exp_avg[i] = e.exp_avg;
+    exp_avg_sq[i] = e.exp_avg_sq;
     if constexpr (!std::is_same_v<C, NoCopy>) {
       store(&copy[i], p);
     }
   }
-  *scale_avg = max_avg;
-  *scale_avg_sq = max_avg_sq;
 }
 
-template <typename G, typename C, bool kTable>
-void adam8_block(const Adam8Pointers& ptr, const AdamScalars& s, int64_t lo, int64_t hi, int64_t blk) {
+// Each block's new scale: its largest magnitude.
+C10_NOINLINE void block_scales(const float* __restrict x, int64_t block, float* __restrict scales, int64_t n) {
+  for (int64_t lo = 0; lo < n; lo += block) {
+    const int64_t hi = std::min(lo + block, n);
+    float largest = 0.0f;
+#pragma omp simd reduction(max : largest)
+    for (int64_t i = lo; i < hi; ++i) largest = std::max(largest, scale_magnitude(x[i]));
+    scales[lo / block] = largest;
+  }
+}
+
+C10_NOINLINE void bucket_blocks(const float* __restrict x, const float* __restrict scales, int64_t block,
+                                uint32_t* __restrict bucket, uint32_t* __restrict key, int64_t n) {
+  for (int64_t lo = 0; lo < n; lo += block) {
+    const int64_t hi = std::min(lo + block, n);
+    const float scale = scales[lo / block];
+    for (int64_t i = lo; i < hi; ++i) {
+      const uint32_t bits = normalized_bits(x[i], scale);
+      bucket[i] = static_cast<uint32_t>(table_bucket(bits));
+      key[i] = table_key(bits);
+    }
+  }
+}
+
+// bucket[i] becomes its table entry.
+C10_NOINLINE void lookup_entries(uint32_t* __restrict bucket, const int32_t* __restrict table, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) bucket[i] = static_cast<uint32_t>(table[bucket[i]]);
+}
+
+C10_NOINLINE void index_entries(const uint32_t* __restrict entry, const uint32_t* __restrict key, uint8_t* __restrict q,
+                                int64_t n) {
+  for (int64_t i = 0; i < n; ++i) q[i] = table_index(entry[i], key[i]);
+}
+
+C10_NOINLINE void search_blocks(const float* __restrict x, const float* __restrict scales, int64_t block,
+                                const float* __restrict thresholds, uint8_t* __restrict q, int64_t n) {
+  for (int64_t lo = 0; lo < n; lo += block) {
+    const int64_t hi = std::min(lo + block, n);
+    const float scale = scales[lo / block];
+    for (int64_t i = lo; i < hi; ++i) q[i] = quantize(x[i], scale, thresholds);
+  }
+}
+
+// Stores x (the chunk's new values of one moment) quantized with its blocks' `scales`.
+void quantize_moment(const float* x, const float* scales, int64_t block, const float* thresholds, const int32_t* table,
+                     Scratch8& scratch, uint8_t* q, int64_t n) {
+  if (table == nullptr) return search_blocks(x, scales, block, thresholds, q, n);
+  bucket_blocks(x, scales, block, scratch.bucket.get(), scratch.key.get(), n);
+  lookup_entries(scratch.bucket.get(), table, n);
+  index_entries(scratch.bucket.get(), scratch.key.get(), q, n);
+}
+
+// Blocks [first, last) of the step.
+template <typename G, typename C>
+void adam8_chunk(const Adam8Pointers& ptr, const AdamScalars& s, int64_t first, int64_t last, Scratch8& scratch) {
+  const int64_t lo = first * ptr.block;
+  const int64_t n = std::min(last * ptr.block, ptr.numel) - lo;
+  float* exp_avg = scratch.exp_avg.get();
+  float* exp_avg_sq = scratch.exp_avg_sq.get();
+  float* scale_avg = ptr.exp_avg_scale + first;
+  float* scale_avg_sq = ptr.exp_avg_sq_scale + first;
   C* copy = static_cast<C*>(ptr.param_copy);
-  adam8_elements<G, C, kTable>(ptr.param + lo, static_cast<const G*>(ptr.grad) + lo, ptr.exp_avg + lo,
-                               ptr.exp_avg_sq + lo, copy == nullptr ? nullptr : copy + lo, ptr.exp_avg_scale + blk,
-                               ptr.exp_avg_sq_scale + blk, ptr, s, hi - lo);
+  dequantize_blocks(ptr.exp_avg + lo, ptr.exp_avg_code, scale_avg, ptr.block, exp_avg, n);
+  dequantize_blocks(ptr.exp_avg_sq + lo, ptr.exp_avg_sq_code, scale_avg_sq, ptr.block, exp_avg_sq, n);
+  adam8_math<G, C>(ptr.param + lo, static_cast<const G*>(ptr.grad) + lo, copy == nullptr ? nullptr : copy + lo, exp_avg,
+                   exp_avg_sq, s, n);
+  block_scales(exp_avg, ptr.block, scale_avg, n);  // the old scales were read above
+  block_scales(exp_avg_sq, ptr.block, scale_avg_sq, n);
+  quantize_moment(exp_avg, scale_avg, ptr.block, ptr.exp_avg_thresholds, ptr.exp_avg_table, scratch, ptr.exp_avg + lo,
+                  n);
+  quantize_moment(exp_avg_sq, scale_avg_sq, ptr.block, ptr.exp_avg_sq_thresholds, ptr.exp_avg_sq_table, scratch,
+                  ptr.exp_avg_sq + lo, n);
 }
 
 template <typename G, typename C>
 void adam8_typed(const Adam8Pointers& ptr, const AdamScalars& s, int64_t block_begin, int64_t block_end) {
-  const bool by_table = ptr.exp_avg_table != nullptr && ptr.exp_avg_sq_table != nullptr;
-  for (int64_t blk = block_begin; blk < block_end; ++blk) {
-    const int64_t lo = blk * ptr.block;
-    const int64_t hi = std::min(lo + ptr.block, ptr.numel);
-    if (by_table) {
-      adam8_block<G, C, true>(ptr, s, lo, hi, blk);
-    } else {
-      adam8_block<G, C, false>(ptr, s, lo, hi, blk);
-    }
+  const int64_t blocks_per_chunk = std::max<int64_t>(1, kChunk / ptr.block);
+  Scratch8 scratch(blocks_per_chunk * ptr.block);  // one allocation per range of blocks (a parallel chunk)
+  for (int64_t first = block_begin; first < block_end; first += blocks_per_chunk) {
+    adam8_chunk<G, C>(ptr, s, first, std::min(first + blocks_per_chunk, block_end), scratch);
   }
 }
 

@@ -2,6 +2,7 @@
 // machine gets when it lacks AVX2, and what ZEROFAST_CPU_ISA=portable forces.
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 
 #include "adam_cpu.h"

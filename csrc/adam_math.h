@@ -116,11 +116,11 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void adam_update(float& param, float grad, flo
 
 // --- 8-bit state: [Note: quantized state] in zerofast/quant.py -----------------------------------
 // A block's moments are stored as byte indices into a 256-entry code times the block's scale (its
-// largest |value|). The drivers run each block in two passes over the same elements: the first
-// computes the new moments only for their largest magnitudes (the block's new scales), the second
-// computes them again, updates the parameter and stores the moments quantized with those scales.
-// Recomputing costs a few flops per element and keeps every moment in registers: no fp32
-// temporary of the moments, and any block size.
+// largest |value|). Both drivers step a block with these functions: dequantize, adam_moments and
+// adam_param, the block's new scales (scale_magnitude), then quantize (or quantize_by_table). The
+// CUDA kernel runs each block in two passes, the second recomputing the moments in registers; the
+// CPU loops run one pass and hold the block's new moments in a small scratch ([Note: one pass per
+// block] in adam_cpu_loop.h).
 
 // The 256 code values and the 255 rounding thresholds between neighbours of one code.
 constexpr int kCodeSize = 256;
@@ -164,22 +164,28 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE uint8_t quantize(float x, float scale, const f
 
 // [Note: quantizing by table]
 // The binary search above is eight dependent loads per moment and does not vectorize. The table
-// below gives the same index with one load and one comparison. A normalized value's float bits,
-// read as sign and magnitude, select a bucket: the magnitude clamped to [2^-24, 1] (the dynamic
-// codes' smallest thresholds are about 1.6e-7 > 2^-24, their largest below 1), its exponent and top
-// kTableMantissaBits mantissa bits, mirrored for negative values, so that buckets are increasing
-// in the value. table[b] counts the thresholds in the buckets before b: every one of them is below
-// any value in bucket b, and every threshold of a later bucket is above it. When no bucket holds
-// more than one threshold (checked on the host for each code: true for the dynamic and linear
-// codes), the exact count is table[b] plus one comparison with thresholds[table[b]] (thresholds
-// carry a 256th entry, +inf, for table[b] = 255). NaN falls in bucket 0 and below every
-// threshold: index 0, as the search gives. A code
-// with a zero or repeated threshold, or two thresholds in one bucket, is searched instead.
+// below gives the same index with one load and one integer comparison. A normalized value's float
+// bits, read as sign and magnitude, select a bucket: the magnitude clamped to [2^-24, 1], its
+// exponent and top kTableMantissaBits mantissa bits (so the bucket is a function of the top 16 bits
+// alone), mirrored for negative values, so that buckets are increasing in the value. Each entry
+// packs two numbers: in its low byte the count of thresholds in the buckets before it (every one
+// of them is below any value of the bucket, and every threshold of a later bucket above it), and
+// above that the cut of the threshold inside the bucket, if there is one. Values of one bucket
+// share their top 16 bits, so within it a value is ordered by its low 16 bits (its key, mirrored
+// for negative values as the buckets are): t < x exactly when key(x) >= key(t) + 1, the cut
+// (kNoCut, above every key, when the bucket holds no threshold). The host checks each code (true
+// for the dynamic and linear codes of zerofast/quant.py): no two thresholds in one bucket, none
+// in the two clamped buckets of each sign (below 2^-24 times 1 + 2^-7, or at least 1; their values
+// do not share their top bits), none NaN or repeated. NaN falls in bucket 0 (cut kNoCut, count 0)
+// and a block of zeros normalizes to +0: index 0 and the zero's index, as the search gives. A code
+// that fails the check is searched instead.
 constexpr int kTableMantissaBits = 7;
 constexpr uint32_t kTableLowBits = (127u - 24u) << 23;  // 2^-24
 constexpr uint32_t kTableHighBits = 127u << 23;         // 1.0
 constexpr int32_t kTableHalf = static_cast<int32_t>((kTableHighBits - kTableLowBits) >> (23 - kTableMantissaBits)) + 1;
 constexpr int32_t kTableSize = 2 * kTableHalf;
+constexpr uint32_t kKeyMask = (1u << (23 - kTableMantissaBits)) - 1;  // the bits below a bucket's
+constexpr uint32_t kNoCut = kKeyMask + 2;                             // above every key
 
 C10_HOST_DEVICE C10_ALWAYS_INLINE uint32_t float_bits(float x) {
 #ifdef __CUDA_ARCH__
@@ -188,16 +194,6 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE uint32_t float_bits(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof bits);
   return bits;
-#endif
-}
-
-C10_HOST_DEVICE C10_ALWAYS_INLINE float bits_float(uint32_t bits) {
-#ifdef __CUDA_ARCH__
-  return __uint_as_float(bits);
-#else
-  float x;
-  std::memcpy(&x, &bits, sizeof x);
-  return x;
 #endif
 }
 
@@ -212,29 +208,48 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE int32_t table_bucket(uint32_t bits) {
   return low_side ? kTableHalf - 1 - offset : kTableHalf + offset;
 }
 
-// `thresholds` has 256 entries here, the last +inf; `table` kTableSize (see the Note). The same
-// index as quantize(x, scale, thresholds), with no data-dependent branch: x / scale is computed
-// unconditionally (by 1 in a block of zeros) and its bits masked to +0 there, as `normalize` does.
-C10_HOST_DEVICE C10_ALWAYS_INLINE uint8_t quantize_by_table(float x, float scale, const float* thresholds,
-                                                            const int32_t* table) {
+// A value's order within its bucket (see the Note).
+C10_HOST_DEVICE C10_ALWAYS_INLINE uint32_t table_key(uint32_t bits) {
+  const uint32_t low = bits & kKeyMask;
+  return (bits >> 31) != 0u ? kKeyMask - low : low;
+}
+
+// The bits of x / scale as quantize sees them: x / scale computed unconditionally (by 1 in a block
+// of zeros) and masked to +0 there, as `normalize` does, with no data-dependent branch.
+C10_HOST_DEVICE C10_ALWAYS_INLINE uint32_t normalized_bits(float x, float scale) {
   const uint32_t keep = scale > 0.0f ? 0xffffffffu : 0u;
-  const uint32_t bits = float_bits(x / (scale > 0.0f ? scale : 1.0f)) & keep;
-  const int32_t index = table[table_bucket(bits)];
-  return static_cast<uint8_t>(index + (thresholds[index] < bits_float(bits) ? 1 : 0));  // NaN: bucket 0, no step
+  return float_bits(x / (scale > 0.0f ? scale : 1.0f)) & keep;
+}
+
+// The index from a value's table entry and key.
+C10_HOST_DEVICE C10_ALWAYS_INLINE uint8_t table_index(uint32_t entry, uint32_t key) {
+  return static_cast<uint8_t>((entry & 0xffu) + (key >= (entry >> 8) ? 1u : 0u));
+}
+
+// The same index as quantize(x, scale, thresholds); `table` has kTableSize entries (see the Note).
+// The CPU loops run its three steps as three loops: see [Note: one pass per block] in adam_cpu_loop.h.
+C10_HOST_DEVICE C10_ALWAYS_INLINE uint8_t quantize_by_table(float x, float scale, const int32_t* table) {
+  const uint32_t bits = normalized_bits(x, scale);
+  return table_index(static_cast<uint32_t>(table[table_bucket(bits)]), table_key(bits));
 }
 
 // Fills `table` (kTableSize entries) for the 255 sorted `thresholds`; false when the code cannot
 // use it (see the Note), and the caller searches instead.
 inline bool build_quantize_table(const float* thresholds, int32_t* table) {
+  constexpr uint32_t kFirstUnclamped = kTableLowBits + (1u << (23 - kTableMantissaBits));
   for (int k = 0; k < kCodeSize - 1; ++k) {
     const float t = thresholds[k];
-    if (t != t || t == 0.0f || (k > 0 && !(thresholds[k - 1] < t))) return false;
+    const uint32_t magnitude = float_bits(t) & 0x7fffffffu;
+    if (t != t || magnitude < kFirstUnclamped || magnitude >= kTableHighBits) return false;
+    if (k > 0 && !(thresholds[k - 1] < t)) return false;
     if (k > 0 && table_bucket(float_bits(thresholds[k - 1])) == table_bucket(float_bits(t))) return false;
   }
   int32_t below = 0;
   for (int32_t b = 0; b < kTableSize; ++b) {
     while (below < kCodeSize - 1 && table_bucket(float_bits(thresholds[below])) < b) ++below;
-    table[b] = below;
+    const bool inside = below < kCodeSize - 1 && table_bucket(float_bits(thresholds[below])) == b;
+    const uint32_t cut = inside ? table_key(float_bits(thresholds[below])) + 1 : kNoCut;
+    table[b] = static_cast<int32_t>(static_cast<uint32_t>(below) | (cut << 8));
   }
   return true;
 }

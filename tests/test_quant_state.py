@@ -113,10 +113,12 @@ def _isas(monkeypatch):
         yield isa
 
 
-@pytest.mark.parametrize("block", [32, 256])
+@pytest.mark.parametrize("block", [32, 256, 4096])
 @pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam"])
 def test_every_isa_is_the_oracle_bitwise(monkeypatch, block, adamw):
-    n = 3 * block + 17  # a last block shorter than the others
+    # Several of the CPU loops' chunks (2048 elements, or one block above that; [Note: one pass per
+    # block] in csrc/adam_cpu_loop.h), the last one partial, and a last block shorter than the others.
+    n = max(3 * block, 2 * 2048 + block) + 17
     ref = _run("oracle", "cpu", n, block, adamw=adamw)
     seen = []
     for isa in _isas(monkeypatch):

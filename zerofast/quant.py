@@ -25,7 +25,8 @@ written (Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2
   instruction set, the CUDA kernel and `quantize` below give the same bytes. A block whose scale is
   0 (all zero) is stored with scale 0, and every code value times 0 is 0.
 - The kernel's Adam update uses the moments before they are requantized (the new fp32 values of
-  this step, held only in registers), as bitsandbytes' does; the rounding affects the next step.
+  this step, held in registers, or on CPU in a scratch of one chunk of blocks), as bitsandbytes'
+  does; the rounding affects the next step.
 - Blocks are keyed to each parameter's own element index: block k of a parameter is its flattened
   elements [k * block, (k + 1) * block), the last block of a parameter possibly shorter. The layout
   (zerofast/layout.py, `block=`) starts every parameter's slot, every rank's slice and every owner's
