@@ -380,6 +380,28 @@ def param_bytes(opt) -> int:
     return opt.report().memory.materialized_params
 
 
+def gathered_bytes(opt) -> int:
+    """Bytes of stage 3's unit buffers that exist now (the shards not counted)."""
+    from zerofast.optim.zero_adam import parts_of
+
+    return sum(b.untyped_storage().nbytes() for part in parts_of(opt).units.buffers.parts for b in part.buffers)
+
+
+def unit_bytes(opt) -> list[int]:
+    """Each stage-3 unit's gathered size in bytes (its trainable and frozen buckets)."""
+    from zerofast.optim.zero_adam import parts_of
+
+    parts = parts_of(opt).units.buffers.parts
+    return [
+        sum(
+            p.buffers[p.bucket_of[u]].numel() * p.buffers[p.bucket_of[u]].element_size()
+            for p in parts
+            if p.bucket_of[u] is not None
+        )
+        for u in range(len(parts_of(opt).units.state))
+    ]
+
+
 def held_tensor_bytes(root) -> int:
     """Bytes of every distinct tensor storage the optimizer holds from Python: a walk through its
     attributes, containers and the objects they hold, stopping at the model (whose parameters are

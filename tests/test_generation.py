@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 from harness import run_ranks
-from oracles import HYPER
+from oracles import HYPER, gathered_bytes, unit_bytes
 
 from zerofast import UnitPolicy, ZeroAdam
 from zerofast.optim.zero_adam import parts_of
@@ -55,24 +55,6 @@ def sharded(model):
     """A stage-3 ZeroAdam over `model`, one unit per block (min_unit_mb=0); the model and it."""
     opt = ZeroAdam(model, stage=3, units=UnitPolicy(min_unit_mb=0), **HYPER)
     return model, opt
-
-
-def gathered_bytes(opt) -> int:
-    """Bytes of unit buffers that exist now (the shards not counted)."""
-    return sum(b.untyped_storage().nbytes() for part in parts_of(opt).units.buffers.parts for b in part.buffers)
-
-
-def unit_bytes(opt) -> list[int]:
-    """Each unit's gathered size in bytes (its trainable and frozen buckets)."""
-    parts = parts_of(opt).units.buffers.parts
-    return [
-        sum(
-            p.buffers[p.bucket_of[u]].numel() * p.buffers[p.bucket_of[u]].element_size()
-            for p in parts
-            if p.bucket_of[u] is not None
-        )
-        for u in range(len(parts_of(opt).units.state))
-    ]
 
 
 def peak_during(model, opt, run):
@@ -250,12 +232,9 @@ def _weights_out(rank, world):
     parts = parts_of(opt).units.buffers.parts
     largest_unit = max(b.numel() * b.element_size() for part in parts for b in part.buffers)
 
-    def gathered_bytes() -> int:
-        return sum(b.untyped_storage().nbytes() for part in parts for b in part.buffers)
-
     received, peak = [], 0
     for name, tensor in opt.named_full_tensors():  # a receiver that records what arrives
-        peak = max(peak, gathered_bytes())
+        peak = max(peak, gathered_bytes(opt))
         received.append((name, tensor))
     with opt.gathered_params():
         expected = [(k, v.clone()) for k, v in model.state_dict().items()]
@@ -266,7 +245,7 @@ def _weights_out(rank, world):
         "peak": peak,
         "largest_unit": largest_unit,
         "units": len(parts_of(opt).units.state),
-        "sharded_after": gathered_bytes() == 0,
+        "sharded_after": gathered_bytes(opt) == 0,
     }
 
 

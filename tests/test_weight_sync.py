@@ -10,7 +10,7 @@ iterator must give bitwise (the same merge code on the same tensors). One run_ra
 import torch
 import torch.nn as nn
 from harness import run_ranks
-from oracles import HYPER
+from oracles import HYPER, gathered_bytes, unit_bytes
 
 from zerofast import UnitPolicy, ZeroAdam
 from zerofast.optim.zero_adam import parts_of
@@ -37,22 +37,6 @@ def lora_llama(lora: dict, dtype=torch.float32):
     )
     model = LlamaForCausalLM(config)
     return get_peft_model(model, LoraConfig(r=2, init_lora_weights=False, **lora)).to(dtype)
-
-
-def gathered_bytes(opt) -> int:
-    return sum(b.untyped_storage().nbytes() for part in parts_of(opt).units.buffers.parts for b in part.buffers)
-
-
-def unit_bytes(opt) -> list[int]:
-    parts = parts_of(opt).units.buffers.parts
-    return [
-        sum(
-            p.buffers[p.bucket_of[u]].numel() * p.buffers[p.bucket_of[u]].element_size()
-            for p in parts
-            if p.bucket_of[u] is not None
-        )
-        for u in range(len(parts_of(opt).units.state))
-    ]
 
 
 def bound(opt, model) -> int:
