@@ -225,20 +225,15 @@ def resume():
 def sft():
     """TRL's SFTTrainer with the mixin (ZeroSFTTrainer), LoRA, stage 3: a few steps."""
     from datasets import Dataset
+    from oracles import WORDS as words
+    from oracles import word_tokenizer
     from peft import LoraConfig
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
     from trl import SFTConfig
 
     from zerofast.integrations.hf import ZeroSFTTrainer
 
-    words = "the a cat dog sat ran on under mat log red blue big small".split()
-    vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "<s>", "</s>"] + words)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
-    )
+    tokenizer = word_tokenizer()
     g = torch.Generator().manual_seed(0)
     rows = [" ".join(words[int(i)] for i in torch.randint(0, len(words), (8,), generator=g)) for _ in range(32)]
     torch.manual_seed(0)

@@ -380,6 +380,23 @@ def param_bytes(opt) -> int:
     return opt.report().memory.materialized_params
 
 
+WORDS = "the a cat dog sat ran on under mat log red blue big small".split()
+
+
+def word_tokenizer():
+    """A Hugging Face fast tokenizer over WORDS (one token a word, <pad> <unk> <s> </s> first):
+    built in memory, no download; what the TRL launches tokenize their text with."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "<s>", "</s>"] + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
 def gathered_bytes(opt) -> int:
     """Bytes of stage 3's unit buffers that exist now (the shards not counted)."""
     from zerofast.optim.zero_adam import parts_of

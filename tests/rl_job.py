@@ -27,26 +27,18 @@ import torch
 import torch.distributed as dist
 
 torch.set_num_threads(1)
+from oracles import WORDS, word_tokenizer  # noqa: E402  (tests/, this script's folder, is on sys.path)
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 hf_logging.set_verbosity_error()
 JOB, OUT = sys.argv[1], sys.argv[2]
 RANK = int(os.environ.get("RANK", 0))
-WORDS = "the a cat dog sat ran on under mat log red blue big small".split()
 MAX_NEW = 6
 STEPS = 3
 
 
 def tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "<s>", "</s>"] + WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
-    )
+    return word_tokenizer()
 
 
 def prompts(n=12):
