@@ -45,7 +45,6 @@ from trl.generation.vllm_generation import VLLMGeneration
 
 from ..optim.zero_adam import ZeroAdam
 from . import hosts
-from .hf import TRL
 
 
 class _ZeroGeneration(DistributedBackend):
@@ -101,6 +100,9 @@ def adopt(trainer) -> None:
         generation._trainer = weakref.ref(trainer)
 
 
+# The version of trl this module and the TRL trainers of zerofast.integrations.hf were written
+# against: the Makefile's HF_DEPS pin (tested) and pyproject.toml's extra `hf` (supported).
+TRL = hosts.Pin("trl", tested="1.16.0", supported=">=1.16.0,<1.17")
 RELIES_ON = hosts.Reliance(
     "zerofast.integrations._trl",
     extra="hf",

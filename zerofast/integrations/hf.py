@@ -194,7 +194,7 @@ class ZeroTrainerMixin:
         self._check_arguments()
         self._check_frozen_models()
         if "trl" in sys.modules:  # a TRL trainer: its generation mode ([Note: TRL's generation mode])
-            from . import _trl
+            from . import _trl  # imports trl, an optional package
 
             _trl.adopt(self)
 
@@ -294,6 +294,8 @@ class ZeroTrainerMixin:
         ]
         for model in models:
             if isinstance(model, nn.Module) and model not in self._prepared_for_inference:
+                from ._trl import TRL  # a TRL trainer: trl, an optional package, is imported already
+
                 raise IncompatibleHostError(
                     f"ZeroTrainer: {type(self).__name__} built a {type(model).__name__} for inference that "
                     f"never passed through accelerator.prepare_model(..., evaluation_mode=True), where "
@@ -488,7 +490,6 @@ class ZeroTrainer(ZeroTrainerMixin, Trainer):
 # The versions: the Makefile's HF_DEPS pins (tested) and pyproject.toml's extra `hf` (supported).
 TRANSFORMERS = hosts.Pin("transformers", tested="5.24.0", supported=">=5.24.0,<5.25")
 ACCELERATE = hosts.Pin("accelerate", tested="1.15.0", supported=">=1.15.0,<1.16")
-TRL = hosts.Pin("trl", tested="1.16.0", supported=">=1.16.0,<1.17")  # TRL_TRAINERS', checked when made
 # The Trainer methods ZeroTrainerMixin replaces; the private ones are named after transformers 5.24.0.
 TRAINER_OVERRIDES = (
     "create_accelerator_and_postprocess",
@@ -598,12 +599,12 @@ TRL_TRAINERS = {
 }
 
 
-def _trl_reliance(name: str, host: type) -> hosts.Reliance:
+def _trl_reliance(name: str, host: type, pin: hosts.Pin) -> hosts.Reliance:
     """ZeroTrainerMixin over one of TRL's trainers: the same overrides, against what it changes."""
     return hosts.Reliance(
         f"zerofast.integrations.hf.{name}",
         extra="hf",
-        pins=(TRL,),
+        pins=(pin,),
         entries=(hosts.Overrides(ZeroTrainerMixin, host, TRAINER_OVERRIDES),),
     )
 
@@ -613,10 +614,12 @@ def __getattr__(name: str):
         try:
             import trl
 
+            from ._trl import TRL  # imports trl, an optional package
+
             host = getattr(trl, TRL_TRAINERS[name])
         except ImportError as e:
             raise AttributeError(f"zerofast.integrations.hf.{name} needs trl ({e})") from e
-        hosts.check(_trl_reliance(name, host))
+        hosts.check(_trl_reliance(name, host, TRL))
         cls = type(
             name,
             (ZeroTrainerMixin, host),

@@ -32,7 +32,7 @@ from peft import PeftModel, get_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 
-from ..stage3.weights import Entry, copy_of
+from ..stage3.entries import Entry, copy_of
 from . import hosts
 
 

@@ -12,25 +12,12 @@ zerofast/integrations/peft_weights.py) passes its own entries, each made from te
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
 
-
-@dataclass(frozen=True)
-class Entry:
-    """One tensor to hand out, made once every tensor it reads has storage."""
-
-    needs: tuple[torch.Tensor, ...]  # the model's tensors it is made from
-    make: Callable[[], torch.Tensor]  # a new tensor, the receiver's to keep
-    modules: tuple[nn.Module, ...] = ()  # whose units to gather together if `needs` span several
-
-
-def copy_of(t: torch.Tensor) -> Entry:
-    """The entry that hands out a copy of `t`."""
-    return Entry((t,), lambda: t.detach().clone())
+from .entries import Entry, copy_of
 
 
 def state_dict_entries(model: nn.Module) -> list[tuple[str, Entry]]:
@@ -45,7 +32,7 @@ def entries_for(model: nn.Module, peft: str | None, who: str) -> list[tuple[str,
         return state_dict_entries(model)
     if peft not in ("merged", "adapter"):
         raise ValueError(f"{who}: peft must be None, 'merged' or 'adapter'; got {peft!r}")
-    from ..integrations.peft_weights import peft_entries
+    from ..integrations.peft_weights import peft_entries  # imports peft, an optional package
 
     return peft_entries(model, peft, who)
 

@@ -1,0 +1,26 @@
+"""What the weight iterator hands out (zerofast/stage3/weights.py), one entry a tensor: the tensors
+of the model it is made from and how to make it. Its own module so that the views that make
+entries of their own (a PEFT model's merged weights: zerofast/integrations/peft_weights.py) and the
+iterator that chooses between them both depend on it, not on each other."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor to hand out, made once every tensor it reads has storage."""
+
+    needs: tuple[torch.Tensor, ...]  # the model's tensors it is made from
+    make: Callable[[], torch.Tensor]  # a new tensor, the receiver's to keep
+    modules: tuple[nn.Module, ...] = ()  # whose units to gather together if `needs` span several
+
+
+def copy_of(t: torch.Tensor) -> Entry:
+    """The entry that hands out a copy of `t`."""
+    return Entry((t,), lambda: t.detach().clone())
