@@ -1,4 +1,4 @@
-"""ZeroAdam under torch.compile, on 2 gloo ranks: the whole model compiled
+"""ZeroAdam (and a model sharded by shard_frozen) under torch.compile, on 2 gloo ranks: the whole model compiled
 (torch.compile(model)) and each block compiled (block.compile()), the two ways FSDP2 users
 compile. Stages 1 and 2 against compiled DDP + torch AdamW, stage 3 against eager ZeroAdam stage 3
 (its oracle tests are eager); graph breaks counted (torch._dynamo.utils.counters) per case."""
@@ -91,7 +91,30 @@ def _cases(rank, world):
     out["muon", "whole"] = _train(rank, "whole", _muon)
     out["muon", "eager"] = _train(rank, "eager", _muon)
     out[3, "eager"] = _eager(rank)
+    out["shard_frozen", "whole"] = _frozen(rank)
     return out
+
+
+def _frozen(rank):
+    """A reference model sharded for inference by shard_frozen and compiled whole: its logits in two
+    forwards (no grad, eval mode; the second gathers the units again) and the same model's whole
+    and eager, with the compiled forwards' graph breaks."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from zerofast import shard_frozen
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = make_gpt("tiny").eval()
+    whole = make_gpt("tiny").eval()
+    shard_frozen(model)
+    compiled = torch.compile(model)
+    x, y = rank_batch(model, 0, rank)
+    with torch.no_grad():
+        logits = [compiled(x, y)[0] for _ in range(2)]
+        eager = whole(x, y)[0]
+    return {"first": logits[0], "second": logits[1], "eager": eager}, dict(counters["graph_break"])
 
 
 def _eager(rank):
@@ -204,6 +227,13 @@ def test_compiled_stages_match_compiled_ddp_and_eager_stage3():
         d = max_abs_diff(out["muon", "whole"][0], out["muon", "eager"][0])
         assert d <= STEPS * 2.0**-8 * MUON_LR * 2 + TOL, f"ZeroMuon, compiled: {d:.3g} from eager"
         assert out["muon", "whole"][1] == {}, out["muon", "whole"][1]
+        # A model sharded by shard_frozen, compiled: the whole eager model's logits (the tolerance of
+        # compiled against eager code, above), its graph breaks only at the unit hook.
+        logits, breaks = out["shard_frozen", "whole"]
+        for which in ("first", "second"):
+            d = max_abs_diff({"logits": logits[which]}, {"logits": logits["eager"]})
+            assert d <= TOL, f"shard_frozen compiled, {which} forward: {d:.3g} from the whole eager model"
+        assert breaks and all("UnitTracker._pre_forward" in reason for reason in breaks), breaks
         print(f"rank {rank} graph breaks:", {k: sum(v[1].values()) for k, v in out.items()})
 
 
