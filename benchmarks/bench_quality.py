@@ -130,7 +130,7 @@ def run_case(benchmark, model_name, optimizer, seed):
 CASES = [("gpt", "zerofast 32-bit", s) for s in SEEDS]
 CASES += [("gpt", "zerofast 8-bit", s) for s in SEEDS]
 CASES += [("gpt", "zerofast 8-bit, block 64", s) for s in SEEDS]
-CASES += [("gpt", "torchao AdamW8bit", 0), ("gpt", "bitsandbytes AdamW8bit", 0)]
+CASES += [("gpt", "torchao AdamW8bit", s) for s in SEEDS] + [("gpt", "bitsandbytes AdamW8bit", s) for s in SEEDS]
 CASES += [("hf", "zerofast 32-bit", s) for s in SEEDS] + [("hf", "zerofast 8-bit", s) for s in SEEDS]
 
 
