@@ -157,16 +157,22 @@ def test_final_loss(benchmark, record, record_not_run, record_ratios, model_name
 
 
 def quality_table(model_name: str) -> list[str]:
-    """The runs of one model beside the 32-bit seeds' range, and whether each 8-bit run is inside."""
+    """The runs of one model beside the 32-bit seeds' range (inside, or above it: a higher loss, or
+    below it) and beside the 32-bit run of the same seed (same initial weights and batches)."""
     rows = _RESULTS.get(model_name, [])
-    base = [f for o, _, f in rows if o == "zerofast 32-bit"]
-    lines = [f"{'run':36s} {'final loss':>10s}  vs the 32-bit seeds"]
-    lo, hi = (min(base), max(base)) if base else (None, None)
+    base = {seed: f for o, seed, f in rows if o == "zerofast 32-bit"}
+    lo, hi = (min(base.values()), max(base.values())) if base else (None, None)
+    lines = [f"{'run':40s} {'final loss':>10s}  {'- 32-bit, same seed':>19s}  vs the 32-bit seeds' range"]
     for optimizer, seed, final in rows:
+        paired = f"{final - base[seed]:+19.4f}" if seed in base and optimizer != "zerofast 32-bit" else f"{'':19s}"
         where = ""
         if lo is not None and optimizer != "zerofast 32-bit":
-            where = "inside" if lo <= final <= hi else f"outside ({final - (hi if final > hi else lo):+.4f})"
-        lines.append(f"{optimizer + ' seed ' + str(seed):36s} {final:10.4f}  {where}")
+            where = (
+                "inside"
+                if lo <= final <= hi
+                else (f"above by {final - hi:.4f}" if final > hi else f"below by {lo - final:.4f}")
+            )
+        lines.append(f"{optimizer + ' seed ' + str(seed):40s} {final:10.4f}  {paired}  {where}")
     if base:
-        lines.append(f"{'32-bit seeds: range':36s} {lo:.4f} - {hi:.4f} (mean {statistics.fmean(base):.4f})")
+        lines.append(f"32-bit seeds: {lo:.4f} - {hi:.4f} (mean {statistics.fmean(base.values()):.4f})")
     return lines
