@@ -69,7 +69,8 @@ def worker(args) -> None:
     rank, k = dist.get_rank(), dist.get_world_size()
     group = int(os.environ["ZEROFAST_REPLICA_GROUP"])
     replicas = ReplicaGroups(f"group{group}", timeout=args.timeout)
-    gate, gate_step = os.environ.get("ZEROFAST_DEMO_GATE"), int(os.environ.get("ZEROFAST_DEMO_GATE_STEP", -1))
+    # The demo's pauses: before step k, wait for the file gates[k] (the kill, the relaunched processes).
+    gates = {int(k): path for k, path in json.loads(os.environ.get("ZEROFAST_DEMO_GATES", "{}")).items()}
 
     def say(event, **kw):
         if rank == 0:
@@ -86,13 +87,15 @@ def worker(args) -> None:
     say("up")
     # The first quorum (the first zero_grad) holds every group: one up earlier would train alone. A
     # relaunched group asks for its first quorum (its heal) as the others resume.
-    wait_for_gate(gate + ".new" if os.environ.get("ZEROFAST_DEMO_RELAUNCH") else os.environ["ZEROFAST_DEMO_START"])
+    wait_for_gate(
+        os.environ["ZEROFAST_DEMO_RELAUNCHED" if os.environ.get("ZEROFAST_DEMO_RELAUNCH") else "ZEROFAST_DEMO_START"]
+    )
     say("asking")
     opt.zero_grad()
     say("joined", step=replicas.step)
     while replicas.step < args.steps:
-        if gate and replicas.step == gate_step and not os.path.exists(gate):
-            wait_for_gate(gate)  # the demo's survivors wait for the relaunched group's processes to start
+        if replicas.step in gates and not os.path.exists(gates[replicas.step]):
+            wait_for_gate(gates[replicas.step])
         t0 = time.perf_counter()
         opt.zero_grad()
         step, participants = replicas.step, replicas.participants
@@ -161,18 +164,25 @@ def run(args, argv: list[str]) -> int:
     from torchft.coordination import LighthouseServer
 
     gate_dir = tempfile.mkdtemp(prefix="zerofast-demo-")
-    gate = {"ZEROFAST_DEMO_START": os.path.join(gate_dir, "start")}
+    # Every group waits at these gates until this process opens them, so that what the demo shows
+    # happens in its order however the machine schedules the processes: the start (every group up),
+    # the kill (the groups wait before step S + 1: none runs ahead into the next gate before the
+    # last is killed), the relaunch (the others wait before step S + 3 for the relaunched processes).
+    kill_gate, rejoin_gate = os.path.join(gate_dir, "killed"), os.path.join(gate_dir, "rejoin")
+    gate = {
+        "ZEROFAST_DEMO_START": os.path.join(gate_dir, "start"),
+        "ZEROFAST_DEMO_RELAUNCHED": os.path.join(gate_dir, "relaunched"),
+    }
     if args.lose_group_at is not None:
-        gate |= {
-            "ZEROFAST_DEMO_GATE": os.path.join(gate_dir, "rejoin"),
-            "ZEROFAST_DEMO_GATE_STEP": str(args.lose_group_at + 3),
-        }
+        park_step = args.lose_group_at + 3
+        gate["ZEROFAST_DEMO_GATES"] = json.dumps({args.lose_group_at + 1: kill_gate, park_step: rejoin_gate})
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=3000, heartbeat_timeout_ms=1000)
     events: list[dict] = []
     cond = threading.Condition()
     shown = 0
 
-    def show_until(pred, timeout=600.0) -> dict:
+    def show_until(pred, since=0, timeout=600.0) -> dict:
+        """Print the events as they come until one from events[since:] satisfies pred; return it."""
         nonlocal shown
         deadline = time.monotonic() + timeout
         with cond:
@@ -180,7 +190,7 @@ def run(args, argv: list[str]) -> int:
                 for e in events[shown:]:
                     _print(e)
                 shown = len(events)
-                hit = next((e for e in events if pred(e)), None)
+                hit = next((e for e in events[since:] if pred(e)), None)
                 if hit is not None:
                     return hit
                 if not cond.wait(timeout=max(0.0, deadline - time.monotonic())):
@@ -199,13 +209,19 @@ def run(args, argv: list[str]) -> int:
         open(gate["ZEROFAST_DEMO_START"], "w").close()
         if args.lose_group_at is not None:
             last = args.replica_groups - 1
-            show_until(lambda e: e["event"] == "step" and e["group"] == 0 and e["step"] == args.lose_group_at)
+            kill_step = args.lose_group_at + 1
+            show_until(lambda e: e["event"] == "parked" and e["group"] == 0 and e["step"] == kill_step)
             groups[last].kill()
             t_lost = time.time()
+            open(kill_gate, "w").close()
             print(f"-- SIGKILLed replica group {last} (its torchrun and workers) after step {args.lose_group_at}")
             alone = show_until(lambda e: e["event"] == "step" and e["group"] == 0 and e["participants"] == 1)
             print(f"-- the others' next committed step: {alone['at'] - t_lost:.1f} s after the kill")
             show_until(lambda e: e["event"] == "step" and e["group"] == 0 and e["step"] == args.lose_group_at + 1)
+            # The relaunched group's events are told from the lost one's by their place in the list,
+            # not by a clock: the others may park before this process reads their last step.
+            with cond:
+                relaunched = len(events)
             t_relaunch = time.time()
             groups[last] = _Group(
                 last,
@@ -219,15 +235,16 @@ def run(args, argv: list[str]) -> int:
             print(
                 f"-- relaunched replica group {last}; the others wait for its processes at step {args.lose_group_at + 3}"
             )
-            for g in range(args.replica_groups):  # the demo's pause: a real job trains on meanwhile
-                show_until(lambda e, g=g: e["event"] == "parked" and e["group"] == g and e["at"] > t_relaunch)
+            for g in range(last):  # the demo's pause: a real job trains on meanwhile
+                show_until(lambda e, g=g: e["event"] == "parked" and e["group"] == g and e["step"] == park_step)
+            show_until(lambda e: e["event"] == "parked" and e["group"] == last, since=relaunched)
             t_up = time.time()
             # The relaunched group asks for its quorum first (the Lighthouse holds it for the others, who
             # were in the last quorum), then the others resume.
-            open(gate["ZEROFAST_DEMO_GATE"] + ".new", "w").close()
-            show_until(lambda e: e["event"] == "asking" and e["group"] == last and e["at"] > t_relaunch)
-            open(gate["ZEROFAST_DEMO_GATE"], "w").close()
-            joined = show_until(lambda e: e["event"] == "joined" and e["group"] == last and e["at"] > t_relaunch)
+            open(gate["ZEROFAST_DEMO_RELAUNCHED"], "w").close()
+            show_until(lambda e: e["event"] == "asking" and e["group"] == last, since=relaunched)
+            open(rejoin_gate, "w").close()
+            joined = show_until(lambda e: e["event"] == "joined" and e["group"] == last, since=relaunched)
             print(
                 f"-- group {last} healed from a live group: it starts at step {joined['step']}, "
                 f"{joined['at'] - t_up:.2f} s after its processes were up ({t_up - t_relaunch:.1f} s to start them)"
