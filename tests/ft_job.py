@@ -34,7 +34,7 @@ from zerofast.optim.zero_adam import parts_of  # noqa: E402
 from zerofast.tools.models import make_gpt  # noqa: E402
 
 K = 2  # ranks per replica group
-RELAUNCH_AT = 5  # group 0 waits for the relaunched group before this step
+RELAUNCH_AT = 5  # group 0 waits for the relaunched group before this step (or the first after it trained alone)
 
 
 def main(group: int, rank: int, port: int, lighthouse: str, gates: str, stage: int, steps: int, fault: str) -> None:
@@ -59,8 +59,12 @@ def main(group: int, rank: int, port: int, lighthouse: str, gates: str, stage: i
     log("built", step=replicas.step, where=parts_of(opt).comm.where.step)
     exit_at = int(fault.split(":")[1]) if fault.startswith("exit_in_backward:") else None
     joint = 0  # consecutive steps committed with both groups
+    alone = False  # committed a step without the other group: the loss was seen
     while replicas.step < steps or joint < 3:  # both groups stop after the same step
-        if group == 0 and replicas.step == RELAUNCH_AT and not os.path.exists(os.path.join(gates, "rejoin")):
+        # Group 0 waits for the relaunched group only once it has trained alone: were the test slow to
+        # kill group 1, waiting at RELAUNCH_AT before that would keep the step alone from coming.
+        parks = replicas.step >= RELAUNCH_AT and alone
+        if group == 0 and parks and not os.path.exists(os.path.join(gates, "rejoin")):
             log("parked", step=replicas.step)
             gate("rejoin")
         opt.zero_grad()
@@ -74,6 +78,7 @@ def main(group: int, rank: int, port: int, lighthouse: str, gates: str, stage: i
         kind = "no_commit" if opt.step_was_skipped else "commit"
         if kind == "commit":
             joint = joint + 1 if participants == 2 else 0
+            alone = alone or participants == 1
         log(kind, step=step, participants=participants)
     digest = hashlib.sha256()
     for t in _flat_state(parts_of(opt)).values():

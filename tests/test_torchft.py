@@ -30,7 +30,7 @@ from zerofast.tools.models import make_gpt  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-STEPS, LOSE_AT, K = 8, 2, 2  # group 0 parks before step RELAUNCH_AT = 5 (tests/ft_job.py)
+STEPS, LOSE_AT, K = 8, 2, 2  # group 0 parks before step RELAUNCH_AT = 5, once alone (tests/ft_job.py)
 
 
 class Events:
