@@ -41,6 +41,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 _FRESH_SEED = torch.initial_seed()  # the default generator's seed in a new process
 _PRELOAD = ["torch", "torch.distributed", "zerofast", "zerofast.tools.models", "transformers", "harness", "oracles"]
 _CONTEXT = None
@@ -54,6 +55,22 @@ def context():
         _CONTEXT = mp.get_context("forkserver")
         _CONTEXT.set_forkserver_preload(_PRELOAD)
     return _CONTEXT
+
+
+def launch_env() -> dict[str, str]:
+    """The environment of a launched job (torchrun, a trainer): this checkout importable, one thread
+    a rank, Hugging Face offline (models from a config, never a download), and no WORLD_SIZE left
+    from an enclosing launch."""
+    env = dict(
+        os.environ,
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
+    env.pop("WORLD_SIZE", None)
+    return env
 
 
 class RankFailed(AssertionError):

@@ -226,9 +226,8 @@ def sft():
     """TRL's SFTTrainer with the mixin (ZeroSFTTrainer), LoRA, stage 3: a few steps."""
     from datasets import Dataset
     from oracles import WORDS as words
-    from oracles import word_tokenizer
+    from oracles import tiny_llama, word_tokenizer
     from peft import LoraConfig
-    from transformers import LlamaConfig, LlamaForCausalLM
     from trl import SFTConfig
 
     from zerofast.integrations.hf import ZeroSFTTrainer
@@ -236,18 +235,7 @@ def sft():
     tokenizer = word_tokenizer()
     g = torch.Generator().manual_seed(0)
     rows = [" ".join(words[int(i)] for i in torch.randint(0, len(words), (8,), generator=g)) for _ in range(32)]
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=32,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
-    )
+    model = tiny_llama()
     config = SFTConfig(
         output_dir=os.path.join(OUT, "sft"),
         use_cpu=True,

@@ -397,6 +397,26 @@ def word_tokenizer():
     )
 
 
+def tiny_llama(**config):
+    """A 2-layer Hugging Face Llama over WORDS' 32-token vocabulary (width 32), built from its config
+    with seed 0: random weights, no download. `config`: more LlamaConfig fields."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            **config,
+        )
+    )
+
+
 def gathered_bytes(opt) -> int:
     """Bytes of stage 3's unit buffers that exist now (the shards not counted)."""
     from zerofast.optim.zero_adam import parts_of

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 torch.set_num_threads(1)
-from oracles import WORDS, word_tokenizer  # noqa: E402  (tests/, this script's folder, is on sys.path)
+from oracles import WORDS, tiny_llama, word_tokenizer  # noqa: E402  (tests/, this script's folder, is on sys.path)
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 hf_logging.set_verbosity_error()
@@ -50,22 +50,8 @@ def prompts(n=12):
 def saved_policy(tok) -> str:
     """The policy, saved where TRL will load its reference from; its generation config's
     end-of-sequence token chosen so that greedy completions end at different lengths."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=32,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            pad_token_id=tok.pad_token_id,
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-        )
+    model = tiny_llama(
+        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id
     ).eval()
     model.generation_config.eos_token_id = [tok.eos_token_id, _varied_stop(model, tok)]
     path = os.path.join(OUT, f"policy-rank{RANK}")  # each rank its own copy: no file shared while written

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from harness import launch_env
 from oracles import fp32_tol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,15 +29,7 @@ LOG_REL = 8 * fp32_tol(STEPS) + 40_000 * 2.0**-24
 
 
 def _launch(nproc, *args, timeout=600):
-    env = dict(
-        os.environ,
-        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-    )
-    env.pop("WORLD_SIZE", None)
+    env = launch_env()
     cmd = (
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
         if nproc > 1

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from harness import launch_env
 from oracles import fp32_tol
 
 from zerofast.layout import ALIGN
@@ -35,15 +36,7 @@ def results(tmp_path_factory):
     if importlib.util.find_spec("trl") is None:
         pytest.skip("trl is not installed (the Makefile pins it; it installs from the registry)")
     out = str(tmp_path_factory.mktemp("rl"))
-    env = dict(
-        os.environ,
-        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-    )
-    env.pop("WORLD_SIZE", None)
+    env = launch_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", JOB, "grpo", out]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
