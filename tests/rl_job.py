@@ -82,13 +82,12 @@ def reward(completions, completion_ids, **kwargs):
     return [0.1 * len(c) + (i % 2) for i, c in enumerate(completion_ids)]
 
 
-def rl_config(config_cls, name, **kw):
-    base = dict(
+def common_args(name) -> dict:
+    """What every trainer here runs with: CPU, gloo, fp32 unless told, STEPS steps, seed 0, quiet."""
+    return dict(
         output_dir=os.path.join(OUT, name),
         use_cpu=True,
         per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=MAX_NEW,
         max_steps=STEPS,
         learning_rate=1e-2,
         beta=0.1,
@@ -98,9 +97,14 @@ def rl_config(config_cls, name, **kw):
         seed=0,
         disable_tqdm=True,
         bf16=False,
-        generation_kwargs={"do_sample": False},
         ddp_backend="gloo",
         dataloader_num_workers=0,
+    )
+
+
+def rl_config(config_cls, name, **kw):
+    base = common_args(name) | dict(
+        num_generations=2, max_completion_length=MAX_NEW, generation_kwargs={"do_sample": False}
     )
     base.update(kw)
     return config_cls(**base)
@@ -237,24 +241,7 @@ def run_dpo(cls, name, path, tok, **kw):
     from trl import DPOConfig
 
     extra = {} if cls.__name__ == "DPOTrainer" else {"zero": {"stage": 3}}
-    args = dict(
-        output_dir=os.path.join(OUT, name),
-        use_cpu=True,
-        per_device_train_batch_size=2,
-        max_steps=STEPS,
-        learning_rate=1e-2,
-        beta=0.1,
-        max_length=16,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        seed=0,
-        disable_tqdm=True,
-        bf16=False,
-        ddp_backend="gloo",
-        dataloader_num_workers=0,
-        dataset_num_proc=None,
-    )
+    args = common_args(name) | dict(max_length=16, dataset_num_proc=None)
     args.update(kw)
     trainer = cls(
         model=AutoModelForCausalLM.from_pretrained(path),
