@@ -14,6 +14,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "adam_checks.h"
 
@@ -141,18 +142,35 @@ void fused_adam_cpu(const at::Tensor& param, const at::Tensor& grad, const at::T
 // A code's rounding thresholds as the loops read them: the 255 midpoints (adam_math.h's
 // code_midpoint), then +inf, and the table that replaces their search where the code allows it.
 struct QuantizeTables {
+  std::array<float, kCodeSize> code;  // what they were built from
   std::array<float, kCodeSize> thresholds;
   std::array<int32_t, kTableSize> table;
   bool has_table;
 
-  explicit QuantizeTables(const at::Tensor& code) {
-    const float* c = code.data_ptr<float>();
+  explicit QuantizeTables(const float* c) {
+    std::copy(c, c + kCodeSize, code.begin());
     for (int k = 0; k < kCodeSize - 1; ++k) thresholds[k] = code_midpoint(c, k);
     thresholds[kCodeSize - 1] = std::numeric_limits<float>::infinity();
     has_table = build_quantize_table(thresholds.data(), table.data());
   }
   const int32_t* table_or_null() const { return has_table ? table.data() : nullptr; }
 };
+
+// The tables of `code`, built once per thread and code: building one costs about 20 us, three times
+// the whole step of a small tensor, and a step calls the kernel once per run of parameters with
+// the same two codes. The cache is keyed by the code's values, not its tensor, so a code changed
+// in place is never served stale tables; it keeps the last few codes (8-bit state has two).
+std::shared_ptr<const QuantizeTables> tables_for(const at::Tensor& code) {
+  constexpr size_t kCodesKept = 4;
+  thread_local std::vector<std::shared_ptr<const QuantizeTables>> cache;
+  const float* c = code.data_ptr<float>();
+  for (const auto& t : cache) {
+    if (std::memcmp(t->code.data(), c, sizeof(float) * kCodeSize) == 0) return t;
+  }
+  if (cache.size() == kCodesKept) cache.erase(cache.begin());
+  cache.push_back(std::make_shared<const QuantizeTables>(c));
+  return cache.back();
+}
 
 void fused_adam_8bit_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                          const at::Tensor& exp_avg_sq, const at::Tensor& exp_avg_scale,
@@ -170,9 +188,8 @@ void fused_adam_8bit_cpu(const at::Tensor& param, const at::Tensor& grad, const 
     if (any_nonfinite(k, grad, s.grad_scale)) found_inf->fill_(1.0);
     if (found_inf->item<float>() != 0.0f) return;
   }
-  // On the heap: two tables are 48 KiB, more than a stack frame should hold.
-  const auto avg = std::make_unique<QuantizeTables>(exp_avg_code);
-  const auto avg_sq = std::make_unique<QuantizeTables>(exp_avg_sq_code);
+  const auto avg = tables_for(exp_avg_code);
+  const auto avg_sq = tables_for(exp_avg_sq_code);
   const Adam8Pointers ptr{param.data_ptr<float>(),
                           grad.data_ptr(),
                           exp_avg.data_ptr<uint8_t>(),

@@ -190,6 +190,26 @@ def _edge_values(code: torch.Tensor, block: int) -> torch.Tensor:
     return torch.cat(blocks + [nan_block])
 
 
+def test_code_changed_in_place_is_not_served_stale_tables(monkeypatch):
+    """The CPU driver keeps each code's quantizing table between calls, keyed by the code's values:
+    the same code tensor, its values changed in place between two steps, and a second tensor holding
+    the first values again, are each quantized as the oracle does with the code they hold then."""
+    n, block = 1000, 64
+    kw = dict(block=block, weight_decay=0.1, step=1, adamw=True, **HYPER)
+    g = _grads(n, 1, torch.float32, torch.Generator().manual_seed(1))[0]
+    bent = tuple(c.sign() * c.abs() ** 0.9 for c in CODES)  # another increasing code in [-1, 1] and [0, 1]
+    for isa in _isas(monkeypatch):
+        codes = tuple(c.clone() for c in CODES)
+        for values in (CODES, bent, CODES):
+            for c, v in zip(codes, values):
+                c.copy_(v)
+            state, ref = _state(n, block), _state(n, block)
+            zerofast.fused_adam_8bit_(torch.ones(n), g, *state, *codes, **kw)
+            adam8_step(torch.ones(n), g, *ref, codes=values, **kw)
+            for name, a, b in zip(("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"), state, ref):
+                assert torch.equal(a, b), f"{isa}: {name} differs from the oracle in {(a != b).sum().item()} elements"
+
+
 @pytest.mark.parametrize("code", ["dynamic", "linear"])
 def test_quantize_ties_and_edges_every_isa(monkeypatch, code):
     """The CPU loops quantize through a table ([Note: quantizing by table] in adam_math.h), or search
