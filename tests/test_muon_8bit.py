@@ -7,13 +7,14 @@ The oracle, in one process: torch.optim.Muon on the matrices with each momentum_
 through zerofast.quant's quantize -> dequantize after every step, and zerofast.reference_quant's
 ReferenceAdam8 (the fused 8-bit kernel's math, bitwise) on the rest. With the same batch on every
 rank, the averaged gradient is exact at 1, 2 and 4 ranks (a sum of 2^k equal values times 2^-k), so
-ZeroMuon is bitwise the oracle at each of them, in every stage and both owner partitions: the
-parameters, the momentum's bytes and scales (quantize() of the oracle's momentum before its
-rounding) and the AdamW moments' bytes and scales. Checkpoints: saved at 2 ranks (blocking and
+ZeroMuon is bitwise the oracle at each of them, in every stage and both owner partitions, with bf16
+parameters (stages 2 and 3) and hybrid sharding (4 ranks as 2 x 2): the parameters, the momentum's
+bytes and scales (quantize() of the oracle's momentum before its rounding) and the AdamW moments'
+bytes and scales; ZeroMuon's optimizer bytes are ZeroAdam's (what the estimator counts). Checkpoints: saved at 2 ranks (blocking and
 asynchronously), loaded at 1 and 4 ranks in another stage and partition, stored bytes as saved and
 training continuing bitwise as the uninterrupted run; an fp32-state ZeroMuon checkpoint into an
 8-bit run (quantized) and back (dequantized); to_torch dequantizes the momentum, from_torch
-quantizes it. Cost: about 15 s on 2 cores (three launches: 2, 1 and 4 ranks; 3 steps of a
+quantizes it. Cost: about 25 s on 2 cores (three launches: 2, 1 and 4 ranks; 3 steps of a
 3-layer width-10 model per configuration)."""
 
 import os
@@ -25,7 +26,7 @@ import torch
 from harness import run_ranks
 from oracles import HYPER, Nested, model_loss, rank_batch
 
-from zerofast import CommPolicy, MixedPrecisionPolicy, ZeroMuon
+from zerofast import CommPolicy, MixedPrecisionPolicy, ZeroAdam, ZeroMuon
 from zerofast import checkpoint as ck
 from zerofast.checkpoint.dcp import saved_kinds
 from zerofast.quant import code_of, dequantize, num_blocks, quantize, scale_kind
@@ -34,7 +35,12 @@ from zerofast.reference_quant import ReferenceAdam8
 STEPS = 3
 BLOCK = 32  # small: every matrix spans several blocks and ends inside one
 MUON = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1)
-CONFIGS = [(stage, partition) for stage in (1, 2, 3) for partition in ("greedy", "round_robin")]
+# (stage, partition, parameters' dtype, shard_size): every stage and owner partition in fp32, bf16
+# parameters (an fp32 master) in stages 2 and 3; hybrid sharding at 4 ranks (HYBRID)
+CONFIGS = [(stage, partition, "fp32", None) for stage in (1, 2, 3) for partition in ("greedy", "round_robin")]
+CONFIGS += [(2, "round_robin", "bf16", None), (3, "greedy", "bf16", None)]
+HYBRID = [(2, "greedy", "fp32", 2), (3, "round_robin", "bf16", 2)]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MOMENTUM = "momentum_buffer"
 
 
@@ -47,7 +53,7 @@ def _is_muon(model, name) -> bool:
     return p.ndim == 2 and p is not model.backbone.embed.weight
 
 
-def _make(stage, partition, bits=8, perturb=False):
+def _make(stage, partition, bits=8, perturb=False, dtype="fp32", shard_size=None):
     model = _model()
     if perturb:  # other initial values: everything must come from the checkpoint
         with torch.no_grad():
@@ -56,8 +62,9 @@ def _make(stage, partition, bits=8, perturb=False):
     opt = ZeroMuon(
         model,
         stage=stage,
-        comm=CommPolicy(partition=partition, bucket_mb=0.0005 if stage < 3 else None),  # several buckets
-        mixed_precision=MixedPrecisionPolicy(state_bits=bits, state_block=BLOCK),
+        # several buckets in stages 1 and 2
+        comm=CommPolicy(partition=partition, bucket_mb=0.0005 if stage < 3 else None, shard_size=shard_size),
+        mixed_precision=MixedPrecisionPolicy(DTYPES[dtype], state_bits=bits, state_block=BLOCK),
         adamw_lr=HYPER["lr"],
         adamw_betas=HYPER["betas"],
         adamw_eps=HYPER["eps"],
@@ -81,7 +88,7 @@ def _snapshot(model, opt) -> dict:
     each kind's values."""
     part = opt.checkpoint_view.trainable
     with opt.gathered_params():
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     kinds = lambda i: saved_kinds(part, i)  # noqa: E731
     pieces = [
         (
@@ -167,10 +174,19 @@ def _load(root, stage, partition):
 
 def _world(rank, world, root, load):
     out = {}
-    for stage, partition in CONFIGS:
-        model, opt = _make(stage, partition)
+    for stage, partition, dtype, shard_size in CONFIGS + (HYBRID if world == 4 else []):
+        model, opt = _make(stage, partition, dtype=dtype, shard_size=shard_size)
         _train(model, opt)
-        out[stage, partition] = _snapshot(model, opt)
+        out[stage, partition, dtype, shard_size] = _snapshot(model, opt)
+        opt.remove_hooks()
+    # The estimator's count is ZeroAdam's (zerofast/estimate/memory.py): ZeroMuon holds the same state
+    # buffers, a matrix's 8-bit momentum in exp_avg's bytes and scales, under the same layout.
+    out["optimizer_bytes"] = []
+    for engine, kw in ((ZeroMuon, {}), (ZeroAdam, HYPER)):
+        model = _model()
+        comm = CommPolicy(partition="round_robin")
+        opt = engine(model, 2, comm=comm, mixed_precision=MixedPrecisionPolicy(state_bits=8, state_block=BLOCK), **kw)
+        out["optimizer_bytes"].append(opt.report().memory.optimizer)
         opt.remove_hooks()
     if load is None:
         out["checkpoint"] = _save(root)
@@ -182,12 +198,14 @@ def _world(rank, world, root, load):
 # --- the oracle ---------------------------------------------------------------------------------------
 
 
-def _oracle(steps: int, rounded: bool = True):
+def _oracle(steps: int, rounded: bool = True, dtype: str = "fp32"):
     """torch.optim.Muon (its momentum through quantize -> dequantize after every step) and
     ReferenceAdam8 on one process, one thread (as every rank runs: a matmul's blocking may depend on
     the number of threads). Returns each step's (parameters, stored state by name), stored state in
     _placed's form: a Muon matrix's momentum bytes / scales (quantize() of its momentum before the
-    rounding) and an AdamW parameter's moments. rounded=False: torch.optim.Muon's fp32 momentum as it is."""
+    rounding) and an AdamW parameter's moments. rounded=False: torch.optim.Muon's fp32 momentum as it
+    is. dtype "bf16": the model in bf16, Muon on fp32 masters of its matrices (the model receives their
+    rounding, as ZeroMuon's low-precision copy), ReferenceAdam8 keeping its own fp32 master."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -195,13 +213,17 @@ def _oracle(steps: int, rounded: bool = True):
         named = list(model.named_parameters())
         muon_named = [(n, p) for n, p in named if _is_muon(model, n)]
         adam_named = [(n, p) for n, p in named if not _is_muon(model, n)]
-        muon = torch.optim.Muon([p for _, p in muon_named], **MUON)
+        master = {n: torch.nn.Parameter(p.detach().clone()) for n, p in muon_named}
+        muon = torch.optim.Muon(list(master.values()), **MUON)
         adam = ReferenceAdam8([p for _, p in adam_named], block=BLOCK, **HYPER)
+        model.to(DTYPES[dtype])
         code = code_of(MOMENTUM)
         history = []
         for step in range(steps):
             x, y = rank_batch(model, step, 0)
             model_loss(model, x, y).backward()
+            for n, p in muon_named:
+                master[n].grad = p.grad.float()
             muon.step()
             adam.step()
             muon.zero_grad()
@@ -209,14 +231,16 @@ def _oracle(steps: int, rounded: bool = True):
             stored = {}
             with torch.no_grad():
                 for n, p in muon_named:
-                    buf = muon.state[p]["momentum_buffer"]
+                    p.grad = None
+                    p.copy_(master[n])
+                    buf = muon.state[master[n]]["momentum_buffer"]
                     q, scales = quantize(buf.reshape(-1), code, BLOCK)
                     if rounded:
                         buf.copy_(dequantize(q, scales, code, BLOCK).view_as(buf))
                     stored[n] = {MOMENTUM: q.long(), scale_kind(MOMENTUM): scales}
             for (n, _), st in zip(adam_named, adam.state):
                 stored[n] = {k: st[k].long() if st[k].dtype == torch.uint8 else st[k].clone() for k in _ADAM_STORED}
-            history.append(({n: p.detach().clone() for n, p in named}, stored))
+            history.append(({n: p.detach().float().clone() for n, p in named}, stored))
         return history
     finally:
         torch.set_num_threads(threads)
@@ -240,7 +264,7 @@ def _assert_params_equal(snaps, want: dict, where: str):
 
 @pytest.fixture(scope="module")
 def oracle():
-    return _oracle(2 * STEPS)
+    return {"fp32": _oracle(2 * STEPS), "bf16": _oracle(STEPS, dtype="bf16")}
 
 
 @pytest.fixture
@@ -254,7 +278,7 @@ def root():
 
 
 def test_8bit_muon_is_the_oracle_bitwise_at_any_world_size_and_checkpoints_reshard(oracle, root):
-    params_at, stored_at = oracle[STEPS - 1]
+    params_at, stored_at = oracle["fp32"][STEPS - 1]
     # the momentum's rounding shows in the parameters (the comparisons below could see it missing)
     fp32_momentum = _oracle(STEPS, rounded=False)[STEPS - 1][0]
     assert any(not torch.equal(fp32_momentum[n], p) for n, p in params_at.items())
@@ -263,21 +287,27 @@ def test_8bit_muon_is_the_oracle_bitwise_at_any_world_size_and_checkpoints_resha
     results[4] = run_ranks(_world, 4, args=(root, (1, "round_robin")), timeout=300)
     # bitwise the oracle: parameters (every rank's full copy), momentum and AdamW bytes and scales
     for world, outs in results.items():
-        for config in CONFIGS:
-            where = f"{world} ranks, stage {config[0]} {config[1]}"
-            snaps = [out[config] for out in outs]
-            _assert_params_equal(snaps, params_at, where)
-            placed = _placed(snaps)
-            _assert_state_equal(placed, stored_at, where)
-            assert set(placed) == set(stored_at) and all(s["steps"] == snaps[0]["steps"] for s in snaps)
+        for config in CONFIGS + (HYBRID if world == 4 else []):
+            stage, partition, dtype, shard_size = config
+            want_params, want_stored = oracle[dtype][STEPS - 1]
+            size = shard_size or world  # hybrid: each shard group of `size` ranks holds a whole replica
+            for first in range(0, world, size):
+                where = f"{world} ranks, stage {stage} {partition} {dtype}, ranks {first}..{first + size - 1}"
+                snaps = [out[config] for out in outs[first : first + size]]
+                _assert_params_equal(snaps, want_params, where)
+                placed = _placed(snaps)
+                _assert_state_equal(placed, want_stored, where)
+                assert set(placed) == set(want_stored) and all(s["steps"] == snaps[0]["steps"] for s in snaps)
+        muon_bytes, adam_bytes = zip(*(out["optimizer_bytes"] for out in outs))
+        assert muon_bytes == adam_bytes, (world, muon_bytes, adam_bytes)
     # the checkpoint: saved at 2 ranks stage 2 round_robin, loaded at 1 (stage 3 greedy) and 4 (stage 1 round_robin)
     saves = [out["checkpoint"] for out in results[2]]
     saved = _placed([s["saved"] for s in saves])
     _assert_state_equal(saved, stored_at, "saved")
     saved32 = _placed([s["saved32"] for s in saves])
     uninterrupted = [s["uninterrupted"] for s in saves]
-    _assert_params_equal(uninterrupted, oracle[2 * STEPS - 1][0], "2 ranks, 6 steps")
-    _assert_state_equal(_placed(uninterrupted), oracle[2 * STEPS - 1][1], "2 ranks, 6 steps")
+    _assert_params_equal(uninterrupted, oracle["fp32"][2 * STEPS - 1][0], "2 ranks, 6 steps")
+    _assert_state_equal(_placed(uninterrupted), oracle["fp32"][2 * STEPS - 1][1], "2 ranks, 6 steps")
     code = code_of(MOMENTUM)
     model = _model()
     muon_names = [n for n, _ in model.named_parameters() if _is_muon(model, n)]
@@ -291,8 +321,8 @@ def test_8bit_muon_is_the_oracle_bitwise_at_any_world_size_and_checkpoints_resha
             _assert_state_equal(got, saved, f"{where} ({name})")
             assert all(s["steps"] == saves[0]["saved"]["steps"] for s in snaps), where
         continued = [out["q8_continued"] for out in loads]
-        _assert_params_equal(continued, oracle[2 * STEPS - 1][0], f"{where}, continued")
-        _assert_state_equal(_placed(continued), oracle[2 * STEPS - 1][1], f"{where}, continued")
+        _assert_params_equal(continued, oracle["fp32"][2 * STEPS - 1][0], f"{where}, continued")
+        _assert_state_equal(_placed(continued), oracle["fp32"][2 * STEPS - 1][1], f"{where}, continued")
         # 8-bit into fp32 state: the momentum dequantized from the saved bytes and scales
         got = _placed([out["q8_into_fp32"] for out in loads])
         for n, stored in saved.items():
