@@ -53,7 +53,7 @@ def _is_muon(model, name) -> bool:
     return p.ndim == 2 and p is not model.backbone.embed.weight
 
 
-def _make(stage, partition, bits=8, perturb=False, dtype="fp32", shard_size=None):
+def _make(stage, partition, bits=8, perturb=False, dtype="fp32", shard_size=None, block=BLOCK):
     model = _model()
     if perturb:  # other initial values: everything must come from the checkpoint
         with torch.no_grad():
@@ -64,7 +64,7 @@ def _make(stage, partition, bits=8, perturb=False, dtype="fp32", shard_size=None
         stage=stage,
         # several buckets in stages 1 and 2
         comm=CommPolicy(partition=partition, bucket_mb=0.0005 if stage < 3 else None, shard_size=shard_size),
-        mixed_precision=MixedPrecisionPolicy(DTYPES[dtype], state_bits=bits, state_block=BLOCK),
+        mixed_precision=MixedPrecisionPolicy(DTYPES[dtype], state_bits=bits, state_block=block),
         adamw_lr=HYPER["lr"],
         adamw_betas=HYPER["betas"],
         adamw_eps=HYPER["eps"],
@@ -98,7 +98,7 @@ def _snapshot(model, opt) -> dict:
         )
         for pc in part.pieces
     ]
-    return {"params": params, "steps": opt.checkpoint_view.step_counts(), "pieces": pieces}
+    return {"params": params, "steps": opt.checkpoint_view.step_counts(), "pieces": pieces, "block": part.state_block}
 
 
 def _placed(snapshots) -> dict[str, dict[str, torch.Tensor]]:
@@ -110,7 +110,8 @@ def _placed(snapshots) -> dict[str, dict[str, torch.Tensor]]:
             numel = snap["params"][name].numel()
             for kind, v in values.items():
                 scale = kind.endswith("_scale")
-                size, at = (num_blocks(numel, BLOCK), offset // BLOCK) if scale else (numel, offset)
+                block = snap["block"]
+                size, at = (num_blocks(numel, block), offset // block) if scale else (numel, offset)
                 whole = out.setdefault(name, {}).setdefault(
                     kind,
                     torch.full((size,), -1, dtype=torch.int64)
@@ -150,13 +151,14 @@ def _save(root):
 
 def _load(root, stage, partition):
     out = {}
-    for name, source, bits in (
-        ("q8", "q8", 8),
-        ("q8_async", "q8-async", 8),
-        ("q8_into_fp32", "q8", 32),
-        ("fp32_into_q8", "fp32", 8),
+    for name, source, bits, block in (
+        ("q8", "q8", 8, BLOCK),
+        ("q8_async", "q8-async", 8, BLOCK),
+        ("q8_into_fp32", "q8", 32, BLOCK),
+        ("fp32_into_q8", "fp32", 8, BLOCK),
+        ("q8_into_block64", "q8", 8, 64),  # another block size: dequantized, quantized in the run's blocks
     ):
-        model, opt = _make(stage, partition, bits, perturb=True)
+        model, opt = _make(stage, partition, bits, perturb=True, block=block)
         ck.load(os.path.join(root, source), model, opt)
         out[name] = _snapshot(model, opt)
         if name == "q8":
@@ -329,6 +331,13 @@ def test_8bit_muon_is_the_oracle_bitwise_at_any_world_size_and_checkpoints_resha
             if MOMENTUM in stored:
                 want = dequantize(stored[MOMENTUM].to(torch.uint8), stored[scale_kind(MOMENTUM)], code, BLOCK)
                 assert torch.equal(got[n][MOMENTUM], want), f"{where}: {n} 8-bit momentum into fp32"
+        got = _placed([out["q8_into_block64"] for out in loads])
+        for n, stored in saved.items():
+            for kind in stored.keys() - {"master"} - {k for k in stored if k.endswith("_scale")}:
+                values = dequantize(stored[kind].to(torch.uint8), stored[scale_kind(kind)], code_of(kind), BLOCK)
+                q, scales = quantize(values, code_of(kind), 64)
+                assert torch.equal(got[n][kind], q.long()), f"{where}: {kind} of {n} into block 64"
+                assert torch.equal(got[n][scale_kind(kind)], scales), f"{where}: {kind} of {n} into block 64"
         # fp32 state into 8-bit: quantized in the matrix's own blocks
         got = _placed([out["fp32_into_q8"] for out in loads])
         for n, stored in saved32.items():
