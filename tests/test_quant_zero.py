@@ -2,7 +2,7 @@
 averaged gradient is exact at 1, 2 and 4 ranks), the parameters and the 8-bit state (code bytes and
 block scales, per parameter) are bitwise equal across world sizes, stages 1-3, partitions and hybrid
 sharding, and equal to the single-process oracle (zerofast.reference_quant.ReferenceAdam8); also in
-bf16 and in fp16 with loss scaling. ZeroMuon refuses 8-bit state by name.
+bf16 and in fp16 with loss scaling (ZeroMuon's 8-bit state: tests/test_muon_8bit.py).
 Cost: about 20 s on 2 cores (three pools, 3 steps of the tiny GPT per configuration)."""
 
 import pytest
@@ -10,7 +10,7 @@ import torch
 from harness import run_ranks
 from oracles import HYPER, model_loss, rank_batch
 
-from zerofast import CommPolicy, MixedPrecisionPolicy, ZeroAdam, ZeroMuon
+from zerofast import CommPolicy, MixedPrecisionPolicy, ZeroAdam
 from zerofast.optim.zero_adam import parts_of
 from zerofast.reference_quant import ReferenceAdam8
 from zerofast.tools.models import make_gpt
@@ -187,8 +187,3 @@ def test_state_is_bitwise_the_oracle_at_any_world_size(world, oracles):
     results = run_ranks(_run_matrix, world, args=(configs,), timeout=400)
     for key, (_, _, precision, block, shard_size) in configs.items():
         _assert_bitwise(_combine(results, key, shard_size), oracles[precision, block], f"world {world} {key}")
-
-
-def test_zero_muon_refuses_8bit_state():
-    with pytest.raises(ValueError, match=r"ZeroMuon: MixedPrecisionPolicy\(state_bits=8\) is not supported yet"):
-        ZeroMuon(make_gpt("tiny"), mixed_precision=_policy("fp32"))

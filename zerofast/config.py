@@ -102,6 +102,7 @@ class MixedPrecisionPolicy:
     loss_scale: fp16's dynamic loss scaling (None: LossScalePolicy()'s defaults); float16 only.
     state_bits: Adam's exp_avg and exp_avg_sq in 32 bits (fp32) or 8 (one byte per element and one
       fp32 scale per block, [Note: quantized state] in zerofast/quant.py); the fp32 master is kept.
+      ZeroMuon: its matrices' momentum buffers too ([Note: Muon's 8-bit momentum]).
     state_block: elements per scale of 8-bit state, a power of two >= 32 (default 256).
     `mixed_precision="bf16"` is MixedPrecisionPolicy(torch.bfloat16), "fp16" MixedPrecisionPolicy(torch.float16).
     """

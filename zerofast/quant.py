@@ -100,15 +100,21 @@ def num_blocks(numel: int, block: int) -> int:
     return -(-numel // block)
 
 
+SIGNED_KINDS = ("exp_avg", "momentum_buffer")  # stored in the signed code (Muon's momentum: exp_avg's slot)
+QUANTIZED_KINDS = (*SIGNED_KINDS, "exp_avg_sq")
+
+
 def code_of(kind: str) -> torch.Tensor:
-    """The code a moment is stored in: exp_avg's signed, exp_avg_sq's unsigned."""
-    if kind not in ("exp_avg", "exp_avg_sq"):
-        raise ValueError(f"zerofast.quant.code_of: kind must be exp_avg or exp_avg_sq; got {kind!r}")
-    return dynamic_code(kind == "exp_avg")
+    """The code a state is stored in: exp_avg's and ZeroMuon's momentum_buffer's signed,
+    exp_avg_sq's unsigned."""
+    if kind not in QUANTIZED_KINDS:
+        raise ValueError(f"zerofast.quant.code_of: kind must be one of {', '.join(QUANTIZED_KINDS)}; got {kind!r}")
+    return dynamic_code(kind in SIGNED_KINDS)
 
 
 def scale_kind(kind: str) -> str:
-    """The name a moment's per-block scales go by in a checkpoint: "exp_avg_scale", "exp_avg_sq_scale"."""
+    """The name a moment's per-block scales go by in a checkpoint: "exp_avg_scale", "exp_avg_sq_scale",
+    "momentum_buffer_scale"."""
     return kind + "_scale"
 
 

@@ -84,12 +84,8 @@ def to_torch(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             f"{missing[0]!r}, which the small state names: the checkpoint is damaged"
         )
     muon = {n for g in small["param_groups"] if g.get("use_muon") for n in g["params"]}
-    moments = {
-        n: {"momentum_buffer": torch.empty(model_sd[n].shape)}
-        if n in muon
-        else _saved_moments(model_sd[n].shape, block)
-        for n in names
-    }
+    kinds = {n: MUON_KINDS if n in muon else ADAM_KINDS for n in names}
+    moments = {n: _saved_moments(model_sd[n].shape, block, kinds[n]) for n in names}
     with sharded_tensors():
         torch_dcp.load(
             {"model": model_sd, "optim": moments},
@@ -98,7 +94,7 @@ def to_torch(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             no_dist=True,
         )
     if block:
-        moments = {n: m if n in muon else _dequantized(m, block) for n, m in moments.items()}
+        moments = {n: _dequantized(m, block, kinds[n]) for n, m in moments.items()}
     if any("use_muon" in g for g in small["param_groups"]):  # ZeroMuon's
         steps = small["steps"]
         return model_sd, {
@@ -129,25 +125,29 @@ def to_torch(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return model_sd, {"state": state, "param_groups": groups}
 
 
-def _saved_moments(shape: torch.Size, block: int) -> dict[str, torch.Tensor]:
-    """Empty tensors for a parameter's Adam moments as a checkpoint stores them: fp32 in its shape,
-    or 8-bit (block > 0) as uint8 codes in its shape and fp32 scales per block ([Note: 8-bit
-    checkpoints] in dcp.py)."""
+ADAM_KINDS = ("exp_avg", "exp_avg_sq")
+MUON_KINDS = ("momentum_buffer",)  # a ZeroMuon matrix's
+
+
+def _saved_moments(shape: torch.Size, block: int, kinds: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Empty tensors for a parameter's optimizer state (Adam's moments, or a ZeroMuon matrix's
+    momentum) as a checkpoint stores them: fp32 in its shape, or 8-bit (block > 0) as uint8 codes in
+    its shape and fp32 scales per block ([Note: 8-bit checkpoints] in dcp.py)."""
     if not block:
-        return {"exp_avg": torch.empty(shape), "exp_avg_sq": torch.empty(shape)}
+        return {kind: torch.empty(shape) for kind in kinds}
     blocks = num_blocks(shape.numel(), block)
     return {
         k: v
-        for kind in ("exp_avg", "exp_avg_sq")
+        for kind in kinds
         for k, v in ((kind, torch.empty(shape, dtype=torch.uint8)), (scale_kind(kind), torch.empty(blocks)))
     }
 
 
-def _dequantized(saved: dict[str, torch.Tensor], block: int) -> dict[str, torch.Tensor]:
-    """A parameter's 8-bit moments as torch.optim.AdamW keeps them: fp32 in its shape."""
+def _dequantized(saved: dict[str, torch.Tensor], block: int, kinds: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """A parameter's 8-bit state as torch.optim.AdamW / Muon keep it: fp32 in its shape."""
     return {
         kind: dequantize(saved[kind].reshape(-1), saved[scale_kind(kind)], code_of(kind), block).view(saved[kind].shape)
-        for kind in ("exp_avg", "exp_avg_sq")
+        for kind in kinds
     }
 
 

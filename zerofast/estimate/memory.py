@@ -5,7 +5,9 @@ state (fp32 master copy, m, v): the paper's 16Φ. In fp32 there is no separate m
 parameter is the master): 4 + 4 + 8. With 8-bit state (MixedPrecisionPolicy(state_bits=8)) m and v
 are one byte each plus one fp32 scale per block of each: 2 + 8 / state_block instead of 8 (the
 block alignment of each parameter, at most state_block - 1 elements, is not counted). Each stage
-keeps a part of each on a rank:
+keeps a part of each on a rank. ZeroMuon holds exactly ZeroAdam's state buffers (a matrix's momentum
+in exp_avg's slot, 8-bit with 8-bit state; its exp_avg_sq range allocated and unused: [Note: Muon's
+momentum in exp_avg's slot]), so these counts are ZeroMuon's too:
 
 | stage       | parameters | gradients | optimizer state |
 |-------------|------------|-----------|-----------------|

@@ -36,6 +36,21 @@ the same factor to the gradient before the momentum (torch's Muon sees the avera
 gradient), in fp32: with a factor of exactly 1 (one rank, no scaling, no clipping) the gradient is used
 as is, so one rank is bitwise torch.optim.Muon. Clipping's norm is phase 2's global norm over the raw
 gradients of every parameter, Muon's and AdamW's alike, as torch.nn.utils.clip_grad_norm_ sees them.
+
+[Note: Muon's 8-bit momentum]
+With MixedPrecisionPolicy(state_bits=8) each matrix's momentum buffer is kept as Adam's exp_avg is
+([Note: quantized state] in zerofast/quant.py): the signed dynamic code, one fp32 scale per block of
+the matrix's own elements, in exp_avg's slot ([Note: Muon's momentum in exp_avg's slot] in state.py).
+The owner's step, per matrix: dequantize the momentum (zerofast.quant.dequantize) into an fp32 matrix,
+run muon_update_ on it unchanged (the lerp, Nesterov's lerp and Newton-Schulz read the new fp32
+momentum of this step), then quantize that new momentum (zerofast.quant.quantize) into the bytes and
+scales. So, as in the 8-bit Adam kernel, the rounding to 8 bits affects the next step, never this
+one: the step is torch.optim.Muon's with its momentum_buffer replaced by quantize -> dequantize of
+itself after every step, and the stored bytes are quantize() of the momentum before that rounding.
+The matrix is whole on its owner and starts at a block boundary, so its blocks are the parameter's
+and the bytes are the same at any world size, stage and partition. The only fp32 momentum is that of
+the matrix in flight (freed when the next matrix is dequantized). A momentum that was never written
+dequantizes to zero (its scales are 0), which is torch's first step (a zero buffer).
 """
 
 from __future__ import annotations
@@ -46,7 +61,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from ..config import CommPolicy, _is_number, check_hyper, comm_policy, precision_policy, reject_moved, resolve_plan
+from ..config import CommPolicy, _is_number, check_hyper, comm_policy, reject_moved, resolve_plan
 from ..layout import Piece
 from ..partition import newton_schulz_flops
 from .builder import trainable_params
@@ -167,12 +182,12 @@ class MuonShard:
             if grad.dtype != torch.float32 or isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
                 grad = grad.to(torch.float32) * grad_scale
             master, copy = shard.master_and_copy(pc.bucket, pc.bucket_offset, state)
-            muon_update_(
-                master.view(shape),
-                grad,
-                shard.piece_view(pc, "momentum_buffer").view(shape),
-                **{k: group[k] for k in MUON_KEYS},
-            )
+            quantized = shard.plan.quantized_state  # 8-bit: an fp32 copy in flight ([Note: Muon's 8-bit momentum])
+            read = shard.dequantized if quantized else shard.piece_view
+            momentum = read(pc, "momentum_buffer")
+            muon_update_(master.view(shape), grad, momentum.view(shape), **{k: group[k] for k in MUON_KEYS})
+            if quantized:
+                shard.write_piece(pc, "momentum_buffer", momentum)
             if copy is not None:  # the low-precision parameter: the master's rounding, as the Adam kernel leaves it
                 copy.copy_(master)
         shard.count_steps(used)
@@ -303,7 +318,9 @@ class ZeroMuon(ZeroAdam):
     run once by its owner, with ZeRO stage 1, 2 or 3 sharding across `process_group`
     ([Note: Muon on whole-matrix owners]).
 
-    model, stage, max_grad_norm, mixed_precision, units, process_group: as ZeroAdam's.
+    model, stage, max_grad_norm, mixed_precision, units, process_group: as ZeroAdam's; with
+      MixedPrecisionPolicy(state_bits=8) the AdamW part keeps 8-bit moments as ZeroAdam does and
+      each matrix's momentum is 8-bit too ([Note: Muon's 8-bit momentum]).
     lr, momentum, nesterov, weight_decay, ns_steps, ns_coefficients, eps, adjust_lr_fn: the Muon
       part, as torch.optim.Muon's (and its defaults).
     adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the rest, as torch.optim.AdamW's (and
@@ -355,11 +372,6 @@ class ZeroMuon(ZeroAdam):
                 "ZeroMuon: comm=CommPolicy(partition='flat') cuts matrices across ranks, and Muon's "
                 "Newton-Schulz needs each matrix whole; use partition='greedy' (the default) or "
                 "'round_robin', which give each matrix one owner"
-            )
-        if precision_policy(mixed_precision).state_bits == 8:
-            raise ValueError(
-                "ZeroMuon: MixedPrecisionPolicy(state_bits=8) is not supported yet (Muon's momentum "
-                "buffers have no 8-bit form); use state_bits=32 with ZeroMuon"
             )
         if balance not in BALANCES:
             raise ValueError(f"ZeroMuon: balance must be one of {', '.join(map(repr, BALANCES))}; got {balance!r}")

@@ -21,7 +21,7 @@ import torch
 from .. import _ops
 from ..config import Plan
 from ..layout import Layout, Piece, bind_views
-from ..quant import block_slice, dequantize, dynamic_code, midpoints, num_blocks, quantize, scale_kind
+from ..quant import block_slice, code_of, dequantize, dynamic_code, midpoints, num_blocks, quantize, scale_kind
 
 
 @dataclass(frozen=True)
@@ -251,13 +251,13 @@ class ShardState:
         the state (a checkpoint's save reads these views, its load writes them; after writing the
         master, sync_params_from_master()). With 8-bit state, "exp_avg" and "exp_avg_sq" are the
         uint8 code indices as stored, and "exp_avg_scale" / "exp_avg_sq_scale" the fp32 scales of
-        the piece's blocks (it starts at a block boundary: [Note: quantized state])."""
-        if self.plan.quantized_state and kind in (scale_kind("exp_avg"), scale_kind("exp_avg_sq")):
-            scales = self.exp_avg_scale if kind == scale_kind("exp_avg") else self.exp_avg_sq_scale
+        the piece's blocks (it starts at a block boundary: [Note: quantized state]); a ZeroMuon
+        matrix's "momentum_buffer" and "momentum_buffer_scale" are exp_avg's ([Note: Muon's
+        momentum in exp_avg's slot])."""
+        if self.plan.quantized_state and kind in _SCALE_KINDS:
+            scales = getattr(self, storage_of(kind))
             return scales[block_slice(pc.state_offset, pc.numel, self.plan.state_block)]
         _check_kind("piece_view", kind)
-        if self.plan.quantized_state and kind == "momentum_buffer":
-            raise ValueError("ShardState.piece_view: 8-bit state holds no momentum_buffer")
         state = slice(pc.state_offset, pc.state_offset + pc.numel)
         if kind == "master":
             return self.master_and_copy(pc.bucket, pc.bucket_offset, state)[0]
@@ -268,8 +268,7 @@ class ShardState:
         8-bit state a moment is quantized as the kernel stores it (its blocks are the parameter's)."""
         with torch.no_grad():
             if self.plan.quantized_state and kind != "master":
-                index = ("exp_avg", "exp_avg_sq").index(kind)
-                q, scales = quantize(values.float().reshape(-1), self.codes[index], self.plan.state_block)
+                q, scales = quantize(values.float().reshape(-1), self.code(kind), self.plan.state_block)
                 self.piece_view(pc, kind).copy_(q)
                 self.piece_view(pc, scale_kind(kind)).copy_(scales)
             else:
@@ -285,15 +284,20 @@ class ShardState:
                 self.write_piece(pc, kind, full[pc.param].reshape(-1)[pc.param_offset : pc.param_offset + pc.numel])
 
     def _dequantized_pieces(self, kind: str) -> list[tuple[str, int, torch.Tensor]]:
-        """state_pieces of 8-bit exp_avg or exp_avg_sq: the fp32 values they stand for."""
-        if kind not in ("exp_avg", "exp_avg_sq"):
-            raise NotImplementedError(f"ShardState.state_pieces({kind!r}): no such 8-bit state")
-        index = 0 if kind == "exp_avg" else 1
-        out = []
-        for name, offset, q in self.quantized_pieces():
-            values = dequantize(q[kind], q[kind + "_scale"], self.codes[index], self.plan.state_block)
-            out.append((name, offset, values))
-        return out
+        """state_pieces of 8-bit exp_avg, exp_avg_sq or momentum_buffer: the fp32 values they stand for."""
+        return [(self.names[pc.param], pc.param_offset, self.dequantized(pc, kind)) for pc in self.pieces]
+
+    def code(self, kind: str) -> torch.Tensor:
+        """8-bit state: the code `kind` is stored in, on the state's device (exp_avg's and
+        momentum_buffer's signed, exp_avg_sq's unsigned)."""
+        code_of(kind)  # names the kind if it is none of them
+        return self.codes[0 if storage_of(kind) == "exp_avg" else 1]
+
+    def dequantized(self, pc: Piece, kind: str) -> torch.Tensor:
+        """8-bit state: one of this rank's pieces of exp_avg, exp_avg_sq or momentum_buffer as the
+        fp32 values its bytes and scales stand for (a new tensor of pc.numel elements)."""
+        q, scales = self.piece_view(pc, kind), self.piece_view(pc, scale_kind(kind))
+        return dequantize(q, scales, self.code(kind), self.plan.state_block)
 
     def sync_params_from_master(self) -> None:
         """After the fp32 master was written outside a step (a load): this rank's owned
@@ -382,7 +386,13 @@ KINDS = ("master", "exp_avg", "exp_avg_sq", "momentum_buffer")  # the fp32 state
 # owner, staged, saved and resharded exactly as exp_avg is, by the same offsets. The cost: the matrix's
 # range of exp_avg_sq stays allocated and unused (4 bytes per Muon element); a compact Adam state indexed
 # apart from the shard offsets would save it, at the price of a second offset map in every reader.
-_STORAGE = {"momentum_buffer": "exp_avg"}
+# With 8-bit state (MixedPrecisionPolicy(state_bits=8)) the buffer is stored as exp_avg is: the signed
+# dynamic code's bytes in the matrix's range of exp_avg and one fp32 scale per block in its blocks of
+# exp_avg_scale (checkpoints name them "momentum_buffer" and "momentum_buffer_scale"); the matrix's
+# range of exp_avg_sq and its scales stay unused (1 byte per element and 4 per block). The step:
+# [Note: Muon's 8-bit momentum] in zerofast/optim/muon.py.
+_STORAGE = {"momentum_buffer": "exp_avg", scale_kind("momentum_buffer"): scale_kind("exp_avg")}
+_SCALE_KINDS = tuple(scale_kind(k) for k in ("exp_avg", "exp_avg_sq", "momentum_buffer"))
 
 
 def storage_of(kind: str) -> str:
