@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from zerofast.quant import dynamic_code, midpoints
+from zerofast.quant import dynamic_code, thresholds
 from zerofast.tools.data import corpus_tokens, text_batch
 from zerofast.tools.models import make_gpt
 
@@ -38,7 +38,7 @@ def roundtrip(x: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     blocks = x.view(-1, BLOCK)
     scale = blocks.abs().amax(dim=1, keepdim=True)
     norm = torch.where(scale > 0, blocks / scale.clamp_min(1e-38), torch.zeros_like(blocks))
-    q = torch.searchsorted(midpoints(code), norm.contiguous())
+    q = torch.searchsorted(thresholds(code), norm.contiguous())
     return (code[q] * scale).view(-1)
 
 

@@ -139,8 +139,8 @@ void fused_adam_cpu(const at::Tensor& param, const at::Tensor& grad, const at::T
   at::parallel_for(0, param.numel(), kGrain, [&](int64_t begin, int64_t end) { k.adam_range(ptr, s, begin, end); });
 }
 
-// A code's rounding thresholds as the loops read them: the 255 midpoints (adam_math.h's
-// code_midpoint), then +inf, and the table that replaces their search where the code allows it.
+// A code's rounding thresholds as the loops read them: the 255 of adam_math.h's code_threshold,
+// then +inf, and the table that replaces their search where the code allows it.
 struct QuantizeTables {
   std::array<float, kCodeSize> code;  // what they were built from
   std::array<float, kCodeSize> thresholds;
@@ -149,7 +149,7 @@ struct QuantizeTables {
 
   explicit QuantizeTables(const float* c) {
     std::copy(c, c + kCodeSize, code.begin());
-    for (int k = 0; k < kCodeSize - 1; ++k) thresholds[k] = code_midpoint(c, k);
+    for (int k = 0; k < kCodeSize - 1; ++k) thresholds[k] = code_threshold(c, k);
     thresholds[kCodeSize - 1] = std::numeric_limits<float>::infinity();
     has_table = build_quantize_table(thresholds.data(), table.data());
   }

@@ -199,8 +199,8 @@ __global__ void adam8_kernel(Adam8Args a, const G* grad, C* copy, AdamScalars s,
   }
   __syncthreads();
   for (int k = threadIdx.x; k < kCodeSize - 1; k += blockDim.x) {
-    thr_avg[k] = code_midpoint(code_avg, k);
-    thr_avg_sq[k] = code_midpoint(code_avg_sq, k);
+    thr_avg[k] = code_threshold(code_avg, k);
+    thr_avg_sq[k] = code_threshold(code_avg_sq, k);
   }
   __syncthreads();
   const int lane = threadIdx.x % kWarp;

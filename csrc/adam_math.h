@@ -129,6 +129,20 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE float code_midpoint(const float* code, int k) 
   return (code[k] + code[k + 1]) * 0.5f;
 }
 
+// [Note: no positive value rounds to zero]
+// Threshold k of a code: the midpoint of code values k and k + 1, except for an unsigned code (its
+// lowest value 0: exp_avg_sq's), whose first threshold is 0 itself. So an unsigned code stores 0
+// only for 0 (and NaN), and a positive value too small for its block's nearest code value rounds
+// up to the smallest nonzero one. Rounding it to nearest would store a second moment far below its
+// block's largest as 0 while its first moment is not (a value 10^-7 of the block's largest lies
+// below the dynamic code's smallest value): its update becomes lr * m / eps, a blow-up of the
+// element that a fine-tune measured (docs/8bit-state.md), the zero-point problem of Li et al.,
+// "Memory Efficient Optimizers with 4-bit States", NeurIPS 2023. A signed code keeps its
+// midpoints: a first moment rounded to 0 only stops its element's update.
+C10_HOST_DEVICE C10_ALWAYS_INLINE float code_threshold(const float* code, int k) {
+  return (k == 0 && code[0] == 0.0f) ? 0.0f : code_midpoint(code, k);
+}
+
 C10_HOST_DEVICE C10_ALWAYS_INLINE float dequantize(uint8_t q, float scale, const float* code) {
   return code[static_cast<int32_t>(q)] * scale;  // a 32-bit index: the loops gather with it
 }
@@ -176,7 +190,8 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE uint8_t quantize(float x, float scale, const f
 // (kNoCut, above every key, when the bucket holds no threshold). The host checks each code (true
 // for the dynamic and linear codes of zerofast/quant.py): no two thresholds in one bucket, none
 // in the two clamped buckets of each sign (below 2^-24 times 1 + 2^-7, or at least 1; their values
-// do not share their top bits), none NaN or repeated. NaN falls in bucket 0 (cut kNoCut, count 0)
+// do not share their top bits) but +0 (whose key, 0, is below every other value's there), none NaN
+// or repeated. NaN falls in bucket 0 (cut kNoCut, count 0)
 // and a block of zeros normalizes to +0: index 0 and the zero's index, as the search gives. A code
 // that fails the check is searched instead.
 constexpr int kTableMantissaBits = 7;
@@ -184,8 +199,10 @@ constexpr uint32_t kTableLowBits = (127u - 24u) << 23;  // 2^-24
 constexpr uint32_t kTableHighBits = 127u << 23;         // 1.0
 constexpr int32_t kTableHalf = static_cast<int32_t>((kTableHighBits - kTableLowBits) >> (23 - kTableMantissaBits)) + 1;
 constexpr int32_t kTableSize = 2 * kTableHalf;
-constexpr uint32_t kKeyMask = (1u << (23 - kTableMantissaBits)) - 1;  // the bits below a bucket's
-constexpr uint32_t kNoCut = kKeyMask + 2;                             // above every key
+constexpr uint32_t kKeyMask = (1u << (23 - kTableMantissaBits)) - 1;                     // the bits below a bucket's
+constexpr uint32_t kNoCut = kKeyMask + 2;                                                // above every key
+constexpr uint32_t kFirstUnclamped = kTableLowBits + (1u << (23 - kTableMantissaBits));  // the lowest
+                                                                                         // bucket's end
 
 C10_HOST_DEVICE C10_ALWAYS_INLINE uint32_t float_bits(float x) {
 #ifdef __CUDA_ARCH__
@@ -208,9 +225,13 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE int32_t table_bucket(uint32_t bits) {
   return low_side ? kTableHalf - 1 - offset : kTableHalf + offset;
 }
 
-// A value's order within its bucket (see the Note).
+// A value's order within its bucket (see the Note). In the two lowest buckets (magnitudes below
+// 2^-24 times 1 + 2^-7, clamped into them), a zero's key is below every other value's, so a
+// threshold of +0 (an unsigned code's first: [Note: no positive value rounds to zero]) has its cut
+// there.
 C10_HOST_DEVICE C10_ALWAYS_INLINE uint32_t table_key(uint32_t bits) {
-  const uint32_t low = bits & kKeyMask;
+  const uint32_t magnitude = bits & 0x7fffffffu;
+  const uint32_t low = magnitude < kFirstUnclamped ? (magnitude != 0u ? 1u : 0u) : bits & kKeyMask;
   return (bits >> 31) != 0u ? kKeyMask - low : low;
 }
 
@@ -236,11 +257,11 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE uint8_t quantize_by_table(float x, float scale
 // Fills `table` (kTableSize entries) for the 255 sorted `thresholds`; false when the code cannot
 // use it (see the Note), and the caller searches instead.
 inline bool build_quantize_table(const float* thresholds, int32_t* table) {
-  constexpr uint32_t kFirstUnclamped = kTableLowBits + (1u << (23 - kTableMantissaBits));
   for (int k = 0; k < kCodeSize - 1; ++k) {
     const float t = thresholds[k];
     const uint32_t magnitude = float_bits(t) & 0x7fffffffu;
-    if (t != t || magnitude < kFirstUnclamped || magnitude >= kTableHighBits) return false;
+    const bool positive_zero = float_bits(t) == 0u;  // an unsigned code's first threshold
+    if (t != t || (magnitude < kFirstUnclamped && !positive_zero) || magnitude >= kTableHighBits) return false;
     if (k > 0 && !(thresholds[k - 1] < t)) return false;
     if (k > 0 && table_bucket(float_bits(thresholds[k - 1])) == table_bucket(float_bits(t))) return false;
   }

@@ -9,7 +9,7 @@ import torch
 import zerofast
 from zerofast import MixedPrecisionPolicy
 from zerofast.layout import build_layout
-from zerofast.quant import dequantize, dynamic_code, midpoints, num_blocks, quantize
+from zerofast.quant import dequantize, dynamic_code, num_blocks, quantize, thresholds
 from zerofast.reference_quant import adam8_step, fmaf
 
 needs_cuda = pytest.mark.skipif(
@@ -177,10 +177,11 @@ def _edge_values(code: torch.Tensor, block: int) -> torch.Tensor:
     every threshold, one ulp either side of it, every code value, 0, -0, values around the
     quantizing table's clamp limits (2^-24 and 1), denormals and NaN; the last block all zero
     but one NaN (its scale is 0, and NaN must come out as 0's index)."""
-    thr = midpoints(code)
+    thr = thresholds(code)
     inf = torch.tensor(torch.inf)
     parts = [thr, thr.nextafter(inf), thr.nextafter(-inf), code]
-    edges = torch.tensor([0.0, -0.0, 2.0**-24, -(2.0**-24), 2.0**-25, 1e-41, -1e-41, 1e-7, 0.99999994, -0.99999994])
+    edges = [0.0, -0.0, 2.0**-24, -(2.0**-24), 2.0**-25, 1e-41, -1e-41, 1e-7, 0.99999994, -0.99999994]
+    edges = torch.tensor(edges + [2.0**-12, -(2.0**-12)])  # squared: exp_avg_sq at 2^-24, the lowest bucket's start
     parts += [edges, edges.nextafter(inf), torch.tensor([torch.nan, -torch.nan])]
     x = torch.cat(parts)
     rows = x.split(block - 1)
@@ -210,16 +211,28 @@ def test_code_changed_in_place_is_not_served_stale_tables(monkeypatch):
                 assert torch.equal(a, b), f"{isa}: {name} differs from the oracle in {(a != b).sum().item()} elements"
 
 
-@pytest.mark.parametrize("code", ["dynamic", "linear"])
+def _searched_code() -> torch.Tensor:
+    """A signed code the quantizing table cannot serve: a threshold of 1e-9, below its clamp."""
+    values = torch.linspace(-1, 1, 255).tolist()
+    return torch.tensor(sorted(values[:127] + [0.0, 2e-9] + values[128:]))
+
+
+@pytest.mark.parametrize("code", ["dynamic", "linear", "searched"])
 def test_quantize_ties_and_edges_every_isa(monkeypatch, code):
     """The CPU loops quantize through a table ([Note: quantizing by table] in adam_math.h), or search
-    for a code the table cannot serve (linear: a threshold at 0): at every threshold (a tie goes to
-    the lower code), one ulp either side, the table's clamp limits, signed zeros, denormals and NaN,
-    the index is the oracle's search on every instruction set."""
+    for a code the table cannot serve ("searched": a threshold below 2^-24): at every threshold (a
+    tie goes to the lower code), one ulp either side, the table's clamp limits, signed zeros,
+    denormals and NaN, the index is the oracle's search on every instruction set. The linear codes
+    have thresholds of exactly 0 (the signed one between its middle values; the unsigned one its
+    first, [Note: no positive value rounds to zero]), which the table serves."""
     block = 64
     linear = torch.linspace(-1, 1, 256)
     linear[:128] = -linear[128:].flip(0)  # symmetric: the threshold between the middle two is 0
-    codes = CODES if code == "dynamic" else (linear, torch.linspace(0, 1, 256))
+    codes = {
+        "dynamic": CODES,
+        "linear": (linear, torch.linspace(0, 1, 256)),
+        "searched": (_searched_code(), CODES[1]),
+    }[code]
     g = _edge_values(codes[0], block)
     n = g.numel()
     kw = dict(block=block, lr=0.0, beta1=0.0, beta2=0.0, eps=1e-8, weight_decay=0.0, step=1)
@@ -235,8 +248,11 @@ def test_quantize_ties_and_edges_every_isa(monkeypatch, code):
     # the ties themselves: threshold k (between codes k and k + 1) rounds down to k
     k = torch.arange(255)
     assert torch.equal(expect_m[k // (block - 1) * block + 1 + k % (block - 1)], k.to(torch.uint8))
-    zero_index = torch.searchsorted(midpoints(codes[0]), torch.tensor(0.0)).item()
+    zero_index = torch.searchsorted(thresholds(codes[0]), torch.tensor(0.0)).item()
     assert expect_m[-block + 5] == zero_index and expect_scale[-1] == 0  # NaN in a block of zeros
+    # exp_avg_sq (g * g): 0 only where it is 0 or NaN, every positive value at least index 1
+    v = g * g
+    assert torch.equal(state[1] == 0, ~(v > 0))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -244,10 +260,14 @@ def test_every_moment_rounds_to_its_nearest_code_value(device):
     """The per-block error bound: after a step from zero state (whose new moments are fp32
     fused_adam_'s exactly), each stored moment is the code value nearest to the true one, times its
     block's scale, so its error is at most half the gap between the two code values around it (up
-    to the rounding of code * scale, one float32 ulp of the result)."""
+    to the rounding of code * scale, one float32 ulp of the result). But a positive second moment
+    is never stored as 0 ([Note: no positive value rounds to zero]): one far below its block's
+    largest (every 64th element here, 10^-12 of it) is the smallest nonzero code value instead."""
     n, block = 4 * 256, 256
     gen = torch.Generator().manual_seed(3)
     grad = torch.randn(n, generator=gen) * torch.logspace(-4, 1, n).float()
+    grad[5::64] *= 1e-6
+    grad[7::64] = 0.0
     param = torch.randn(n, generator=gen)
     state = _state(n, block, device)
     m32, v32 = torch.zeros(n), torch.zeros(n)
@@ -260,11 +280,16 @@ def test_every_moment_rounds_to_its_nearest_code_value(device):
         assert torch.equal(scale, exact.view(-1, block).abs().amax(1))
         got = dequantize(q, scale, code, block)
         per_elem = scale.repeat_interleave(block)
-        nearest = (code[None, :] * per_elem[:, None] - exact[:, None]).abs().min(1).values
+        distance = (code[None, :] * per_elem[:, None] - exact[:, None]).abs()
+        if code[0] == 0:  # unsigned: a positive moment's candidates leave out the zero
+            distance[:, 0] = torch.where(exact > 0, torch.inf, distance[:, 0])
+            assert torch.equal(q == 0, exact == 0)
+            assert (q[5::64] == 1).all() and (q[7::64] == 0).all()
+        nearest = distance.min(1).values
         slack = torch.finfo(torch.float32).eps * got.abs()
         assert ((got - exact).abs() <= nearest + slack).all()
         gaps = (code[1:] - code[:-1]).max().item()
-        assert ((got - exact).abs() <= 0.5 * gaps * per_elem + slack).all()
+        assert ((got - exact).abs() <= torch.maximum(0.5 * gaps * per_elem, nearest) + slack).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -341,7 +366,9 @@ def test_quantize_round_trip_is_nearest():
     per_elem = scales.repeat_interleave(128)[:1000]
     nearest = (CODES[0][None, :] * per_elem[:, None] - x[:, None]).abs().min(1).values
     assert ((got - x).abs() <= nearest * (1 + 1e-6) + 1e-30).all()
-    assert torch.equal(midpoints(CODES[0]), (CODES[0][:-1] + CODES[0][1:]) * 0.5)
+    assert torch.equal(thresholds(CODES[0]), (CODES[0][:-1] + CODES[0][1:]) * 0.5)
+    unsigned = thresholds(CODES[1])  # [Note: no positive value rounds to zero]
+    assert unsigned[0] == 0 and torch.equal(unsigned[1:], (CODES[1][1:-1] + CODES[1][2:]) * 0.5)
 
 
 @pytest.mark.parametrize("partition", ["flat", "owners"])

@@ -24,6 +24,13 @@ written (Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2
   Every step is one correctly rounded float32 operation or a comparison, so the CPU loops of every
   instruction set, the CUDA kernel and `quantize` below give the same bytes. A block whose scale is
   0 (all zero) is stored with scale 0, and every code value times 0 is 0.
+- But no positive value rounds to an unsigned code's zero: exp_avg_sq's first threshold is 0, not
+  the midpoint, so a second moment below half the code's smallest nonzero value (about 10^-7 of its
+  block's largest) is stored as that smallest value, and 0 stands for 0 alone ([Note: no positive
+  value rounds to zero] in csrc/adam_math.h). Rounded to 0 while its first moment is not, the
+  element's update would be lr * m / eps: in a fine-tune of a pretrained GPT-2 (docs/8bit-state.md)
+  some hundreds of elements (embedding rows of bytes the new text lacks) did that every step and
+  the loss ended 0.17-0.47 above 32-bit state's; with the floor, within 0.001 of it.
 - The kernel's Adam update uses the moments before they are requantized (the new fp32 values of
   this step, held in registers, or on CPU in a scratch of one chunk of blocks), as bitsandbytes'
   does; the rounding affects the next step.
@@ -64,9 +71,14 @@ def dynamic_code(signed: bool) -> torch.Tensor:
     return torch.tensor(sorted(values), dtype=torch.float64).float()
 
 
-def midpoints(code: torch.Tensor) -> torch.Tensor:
-    """The 255 rounding thresholds of a code, in float32 as the kernels compute them."""
-    return (code[:-1] + code[1:]) * 0.5
+def thresholds(code: torch.Tensor) -> torch.Tensor:
+    """The 255 rounding thresholds of a code, in float32 as the kernels compute them: the midpoints
+    of neighbouring values, but 0 for an unsigned code's first ([Note: quantized state]: no
+    positive value rounds to an unsigned code's zero)."""
+    t = (code[:-1] + code[1:]) * 0.5
+    if code[0] == 0:
+        t[0] = 0.0
+    return t
 
 
 def block_scales(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -86,7 +98,7 @@ def quantize(x: torch.Tensor, code: torch.Tensor, block: int) -> tuple[torch.Ten
     safe = torch.where(per_elem > 0, per_elem, torch.ones_like(per_elem))
     normalized = torch.where(per_elem > 0, x / safe, torch.zeros_like(x))
     normalized = normalized.nan_to_num(nan=-torch.inf, posinf=torch.inf, neginf=-torch.inf)  # NaN: index 0
-    q = torch.searchsorted(midpoints(code.to(x.device)), normalized.contiguous(), right=False)
+    q = torch.searchsorted(thresholds(code.to(x.device)), normalized.contiguous(), right=False)
     return q.to(torch.uint8), scales
 
 

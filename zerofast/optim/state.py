@@ -21,7 +21,7 @@ import torch
 from .. import _ops
 from ..config import Plan
 from ..layout import Layout, Piece, bind_views
-from ..quant import block_slice, code_of, dequantize, dynamic_code, midpoints, num_blocks, quantize, scale_kind
+from ..quant import block_slice, code_of, dequantize, dynamic_code, num_blocks, quantize, scale_kind, thresholds
 
 
 @dataclass(frozen=True)
@@ -323,7 +323,7 @@ class ShardState:
         if not self.plan.quantized_state:
             return
         block = self.plan.state_block
-        zero = [int(torch.searchsorted(midpoints(code.cpu()), torch.tensor(0.0))) for code in self.codes]
+        zero = [int(torch.searchsorted(thresholds(code.cpu()), torch.tensor(0.0))) for code in self.codes]
         with torch.no_grad():
             for pc in self.pieces:
                 end = pc.state_offset + pc.numel
