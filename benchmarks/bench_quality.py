@@ -8,18 +8,28 @@ PyTorch, the libraries' defaults) on the same model and batches as anchors.
   the unigram plateau, loss ~2.9, for some seeds and not others: a spread that says nothing).
 - "hf": a GPT-2 built by transformers from its config (2 layers x 64 wide, random weights, no
   download; dropout off) on the same text and batches, 300 steps; zerofast only.
+- "hf-finetune": a fine-tune. No pretrained weights can be downloaded, so a transformers GPT-2
+  (4 layers x 128 wide, 0.83M parameters, tied embeddings, dropout off) is first pretrained here,
+  once per session (the `pretrained` fixture, a file under pytest's tmp dir): 1000 steps of plain
+  torch.optim.AdamW (lr 1e-3, weight decay 0.1, batch 16 x 64, seed 0, one thread) on the
+  docstrings of 46 standard-library modules and of their public functions and classes (DOC_MODULES;
+  about 188 KB on Python 3.11, fixed by the Python version; the summary prints the version, size,
+  hash and losses). Every run then fine-tunes those same weights on the shipped text, 300 steps at
+  lr 3e-4 (a third of the pretraining lr), with zerofast 32- and 8-bit state and both anchors;
+  the seed draws only the order of the batches.
 
 The GPT also runs 8-bit state with state_block=64 (three seeds): whether a smaller block (finer
 scales, 4 bytes more per 64 elements) moves the final loss on this model.
 
 Each run is one process (a world of 1 on gloo, one thread: how 8-bit state rounds does not depend on
 the world size, stage or partition; the state is bitwise the same at any of them), stage 1. Seed s
-draws the initial weights and the order of the batches. The final loss is the mean training loss
-of the last 20 steps; the summary puts each run beside the 32-bit seeds' range and says whether the
-8-bit runs fall inside it. The benchmark's own time is the whole run (300 steps; torchao's includes
+draws the initial weights (but for the fine-tune) and the order of the batches. The final loss is
+the mean training loss of the last 20 steps; the summary puts each run beside the 32-bit seeds'
+range and says whether the 8-bit runs fall inside it. The benchmark's own time is the whole run (300 steps; torchao's includes
 compiling its step).
 
     pytest benchmarks/bench_quality.py --benchmark-only
+    pytest benchmarks/bench_quality.py --benchmark-only -k finetune -s   # the fine-tune alone
 """
 
 from __future__ import annotations
