@@ -8,6 +8,8 @@ and waits until all have finished one training step, so a round is exactly one d
 from __future__ import annotations
 
 import os
+import queue
+import time
 import traceback
 
 import torch
@@ -55,9 +57,25 @@ class RankPool:
             p.start()
         self._collect("ready")
 
+    def _get(self):
+        """The next result, or a RuntimeError as soon as a rank has died without one (a crash that
+        no except clause sees: a signal, the OOM killer), instead of waiting out the timeout."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return self.results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if p.exitcode is not None]
+                if dead or time.monotonic() > deadline:
+                    self.close()
+                    what = (
+                        f"rank {dead[0][0]} died (exit code {dead[0][1]})" if dead else f"no result in {self.timeout} s"
+                    )
+                    raise RuntimeError(f"RankPool: {what}") from None
+
     def _collect(self, expected: str) -> None:
         for _ in range(self.world):
-            kind, rank, info = self.results.get(timeout=self.timeout)
+            kind, rank, info = self._get()
             if kind == "error":
                 self.close()
                 raise RuntimeError(f"rank {rank} failed:\n{info}")
@@ -69,7 +87,7 @@ class RankPool:
             q.put("info")
         out = [None] * self.world
         for _ in range(self.world):
-            kind, rank, info = self.results.get(timeout=self.timeout)
+            kind, rank, info = self._get()
             if kind == "error":
                 self.close()
                 raise RuntimeError(f"rank {rank} failed:\n{info}")
