@@ -32,7 +32,7 @@ ROWS=()
 FAILED=0
 
 # The CUDA test files, by name (collecting `-m cuda tests` would import every module).
-KERNEL_TESTS="tests/test_fused_adam.py"
+KERNEL_TESTS="tests/test_fused_adam.py tests/test_quant_state.py"  # fp32 and 8-bit kernels
 ENGINE_TESTS="tests/test_cuda_engine.py"
 RANK_TESTS="tests/test_cuda_ranks.py"
 

@@ -370,6 +370,16 @@ def model_loss(model, x, y) -> torch.Tensor:
     return model(x, y)[1]
 
 
+def train_same_batch(model, opt, start: int, steps: int) -> None:
+    """Steps start .. start + steps - 1 with the same batch on every rank (rank 0's), so the averaged
+    gradient is exact and runs at any world size can be compared bitwise."""
+    for step in range(start, start + steps):
+        x, y = rank_batch(model, step, 0)
+        model_loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def layout_of(opt):
     """The optimizer's layout of its trainable parameters, as its checkpoint view gives it."""
     return opt.checkpoint_view.trainable.layout

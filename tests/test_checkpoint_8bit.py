@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import run_ranks
-from oracles import HYPER, full_master, model_loss, rank_batch
+from oracles import HYPER, full_master, train_same_batch
 
 from zerofast import CommPolicy, MixedPrecisionPolicy, ZeroAdam
 from zerofast import checkpoint as ck
@@ -53,11 +53,7 @@ def _make(stage, partition, bits, seed=0):
 
 
 def _train(model, opt, start):
-    for step in range(start, start + STEPS):
-        x, y = rank_batch(model, step, 0)  # the same batch on every rank
-        model_loss(model, x, y).backward()
-        opt.step()
-        opt.zero_grad()
+    train_same_batch(model, opt, start, STEPS)
 
 
 def _snapshot(model, opt) -> dict:

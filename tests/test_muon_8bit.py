@@ -24,7 +24,7 @@ import tempfile
 import pytest
 import torch
 from harness import run_ranks
-from oracles import HYPER, Nested, model_loss, rank_batch
+from oracles import HYPER, Nested, model_loss, rank_batch, train_same_batch
 
 from zerofast import CommPolicy, MixedPrecisionPolicy, ZeroAdam, ZeroMuon
 from zerofast import checkpoint as ck
@@ -75,11 +75,7 @@ def _make(stage, partition, bits=8, perturb=False, dtype="fp32", shard_size=None
 
 
 def _train(model, opt, start=0, steps=STEPS):
-    for step in range(start, start + steps):
-        x, y = rank_batch(model, step, 0)  # the same batch on every rank
-        model_loss(model, x, y).backward()
-        opt.step()
-        opt.zero_grad()
+    train_same_batch(model, opt, start, steps)
 
 
 def _snapshot(model, opt) -> dict:

@@ -343,22 +343,22 @@ def run(kind: str, args, device, steps: int, progress: bool, stage: int | None =
         mean_loss = loss.detach().float()
         try:
             dist.all_reduce(mean_loss)
-        except RuntimeError as e:  # the job's own collective: the same one-line report as ZeroAdam's
-            raise CollectiveError(
-                f"zerofast.train (rank {rank} of {world}): the loss average after step {step + 1} "
-                f"failed: another rank died or is stuck. Backend: {str(e).strip().splitlines()[0]}"
-            ) from e
+        except RuntimeError as e:
+            raise _job_fault("the loss average", step + 1, args, e) from e
         losses.append(mean_loss.item() / world)
         bar.update(step, losses[-1], args.batch * seq * world / times[-1])
         if checkpoints and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps):
-            written = save(
-                os.path.join(args.save_dir, f"step-{step + 1:06d}"),
-                model,
-                opt,
-                keep=args.keep,
-                extra={"step": step + 1, "rng": torch.get_rng_state(), "losses": losses},
-                blocking=not args.save_async,
-            )
+            try:
+                written = save(
+                    os.path.join(args.save_dir, f"step-{step + 1:06d}"),
+                    model,
+                    opt,
+                    keep=args.keep,
+                    extra={"step": step + 1, "rng": torch.get_rng_state(), "losses": losses},
+                    blocking=not args.save_async,
+                )
+            except RuntimeError as e:  # its collectives (DCP's, the outcome's broadcast); a disk error is an OSError
+                raise _job_fault("saving the checkpoint", step + 1, args, e) from e
             if step + 1 == steps and args.save_async:
                 written.wait()  # the last one: complete before the job reports and exits
     comm = opt.report().comm if isinstance(opt, ZeroAdam) else {}
@@ -366,6 +366,17 @@ def run(kind: str, args, device, steps: int, progress: bool, stage: int | None =
     if isinstance(opt, ZeroAdam):
         opt.remove_hooks()
     return losses, times, measured, comm, numel
+
+
+def _job_fault(what: str, step: int, args, error: BaseException) -> CollectiveError:
+    """A collective of the job's own (the loss average, a checkpoint's) that failed, in the one-line
+    form of ZeroAdam's own (comm.py's BucketComm.failed), which the worker prints before it leaves."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return CollectiveError(
+        f"zerofast.train (rank {dist.get_rank()} of {dist.get_world_size()}): {what} failed at step {step}: "
+        f"another rank died, is stuck or is out of step (the wait is bounded by the process group's timeout, "
+        f"{args.timeout:g} s). Backend: {first}"
+    )
 
 
 def _resuming(args) -> bool:
