@@ -148,3 +148,19 @@ def test_a_stuck_worker_ends_the_job_after_the_timeout(tmp_path):
     lines = [line for line in log.splitlines() if line.startswith("zerofast.train rank 0")]
     assert len(lines) == 1 and "failed at step" in lines[0] and "timeout, 3 s" in lines[0], log
     assert re.search(r"Backend: .*(Timed out waiting 3000ms|Application timeout caused pair closure)", lines[0]), log
+
+
+def test_the_fault_line_starts_its_own_line_after_the_progress_bar():
+    """The one-line fault report is a line of its own, also when it interrupts rank 0's progress bar
+    (drawn with carriage returns and no newline until the last step): a stuck peer during a
+    checkpoint save once left it glued to the bar, where no reader of lines finds it. About 2 s."""
+    code = (
+        "from zerofast.tools.train import Progress, exit_on_fault\n"
+        "Progress(5, True).update(1, 2.5, 100.0)\n"
+        "exit_on_fault(RuntimeError('saving the checkpoint failed at step 2'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    lines = out.stderr.splitlines()  # as the launch tests read them: \r and \n both end a line
+    assert "zerofast.train rank ?: saving the checkpoint failed at step 2" in lines, lines
+    assert lines[-2].startswith("[") and "2/5" in lines[-2], lines

@@ -230,6 +230,8 @@ def _without_nproc(argv: list[str]) -> list[str]:
 class Progress:
     """A one-line progress bar on rank 0 (stderr), with loss and tokens/s."""
 
+    line_open = False  # the bar's line is drawn and not yet ended: exit_on_fault starts a new one
+
     def __init__(self, total: int, enabled: bool):
         self.total, self.enabled, self.start = total, enabled, time.perf_counter()
 
@@ -240,7 +242,8 @@ class Progress:
         done = int(width * (step + 1) / max(1, self.total))
         bar = "#" * done + "." * (width - done)
         sys.stderr.write(f"\r[{bar}] {step + 1}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s")
-        if step + 1 == self.total:
+        Progress.line_open = step + 1 != self.total
+        if not Progress.line_open:
             sys.stderr.write("\n")
         sys.stderr.flush()
 
@@ -490,7 +493,8 @@ def exit_on_fault(error: BaseException) -> None:
     """A collective failed (a rank died or is stuck) or the ranks are out of step: print the one
     line that says where, and leave at once. os._exit, because an orderly interpreter exit can block
     on the process group's threads while a peer is stuck; torchrun then ends (or restarts) the rest."""
-    sys.stderr.write(f"zerofast.train rank {os.environ.get('RANK', '?')}: {error}\n")
+    newline = "\n" if Progress.line_open else ""  # not glued to the progress bar's line
+    sys.stderr.write(f"{newline}zerofast.train rank {os.environ.get('RANK', '?')}: {error}\n")
     sys.stderr.flush()
     os._exit(1)
 
