@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from oracles import opcheck_adam_op
 
 import zerofast
 
@@ -294,26 +295,7 @@ def test_opcheck(device):
             torch.zeros(n, device=device),
         )
 
-    kw = dict(
-        lr=1e-3,
-        beta1=0.9,
-        beta2=0.999,
-        eps=1e-8,
-        weight_decay=0.01,
-        step=1,
-        adamw=True,
-        grad_scale=0.5,
-        grad_scale_tensor=None,
-        found_inf=None,
-        param_copy=None,
-    )
-    torch.library.opcheck(torch.ops.zerofast.fused_adam_.default, args(), kw)
-    kw.update(
-        found_inf=torch.zeros(1, device=device),
-        param_copy=torch.empty(n, device=device).half(),
-        grad_scale_tensor=torch.ones(1, device=device),
-    )
-    torch.library.opcheck(torch.ops.zerofast.fused_adam_.default, args(), kw)
+    opcheck_adam_op(torch.ops.zerofast.fused_adam_.default, args, n, device, grad_scale=0.5)
 
 
 def test_torch_compile_traces_the_op():

@@ -5,6 +5,7 @@ block-aligned layout, and the named errors. Cost: about 5 s on 2 cores."""
 
 import pytest
 import torch
+from oracles import opcheck_adam_op
 
 import zerofast
 from zerofast import MixedPrecisionPolicy
@@ -331,27 +332,7 @@ def test_opcheck(device):
             *(c.to(device) for c in CODES),
         )
 
-    kw = dict(
-        block=block,
-        lr=1e-3,
-        beta1=0.9,
-        beta2=0.999,
-        eps=1e-8,
-        weight_decay=0.01,
-        step=1,
-        adamw=True,
-        grad_scale=1.0,
-        grad_scale_tensor=None,
-        found_inf=None,
-        param_copy=None,
-    )
-    torch.library.opcheck(torch.ops.zerofast.fused_adam_8bit_.default, args(), kw)
-    kw.update(
-        found_inf=torch.zeros(1, device=device),
-        param_copy=torch.empty(n, device=device).half(),
-        grad_scale_tensor=torch.ones(1, device=device),
-    )
-    torch.library.opcheck(torch.ops.zerofast.fused_adam_8bit_.default, args(), kw)
+    opcheck_adam_op(torch.ops.zerofast.fused_adam_8bit_.default, args, n, device, block=block)
 
 
 # --- the format -------------------------------------------------------------------------------------

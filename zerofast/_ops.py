@@ -61,35 +61,10 @@ def fused_adam_(
     param_copy: float32, bfloat16 or float16 tensor of the same numel that receives the updated
       parameter, cast, in the same pass.
     """
-    scale_value, scale_tensor = _split_grad_scale(grad_scale)
-    # The dispatcher routes on the "highest" device among the tensors (a meta or CUDA tensor among CPU
-    # ones would reach another kernel), so mixed devices are caught here, before dispatch.
-    named = {
-        "grad": grad,
-        "exp_avg": exp_avg,
-        "exp_avg_sq": exp_avg_sq,
-        "grad_scale": scale_tensor,
-        "found_inf": found_inf,
-        "param_copy": param_copy,
-    }
-    _check_devices("fused_adam_", param, named)
-    torch.ops.zerofast.fused_adam_(
-        param,
-        grad,
-        exp_avg,
-        exp_avg_sq,
-        lr=float(lr),
-        beta1=float(beta1),
-        beta2=float(beta2),
-        eps=float(eps),
-        weight_decay=float(weight_decay),
-        step=_as_step(step),
-        adamw=bool(adamw),
-        grad_scale=scale_value,
-        grad_scale_tensor=scale_tensor,
-        found_inf=found_inf,
-        param_copy=param_copy,
-    )
+    state = {"grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    hyper = (lr, beta1, beta2, eps, weight_decay, step, adamw)
+    kw = _step_kwargs("fused_adam_", param, state, *hyper, grad_scale, found_inf, param_copy)
+    torch.ops.zerofast.fused_adam_(param, *state.values(), **kw)
 
 
 def fused_adam_8bit_(
@@ -121,8 +96,7 @@ def fused_adam_8bit_(
       be shorter), updated in place. exp_avg_code, exp_avg_sq_code: the 256 float32 values of each
       code, increasing (zerofast.quant.dynamic_code). Everything else as fused_adam_.
     """
-    scale_value, scale_tensor = _split_grad_scale(grad_scale)
-    named = {
+    state = {
         "grad": grad,
         "exp_avg": exp_avg,
         "exp_avg_sq": exp_avg_sq,
@@ -130,21 +104,23 @@ def fused_adam_8bit_(
         "exp_avg_sq_scale": exp_avg_sq_scale,
         "exp_avg_code": exp_avg_code,
         "exp_avg_sq_code": exp_avg_sq_code,
-        "grad_scale": scale_tensor,
-        "found_inf": found_inf,
-        "param_copy": param_copy,
     }
-    _check_devices("fused_adam_8bit_", param, named)  # before dispatch: see fused_adam_
-    torch.ops.zerofast.fused_adam_8bit_(
-        param,
-        grad,
-        exp_avg,
-        exp_avg_sq,
-        exp_avg_scale,
-        exp_avg_sq_scale,
-        exp_avg_code,
-        exp_avg_sq_code,
-        block=int(block),
+    hyper = (lr, beta1, beta2, eps, weight_decay, step, adamw)
+    kw = _step_kwargs("fused_adam_8bit_", param, state, *hyper, grad_scale, found_inf, param_copy)
+    torch.ops.zerofast.fused_adam_8bit_(param, *state.values(), block=int(block), **kw)
+
+
+def _step_kwargs(
+    op, param, state, lr, beta1, beta2, eps, weight_decay, step, adamw, grad_scale, found_inf, param_copy
+) -> dict:
+    """The keyword arguments both fused steps pass their op alike: the hyperparameters as the op's
+    types, grad_scale split into its float and tensor parts, found_inf and param_copy; once every
+    tensor (`state`: the op's positional tensors after param) was checked to be on param's device.
+    The dispatcher routes on the "highest" device among the tensors (a meta or CUDA tensor among CPU
+    ones would reach another kernel), so mixed devices are caught here, before dispatch."""
+    scale_value, scale_tensor = _split_grad_scale(grad_scale)
+    _check_devices(op, param, {**state, "grad_scale": scale_tensor, "found_inf": found_inf, "param_copy": param_copy})
+    return dict(
         lr=float(lr),
         beta1=float(beta1),
         beta2=float(beta2),
@@ -188,53 +164,9 @@ def _as_step(step) -> int:
 
 
 @torch.library.register_fake("zerofast::fused_adam_")
-def _fused_adam_fake(
-    param,
-    grad,
-    exp_avg,
-    exp_avg_sq,
-    *,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    step,
-    adamw,
-    grad_scale,
-    grad_scale_tensor,
-    found_inf,
-    param_copy,
-):
-    # Mutates its arguments in place and returns nothing: no output to describe.
-    return None
-
-
 @torch.library.register_fake("zerofast::fused_adam_8bit_")
-def _fused_adam_8bit_fake(
-    param,
-    grad,
-    exp_avg,
-    exp_avg_sq,
-    exp_avg_scale,
-    exp_avg_sq_scale,
-    exp_avg_code,
-    exp_avg_sq_code,
-    *,
-    block,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    step,
-    adamw,
-    grad_scale,
-    grad_scale_tensor,
-    found_inf,
-    param_copy,
-):
-    # Mutates its arguments in place and returns nothing: no output to describe.
+def _fused_step_fake(*args, **kwargs):
+    # Both steps mutate their arguments in place and return nothing: no output to describe.
     return None
 
 
