@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from harness import launch_env
 
 pytest.importorskip("lightning")
 
@@ -20,8 +21,9 @@ JOB = os.path.join(ROOT, "benchmarks", "lightning_bench_job.py")
 
 
 def _launch(out):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, JOB, out], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    return subprocess.run(
+        [sys.executable, JOB, out], cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=1800
+    )
 
 
 def test_lightning_strategies(benchmark, tmp_path):

@@ -27,6 +27,7 @@ import subprocess
 import sys
 
 import pytest
+from harness import launch_env
 
 pytest.importorskip("trl")
 
@@ -35,16 +36,8 @@ JOB = os.path.join(ROOT, "benchmarks", "rl_bench_job.py")
 
 
 def _launch(out):
-    env = dict(
-        os.environ,
-        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        HF_HUB_OFFLINE="1",
-    )
-    env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", JOB, out]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    return subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=1800)
 
 
 def test_grpo_step(benchmark, tmp_path):
