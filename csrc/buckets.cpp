@@ -9,6 +9,7 @@
 #include <algorithm>
 
 #include "errors.h"
+#include "work_keeper.h"
 
 #ifdef ZEROFAST_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -232,6 +233,7 @@ void BucketComm::finish_buckets(const std::vector<int64_t>& buckets) {
     for (int64_t bucket : buckets) finish_reduce(bucket);  // on the comm stream, the replicas' launches too
   }
   in_flight_ = std::move(still);
+  release_kept_works();  // the Works just waited for, if their backend has let go: [Note: clean exit]
   // finish_reduce read the buffers on the comm stream and returned them to the pool; the next
   // add_grad writes a pooled buffer on the caller's stream, which must wait for those reads.
   end_comm();
@@ -304,7 +306,7 @@ void BucketComm::reduce(int64_t bucket, bool accumulate) {
   const auto& bd = layout_.bounds[bucket];
   if (reduce_op_ == Collective::kAllReduce) {
     std::vector<at::Tensor> whole{buf};
-    in_flight_.emplace_back(bucket, comm_call([&] { return group_->allreduce(whole, c10d::AllreduceOptions()); }));
+    in_flight_.emplace_back(bucket, issue([&] { return group_->allreduce(whole, c10d::AllreduceOptions()); }));
     return;
   }
   if (reduce_op_ == Collective::kReduceScatter) {
@@ -314,7 +316,7 @@ void BucketComm::reduce(int64_t bucket, bool accumulate) {
       out = *scatter_out_[bucket];
     }
     in_flight_.emplace_back(
-        bucket, comm_call([&] { return group_->_reduce_scatter_base(out, buf, c10d::ReduceScatterOptions()); }));
+        bucket, issue([&] { return group_->_reduce_scatter_base(out, buf, c10d::ReduceScatterOptions()); }));
     return;
   }
   for (int64_t r = 0; r < world_; ++r) {
@@ -322,7 +324,7 @@ void BucketComm::reduce(int64_t bucket, bool accumulate) {
     std::vector<at::Tensor> segment{buf.narrow(0, bd[r], bd[r + 1] - bd[r])};
     c10d::ReduceOptions opts;
     opts.rootRank = r;
-    in_flight_.emplace_back(bucket, comm_call([&] { return group_->reduce(segment, opts); }));
+    in_flight_.emplace_back(bucket, issue([&] { return group_->reduce(segment, opts); }));
   }
 }
 
@@ -362,7 +364,7 @@ void BucketComm::gather_start(int64_t bucket, const at::Tensor& param_buffer) {
   if (gather_op_ == Collective::kAllGather) {
     at::Tensor mine = out.narrow(0, bd[rank_], bd[rank_ + 1] - bd[rank_]);
     gathers_[bucket].push_back(
-        comm_call([&] { return gather_group_->_allgather_base(out, mine, c10d::AllgatherOptions()); }));
+        issue([&] { return gather_group_->_allgather_base(out, mine, c10d::AllgatherOptions()); }));
     return;
   }
   for (int64_t r = 0; r < world_; ++r) {
@@ -370,7 +372,7 @@ void BucketComm::gather_start(int64_t bucket, const at::Tensor& param_buffer) {
     std::vector<at::Tensor> segment{out.narrow(0, bd[r], bd[r + 1] - bd[r])};
     c10d::BroadcastOptions opts;
     opts.rootRank = r;
-    gathers_[bucket].push_back(comm_call([&] { return gather_group_->broadcast(segment, opts); }));
+    gathers_[bucket].push_back(issue([&] { return gather_group_->broadcast(segment, opts); }));
   }
 }
 
@@ -381,6 +383,7 @@ void BucketComm::gather_wait(int64_t bucket) {
     for (auto& work : gathers_[bucket]) comm_call([&] { return work->wait(); });
   }
   gathers_[bucket].clear();
+  release_kept_works();  // see [Note: clean exit] in work_keeper.cpp
   end_comm();
 }
 

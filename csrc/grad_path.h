@@ -11,7 +11,6 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/autograd/node.h>
 
 #include <cstdint>
 #include <functional>
@@ -21,6 +20,7 @@
 
 #include "buckets.h"
 #include "errors.h"
+#include "torch_compat.h"
 
 namespace zerofast {
 
@@ -112,7 +112,7 @@ class GradPath {
   const GradPathOptions options_;
   const GradPathCallbacks callbacks_;
   std::vector<std::vector<int64_t>> params_of_bucket_;
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<compat::NodePtr> accumulators_;
   std::vector<uintptr_t> hook_keys_;
 
   std::vector<uint8_t> used_;  // got a gradient on this rank in this step

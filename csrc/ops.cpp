@@ -7,6 +7,7 @@
 #include "adam_cpu.h"
 #include "buckets.h"
 #include "grad_path.h"
+#include "work_keeper.h"
 
 namespace zerofast {
 
@@ -216,6 +217,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("pool", py::overload_cast<>(&BucketComm::pool))
       .def_property_readonly("replicas", &BucketComm::replicas)
       .def_property_readonly("traffic", &BucketComm::traffic);
+
+  // Every Work from issue to release ([Note: clean exit] in csrc/work_keeper.cpp): Python's own
+  // collectives (zerofast/comm.py) hand theirs over too; its atexit drains them.
+  py::class_<zerofast::DrainReport>(m, "DrainReport", "What drain_kept_works found (see csrc/work_keeper.h)")
+      .def_readonly("waited", &zerofast::DrainReport::waited)
+      .def_readonly("failed", &zerofast::DrainReport::failed)
+      .def_readonly("held", &zerofast::DrainReport::held)
+      .def_readonly("errors", &zerofast::DrainReport::errors);
+  m.def("keep_work", &zerofast::keep_work, py::arg("work"), py::call_guard<py::gil_scoped_release>(),
+        "Keep a Work until nobody else holds it, then release it on one of our threads");
+  m.def("release_kept_works", &zerofast::release_kept_works, py::call_guard<py::gil_scoped_release>(),
+        "Release the kept Works nobody else holds; how many are still held elsewhere");
+  m.def("drain_kept_works", &zerofast::drain_kept_works, py::call_guard<py::gil_scoped_release>(),
+        "At exit: wait for the kept Works in flight, release those nobody else holds, keep the rest for good");
 
   using zerofast::GradPath;
   py::class_<GradPath>(m, "GradPath", "The per-gradient path of phase 1 and its state (see csrc/grad_path.h)")

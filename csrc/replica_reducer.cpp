@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "errors.h"
+#include "work_keeper.h"
 
 namespace zerofast {
 
@@ -75,10 +76,10 @@ void ReplicaReducer::all_reduce(std::vector<at::Tensor> ranges) {
   if (ranges.size() == 1 || !coalesce_) {
     for (auto& range : ranges) {
       std::vector<at::Tensor> one{range};
-      works_.push_back(comm_call([&] { return group_->allreduce(one, c10d::AllreduceOptions()); }));
+      works_.push_back(issue([&] { return group_->allreduce(one, c10d::AllreduceOptions()); }));
     }
   } else {
-    works_.push_back(comm_call([&] { return group_->allreduce_coalesced(ranges, c10d::AllreduceCoalescedOptions()); }));
+    works_.push_back(issue([&] { return group_->allreduce_coalesced(ranges, c10d::AllreduceCoalescedOptions()); }));
   }
 }
 
@@ -87,6 +88,7 @@ void ReplicaReducer::finish_step() {
   flush();
   for (auto& work : works_) comm_call([&] { return work->wait(); });
   works_.clear();
+  release_kept_works();  // see [Note: clean exit] in work_keeper.cpp
 }
 
 void ReplicaReducer::new_step() {

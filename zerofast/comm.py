@@ -48,6 +48,8 @@ as now (which alone does not remove the cross-communicator order NCCL asks for).
 
 from __future__ import annotations
 
+import atexit
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
@@ -58,6 +60,18 @@ import torch.distributed as dist
 from . import _C
 from .config import collective_names
 from .layout import Layout
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    """At the interpreter's exit, before finalization (atexit runs first; the checkpoint writer's
+    thread is joined before it): every collective of ours still in flight is waited for and released
+    on this thread ([Note: clean exit] in csrc/work_keeper.cpp). A failed one is said on stderr; the
+    exit status stays the program's."""
+    report = _C.drain_kept_works()
+    for error in report.errors:
+        first = error.strip().splitlines()[0] if error.strip() else "(no message)"
+        print(f"zerofast: a collective still in flight at exit failed: {first}", file=sys.stderr)
 
 
 class CollectiveError(RuntimeError):
@@ -265,17 +279,36 @@ class BucketComm:
         except _C.CommError as e:
             raise self.failed(what() if callable(what) else what, e) from e
 
-    def _collective(self, what: str, fn, *args):
-        """fn: one torch.distributed collective on our own small tensors. Whatever it raises but
-        running out of memory is the communication's: torch's DistError, or a plain RuntimeError,
-        as gloo raises from some calls ("Connection reset by peer", "Application timeout caused pair
-        closure": measured)."""
+    def _issue(self, what: str, fn, *args):
+        """fn: one torch.distributed collective on our own small tensors, issued asynchronously; its
+        Work, handed to the compiled keeper first ([Note: clean exit] in csrc/work_keeper.cpp), so
+        that gloo's thread never drops its last reference. Whatever fn raises but running out of
+        memory is the communication's: torch's DistError, or a plain RuntimeError, as gloo raises
+        from some calls ("Connection reset by peer", "Application timeout caused pair closure":
+        measured)."""
         try:
-            return fn(*args)
+            work = fn(*args, async_op=True)
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as e:
             raise self.failed(what, e) from e
+        if work is not None:  # None: this rank is not in the group
+            _C.keep_work(work)
+        return work
+
+    def _wait(self, what: str, work) -> None:
+        if work is None:
+            return
+        try:
+            work.wait()
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as e:
+            raise self.failed(what, e) from e
+
+    def _collective(self, what: str, fn, *args) -> None:
+        """fn, issued (_issue) and waited for."""
+        self._wait(what, self._issue(what, fn, *args))
 
     def _verify(self, kind: str, bucket: int, numel: int, group: dist.ProcessGroup) -> None:
         """check_collectives: every rank describes the collective it is about to issue; any
@@ -399,17 +432,16 @@ class BucketComm:
                 self._verify("replicate", i, t.numel(), self.replicate_group)
             self._agreements["replicate/all_reduce"] += t.numel() * t.element_size()
             works.append(
-                self._collective(
+                self._issue(
                     "the all_reduce of the gradient shard across replicas",
                     dist.all_reduce,
                     t,
                     dist.ReduceOp.SUM,
                     self.replicate_group,
-                    True,
                 )
             )
         for w in works:
-            self._collective("the all_reduce of the gradient shard across replicas", w.wait)
+            self._wait("the all_reduce of the gradient shard across replicas", w)
 
     @property
     def buffer_bytes(self) -> int:

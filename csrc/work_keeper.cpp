@@ -1,0 +1,143 @@
+// See work_keeper.h.
+#include "work_keeper.h"
+
+#include <ATen/ThreadLocalPythonObjects.h>
+
+#include <mutex>
+
+namespace zerofast {
+
+// [Note: clean exit]
+// What failed: a finished job whose rank died with SIGABRT ("terminate called without an active
+// exception") after its last step. A c10d Work holds what was current when it was issued (gloo's
+// AsyncWork keeps an at::ThreadLocalState, which from torch 2.14 holds the contextvars context that
+// autograd stashes in thread-local state for every backward, a Python object) and its tensors
+// (which may own a Python object). Whoever drops a Work's last reference runs those destructors,
+// and a Python object's needs the GIL. gloo's worker thread holds each Work while it runs it and
+// drops its reference just after marking it complete, so when the issuer has already dropped its
+// own (it waited, and went on), the worker drops the last one: it waits for the GIL, and if the
+// main thread meanwhile enters Py_FinalizeEx, CPython ends the waiting thread (PyThread_exit_thread)
+// inside a C++ destructor, and std::terminate aborts the process. DDP's reducer never shows it: it
+// holds its last Works until the next backward, so they die with it, on the main thread.
+// What we do:
+// 1. issue(): a collective is issued with the thread's Python objects set aside
+//    (NoPythonObjectsInThreadState), so a Work of ours carries none of autograd's (torch keeps
+//    other Python state there too: dispatch modes, saved-tensor hooks; those stay, and 2. covers
+//    them).
+// 2. keep_work(): every Work is kept from its issue until nobody else holds it (use_count() == 1:
+//    neither its issuer nor its backend), and released then, on our thread: at the next issue, after
+//    each wait (release_kept_works), or at exit. No backend thread ever drops the last reference to
+//    a Work of ours. Python's own collectives (zerofast/comm.py) are kept the same way.
+// 3. drain_kept_works(), from Python's atexit (zerofast/comm.py; atexit runs before finalization):
+//    what is still in flight (an overlapped parameter gather, stage 3's prefetch, a reduce of a
+//    backward whose step never came) is waited for, bounded by its process group's timeout, and
+//    released here. A Work someone else still holds then (a live optimizer's, or its backend's in
+//    the moment after completing it) is kept for good: the keeper is never destroyed, so the last
+//    reference is never the backend's, and what a live optimizer drops at finalization is not the
+//    last one either (and torch skips Python's decrefs once finalization has begun).
+// The asynchronous checkpoint writer's thread is joined before atexit runs
+// (zerofast/checkpoint/background.py). Tested by tests/test_exit.py; measured by
+// scripts/exit_check.sh (docs/testing.md).
+
+struct NoPythonObjectsInThreadState::Saved {
+  at::impl::ThreadLocalPythonObjects objects;
+};
+
+NoPythonObjectsInThreadState::NoPythonObjectsInThreadState()
+    : saved_(new Saved{at::impl::ThreadLocalPythonObjects::get_state()}) {
+  // The copy above holds every object, so clearing the thread's map drops no last reference.
+  at::impl::ThreadLocalPythonObjects::set_state(at::impl::ThreadLocalPythonObjects());
+}
+
+NoPythonObjectsInThreadState::~NoPythonObjectsInThreadState() {
+  at::impl::ThreadLocalPythonObjects::set_state(std::move(saved_->objects));
+  delete saved_;
+}
+
+namespace {
+
+struct Keeper {
+  std::mutex mutex;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::vector<c10::intrusive_ptr<c10d::Work>> for_good;  // held by their backend past the exit's limit
+};
+
+// Never destroyed: a static destructor would drop the Works it still holds after finalization, on
+// whichever thread runs it, in no order with c10d's own.
+Keeper& keeper() {
+  static Keeper* instance = new Keeper();
+  return *instance;
+}
+
+// The Works only the keeper holds, taken out under the lock; the caller releases them after
+// unlocking (a release may take the GIL, and a thread holding the GIL may be waiting for the lock).
+std::vector<c10::intrusive_ptr<c10d::Work>> take_released(Keeper& k) {
+  std::vector<c10::intrusive_ptr<c10d::Work>> released;
+  size_t kept = 0;
+  for (auto& work : k.works) {
+    if (work.use_count() == 1) {
+      released.push_back(std::move(work));
+    } else {
+      k.works[kept++] = std::move(work);
+    }
+  }
+  k.works.resize(kept);
+  return released;
+}
+
+}  // namespace
+
+void keep_work(c10::intrusive_ptr<c10d::Work> work) {
+  if (!work) return;
+  Keeper& k = keeper();
+  std::vector<c10::intrusive_ptr<c10d::Work>> released;
+  {
+    std::lock_guard<std::mutex> lock(k.mutex);
+    released = take_released(k);
+    k.works.push_back(std::move(work));
+  }
+}  // `released` dies here, outside the lock
+
+int64_t release_kept_works() {
+  Keeper& k = keeper();
+  std::vector<c10::intrusive_ptr<c10d::Work>> released;
+  int64_t held;
+  {
+    std::lock_guard<std::mutex> lock(k.mutex);
+    released = take_released(k);
+    held = static_cast<int64_t>(k.works.size());
+  }
+  released.clear();
+  return held;
+}
+
+DrainReport drain_kept_works() {
+  Keeper& k = keeper();
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  {
+    std::lock_guard<std::mutex> lock(k.mutex);
+    works.swap(k.works);
+  }
+  DrainReport report;
+  for (auto& work : works) {
+    if (work->isCompleted()) continue;
+    ++report.waited;
+    try {
+      work->wait();  // bounded by its process group's timeout ([Note: faults] in zerofast/comm.py)
+    } catch (const std::exception& e) {
+      ++report.failed;
+      report.errors.emplace_back(e.what());
+    }
+  }
+  std::vector<c10::intrusive_ptr<c10d::Work>> held;
+  for (auto& work : works) {
+    if (work.use_count() != 1) held.push_back(std::move(work));  // else released here, with the rest below
+  }
+  works.clear();
+  report.held = static_cast<int64_t>(held.size());
+  std::lock_guard<std::mutex> lock(k.mutex);
+  for (auto& work : held) k.for_good.push_back(std::move(work));
+  return report;
+}
+
+}  // namespace zerofast

@@ -1,0 +1,71 @@
+"""Every process ends cleanly ([Note: clean exit] in csrc/work_keeper.cpp): ranks launched as their
+own interpreters (tests/exit_job.py), as torchrun launches them, exit 0 however their collectives
+stand at exit.
+
+The first test reproduces the abort finished jobs showed now and then (a gloo thread that must take
+the GIL, to drop a Work whose last reference it held, while the interpreter finalizes) every time
+on the code before the fix: the ranks hold the GIL into finalization while the work completes.
+That is the mechanism a core dump of an aborted README run showed; scripts/exit_check.sh counts the
+launches of the README example itself under load (docs/testing.md).
+Cost: two launches of two ranks, about 10 s each (each rank imports torch and zerofast, about 5 s).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from harness import ROOT, free_port, launch_env
+
+from zerofast import checkpoint
+
+JOB = os.path.join(ROOT, "tests", "exit_job.py")
+
+
+def _launch(*args: str, world: int = 2, timeout: float = 120) -> list[subprocess.CompletedProcess]:
+    """Run exit_job.py on `world` ranks, each its own interpreter; each rank's outcome."""
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        env = launch_env()
+        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
+        env.update(MASTER_PORT=port)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, JOB, *args], env=env, stdout=subprocess.PIPE, text=True, stderr=subprocess.STDOUT
+            )
+        )
+    outcomes = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outcomes.append(subprocess.CompletedProcess(p.args, p.returncode, out))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outcomes
+
+
+def _assert_clean(outcomes: list[subprocess.CompletedProcess]) -> None:
+    for rank, out in enumerate(outcomes):
+        assert out.returncode == 0, f"rank {rank} exited with {out.returncode}:\n{out.stdout}"
+        assert "terminate called" not in out.stdout, f"rank {rank}:\n{out.stdout}"
+        assert f"rank {rank}: exiting" in out.stdout, f"rank {rank} did not reach its end:\n{out.stdout}"
+        assert "in flight at exit failed" not in out.stdout, f"rank {rank}:\n{out.stdout}"
+
+
+def test_a_rank_that_exits_with_reduces_in_flight_exits_cleanly():
+    """Rank 0 drops its optimizer with its backward's reduces in flight and exits; rank 1 completes
+    them while rank 0 holds the GIL into finalization. Before: rank 0 died of SIGABRT every time
+    (gloo's thread dropped the last reference, with autograd's Python context in it). Now the
+    reduces are waited for at exit and released on rank 0's own thread."""
+    _assert_clean(_launch("reduce-in-flight"))
+
+
+def test_ranks_that_end_with_everything_in_flight_exit_cleanly(tmp_path):
+    """An overlapped parameter gather, an asynchronous checkpoint save and stage 3's prefetch, all in
+    flight when the script ends: every rank exits 0, and the checkpoint is complete."""
+    _assert_clean(_launch("all-in-flight", str(tmp_path)))
+    assert "zerofast checkpoint" in checkpoint.info(os.path.join(tmp_path, "step-3"))
