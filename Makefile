@@ -44,7 +44,7 @@ BUILT   := $(VENV)/.zerofast-built-cuda-$(ZEROFAST_CUDA)
 endif
 SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu) setup.py pyproject.toml
 
-.PHONY: setup build demo test lint format docs bench cmake clean
+.PHONY: setup build demo test oldest-deps oldest-build test-oldest lint format docs bench cmake clean
 
 setup: $(BUILT)
 
@@ -81,6 +81,43 @@ demo: $(BUILT)
 # Two pytest-xdist workers, a file at a time each, slowest files first (tests/conftest.py says why).
 test: $(BUILT)
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
+
+# The oldest supported torch (zerofast/compat.py holds the range), on the Python of the GPU machine
+# the check in scripts/gpu_check.sh is written for (3.12, torch 2.11, transformers 5.17): a venv of its
+# own, the extension built in place with the CUDA sources (its file is named by the Python, 3.12's
+# beside 3.11's, so the two builds never replace each other), and the subset the GPU check runs
+# without a GPU. docs/testing.md says what runs on which torch.
+OLDEST_PYTHON ?= $(firstword $(or $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'print("python3.12")' 2>/dev/null),$(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12)))
+OLDEST_TORCH  ?= torch==2.11.0
+OLDEST_VENV   ?= .venv-oldest
+OLDEST_DEPS   := "$(OLDEST_TORCH)" ninja "setuptools<82" wheel pytest pytest-xdist numpy "transformers==5.17.0"
+OLDEST_PY     := $(OLDEST_VENV)/bin/python
+OLDEST_MARK   := $(OLDEST_VENV)/.zerofast-deps-$(shell echo '$(OLDEST_DEPS)' | cksum | cut -d' ' -f1)
+OLDEST_BUILT  := $(OLDEST_VENV)/.zerofast-built
+# The kernels, stages 1-3 against single-process AdamW with a checkpoint resumed (the CUDA-ranks
+# file's CPU rehearsal), resharded checkpoints, clean exits, and the GPU check's dry run.
+OLDEST_TESTS  := tests/test_fused_adam.py tests/test_quant_state.py tests/test_cuda_ranks.py tests/test_exit.py \
+                 tests/test_gpu_check.py
+
+$(OLDEST_PY):
+	@test -n "$(OLDEST_PYTHON)" || { echo "make test-oldest: no Python 3.12 found (the GPU machine's); set OLDEST_PYTHON" >&2; exit 1; }
+	$(OLDEST_PYTHON) -m venv $(OLDEST_VENV)
+
+$(OLDEST_MARK): | $(OLDEST_PY)
+	$(OLDEST_PY) -m pip install --quiet --upgrade pip
+	$(OLDEST_PY) -m pip install --quiet $(OLDEST_DEPS)
+	rm -f $(OLDEST_VENV)/.zerofast-deps*
+	touch $@
+
+oldest-deps: $(OLDEST_MARK)
+oldest-build: $(OLDEST_BUILT)
+
+$(OLDEST_BUILT): $(OLDEST_MARK) $(SOURCES)
+	$(OLDEST_PY) setup.py --quiet build_ext --inplace
+	touch $@
+
+test-oldest: $(OLDEST_BUILT)
+	$(OLDEST_PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(OLDEST_TESTS)
 
 # Lint: ruff's linter and formatter (pyproject.toml's [tool.ruff]) and clang-format (.clang-format) over
 # csrc/, checking only; `make format` rewrites the tree the same way.

@@ -17,14 +17,27 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = "csrc"  # relative: setuptools refuses absolute source paths when it builds a wheel
 
 
-def _toolkit_module():
-    """scripts/cuda_toolkit.py: where nvcc is looked for, and the CUDA version check."""
+def _load_by_path(name: str, *parts: str):
+    """A module of this checkout loaded from its file, without importing the package around it."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("cuda_toolkit", os.path.join(ROOT, "scripts", "cuda_toolkit.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, *parts))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _check_torch():
+    """zerofast/compat.py's supported range, checked before anything is compiled: a torch outside it
+    is one sentence naming the range, never a compile error."""
+    import torch
+
+    _load_by_path("zerofast_compat", "zerofast", "compat.py").check_torch(torch.__version__, error=SystemExit)
+
+
+def _toolkit_module():
+    """scripts/cuda_toolkit.py: where nvcc is looked for, and the CUDA version check."""
+    return _load_by_path("cuda_toolkit", "scripts", "cuda_toolkit.py")
 
 
 def _cuda_wanted():
@@ -61,6 +74,7 @@ def _compiler_is_gcc() -> bool:
 
 
 def _extension():
+    _check_torch()
     with_cuda = _cuda_wanted()
     os.chdir(ROOT)
     sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")))

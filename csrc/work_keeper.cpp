@@ -69,13 +69,25 @@ Keeper& keeper() {
   return *instance;
 }
 
-// The Works only the keeper holds, taken out under the lock; the caller releases them after
+// Whether nobody but the keeper holds the Work and it is complete (NCCL's watchdog holds a copy of
+// its Work, not a reference, so the count alone does not say the collective is over). A Work whose
+// completion cannot be asked failed: it is over too.
+bool done_with(const c10::intrusive_ptr<c10d::Work>& work) {
+  if (work.use_count() != 1) return false;
+  try {
+    return work->isCompleted();
+  } catch (const std::exception&) {
+    return true;
+  }
+}
+
+// The Works the keeper is done with, taken out under the lock; the caller releases them after
 // unlocking (a release may take the GIL, and a thread holding the GIL may be waiting for the lock).
 std::vector<c10::intrusive_ptr<c10d::Work>> take_released(Keeper& k) {
   std::vector<c10::intrusive_ptr<c10d::Work>> released;
   size_t kept = 0;
   for (auto& work : k.works) {
-    if (work.use_count() == 1) {
+    if (done_with(work)) {
       released.push_back(std::move(work));
     } else {
       k.works[kept++] = std::move(work);

@@ -29,7 +29,7 @@ class NoPythonObjectsInThreadState {
   Saved* saved_;
 };
 
-// Hands a Work over to the keeper, which releases it once nobody else holds it (see keep_work).
+// Hands a Work over to the keeper, which releases it once it is complete and nobody else holds it.
 void keep_work(c10::intrusive_ptr<c10d::Work> work);
 
 // Issues one collective: `call` returns its Work (a c10d call), which is issued as comm_call does
@@ -45,8 +45,9 @@ c10::intrusive_ptr<c10d::Work> issue(F&& call) {
   return work;
 }
 
-// Releases every kept Work that only the keeper still holds (on the calling thread); returns how
-// many are still held elsewhere (by their issuer or their backend).
+// Releases every kept Work that is complete and that only the keeper still holds (on the calling
+// thread); returns how many are kept still (held elsewhere, by their issuer or their backend, or in
+// flight).
 int64_t release_kept_works();
 
 // What draining found: the Works still in flight that were waited for, those whose wait failed

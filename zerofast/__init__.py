@@ -10,6 +10,9 @@ nonfinite_check_ (its overflow check alone),
 has_cuda_kernels, cpu_isa; the reference stages in zerofast.reference (the correctness oracle);
 sharded checkpoints in zerofast.checkpoint.
 
+Supported torch releases: zerofast/compat.py (2.11 to 2.14); another is refused at import, naming
+the range.
+
 The names that need the compiled extension (zerofast._C) are imported on first use, so that
 `import zerofast` and the estimator (`python -m zerofast.estimate`, pure arithmetic) work where
 the extension was never built.
@@ -17,8 +20,16 @@ the extension was never built.
 
 from importlib import import_module
 
-from .config import CommPolicy, LossScalePolicy, MixedPrecisionPolicy, UnitPolicy
-from .estimate import estimate_memory, estimate_traffic
+import torch as _torch
+
+from .compat import check_torch as _check_torch
+
+# Before anything else of zerofast: a torch outside the supported range is an ImportError naming the
+# range, not whatever a later import would trip over.
+_check_torch(_torch.__version__)
+
+from .config import CommPolicy, LossScalePolicy, MixedPrecisionPolicy, UnitPolicy  # noqa: E402
+from .estimate import estimate_memory, estimate_traffic  # noqa: E402
 
 # name -> the module that defines it, imported when the name is first read (PEP 562).
 _LAZY = {

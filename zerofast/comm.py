@@ -57,7 +57,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, compat
 from .config import collective_names
 from .layout import Layout
 
@@ -124,7 +124,7 @@ def second_group(group: dist.ProcessGroup | None, timeout_of: dist.ProcessGroup)
         return None
     ranks = dist.get_process_group_ranks(group)
     # With the same timeout as the group given: new_group's default is 30 minutes ([Note: faults]).
-    return dist.new_group(ranks, timeout=group_timeout(timeout_of), use_local_synchronization=True)
+    return compat.new_group(ranks, timeout=group_timeout(timeout_of))
 
 
 def _options(struct, **fields):

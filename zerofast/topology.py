@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import compat
+
 __all__ = ["LiveReplicas", "Topology", "resolve_topology"]
 
 
@@ -139,10 +141,6 @@ def resolve_topology(group: dist.ProcessGroup, shard_size: int, timeout: timedel
     # the world (tensor x data parallel), whose other ranks never call here; every rank makes its
     # shard group, then its replicate group, so the members of each agree on its name.
     g, i = divmod(rank, shard_size)
-    shard_group = dist.new_group(
-        [_global(group, g * shard_size + j) for j in range(shard_size)], timeout=timeout, use_local_synchronization=True
-    )
-    replicate_group = dist.new_group(
-        [_global(group, h * shard_size + i) for h in range(replicas)], timeout=timeout, use_local_synchronization=True
-    )
+    shard_group = compat.new_group([_global(group, g * shard_size + j) for j in range(shard_size)], timeout=timeout)
+    replicate_group = compat.new_group([_global(group, h * shard_size + i) for h in range(replicas)], timeout=timeout)
     return Topology(group, rank, world, shard_group, i, shard_size, replicate_group, replicas)

@@ -33,6 +33,8 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from .. import compat
+
 __all__ = ["AsyncSave", "submit", "settle", "in_flight", "checkpoint_group"]
 
 _EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
@@ -193,7 +195,7 @@ def checkpoint_group(group: dist.ProcessGroup, world_size: int) -> dist.ProcessG
     world, made = _GROUPS.get(ranks, (None, None))
     # None yet, the default group made again, or this one destroyed (dist.destroy_process_group(g)).
     if made is None or world is not dist.group.WORLD or not _alive(made):
-        made = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        made = compat.new_group(ranks, backend="gloo")
         _GROUPS[ranks] = (dist.group.WORLD, made)
     return made
 

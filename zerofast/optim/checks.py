@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import compat
 from ..config import check_hyper
 from ..topology import LiveReplicas, check_shard_size, mesh_groups
 
@@ -139,7 +140,7 @@ def data_parallel_group(process_group, shard_size):
     ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
     if sorted(ranks) == list(range(dist.get_world_size())):
         return dist.group.WORLD, k, mesh
-    return dist.new_group(sorted(ranks), use_local_synchronization=True), k, mesh
+    return compat.new_group(ranks), k, mesh
 
 
 def check_same_across_ranks(model: nn.Module, group, who: str = "ZeroAdam") -> None:
