@@ -7,7 +7,8 @@ the GIL, to drop a Work whose last reference it held, while the interpreter fina
 on the code before the fix: the ranks hold the GIL into finalization while the work completes.
 That is the mechanism a core dump of an aborted README run showed; scripts/exit_check.sh counts the
 launches of the README example itself under load (docs/testing.md).
-Cost: two launches of two ranks, about 10 s each (each rank imports torch and zerofast, about 5 s).
+Cost: two launches of two ranks, about 10 s each (each rank imports torch and zerofast, about 5 s),
+and one job on two forked ranks (a few seconds).
 """
 
 from __future__ import annotations
@@ -69,3 +70,56 @@ def test_ranks_that_end_with_everything_in_flight_exit_cleanly(tmp_path):
     flight when the script ends: every rank exits 0, and the checkpoint is complete."""
     _assert_clean(_launch("all-in-flight", str(tmp_path)))
     assert "zerofast checkpoint" in checkpoint.info(os.path.join(tmp_path, "step-3"))
+
+
+def _kept_after_steps(rank: int, world: int) -> dict[str, list[int]]:
+    """How many of this process's collectives are still kept ([Note: clean exit]) after steps of
+    each stage: while gathers are in flight by design (overlap_param_gather, between step() and the
+    next forward), and once a step is over."""
+    import time
+
+    from oracles import HYPER, rank_batch, zero_options
+
+    from zerofast import _C, ZeroAdam
+    from zerofast.tools.models import make_gpt
+
+    def settled() -> int:
+        # The backend drops its own reference just after completing a Work: a moment, not a step.
+        deadline = time.monotonic() + 10
+        while (held := _C.release_kept_works()) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return held
+
+    out = {}
+    for name, options in (
+        ("stage 1", zero_options(1, bucket_mb=0.01)),
+        ("stage 2, overlapped gather", zero_options(2, bucket_mb=0.01, overlap_param_gather=True)),
+        ("stage 3", zero_options(3, min_unit_mb=0)),
+    ):
+        model = make_gpt("tiny")
+        opt = ZeroAdam(model, **options, **HYPER)
+        counts = []
+        for step in range(2):
+            model(*rank_batch(model, step, rank))[1].backward()
+            opt.step()
+            opt.zero_grad()
+            counts.append(_C.release_kept_works())  # right after step(): gathers in flight, if overlapped
+        with opt.gathered_params():  # waits for them
+            pass
+        counts.append(settled())
+        opt.remove_hooks()
+        out[name] = counts
+    return out
+
+
+def test_no_collective_outlives_its_step():
+    """Every collective of a step is complete and released on the rank's own thread once the step
+    is over: none is left for the backend to release. Between step() and the next forward only the
+    overlapped parameter gather is in flight, as it promises ([Note: overlapped parameter gather])."""
+    from harness import run_ranks
+
+    for rank, kept in enumerate(run_ranks(_kept_after_steps, 2, fresh=True)):
+        assert kept["stage 1"][-1] == 0 and kept["stage 3"][-1] == 0, (rank, kept)
+        overlapped = kept["stage 2, overlapped gather"]
+        assert overlapped[0] > 0 and overlapped[1] > 0, (rank, kept)  # the gathers, in flight after step()
+        assert overlapped[-1] == 0, (rank, kept)
