@@ -229,8 +229,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Keep a Work until nobody else holds it, then release it on one of our threads");
   m.def("release_kept_works", &zerofast::release_kept_works, py::call_guard<py::gil_scoped_release>(),
         "Release the kept Works nobody else holds; how many are still held elsewhere");
-  m.def("drain_kept_works", &zerofast::drain_kept_works, py::call_guard<py::gil_scoped_release>(),
-        "At exit: wait for the kept Works in flight, release those nobody else holds, keep the rest for good");
+  m.def(
+      "drain_kept_works",
+      [](double limit_s) {
+        return zerofast::drain_kept_works(std::chrono::milliseconds(static_cast<int64_t>(limit_s * 1000)));
+      },
+      py::arg("limit_s"), py::call_guard<py::gil_scoped_release>(),
+      "At exit: wait for the kept Works in flight (limit_s in all), release those done, keep the rest for good");
 
   using zerofast::GradPath;
   py::class_<GradPath>(m, "GradPath", "The per-gradient path of phase 1 and its state (see csrc/grad_path.h)")

@@ -3,6 +3,7 @@
 
 #include <ATen/ThreadLocalPythonObjects.h>
 
+#include <algorithm>
 #include <mutex>
 
 namespace zerofast {
@@ -30,11 +31,13 @@ namespace zerofast {
 //    a Work of ours. Python's own collectives (zerofast/comm.py) are kept the same way.
 // 3. drain_kept_works(), from Python's atexit (zerofast/comm.py; atexit runs before finalization):
 //    what is still in flight (an overlapped parameter gather, stage 3's prefetch, a reduce of a
-//    backward whose step never came) is waited for, bounded by its process group's timeout, and
-//    released here. A Work someone else still holds then (a live optimizer's, or its backend's in
-//    the moment after completing it) is kept for good: the keeper is never destroyed, so the last
-//    reference is never the backend's, and what a live optimizer drops at finalization is not the
-//    last one either (and torch skips Python's decrefs once finalization has begun).
+//    backward whose step never came) is waited for, at most a few seconds in all (the peers are
+//    finishing the same step; a peer that died or is stuck must not hold this exit for a process
+//    group's timeout), and released here. A Work still running then, or that someone else still
+//    holds (a live optimizer's, or its backend's in the moment after completing it), is kept for
+//    good: the keeper is never destroyed, so the last reference is never the backend's, and what a
+//    live optimizer drops at finalization is not the last one either (and torch skips Python's
+//    decrefs once finalization has begun).
 // The asynchronous checkpoint writer's thread is joined before atexit runs
 // (zerofast/checkpoint/background.py). Tested by tests/test_exit.py; measured by
 // scripts/exit_check.sh (docs/testing.md).
@@ -123,7 +126,7 @@ int64_t release_kept_works() {
   return held;
 }
 
-DrainReport drain_kept_works() {
+DrainReport drain_kept_works(std::chrono::milliseconds limit) {
   Keeper& k = keeper();
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   {
@@ -131,19 +134,26 @@ DrainReport drain_kept_works() {
     works.swap(k.works);
   }
   DrainReport report;
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  std::vector<c10::intrusive_ptr<c10d::Work>> held;
   for (auto& work : works) {
-    if (work->isCompleted()) continue;
-    ++report.waited;
+    if (done_with(work)) continue;  // released below
+    bool complete = false;
     try {
-      work->wait();  // bounded by its process group's timeout ([Note: faults] in zerofast/comm.py)
-    } catch (const std::exception& e) {
+      complete = work->isCompleted();
+      if (!complete) {
+        ++report.waited;
+        const auto left =
+            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+        complete = work->wait(std::max(left, std::chrono::milliseconds(1)));
+      }
+    } catch (const std::exception& e) {  // failed, or still running at the deadline (c10d throws then)
       ++report.failed;
       report.errors.emplace_back(e.what());
     }
-  }
-  std::vector<c10::intrusive_ptr<c10d::Work>> held;
-  for (auto& work : works) {
-    if (work.use_count() != 1) held.push_back(std::move(work));  // else released here, with the rest below
+    // Complete and ours alone: released below. Else kept for good, so that whoever drops it later
+    // (its backend, when it completes or fails) does not drop the last reference.
+    if (!complete || work.use_count() != 1) held.push_back(std::move(work));
   }
   works.clear();
   report.held = static_cast<int64_t>(held.size());

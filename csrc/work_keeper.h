@@ -4,6 +4,7 @@
 // in work_keeper.cpp.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -50,8 +51,9 @@ c10::intrusive_ptr<c10d::Work> issue(F&& call) {
 // flight).
 int64_t release_kept_works();
 
-// What draining found: the Works still in flight that were waited for, those whose wait failed
-// (with the backend's words), and those someone else still held, kept for good.
+// What draining found: the Works still in flight that were waited for, those whose wait failed or
+// ran out of time (with the backend's words), and those kept for good (still running, or held by
+// someone else).
 struct DrainReport {
   int64_t waited = 0;
   int64_t failed = 0;
@@ -59,9 +61,9 @@ struct DrainReport {
   std::vector<std::string> errors;
 };
 
-// At the interpreter's exit, before finalization: waits for every kept Work still in flight
-// (bounded by its process group's timeout), releases here those nobody else holds, and keeps the
-// others for good (see [Note: clean exit]).
-DrainReport drain_kept_works();
+// At the interpreter's exit, before finalization: waits for every kept Work still in flight, for
+// `limit` in all, releases here those complete that nobody else holds, and keeps the others for
+// good (see [Note: clean exit]).
+DrainReport drain_kept_works(std::chrono::milliseconds limit);
 
 }  // namespace zerofast

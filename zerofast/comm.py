@@ -61,14 +61,18 @@ from . import _C, compat
 from .config import collective_names
 from .layout import Layout
 
+# How long the exit waits for collectives still in flight, in all: the peers are finishing the same
+# step; one that died or is stuck must not hold this rank's exit for a process group's timeout.
+_EXIT_WAIT_S = 10.0
+
 
 @atexit.register
 def _drain_at_exit() -> None:
     """At the interpreter's exit, before finalization (atexit runs first; the checkpoint writer's
-    thread is joined before it): every collective of ours still in flight is waited for and released
-    on this thread ([Note: clean exit] in csrc/work_keeper.cpp). A failed one is said on stderr; the
-    exit status stays the program's."""
-    report = _C.drain_kept_works()
+    thread is joined before it): every collective of ours still in flight is waited for (_EXIT_WAIT_S
+    in all) and released on this thread ([Note: clean exit] in csrc/work_keeper.cpp). One that failed
+    or is still running is said on stderr; the exit status stays the program's."""
+    report = _C.drain_kept_works(_EXIT_WAIT_S)
     for error in report.errors:
         first = error.strip().splitlines()[0] if error.strip() else "(no message)"
         print(f"zerofast: a collective still in flight at exit failed: {first}", file=sys.stderr)
