@@ -31,14 +31,29 @@ zerofast.optim: the optimizer imports this package (state_dict), not the other w
 
 from __future__ import annotations
 
-from .background import AsyncSave, in_flight
-from .background import settle as wait
-from .convert import from_torch, to_torch
-from .dcp import boxes, load_state_dict, state_dict
+from importlib import import_module
+
 from .export import export
-from .io import INCOMPLETE, MANIFEST, SMALL, info, latest, load, save, staging_bytes, upgrade
-from .safe import SafeLoadPlanner, SafeReader, UnsafeCheckpoint
-from .view import Checkpointable, CheckpointView, ShardedPart
+
+# name -> (module, its name there), imported when the name is first read (PEP 562), as the package
+# root does: DCP, and the DTensor it imports, take about a second to import, which the optimizer
+# (it imports view.py) and a process that never saves should not pay. export is imported above, not
+# here: a lazy name that is also a submodule's would be shadowed by the submodule once that is
+# imported.
+_LAZY = {
+    "AsyncSave": (".background", "AsyncSave"),
+    "in_flight": (".background", "in_flight"),
+    "wait": (".background", "settle"),
+    "from_torch": (".convert", "from_torch"),
+    "to_torch": (".convert", "to_torch"),
+    "boxes": (".dcp", "boxes"),
+    "load_state_dict": (".dcp", "load_state_dict"),
+    "state_dict": (".dcp", "state_dict"),
+    **{name: (".io", name) for name in ("INCOMPLETE", "MANIFEST", "SMALL", "info", "latest", "load", "save")},
+    **{name: (".io", name) for name in ("staging_bytes", "upgrade")},
+    **{name: (".safe", name) for name in ("SafeLoadPlanner", "SafeReader", "UnsafeCheckpoint")},
+    **{name: (".view", name) for name in ("Checkpointable", "CheckpointView", "ShardedPart")},
+}
 
 __all__ = [
     "save",
@@ -67,6 +82,19 @@ __all__ = [
     "SMALL",
     "INCOMPLETE",
 ]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        value = getattr(import_module(module, __name__), attr)
+        globals()[name] = value  # later reads skip this function
+        return value
+    raise AttributeError(f"module 'zerofast.checkpoint' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def main(argv=None) -> int:

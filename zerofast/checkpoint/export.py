@@ -13,9 +13,6 @@ from io import RawIOBase
 
 import torch
 
-from . import safe
-from .io import read_manifest
-
 __all__ = ["export"]
 
 _SAFETENSORS_DTYPES = {
@@ -40,6 +37,9 @@ def export(path: str, out: str, dtype: str = "fp32") -> None:
     dtype: "fp32" or "bf16" for the floating-point tensors."""
     if dtype not in ("fp32", "bf16"):
         raise ValueError(f"zerofast.checkpoint.export: dtype must be fp32 or bf16; got {dtype!r}")
+    from . import safe  # here, not at import: see the package's lazy names (__init__.py)
+    from .io import read_manifest
+
     read_manifest(path)  # every file checked, the metadata through the allowlist: [Note: safe checkpoints]
     want = torch.float32 if dtype == "fp32" else torch.bfloat16
     metadata = safe.read_metadata(os.path.join(path, ".metadata"))

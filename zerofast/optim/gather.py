@@ -16,7 +16,7 @@ and the early read goes unnoticed. opt.gathered_params() (and the next step()) w
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -46,6 +46,9 @@ class ParamGather:
         """A forward pre-hook per module holding managed parameters directly, waiting for their
         buckets: see [Note: overlapped parameter gather]."""
         index_of = {id(p): i for i, p in enumerate(params)}
+        # A wait on a collective runs eagerly under torch.compile (Dynamo breaks the graph at it).
+        # Disabled here, not where defined: torch.compiler.disable imports Dynamo (see UnitTracker).
+        wait = torch.compiler.disable(self.wait)
         handles, hooked = [], []
         for module in model.modules():
             buckets = sorted(
@@ -56,7 +59,7 @@ class ParamGather:
                 }
             )
             if buckets:
-                handles.append(module.register_forward_pre_hook(_WaitFor(self, tuple(buckets))))
+                handles.append(module.register_forward_pre_hook(_WaitFor(wait, tuple(buckets))))
                 hooked.append(module)
         # Code compiled before these hooks existed must not skip them: see zerofast/_hook_classes.py.
         handles.append(_ClassesBack(own_classes(hooked)))
@@ -64,14 +67,14 @@ class ParamGather:
 
 
 class _WaitFor:
-    """The pre-hook of one module: wait for its buckets' gathers."""
+    """The pre-hook of one module: wait for its buckets' gathers (`wait`: ParamGather.wait, run
+    eagerly under torch.compile)."""
 
-    def __init__(self, gather: ParamGather, buckets: tuple[int, ...]):
-        self.gather, self.buckets = gather, buckets
+    def __init__(self, wait: Callable[[Iterable[int]], None], buckets: tuple[int, ...]):
+        self.wait, self.buckets = wait, buckets
 
-    @torch.compiler.disable  # a wait on a collective runs eagerly under torch.compile
     def __call__(self, module, args) -> None:
-        self.gather.wait(self.buckets)
+        self.wait(self.buckets)
 
 
 class _ClassesBack:

@@ -41,7 +41,6 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 
-from ..checkpoint import dcp
 from ..checkpoint.view import CheckpointView
 from ..config import Plan, check_hyper, reject_moved, resolve_plan
 from . import checks, consolidate
@@ -319,11 +318,15 @@ class ZeroAdam(torch.optim.Optimizer):
         and Adam moment by name in its own shape, this rank's pieces only (views of the live state).
         To restore: sd = opt.state_dict(); dcp.load(sd, ...); opt.load_state_dict(sd), in any
         configuration. zerofast.checkpoint.save/load do this with atomic folders and `extra`."""
+        from ..checkpoint import dcp  # DCP is imported when first used (zerofast/checkpoint/__init__.py)
+
         return dcp.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Finish restoring after dcp.load filled a state_dict() of this optimizer (step counts,
         hyper-parameters, loss scale, low-precision parameters, the gather of stages 1 and 2)."""
+        from ..checkpoint import dcp
+
         dcp.load_state_dict(self, state_dict)
 
     def remove_hooks(self) -> None:

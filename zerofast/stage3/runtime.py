@@ -193,6 +193,12 @@ class UnitTracker:
         self._callback_queued = False
         self.gathers = 0  # unit gathers started since built (a unit with frozen parameters too: one)
         self.handles = []
+        # [Note: stage 3 under torch.compile]: the hooks always run eagerly. Disabled here, on this
+        # tracker's bound methods, rather than by decorating the methods: torch.compiler.disable
+        # imports Dynamo (1.6 s, 40% of `import zerofast`), which a process that builds no stage-3
+        # model (a launcher, stages 1-2, the estimator) should not pay.
+        for name in ("_pre_forward", "_post_forward", "_pre_backward"):
+            setattr(self, name, torch.compiler.disable(getattr(self, name)))
         for module in needs:
             self.handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post_forward, always_call=True))
@@ -251,9 +257,8 @@ class UnitTracker:
                 raise
 
     # --- hooks ----------------------------------------------------------------------------------
-    # See [Note: stage 3 under torch.compile]: the hooks always run eagerly.
+    # See [Note: stage 3 under torch.compile]: the hooks always run eagerly (disabled in __init__).
 
-    @torch.compiler.disable
     def _pre_forward(self, module, args, kwargs):
         if module is self.model and not self.schedule.pinned:  # pinned: no collective ([Note: generation on stage 3])
             self.buffers.comm.where.phase = "forward"
@@ -282,7 +287,6 @@ class UnitTracker:
             flat[i] = t
         return (tuple(flat), kwargs) if plain else torch.utils._pytree.tree_unflatten(flat, spec)
 
-    @torch.compiler.disable
     def _post_forward(self, module, args, output):
         call = self.schedule.exit_call()
         if call is None:
@@ -298,7 +302,6 @@ class UnitTracker:
                     outputs, lambda grads, call=call: self._pre_backward(call), mode="any"
                 )
 
-    @torch.compiler.disable
     def _pre_backward(self, call: CallRef) -> None:
         if not self._callback_queued:
             self._callback_queued = True
