@@ -2,8 +2,9 @@
 MASTER_PORT set, as torchrun sets them), so that it ends the way a job ends: through the
 interpreter's atexit and finalization ([Note: clean exit] in csrc/work_keeper.cpp).
 
-    python tests/exit_job.py reduce-in-flight   # rank 0 exits with reduces of its backward in flight
-    python tests/exit_job.py all-in-flight      # every kind of work in flight at exit
+    python tests/exit_job.py FOLDER   # every kind of work in flight at exit; FOLDER gets a checkpoint
+
+One launch for all of it: each rank is an interpreter that imports torch and zerofast (seconds).
 
 Each rank holds the GIL through its last atexit callback into finalization (HOLD_S seconds, in C:
 no bytecode runs between it and finalization, so no other thread can take the GIL in between). A
@@ -56,7 +57,6 @@ def reduce_in_flight(rank: int, store) -> None:
         del opt, model
         gc.collect()
         store.set("dropped", "1")
-    print(f"rank {rank}: exiting", flush=True)
 
 
 class _Raises(torch.nn.Module):
@@ -93,20 +93,17 @@ def all_in_flight(rank: int, folder: str) -> None:
     except RuntimeError as e:
         assert "half-way" in str(e), e
     assert opt3 is not None
-    print(f"rank {rank}: exiting", flush=True)
 
 
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)
-    scenario = sys.argv[1]
-    if scenario == "reduce-in-flight":
-        reduce_in_flight(rank, dist.distributed_c10d._get_default_store())
-    elif scenario == "all-in-flight":
-        all_in_flight(rank, sys.argv[2])
-    else:
-        raise SystemExit(f"exit_job.py: unknown scenario {scenario!r}")
+    if len(sys.argv) != 2:
+        raise SystemExit(f"usage: exit_job.py FOLDER; got {sys.argv[1:]}")
+    all_in_flight(rank, sys.argv[1])
+    reduce_in_flight(rank, dist.distributed_c10d._get_default_store())  # last: rank 0 exits right after
+    print(f"rank {rank}: exiting", flush=True)
 
 
 if __name__ == "__main__":
