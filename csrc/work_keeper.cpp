@@ -38,6 +38,17 @@ namespace zerofast {
 //    good: the keeper is never destroyed, so the last reference is never the backend's, and what a
 //    live optimizer drops at finalization is not the last one either (and torch skips Python's
 //    decrefs once finalization has begun).
+// 4. Then, still in atexit (backend_threads_settled in zerofast/comm.py): the Works zerofast did
+//    not issue. torch's object collectives (DCP's plans and barriers in a save, all_gather_object in
+//    the main job's report, a user's own all_reduce) are waited for by their issuer, but gloo's
+//    worker drops its reference a moment after completing each, and a tensor whose Python object
+//    died meanwhile (all_gather_object's own) now owns that object. On a loaded machine the moment
+//    can outlast the program (a loaded CI run saw `zerofast.train`'s rank 1 abort at exit once with
+//    1-3 above in place: no Work of ours was left to drop, which leaves these). So the exit waits
+//    until none of c10d's gloo worker threads ("pt_gloo_runloop") is runnable (Linux: preempted
+//    before its drop shows as R), 1 s at most, letting go of the GIL meanwhile. A collective of
+//    someone else's still in flight at exit (issued async_op=True and never waited for) is beyond
+//    it: that worker is blocked, not runnable, until its peers join.
 // The asynchronous checkpoint writer's thread is joined before atexit runs
 // (zerofast/checkpoint/background.py). Tested by tests/test_exit.py; measured by
 // scripts/exit_check.sh (docs/testing.md).

@@ -119,3 +119,37 @@ def test_no_collective_outlives_its_step():
         overlapped = kept["stage 2, overlapped gather"]
         assert overlapped[0] > 0 and overlapped[1] > 0, (rank, kept)  # the gathers, in flight after step()
         assert overlapped[-1] == 0, (rank, kept)
+
+
+def test_the_exit_waits_while_a_backend_thread_is_runnable():
+    """[Note: clean exit], 4: a thread named as gloo's workers are, kept runnable (hashing, which
+    lets go of the GIL) until told to stop, is waited for at exit, and only as long as the limit."""
+    import ctypes
+    import hashlib
+    import threading
+    import time
+
+    from zerofast import comm
+
+    named, stop = threading.Event(), threading.Event()
+    block = bytes(1 << 24)  # about 20-50 ms of sha256 per round, without the GIL
+
+    def worker():
+        ctypes.CDLL(None).prctl(15, b"pt_gloo_runloop", 0, 0, 0)  # PR_SET_NAME: the name torch gives them
+        named.set()
+        while not stop.is_set():
+            hashlib.sha256(block).digest()
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    try:
+        assert named.wait(30)
+        began = time.monotonic()
+        assert not comm.backend_threads_settled(0.3), "a runnable worker thread was taken for settled"
+        assert time.monotonic() - began >= 0.3
+        threading.Timer(0.3, stop.set).start()
+        assert comm.backend_threads_settled(60)
+        assert stop.is_set(), "settled before the worker thread stopped running"
+    finally:
+        stop.set()
+        thread.join()
