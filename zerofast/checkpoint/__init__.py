@@ -49,8 +49,10 @@ _LAZY = {
     "boxes": (".dcp", "boxes"),
     "load_state_dict": (".dcp", "load_state_dict"),
     "state_dict": (".dcp", "state_dict"),
-    **{name: (".io", name) for name in ("INCOMPLETE", "MANIFEST", "SMALL", "info", "latest", "load", "save")},
-    **{name: (".io", name) for name in ("staging_bytes", "upgrade")},
+    **{
+        name: (".io", name)
+        for name in ("INCOMPLETE", "MANIFEST", "SMALL", "info", "latest", "load", "save", "staging_bytes", "upgrade")
+    },
     **{name: (".safe", name) for name in ("SafeLoadPlanner", "SafeReader", "UnsafeCheckpoint")},
     **{name: (".view", name) for name in ("Checkpointable", "CheckpointView", "ShardedPart")},
 }

@@ -195,8 +195,8 @@ class UnitTracker:
         self.handles = []
         # [Note: stage 3 under torch.compile]: the hooks always run eagerly. Disabled here, on this
         # tracker's bound methods, rather than by decorating the methods: torch.compiler.disable
-        # imports Dynamo (1.6 s, 40% of `import zerofast`), which a process that builds no stage-3
-        # model (a launcher, stages 1-2, the estimator) should not pay.
+        # imports Dynamo (1.6 s, 40% of `import zerofast`), which a process that makes no optimizer
+        # (a launcher, the estimator) should not pay; a torch optimizer imports it when made.
         for name in ("_pre_forward", "_post_forward", "_pre_backward"):
             setattr(self, name, torch.compiler.disable(getattr(self, name)))
         for module in needs:
