@@ -69,7 +69,7 @@ __all__ = [
     "has_cuda_kernels",
     "cpu_isa",
 ]
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402
 
 
 def __getattr__(name: str):

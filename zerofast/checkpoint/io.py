@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as torch_dcp
 import torch.nn as nn
 
-from .. import __version__
+from .._version import __version__
 from . import background, safe
 from .background import AsyncSave
 from .dcp import Staging, finish_load, loading_tensors, sharded_tensors, small_state, tensors
