@@ -1,4 +1,4 @@
-"""`python -m zerofast.train`: the main job, in zerofast/tools/train.py."""
+"""`python -m zerofast.train`: the main job, in zerofast/tools/train/."""
 
 import sys
 

@@ -6,7 +6,7 @@
     trainer.fit(module)     # configure_optimizers returns torch.optim.AdamW / Adam, or ZeroAdam(self, ...)
 
 For the `pytorch_lightning` package the same classes are in zerofast.integrations.pytorch_lightning.
-What maps to what, and the version it is written against: zerofast/integrations/_lightning.py.
+What maps to what, and the version it is written against: zerofast/integrations/_lightning/.
 Importing this module checks that Lightning still has what ZeroStrategy relies on (RELIES_ON).
 """
 

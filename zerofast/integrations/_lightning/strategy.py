@@ -1,36 +1,11 @@
-"""ZeroAdam as a Lightning strategy: the code shared by `zerofast.integrations.lightning` (the
-`lightning` package, `lightning.pytorch`) and `zerofast.integrations.pytorch_lightning` (the
-`pytorch_lightning` package). The two packages hold the same classes under different names, and
-Lightning checks a strategy with isinstance against its own, so each module puts these mixins in
-front of its package's DDPStrategy and Precision; nothing here imports either package.
-
-Written and tested against Lightning 2.6.6 (lightning and pytorch_lightning: the Makefile's
-LIGHTNING_DEPS, which CI installs); supported: the ranges of pyproject.toml's extras `lightning` and
-`pytorch-lightning`. The methods overridden are named after its sources
-(lightning/pytorch/strategies/ddp.py and strategy.py, plugins/precision/precision.py); every host
-member overridden, read or called is in `relies_on` (end of this file), which each of the two modules
-checks at import (zerofast.integrations.hosts). What maps to what:
-  - the launch, the process group, the samplers, reduce / barrier / broadcast: DDPStrategy's,
-    unchanged (Lightning's own launcher for `python script.py`, or torchrun's environment);
-  - the model is never wrapped in DDP: configure_optimizers' AdamW / Adam becomes a ZeroAdam over the
-    LightningModule with the same parameter groups and hyper-parameters (a ZeroAdam built there is
-    taken as it is), and its LR schedulers are pointed at the ZeroAdam's param_groups;
-  - accumulate_grad_batches: Lightning's block_backward_sync is ZeroAdam's no_sync;
-  - gradient_clip_val: ZeroAdam's clip_grad_norm_ (the global norm across shards) or, with
-    gradient_clip_algorithm="value", its clip_grad_value_ (elementwise on each rank's shard);
-  - precision: ZeroPrecision (below) maps the flag to ZeroAdam's mixed precision;
-  - checkpoints: a folder per checkpoint, `zerofast/` (a zerofast checkpoint, every rank its shard,
-    resharded on load at any world size or stage) beside `lightning.ckpt` (the loops', callbacks' and
-    schedulers' state, written by rank 0 through Lightning's CheckpointIO); the module's whole
-    state_dict only with save_full_weights=True.
-"""
+"""ZeroStrategyMixin: ZeroAdam's sharding as a Lightning strategy, put before the package's
+DDPStrategy by each of the two modules: its arguments, the precision plugin, setup (no DDP wrapper;
+the optimizer becomes a ZeroAdam), the steps routed through the module ([Note: the root unit in
+Lightning]), and saving and loading the checkpoint folders."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
-import importlib
 import os
 import shutil
 import weakref
@@ -38,26 +13,15 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from lightning_utilities.core.apply_func import apply_to_collection
 
-from .. import checkpoint as zckpt
-from ..config import MixedPrecisionPolicy, check_stage, comm_policy, resolve_plan
-from ..optim.zero_adam import ZeroAdam
-from . import hosts
+from ... import checkpoint as zckpt
+from ...config import MixedPrecisionPolicy, check_stage, resolve_plan
+from ...optim.zero_adam import ZeroAdam
+from .. import hosts
+from .checkpoints import LIGHTNING_FILE, WRITING, ZERO_DIR, _into_place
+from .optimizers import _schedulers, _track_step, zero_from
+from .precision import _DTYPES, _FLAG_PLUGINS, PRECISIONS
 
-ZERO_DIR = "zerofast"  # <checkpoint>/zerofast: the sharded zerofast checkpoint
-LIGHTNING_FILE = "lightning.ckpt"  # <checkpoint>/lightning.ckpt: Lightning's own state, by rank 0
-WRITING = ".writing"  # the folder while it is written; renamed when complete
-
-# Lightning's precision flag -> ZeroAdam's mixed_precision ("-mixed" and "-true" alike: the model runs
-# in that dtype over an fp32 master shard, as DeepSpeed's bf16 / fp16 do; fp16 with loss scaling).
-PRECISIONS = {"32-true": None, "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16", "16-true": "fp16"}
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# The precision plugins Lightning's connector builds from a flag alone; any other plugin is the user's.
-_FLAG_PLUGINS = {"Precision", "MixedPrecision", "HalfPrecision", "DoublePrecision"}
-# Keys of torch.optim.Adam(W)'s param groups that choose its implementation, not its mathematics.
-_TORCH_ADAM_KEYS = {"foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay", "amsgrad", "maximize"}
-_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
 # DDPStrategy's arguments that ZeroStrategy passes on (the model is never wrapped in DDP, so DDP's own do not apply).
 _DDP_ARGUMENTS = (
     "accelerator",
@@ -71,176 +35,6 @@ _DDP_ARGUMENTS = (
 )
 # The LightningModules a ZeroAdam built here manages: a second strategy must not lay out another.
 _MANAGED: weakref.WeakKeyDictionary[nn.Module, ZeroAdam] = weakref.WeakKeyDictionary()
-
-
-def _zero_dtype(precision: str) -> torch.dtype | None:
-    return _DTYPES.get(PRECISIONS[precision])
-
-
-class ZeroPrecisionMixin:
-    """Lightning's precision flag as ZeroAdam's mixed precision: no autocast and no GradScaler. The
-    model runs in the parameters' dtype (ZeroAdam converts it when built), the floating-point tensors
-    of each batch are cast to it (convert_input, as Lightning's HalfPrecision and DeepSpeedPrecision
-    do), fp16's loss scaling is ZeroAdam's (backward goes through opt.backward), and clipping is
-    ZeroAdam's, across the shards."""
-
-    def __init__(self, precision: str = "32-true") -> None:
-        super().__init__()
-        if precision not in PRECISIONS:
-            raise ValueError(
-                f"ZeroStrategy: precision={precision!r} is not supported; choose one of "
-                f"{', '.join(PRECISIONS)} (zerofast keeps an fp32 master and Adam state)"
-            )
-        self.precision = precision
-        self.zero: ZeroAdam | None = None  # set by the strategy once the optimizer exists
-
-    @property
-    def dtype(self) -> torch.dtype | None:
-        return _zero_dtype(self.precision)
-
-    def convert_input(self, data: Any) -> Any:
-        dtype = self.dtype
-        if dtype is None:
-            return data
-        return apply_to_collection(data, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
-
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        return module  # ZeroAdam converts it when built (its fp32 master from the fp32 initial values)
-
-    def backward(self, tensor: torch.Tensor, model, optimizer, *args: Any, **kwargs: Any) -> None:
-        if self.zero is not None and self.zero.plan.scales_loss:
-            if args:
-                raise TypeError(f"ZeroStrategy: backward takes keyword arguments only under fp16; got {args!r}")
-            self.zero.backward(tensor, **kwargs)  # scaled by the loss scale, as ZeroAdam requires
-            return
-        model.backward(tensor, *args, **kwargs)
-
-    def clip_grad_by_norm(self, optimizer, clip_val) -> None:
-        self._require_zero("gradient_clip_val").clip_grad_norm_(float(clip_val))
-
-    def clip_grad_by_value(self, optimizer, clip_val) -> None:
-        self._require_zero("gradient_clip_val").clip_grad_value_(float(clip_val))
-
-    def _require_zero(self, what: str) -> ZeroAdam:
-        if self.zero is None:
-            raise RuntimeError(f"ZeroStrategy: {what} needs the ZeroAdam, which the strategy builds in fit()")
-        return self.zero
-
-
-def _track_step(opt: torch.optim.Optimizer) -> None:
-    """What torch's LRScheduler does to the optimizer it is built with (torch 2.14's lr_scheduler.py,
-    patch_track_step_called; torch has no public way to re-point a scheduler): mark step() so that
-    the scheduler can tell whether it ran, and so does not warn wrongly that lr_scheduler.step()
-    came first. Were torch to change these private marks, the cost is that warning, nothing more."""
-    if hasattr(opt.step, "_wrapped_by_lr_sched"):
-        return
-    ref, func = weakref.ref(opt), type(opt).step
-
-    @functools.wraps(func)
-    def step(*args, **kwargs):
-        me = ref()
-        me._opt_called = True
-        return func(me, *args, **kwargs)
-
-    step._wrapped_by_lr_sched = True
-    opt.step = step
-
-
-def _schedulers(scheduler) -> list:
-    """A scheduler and those it drives (SequentialLR, ChainedScheduler)."""
-    found = [scheduler]
-    for child in getattr(scheduler, "_schedulers", []):
-        found += _schedulers(child)
-    return found
-
-
-def zero_from(optimizer, module: nn.Module, stage: int | None, options: dict) -> ZeroAdam:
-    """The ZeroAdam that trains `module`: `optimizer` itself if it is one built on it, else one with
-    torch.optim.AdamW's / Adam's parameter groups and hyper-parameters (frozen parameters left out,
-    the groups' other keys, a scheduler's initial_lr, carried over)."""
-    if isinstance(optimizer, ZeroAdam):
-        if optimizer.model is not module:
-            raise ValueError(
-                f"ZeroStrategy: configure_optimizers returned a ZeroAdam built on "
-                f"{type(optimizer.model).__name__}, not on the LightningModule; build it as "
-                f"ZeroAdam(self, ...)"
-            )
-        given = [k for k, v in dict(options, stage=stage).items() if v is not None]
-        if given:
-            raise ValueError(
-                f"ZeroStrategy: {', '.join(sorted(given))} given to ZeroStrategy and a ZeroAdam "
-                f"returned by configure_optimizers; set them in one place (the ZeroAdam's)"
-            )
-        return optimizer
-    kind = type(optimizer)
-    if kind not in (torch.optim.AdamW, torch.optim.Adam):
-        raise TypeError(
-            f"ZeroStrategy: configure_optimizers returned {kind.__module__}.{kind.__qualname__}; "
-            f"ZeroStrategy trains with ZeroAdam, converted from torch.optim.AdamW or torch.optim.Adam "
-            f"(their parameter groups and hyper-parameters), or a ZeroAdam built on the "
-            f"LightningModule (ZeroAdam(self, ...))"
-        )
-    for g, group in enumerate(optimizer.param_groups):
-        for flag in ("amsgrad", "maximize"):
-            if group.get(flag):
-                raise ValueError(
-                    f"ZeroStrategy: {kind.__name__}.param_groups[{g}] has {flag}=True, which ZeroAdam "
-                    f"does not implement"
-                )
-    adamw = kind is torch.optim.AdamW or bool(optimizer.defaults.get("decoupled_weight_decay", False))
-    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    left_out = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in in_optimizer]
-    if left_out:
-        raise ValueError(
-            f"ZeroStrategy: {left_out[0]} is trainable (requires_grad=True) but in no parameter group "
-            f"of the {kind.__name__} ({len(left_out)} such); ZeroAdam trains every trainable parameter "
-            f"of the module: set requires_grad=False on those it should not train"
-        )
-
-    def hyper(group: dict) -> dict:
-        lr = group["lr"]
-        return dict(
-            lr=float(lr.item() if isinstance(lr, torch.Tensor) else lr),
-            betas=tuple(float(b.item() if isinstance(b, torch.Tensor) else b) for b in group["betas"]),
-            eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]),
-        )
-
-    # Frozen parameters are in no ZeroAdam group (torch.optim skips them: they get no gradient); an
-    # emptied group stays, so group i is still the scheduler's group i.
-    groups = [
-        dict(hyper(group), params=[p for p in group["params"] if p.requires_grad]) for group in optimizer.param_groups
-    ]
-    first = groups[0]
-    given = {k: v for k, v in options.items() if v is not None}
-    if "shard_size" in given:  # ZeroAdam takes it in its CommPolicy
-        given["comm"] = dataclasses.replace(comm_policy(given.get("comm")), shard_size=given.pop("shard_size"))
-    zero = ZeroAdam(
-        module,
-        stage=2 if stage is None else stage,
-        adamw=adamw,
-        param_groups=groups,
-        **{k: first[k] for k in _HYPER_KEYS},
-        **given,
-    )
-    for mine, theirs in zip(zero.param_groups, optimizer.param_groups):
-        for key, value in theirs.items():  # a scheduler's keys (initial_lr, max_lr, ...), the user's own
-            if key not in mine and key not in _TORCH_ADAM_KEYS:
-                mine[key] = value
-    return zero
-
-
-def _into_place(tmp: str, path: str) -> None:
-    """Rename the complete folder `tmp` to `path`, replacing what is there (a folder: only after)."""
-    old = path + ".replaced"
-    if os.path.lexists(path):
-        if os.path.isdir(path) and not os.path.islink(path):
-            os.replace(path, old)
-        else:
-            os.remove(path)
-    os.replace(tmp, path)
-    if os.path.exists(old):
-        shutil.rmtree(old)
 
 
 class ZeroStrategyMixin:
@@ -582,80 +376,3 @@ class ZeroStrategyMixin:
         if self.zero is None:
             return super().load_optimizer_state_dict(checkpoint)
         # The sharded state came with the weights (load_checkpoint or load_model_state_dict).
-
-
-# --- what the strategy relies on in Lightning, checked at import by each of the two modules --------
-# The versions: the Makefile's LIGHTNING_DEPS pins (tested) and pyproject.toml's extras (supported).
-TESTED, SUPPORTED = "2.6.6", ">=2.6.6,<2.7"
-# DDPStrategy's members ZeroStrategyMixin replaces (all public in Lightning 2.6.6).
-STRATEGY_OVERRIDES = (
-    "precision_plugin",
-    "setup",
-    "configure_ddp",
-    "setup_optimizers",
-    "training_step",
-    "validation_step",
-    "test_step",
-    "predict_step",
-    "block_backward_sync",
-    "teardown",
-    "restore_checkpoint_after_setup",
-    "lightning_module_state_dict",
-    "optimizer_state",
-    "save_checkpoint",
-    "remove_checkpoint",
-    "load_checkpoint",
-    "load_model_state_dict",
-    "load_optimizer_state_dict",
-)
-PRECISION_OVERRIDES = ("convert_input", "convert_module", "backward", "clip_grad_by_norm", "clip_grad_by_value")
-# What the strategy reads and calls on itself as DDPStrategy has it.
-STRATEGY_READS = ("accelerator", "model", "lightning_module", "optimizers", "checkpoint_io", "is_global_zero")
-STRATEGY_CALLS = ("broadcast", "barrier", "setup_precision_plugin")
-# Set by the constructors (Strategy, ParallelStrategy, DDPStrategy), found on no class: checked on the
-# strategy when it is made. The last two are private in Lightning 2.6.6.
-STRATEGY_INSTANCE_READS = ("cluster_environment", "lr_scheduler_configs", "_layer_sync", "_forward_redirection")
-PRECISION_READS = (
-    "precision",
-    "teardown",
-    "train_step_context",
-    "val_step_context",
-    "test_step_context",
-    "predict_step_context",
-)
-
-
-def relies_on(package: str, distribution: str) -> hosts.Reliance:
-    """The table for one of the two packages: "lightning.pytorch" (distribution "lightning") or
-    "pytorch_lightning" (distribution "pytorch-lightning")."""
-    strategies = importlib.import_module(f"{package}.strategies")
-    plugins = importlib.import_module(f"{package}.plugins")
-    precision_plugins = importlib.import_module(f"{package}.plugins.precision")
-    accelerators = importlib.import_module(f"{package}.accelerators")
-    module = importlib.import_module(f"{package}.core.module")
-    lightning_types = importlib.import_module(f"{package}.utilities.types")
-    states = importlib.import_module(f"{package}.trainer.states")
-    ddp, precision, checkpoint_io = strategies.DDPStrategy, precision_plugins.Precision, plugins.CheckpointIO
-    return hosts.Reliance(
-        f"zerofast.integrations.{package.split('.')[0]}",
-        extra=distribution,
-        pins=(hosts.Pin(distribution, tested=TESTED, supported=SUPPORTED),),
-        entries=(
-            hosts.Overrides(ZeroStrategyMixin, ddp, STRATEGY_OVERRIDES),
-            hosts.Overrides(ZeroPrecisionMixin, precision, PRECISION_OVERRIDES),
-            hosts.Calls(ddp, "__init__", keywords=_DDP_ARGUMENTS),
-            hosts.Calls(precision, "__init__"),
-            hosts.Reads(ddp, STRATEGY_READS + STRATEGY_CALLS),
-            hosts.Reads(ddp, STRATEGY_INSTANCE_READS, on_instance=True),
-            hosts.Reads(precision, PRECISION_READS),
-            hosts.Reads(precision_plugins, tuple(sorted(_FLAG_PLUGINS))),
-            hosts.Calls(checkpoint_io, "save_checkpoint", 2),
-            hosts.Calls(checkpoint_io, "load_checkpoint", 1, ("weights_only",)),
-            hosts.Reads(checkpoint_io, ("teardown",)),
-            hosts.Reads(plugins.ClusterEnvironment, ("teardown",)),
-            hosts.Reads(accelerators.Accelerator, ("setup", "teardown")),
-            hosts.Reads(module.LightningModule, ("automatic_optimization", "trainer", "backward")),
-            hosts.Reads(lightning_types.LRSchedulerConfig, ("scheduler",)),
-            hosts.Reads(states.TrainerState, ("fn",)),
-        ),
-    )

@@ -1,0 +1,161 @@
+"""The main job's command line: parse_args (every option, checked, with the job's description from
+the package's docstring) and _resolve_nproc (how many local ranks, from the backend and the GPUs)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from ...partition import PARTITIONS
+from ...quant import STATE_BITS
+from .. import replica_demo
+from ..models import CONFIGS
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    description = sys.modules[__package__].__doc__.split("\n")[0]  # the package's docstring: the job's
+    p = argparse.ArgumentParser(prog="python -m zerofast.train", description=description)
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local ranks to launch (default: one per GPU under NCCL, else 2)",
+    )
+    p.add_argument("--stage", type=int, default=3, help="ZeRO stage 1, 2 or 3 (default 3)")
+    p.add_argument("--partition", default="flat", help=f"{', '.join(PARTITIONS)} (default flat)")
+    p.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    p.add_argument("--model", default="small", help=f"model size: {', '.join(CONFIGS)} (default small)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
+    p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl with GPUs, else gloo)")
+    p.add_argument(
+        "--mixed-precision", default=None, help="bf16 or fp16 (fp16 with dynamic loss scaling); default fp32"
+    )
+    p.add_argument(
+        "--state-bits",
+        type=int,
+        default=32,
+        help="Adam's moments in 32 bits or 8 (one byte per element plus a scale per block: docs/8bit-state.md)",
+    )
+    p.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm to this")
+    p.add_argument(
+        "--shard-size",
+        type=int,
+        default=None,
+        metavar="K",
+        help="hybrid sharding: shard within groups of K consecutive ranks (a machine), replicate "
+        "across them (default: every rank, flat ZeRO)",
+    )
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run the same steps under DDP and the reference stage; print loss differences and step-time ratios",
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="draw measured memory per rank (DDP and stages 1-3) as stacked bars into PNG",
+    )
+    p.add_argument(
+        "--save-dir",
+        default=None,
+        metavar="DIR",
+        help="write a sharded checkpoint (zerofast.checkpoint) into DIR/step-NNNNNN every --save-every "
+        "steps and after the last step",
+    )
+    p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (default: only at the end)")
+    p.add_argument("--keep", type=int, default=None, help="keep only the newest K checkpoints (K >= 2)")
+    p.add_argument(
+        "--save-async",
+        action="store_true",
+        help="save in the background: each rank copies its shard and training goes on while a thread "
+        "writes it (zerofast.checkpoint.save(blocking=False)); the job waits for the last one",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in --save-dir (model, optimizer, step, data "
+        "position, RNG), at any world size or stage; start afresh if there is none",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds any collective may wait for the other ranks (default 60; the process groups' "
+        "timeout): a stuck rank ends the job after this, a dead one at once",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="torchrun restarts the workers up to this many times after a failure; with --save-dir they "
+        "resume from the newest checkpoint (default 0)",
+    )
+    replica_demo.add_arguments(p)
+    args = p.parse_args(argv)
+    if not args.timeout > 0:
+        p.error(f"--timeout must be positive; got {args.timeout}")
+    if args.max_restarts < 0:
+        p.error(f"--max-restarts must be 0 or more; got {args.max_restarts}")
+    if args.nproc is not None and args.nproc < 1:
+        p.error(f"--nproc must be at least 1; got {args.nproc}")
+    if args.stage not in (1, 2, 3):
+        p.error(f"--stage must be 1, 2 or 3; got {args.stage}")
+    if args.partition not in PARTITIONS:
+        p.error(f"--partition must be one of {', '.join(PARTITIONS)}; got {args.partition!r}")
+    if args.steps < 0:
+        p.error(f"--steps must be 0 or more; got {args.steps}")
+    if args.model not in CONFIGS:
+        p.error(f"--model must be one of {', '.join(CONFIGS)}; got {args.model!r}")
+    if args.batch < 1:
+        p.error(f"--batch must be at least 1; got {args.batch}")
+    if not args.lr > 0:
+        p.error(f"--lr must be positive; got {args.lr}")
+    if args.backend not in (None, "gloo", "nccl"):
+        p.error(f"--backend must be gloo or nccl; got {args.backend!r}")
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        p.error("--backend nccl needs CUDA GPUs; none is visible")
+    args.nproc = _resolve_nproc(p, args.nproc, args.backend)
+    if args.mixed_precision not in (None, "bf16", "fp16"):
+        p.error(f"--mixed-precision must be bf16 or fp16; got {args.mixed_precision!r}")
+    if args.state_bits not in STATE_BITS:
+        p.error(f"--state-bits must be 32 or 8; got {args.state_bits}")
+    if args.shard_size is not None and args.shard_size < 1:
+        p.error(f"--shard-size must be at least 1; got {args.shard_size}")
+    if args.max_grad_norm is not None and not args.max_grad_norm > 0:
+        p.error(f"--max-grad-norm must be positive; got {args.max_grad_norm}")
+    if args.resume and args.compare:
+        p.error("--compare trains DDP and the reference stage from step 0 beside this run; use it without --resume")
+    if args.save_every < 0:
+        p.error(f"--save-every must be 0 or more; got {args.save_every}")
+    if (args.save_every or args.resume or args.keep is not None or args.save_async) and args.save_dir is None:
+        p.error("--save-every, --keep, --save-async and --resume need --save-dir")
+    if args.keep is not None and args.keep < 2:
+        p.error(f"--keep must be at least 2; got {args.keep}")
+    if args.plot is not None:
+        try:  # matplotlib is optional: --plot alone needs it
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--plot needs matplotlib (pip install matplotlib)")
+    replica_demo.check_arguments(p, args)
+    return args
+
+
+def _resolve_nproc(p: argparse.ArgumentParser, nproc: int | None, backend: str | None) -> int:
+    """NCCL (asked for, or the default with GPUs) puts each local rank on its own GPU,
+    cuda:LOCAL_RANK, and refuses two ranks on one: one rank per visible GPU by default, and more
+    is an error here rather than an "invalid device ordinal" in a rank."""
+    if backend == "gloo" or (backend is None and not torch.cuda.is_available()):
+        return 2 if nproc is None else nproc
+    gpus = torch.cuda.device_count()
+    if nproc is None:
+        return gpus
+    if nproc > gpus:
+        p.error(
+            f"--nproc {nproc} needs {nproc} GPUs under NCCL (one per rank); {gpus} visible. "
+            f"Use --nproc {gpus}, or --backend gloo to run the ranks on the CPU"
+        )
+    return nproc

@@ -1,0 +1,180 @@
+"""The main job's training loop: run (a fresh model trained with ZeroAdam, DDP or the reference
+stage, measuring each step's time and the bytes each rank holds, saving and resuming checkpoints),
+the model, device and optimizer it builds from the arguments, and the one-line error of a failed
+collective of the job's own."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ...checkpoint import latest, load, save
+from ...comm import CollectiveError
+from ...config import CommPolicy, MixedPrecisionPolicy, precision_policy
+from ...optim.zero_adam import ZeroAdam
+from ...reference import ReferenceZero
+from ..data import corpus_tokens, text_batch
+from ..models import make_gpt
+from ..quantities import format_bytes
+from ._progress import Progress
+
+log = logging.getLogger("zerofast.train")
+
+
+def _model(args):
+    """The GPT of the chosen size, over byte tokens (vocabulary 256) of the shipped text."""
+    return make_gpt(args.model, vocab_size=256)
+
+
+def _device(backend: str) -> torch.device:
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def _make_optimizer(kind: str, model, args, stage: int):
+    """kind: "zero" (ZeroAdam at `stage`), "ddp", or "reference" (the reference stage `stage`)."""
+    if kind == "ddp":
+        wrapped = DDP(model)
+        return wrapped, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    if kind == "reference":
+        return model, ReferenceZero(model, stage=stage, lr=args.lr, weight_decay=0.1)
+    return model, ZeroAdam(
+        model,
+        stage=stage,
+        lr=args.lr,
+        weight_decay=0.1,
+        mixed_precision=_precision(args),
+        max_grad_norm=args.max_grad_norm,
+        comm=CommPolicy(partition=args.partition, shard_size=args.shard_size),
+    )
+
+
+def _precision(args):
+    """ZeroAdam's mixed_precision= from --mixed-precision and --state-bits."""
+    if args.state_bits == 32:
+        return args.mixed_precision
+    return MixedPrecisionPolicy(precision_policy(args.mixed_precision).param_dtype, state_bits=args.state_bits)
+
+
+def _measure(kind: str, model, opt) -> dict[str, int]:
+    """Bytes this rank holds now, counted from the tensors."""
+    if isinstance(opt, ZeroAdam):
+        r = opt.report().memory
+        return {
+            "params": r.materialized_params,
+            "grads": r.grads + r.grad_shard,
+            "optimizer": r.optimizer + r.master_copy,
+            "buckets": r.bucket_buffers + r.bucket_pool,
+        }
+    if hasattr(opt, "memory_held"):  # the reference stage counts its own
+        return {**opt.memory_held(), "buckets": 0}
+    state = list(opt.state.values())
+    return {
+        "params": sum(p.nbytes for p in model.parameters()),
+        "grads": sum(p.grad.nbytes for p in model.parameters() if p.grad is not None),
+        "optimizer": sum(s[k].nbytes for s in state for k in ("exp_avg", "exp_avg_sq") if k in s),
+        "buckets": 0,
+    }
+
+
+def run(kind: str, args, device, steps: int, progress: bool, stage: int | None = None):
+    """Train a fresh model `steps` steps (the main run: from the newest checkpoint with --resume,
+    writing checkpoints with --save-dir) with `kind` at `stage` (None: --stage); return losses,
+    seconds per step, measured bytes, comm."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model(args).to(device)
+    module, opt = _make_optimizer(kind, model, args, args.stage if stage is None else stage)
+    tokens = corpus_tokens()
+    seq = model.cfg.block_size
+    losses, times, measured = [], [], {}
+    checkpoints = kind == "zero" and args.save_dir is not None
+    start = _resume(args, model, opt, rank) if checkpoints and _resuming(args) else 0
+    bar = Progress(steps, progress and rank == 0)
+    if progress and rank == 0 and isinstance(opt, ZeroAdam) and opt.plan.params_sharded:
+        units = opt.report().units
+        largest = max(units, key=lambda u: u.bytes)
+        sys.stderr.write(
+            f"stage 3: {len(units)} units ({', '.join(u.module or '(root)' for u in units[:3])}"
+            f"{', ...' if len(units) > 3 else ''}); the largest, {largest.module or '(root)'}, "
+            f"holds {format_bytes(largest.bytes)}\n"
+        )
+    for step in range(start, steps):
+        x, y = text_batch(tokens, args.batch, seq, seed=step * world + rank)  # the data position is the step
+        t0 = time.perf_counter()
+        _, loss = module(x.to(device), y.to(device))
+        if isinstance(opt, ZeroAdam):
+            opt.backward(loss)  # scales the loss under fp16
+        else:
+            loss.backward()
+        opt.step()
+        if step == steps - 1:
+            measured = _measure(kind, model, opt)  # after step(), before zero_grad()
+        opt.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        mean_loss = loss.detach().float()
+        try:
+            dist.all_reduce(mean_loss)
+        except RuntimeError as e:
+            raise _job_fault("the loss average", step + 1, args, e) from e
+        losses.append(mean_loss.item() / world)
+        bar.update(step, losses[-1], args.batch * seq * world / times[-1])
+        if checkpoints and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps):
+            try:
+                written = save(
+                    os.path.join(args.save_dir, f"step-{step + 1:06d}"),
+                    model,
+                    opt,
+                    keep=args.keep,
+                    extra={"step": step + 1, "rng": torch.get_rng_state(), "losses": losses},
+                    blocking=not args.save_async,
+                )
+            except RuntimeError as e:  # its collectives (DCP's, the outcome's broadcast); a disk error is an OSError
+                raise _job_fault("saving the checkpoint", step + 1, args, e) from e
+            if step + 1 == steps and args.save_async:
+                written.wait()  # the last one: complete before the job reports and exits
+    comm = opt.report().comm if isinstance(opt, ZeroAdam) else {}
+    numel = sum(p.numel() for p in model.parameters())
+    if isinstance(opt, ZeroAdam):
+        opt.remove_hooks()
+    return losses, times, measured, comm, numel
+
+
+def _job_fault(what: str, step: int, args, error: BaseException) -> CollectiveError:
+    """A collective of the job's own (the loss average, a checkpoint's) that failed, in the one-line
+    form of ZeroAdam's own (comm.py's BucketComm.failed), which the worker prints before it leaves."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return CollectiveError(
+        f"zerofast.train (rank {dist.get_rank()} of {dist.get_world_size()}): {what} failed at step {step}: "
+        f"another rank died, is stuck or is out of step (the wait is bounded by the process group's timeout, "
+        f"{args.timeout:g} s). Backend: {first}"
+    )
+
+
+def _resuming(args) -> bool:
+    """--resume, or a restart by torchrun's agent after a failure (TORCHELASTIC_RESTART_COUNT > 0)."""
+    return args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def _resume(args, model, opt, rank: int) -> int:
+    """Load the newest complete checkpoint in --save-dir, if any; the step to continue from."""
+    path = latest(args.save_dir)
+    if path is None:
+        if rank == 0:
+            log.info("no checkpoint in %s: starting from step 0", args.save_dir)
+        return 0
+    extra = load(path, model, opt)
+    torch.set_rng_state(extra["rng"])
+    if rank == 0:
+        log.info("resumed from %s at step %d", path, extra["step"])
+    return extra["step"]
