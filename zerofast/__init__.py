@@ -1,6 +1,7 @@
 """zerofast: ZeRO stages 1-3 for PyTorch (the ZeRO paper, Rajbhandari et al., 2020).
 
 Public names: ZeroAdam (the sharded optimizer), ZeroMuon (Muon + AdamW on whole-matrix owners),
+ZeroOptimizer (their shared front: isinstance(opt, ZeroOptimizer) holds for both),
 shard_frozen (a reference or reward model sharded for inference only, a ShardedFrozenModel) and their policies (MixedPrecisionPolicy,
 LossScalePolicy, CommPolicy, UnitPolicy: zerofast/config.py), the errors it raises
 (CollectiveError, OutOfStepError, StepNotAppliedError,
@@ -35,6 +36,7 @@ from .estimate import estimate_memory, estimate_traffic  # noqa: E402
 _LAZY = {
     "ZeroAdam": "zerofast.optim.zero_adam",
     "ZeroMuon": "zerofast.optim.muon",
+    "ZeroOptimizer": "zerofast.optim.base",
     "shard_frozen": "zerofast.stage3.inference",
     "ShardedFrozenModel": "zerofast.stage3.inference",
     "CollectiveError": "zerofast.comm",
@@ -51,6 +53,7 @@ _LAZY = {
 __all__ = [
     "ZeroAdam",
     "ZeroMuon",
+    "ZeroOptimizer",
     "shard_frozen",
     "ShardedFrozenModel",
     "MixedPrecisionPolicy",
@@ -69,7 +72,7 @@ __all__ = [
     "has_cuda_kernels",
     "cpu_isa",
 ]
-from ._version import __version__  # noqa: E402
+from ._version import __version__ as __version__  # noqa: E402 (re-exported)
 
 
 def __getattr__(name: str):

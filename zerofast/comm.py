@@ -54,14 +54,14 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from . import _C, compat
+from . import _C
 from .config import collective_names
 from .layout import Layout
+from .topology import group_timeout
 
 # How long the exit waits for collectives still in flight, in all: the peers are finishing the same
 # step; one that died or is stuck must not hold this rank's exit for a process group's timeout.
@@ -147,28 +147,7 @@ class Where:
         return f"step {self.step + 1}, {self.phase}, after {m} micro-batch{'' if m == 1 else 'es'}"
 
 
-def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
-    """The timeout a process group's collectives wait for (None where the backend does not say)."""
-    for device in ("cpu", "cuda"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout
-        except (RuntimeError, AttributeError, ValueError):
-            continue
-    return None
-
-
 _KINDS = ("reduce", "gather", "agree_used", "agree_stats", "forward", "replicate")
-
-
-def second_group(group: dist.ProcessGroup | None, timeout_of: dist.ProcessGroup) -> dist.ProcessGroup | None:
-    """A second group of the same ranks (None for None): collectives whose order is set by timing
-    (stage 3's gathers, the replicas' gradient all_reduces during backward) get a group of their
-    own, so they never pair up with another kind of collective. Every rank of `group` calls it."""
-    if group is None:
-        return None
-    ranks = dist.get_process_group_ranks(group)
-    # With the same timeout as the group given: new_group's default is 30 minutes ([Note: faults]).
-    return compat.new_group(ranks, timeout=group_timeout(timeout_of))
 
 
 def _options(struct, **fields):
@@ -201,7 +180,7 @@ class BucketComm:
         replicate_min_bytes: int = 0,
         dp_rank: int | None = None,
         dp_world: int | None = None,
-        live=None,
+        replication=None,
     ):
         """group: the shard group (the ranks `layout` is cut for); grad_buckets: stage 1's persistent
         buckets, which .grad are views of (else buffers come from a pool); max_buffers: at most this
@@ -211,8 +190,9 @@ class BucketComm:
         gradient all_reduces the engine launches during backward, whose timing differs between
         ranks, so that they never pair up with the agreement, each at least replicate_min_bytes
         (consecutive owned ranges together; [Note: replicas in backward]). dp_rank, dp_world: this
-        rank among every data-parallel rank, for messages (None: its rank in `group`). live: torchft's
-        replicas (zerofast.topology.LiveReplicas): their agreement, one tensor per all_reduce."""
+        rank among every data-parallel rank, for messages (None: its rank in `group`). replication:
+        how the replicas take each step (zerofast.topology.Replication; None: fixed); one whose
+        membership changes agrees through its own agree(), and takes one tensor per all_reduce."""
         self.layout = layout
         self.flat = layout.flat
         reduce_op, gather_op = collectives_for(dist.get_backend(group), self.flat)
@@ -246,9 +226,10 @@ class BucketComm:
         # the step finishes ([Note: replicas in backward] in csrc/replica_reducer.cpp); with check_collectives
         # Python does it in step(), each collective described first.
         self.replicates_in_engine = replicate_grads_group is not None and not check_collectives
+        # Only a replication whose membership changes needs a say in the agreement.
+        self.live = replication if replication is not None and replication.changes_membership else None
         if self.replicates_in_engine:
-            self._impl.replicas.set_group(replicate_grads_group, replicate_min_bytes, coalesce=live is None)
-        self.live = live
+            self._impl.replicas.set_group(replicate_grads_group, replicate_min_bytes, coalesce=self.live is None)
         self.rank, self.world = rank, dist.get_world_size(group)
         # Messages name the data-parallel rank: under hybrid sharding shard ranks repeat across replicas.
         self.dp_rank = rank if dp_rank is None else dp_rank
@@ -431,7 +412,7 @@ class BucketComm:
             self.wait_reduces()
             self._agreements["replicate/all_reduce_flags"] += t.numel() * t.element_size()
             own = [(s, t[s].clone()) for s in shard_only]
-            self.live.all_reduce_max(t)
+            self.live.agree(t)
             for s, values in own:
                 t[s] = values
         elif self.replicate_group is not None:

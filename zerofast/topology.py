@@ -28,29 +28,101 @@ from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import compat
 
-__all__ = ["LiveReplicas", "Topology", "resolve_topology"]
+__all__ = [
+    "Replication",
+    "ReplicaSource",
+    "StaticReplication",
+    "Topology",
+    "resolve_topology",
+    "check_process_group",
+    "data_parallel_group",
+    "broadcast_from_rank0",
+    "group_timeout",
+    "second_group",
+]
 
 
 @runtime_checkable
-class LiveReplicas(Protocol):
-    """A replicate dimension whose members change between steps, given as ZeroAdam's process_group
-    (zerofast.integrations.torchft.ReplicaGroups; [Note: replica groups on torchft] there). The
-    optimizer calls these; the replica group's own ranks (`group`) shard the state."""
+class Replication(Protocol):
+    """The extension point of a step: how the replicas of the training state take each step
+    together. The optimizer calls these at fixed points of every step, and names no implementation:
+    StaticReplication (below) is flat ZeRO's and hybrid sharding's fixed replicas; a replicate
+    dimension whose members change between steps plugs in its own (torchft's ReplicaGroups:
+    [Note: replica groups on torchft] in zerofast/integrations/torchft.py). Their order in a step:
+
+        attach(opt)               once, when the optimizer is built (its state: opt.checkpoint_view)
+        begin_step()              opt.zero_grad(): the step begins (torchft: its quorum)
+        check_step(step)          step() begins: raise if the step cannot run
+        participants_now()        the replicas in this step (the average's divisor)
+        agree(flags)              the step's agreement: a MAX over the replicas, in place
+        commit() -> bool          after the reduces and the agreement, before the update: apply it?
+        on_error(error)           the step raised before its commit: it still takes its one decision
+
+    changes_membership: False for fixed replicas (their agreement runs over the replicate group, and
+    agree() is not called); True: the replicate group is one group per step that takes one tensor
+    per all_reduce, so gradients are not coalesced and agree() runs after the step's gradient
+    all_reduces on it.
+    """
+
+    changes_membership: bool
+
+    def attach(self, opt) -> None: ...
+    def begin_step(self) -> None: ...
+    def check_step(self, step: int) -> None: ...
+    def participants_now(self) -> int: ...
+    def agree(self, flags: torch.Tensor) -> None: ...
+    def commit(self) -> bool: ...
+    def on_error(self, error: BaseException) -> None: ...
+
+
+@runtime_checkable
+class ReplicaSource(Protocol):
+    """A process_group argument that brings its own Replication (torchft's ReplicaGroups): `group`,
+    the ranks of this replica, which shard the state; topology(group, plan): the Topology over them,
+    checking the plan against what the replication supports."""
 
     group: dist.ProcessGroup
 
-    def topology(self, group: dist.ProcessGroup) -> Topology: ...
-    def attach(self, opt) -> None: ...  # the optimizer is built: its state heals; the first quorum
-    def begin_step(self) -> None: ...  # this step's quorum (opt.zero_grad())
-    def check_quorum(self, step: int) -> None: ...  # step() raises without one
-    def participants_now(self) -> int: ...
-    def all_reduce_max(self, flags: torch.Tensor) -> None: ...  # the agreement over the participants
-    def commit(self) -> bool: ...  # the step's one decision
-    def fail(self, error: BaseException) -> None: ...  # the step raised before its decision
+    def topology(self, group: dist.ProcessGroup, plan) -> Topology: ...
+
+
+class StaticReplication:
+    """Replicas fixed for the whole run (flat ZeRO: one; hybrid sharding: the replicate group's
+    size): every step begins and commits, and the agreement is the replicate group's own."""
+
+    changes_membership = False
+
+    def __init__(self, replicas: int):
+        self.replicas = replicas
+
+    def attach(self, opt) -> None:
+        pass
+
+    def begin_step(self) -> None:
+        pass
+
+    def check_step(self, step: int) -> None:
+        pass
+
+    def participants_now(self) -> int:
+        return self.replicas
+
+    def agree(self, flags: torch.Tensor) -> None:
+        pass
+
+    def commit(self) -> bool:
+        return True
+
+    def on_error(self, error: BaseException) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"StaticReplication({self.replicas})"
 
 
 @dataclass(frozen=True)
@@ -63,7 +135,12 @@ class Topology:
     shard_size: int
     replicate_group: dist.ProcessGroup | None  # the ranks holding this rank's shard (None: no replica)
     replicas: int
-    live: LiveReplicas | None = None  # replicas whose membership changes between steps (torchft)
+    # How the replicas take each step together: fixed (the default), or plugged in by the caller.
+    replication: Replication = None  # type: ignore[assignment]  # None: StaticReplication(replicas)
+
+    def __post_init__(self):
+        if self.replication is None:
+            object.__setattr__(self, "replication", StaticReplication(self.replicas))
 
     @property
     def hybrid(self) -> bool:
@@ -72,7 +149,7 @@ class Topology:
     def divisor(self) -> int:
         """What the step's gradient sum is divided by: every data-parallel rank, or under torchft the
         shard group's ranks times this step's participating replica groups."""
-        return self.world if self.live is None else self.shard_size * self.live.participants_now()
+        return self.shard_size * self.replication.participants_now()
 
 
 def _is_int(value) -> bool:
@@ -144,3 +221,79 @@ def resolve_topology(group: dist.ProcessGroup, shard_size: int, timeout: timedel
     shard_group = compat.new_group([_global(group, g * shard_size + j) for j in range(shard_size)], timeout=timeout)
     replicate_group = compat.new_group([_global(group, h * shard_size + i) for h in range(replicas)], timeout=timeout)
     return Topology(group, rank, world, shard_group, i, shard_size, replicate_group, replicas)
+
+
+# --- the process groups ---------------------------------------------------------------------------
+
+
+def check_process_group(process_group) -> None:
+    """process_group as ZeroAdam and shard_frozen take it, with torch.distributed initialized."""
+    if process_group is not None and not isinstance(process_group, (dist.ProcessGroup, DeviceMesh, ReplicaSource)):
+        raise TypeError(
+            f"ZeroAdam: process_group must be a torch.distributed ProcessGroup, a 2-D DeviceMesh "
+            f'("replicate", "shard"), replica groups that bring their own Replication (a ReplicaSource, '
+            f"e.g. zerofast.integrations.torchft.ReplicaGroups) or None; got {type(process_group).__name__}"
+        )
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "ZeroAdam needs torch.distributed initialized (dist.init_process_group); world size 1 works too"
+        )
+
+
+def data_parallel_group(process_group, shard_size):
+    """The group of every data-parallel rank, the shard size and the mesh, if one was given
+    ([Note: hybrid sharding] in zerofast/topology.py): from process_group (None: the world) and
+    CommPolicy.shard_size, or from a 2-D DeviceMesh given as process_group."""
+    if not isinstance(process_group, DeviceMesh):
+        group = process_group if process_group is not None else dist.group.WORLD
+        # The raw value first, on every rank: a value bad on some ranks only must fail on all of
+        # them, not leave the others waiting in the next collective.
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, repr(shard_size), group=group)
+        for r, value in enumerate(everyone):
+            if value != everyone[0]:
+                raise ValueError(
+                    f"ZeroAdam: ranks were given different options: rank 0 has shard_size={everyone[0]}, "
+                    f"rank {r} has shard_size={value}"
+                )
+        return group, check_shard_size(shard_size, dist.get_world_size(group)), None
+    mesh = process_group
+    if shard_size is not None:
+        raise ValueError(
+            f'ZeroAdam: a DeviceMesh as process_group gives the shard groups itself (its "shard" '
+            f"dim); pass it without CommPolicy.shard_size (got shard_size={shard_size!r})"
+        )
+    _replicas, k = mesh_groups(mesh)
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    if sorted(ranks) == list(range(dist.get_world_size())):
+        return dist.group.WORLD, k, mesh
+    return compat.new_group(ranks), k, mesh
+
+
+def broadcast_from_rank0(model: nn.Module, group) -> None:
+    """Every parameter and buffer of `model` as `group`'s first rank holds it, on every rank of it."""
+    src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, src=src, group=group)
+
+
+def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
+    """The timeout a process group's collectives wait for (None where the backend does not say)."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+    return None
+
+
+def second_group(group: dist.ProcessGroup | None, timeout_of: dist.ProcessGroup) -> dist.ProcessGroup | None:
+    """A second group of the same ranks (None for None): collectives whose order is set by timing
+    (stage 3's gathers, the replicas' gradient all_reduces during backward) get a group of their
+    own, so they never pair up with another kind of collective. Every rank of `group` calls it."""
+    if group is None:
+        return None
+    ranks = dist.get_process_group_ranks(group)
+    # With the same timeout as the group given: new_group's default is 30 minutes ([Note: faults]).
+    return compat.new_group(ranks, timeout=group_timeout(timeout_of))

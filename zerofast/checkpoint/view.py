@@ -133,6 +133,15 @@ class CheckpointView:
     # After the master was written (a load, at rest): the low-precision parameters become its
     # rounding, and (stages 1 and 2) every rank's full parameters are gathered from their owners.
     sync_params_from_master: Callable[[], None]
+    # Every flat tensor of this rank's state by name (the fp32 master, the moments and their 8-bit
+    # scales, the parameters: stages 1-2 whole, stage 3 this rank's shard; stage 3's frozen shard):
+    # at rest, copying into them in place restores the state, for a peer with the same layout (a
+    # replica that heals from another: zerofast/integrations/torchft.py).
+    flat_state: Callable[[], dict[str, torch.Tensor]]
+    # Steps the optimizer has taken (its count of step() calls that ended, committed or not) and its
+    # setter, for a state copied from a peer.
+    steps_taken: Callable[[], int]
+    set_steps_taken: Callable[[int], None]
 
 
 class Checkpointable(Protocol):

@@ -37,14 +37,21 @@ named_parameters().
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import weakref
 
 from accelerate.utils import is_peft_model
 from trl.distributed import DistributedBackend
 from trl.generation.vllm_generation import VLLMGeneration
 
-from ..optim.zero_adam import ZeroAdam
-from . import hosts
+from ..optim.base import ZeroOptimizer
+from . import hf_generation, hosts  # noqa: F401 (hf_generation registers itself: below)
+
+# What TRL's trainers ask of stage 3: generate() synced across ranks (hf_generation registers itself
+# as a model host on import), and for a PEFT policy its merged weights for vLLM (peft_weights
+# registers the view), both through [Note: stage-3 extension points] in zerofast/stage3/extensions.py.
+if importlib.util.find_spec("peft") is not None:
+    from . import peft_weights  # noqa: F401
 
 
 class _ZeroGeneration(DistributedBackend):
@@ -79,7 +86,7 @@ class _ZeroWeightSync(VLLMGeneration):
     def _iter_named_params(self):
         trainer = self._trainer() if self._trainer is not None else None
         opt = getattr(trainer, "optimizer", None)
-        if not isinstance(opt, ZeroAdam) or opt.model is not self.model:
+        if not isinstance(opt, ZeroOptimizer) or opt.model is not self.model:
             yield from super()._iter_named_params()
             return
         for name, tensor in opt.named_full_tensors(peft="merged" if is_peft_model(self.model) else None):

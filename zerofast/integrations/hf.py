@@ -56,9 +56,11 @@ from transformers.trainer_pt_utils import AcceleratorConfig
 
 from .. import checkpoint as zckpt
 from ..config import MixedPrecisionPolicy, UnitPolicy, precision_policy
+from ..model_setup import in_precision
+from ..optim.base import ZeroOptimizer
 from ..optim.zero_adam import ZeroAdam
-from ..stage3.inference import in_precision, shard_frozen, sharded_frozen_of
-from . import hosts
+from ..stage3.inference import shard_frozen, sharded_frozen_of
+from . import hf_generation, hosts  # noqa: F401 (hf_generation: generate() on stage 3 syncs the ranks)
 from .hosts import IncompatibleHostError
 
 __all__ = [
@@ -108,7 +110,7 @@ class _ZeroAccelerator(Accelerator):
         return prepared
 
     def prepare_optimizer(self, optimizer, device_placement=None):
-        if isinstance(optimizer, ZeroAdam):
+        if isinstance(optimizer, ZeroOptimizer):
             return optimizer
         return super().prepare_optimizer(optimizer, device_placement=device_placement)
 
@@ -181,7 +183,7 @@ class ZeroTrainerMixin:
                 )
         self.zero = zero
         optimizers = kwargs.get("optimizers", (None, None))
-        if optimizers[0] is not None and not isinstance(optimizers[0], ZeroAdam):
+        if optimizers[0] is not None and not isinstance(optimizers[0], ZeroOptimizer):
             raise ValueError(
                 f"ZeroTrainer: optimizers=({type(optimizers[0]).__name__}, ...) next to zero=; the "
                 f"trainer builds its ZeroAdam (pass optimizers=(None, scheduler), or a ZeroAdam)"
@@ -358,7 +360,7 @@ class ZeroTrainerMixin:
         """A consolidated model that from_pretrained loads (with PEFT: the adapter), written by the
         ranks that save (args.should_save) from opt.full_state_dict(): gathered unit by unit, so no
         rank holds more than the model on the CPU plus one unit. Every rank must call it."""
-        if not isinstance(self.optimizer, ZeroAdam):
+        if not isinstance(self.optimizer, ZeroOptimizer):
             return super().save_model(output_dir, _internal_call)
         output_dir = self.args.output_dir if output_dir is None else output_dir
         state_dict = self.optimizer.full_state_dict(keep=self.args.should_save)
@@ -381,7 +383,7 @@ class ZeroTrainerMixin:
         it is run from AsyncSave.then instead, with the same arguments): run now, it could delete
         the newest complete checkpoint while this one is being written. The last step's save is
         waited for here, before the Trainer's end-of-training cleanup may delete checkpoints."""
-        if not (self.save_async and isinstance(self.optimizer, ZeroAdam)):
+        if not (self.save_async and isinstance(self.optimizer, ZeroOptimizer)):
             return super()._save_checkpoint(model, trial)
         zckpt.wait()
         limit = self.args.save_total_limit
@@ -403,7 +405,7 @@ class ZeroTrainerMixin:
 
     def _save_optimizer_and_scheduler(self, output_dir):
         # Private in transformers 5.24.0 (_save_checkpoint's optimizer.pt and scheduler.pt).
-        if not isinstance(self.optimizer, ZeroAdam):
+        if not isinstance(self.optimizer, ZeroOptimizer):
             return super()._save_optimizer_and_scheduler(output_dir)
         path = os.path.join(output_dir, ZERO_DIR)
         zckpt.wait()  # the previous asynchronous save first (it may be this folder's)
@@ -448,7 +450,7 @@ class ZeroTrainerMixin:
 
     def _load_best_model(self):
         # Private in transformers 5.24.0 (load_best_model_at_end).
-        if not isinstance(self.optimizer, ZeroAdam):
+        if not isinstance(self.optimizer, ZeroOptimizer):
             return super()._load_best_model()
         zckpt.load(os.path.join(self.state.best_model_checkpoint, ZERO_DIR), self.model, self.optimizer)
 

@@ -5,9 +5,12 @@ zerofast/stage3/schedule.py).
 Written against transformers 5.24.0 (pinned in the Makefile's HF_DEPS). generate() decides
 synced_gpus in one place, GenerationMixin._extract_generation_mode_kwargs(self, custom_generate,
 kwargs, synced_gpus, assistant_model, streamer): True for DeepSpeed ZeRO-3 and FSDP when it was not
-passed. That method is wrapped here (once, at import) to decide it for the models a stage-3 ZeroAdam
-has registered, and to hand every other model's call on unchanged; its signature is checked at
-import, so a transformers that moved it fails here, loudly, and not by hanging in a gather.
+passed. That method is wrapped here, once, when this integration is imported (importing zerofast
+alone patches nothing; ZeroTrainer's and TRL's integrations import it), to decide it for the models
+stage 3 has sharded (this module registers itself as a model host: [Note: stage-3 extension points]
+in zerofast/stage3/extensions.py), and to hand every other model's call on unchanged; its signature
+is checked at import, so a transformers that moved it fails here, loudly, and not by hanging in a
+gather.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import weakref
 import torch.nn as nn
 import transformers
 from transformers.generation.utils import GenerationMixin
+
+from ..stage3.extensions import register_model_host
 
 WRITTEN_AGAINST = "5.24.0"
 _HOOKED = "_extract_generation_mode_kwargs"
@@ -76,6 +81,10 @@ class _Registration:
     def __init__(self, module: nn.Module):
         self._module = weakref.ref(module)
 
+    @property
+    def module(self) -> nn.Module | None:
+        return self._module()
+
     def detach(self) -> None:
         module = self._module()
         if module is not None:
@@ -91,3 +100,8 @@ def attach(model: nn.Module, tracker) -> list[_Registration]:
             _TRACKERS[module] = tracker
             hosts.append(_Registration(module))
     return hosts
+
+
+# Every stage-3 model, sharded before this import or after: [Note: stage-3 extension points] in
+# zerofast/stage3/extensions.py.
+register_model_host(attach)

@@ -33,6 +33,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 
 from ..stage3.entries import Entry, copy_of
+from ..stage3.extensions import register_weight_view
 from . import hosts
 
 
@@ -147,3 +148,6 @@ RELIES_ON = hosts.Reliance(
     ),
 )
 hosts.check(RELIES_ON)
+# named_full_tensors(peft="merged" | "adapter"): [Note: stage-3 extension points] in zerofast/stage3/extensions.py.
+register_weight_view("merged", lambda model, who: peft_entries(model, "merged", who))
+register_weight_view("adapter", lambda model, who: peft_entries(model, "adapter", who))

@@ -276,7 +276,7 @@ class ReplicaGroups:
             )
         self.group = dist.group.WORLD
         self._tracked: dict[str, object] = {}
-        self._opt = None
+        self._view = None  # the optimizer's checkpoint view, once attached
         self._quorum_open = False  # a quorum was started since the last commit decision
         if manager is None:
             manager = self._make_manager(replica_id, lighthouse, min_replicas, timeout)
@@ -346,28 +346,42 @@ class ReplicaGroups:
             raise ValueError(f"ReplicaGroups.track: name={name!r} is taken")
         self._tracked[name] = obj
 
-    # --- what the optimizer calls ----------------------------------------------------------------
+    # --- what the optimizer calls: zerofast.topology's ReplicaSource and Replication ---------------
 
-    def topology(self, group: dist.ProcessGroup) -> Topology:
+    changes_membership = True
+
+    def topology(self, group: dist.ProcessGroup, plan) -> Topology:
+        """The replica group's own ranks shard the state, so it takes no shard_size of its own, and
+        the collective checks, which gather over the replicate group, do not run on torchft's
+        managed group."""
+        if plan.shard_size is not None:
+            raise ValueError(
+                f"ZeroAdam: with torchft's replica groups as process_group, each replica group's ranks shard "
+                f"the state; pass no CommPolicy.shard_size (got shard_size={plan.shard_size!r})"
+            )
+        if plan.check_collectives:
+            raise ValueError(
+                "ZeroAdam: CommPolicy(check_collectives=True) is not supported with torchft's replica groups "
+                "(the checks gather over the replicate group, which torchft's managed group does not carry)"
+            )
         rank, k = dist.get_rank(group), dist.get_world_size(group)
-        return Topology(group, rank, k, group, rank, k, self.managed, 2, live=self)
+        return Topology(group, rank, k, group, rank, k, self.managed, 2, replication=self)
 
     def attach(self, opt) -> None:
-        """The optimizer is built: its state joins what heals (at its first zero_grad()'s quorum)."""
-        self._opt = opt
+        """The optimizer is built: its state (opt.checkpoint_view) joins what heals, at its first
+        zero_grad()'s quorum."""
+        self._view = opt.checkpoint_view
         self.manager.register_state_dict_fn("zerofast", self._load, self._state)
 
     def begin_step(self) -> None:
         """Start (and wait for) this step's quorum, once per step: opt.zero_grad() calls it."""
-        from ..optim.zero_adam import parts_of  # the optimizer's package imports this one's topology
-
         if self._quorum_open:
             return
-        parts_of(self._opt).quiesce()  # nothing in flight while a peer reads or writes the state
+        self._view.quiesce()  # nothing in flight while a peer reads or writes the state
         self.manager.start_quorum()
         self._quorum_open = True
 
-    def check_quorum(self, step: int) -> None:
+    def check_step(self, step: int) -> None:
         if not self._quorum_open:
             raise RuntimeError(
                 "ZeroAdam.step() on torchft: no quorum was started for this step; call opt.zero_grad() "
@@ -377,7 +391,7 @@ class ReplicaGroups:
     def participants_now(self) -> int:
         return self.manager.num_participants()
 
-    def all_reduce_max(self, flags: torch.Tensor) -> None:
+    def agree(self, flags: torch.Tensor) -> None:
         shard = flags.clone()
         self.manager.allreduce(flags, reduce_op=dist.ReduceOp.MAX).wait()
         if self.manager.errored() is not None:
@@ -387,37 +401,31 @@ class ReplicaGroups:
         self._quorum_open = False
         return self.manager.should_commit()
 
-    def fail(self, error: BaseException) -> None:
+    def on_error(self, error: BaseException) -> None:
         """The step raised before its commit: torchft learns of it, and the step still takes its one
         decision (no), so every rank's count of decisions stays the same."""
         self._quorum_open = False
         self.manager.report_error(error if isinstance(error, Exception) else RuntimeError(repr(error)))
         self.manager.should_commit()
 
-    # --- the state that heals --------------------------------------------------------------------
+    # --- the state that heals: the optimizer's checkpoint view ------------------------------------
 
     def _state(self) -> dict:
-        from ..optim.zero_adam import parts_of
-
-        opt = self._opt
-        parts = parts_of(opt)
+        view = self._view
         return {
-            "layout": _fingerprint(parts),
-            "tensors": _flat_state(parts),
-            "steps": parts.shard.step_counts(),
-            "where_step": parts.comm.where.step,
-            "scaler": dict(opt.checkpoint_view.loss_scaler_state()),
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            "layout": _fingerprint(view),
+            "tensors": view.flat_state(),
+            "steps": view.step_counts(),
+            "where_step": view.steps_taken(),
+            "scaler": dict(view.loss_scaler_state()),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in view.param_groups],
             "rng": torch.get_rng_state(),
             "tracked": {name: obj.state_dict() for name, obj in self._tracked.items()},
         }
 
     def _load(self, state: dict) -> None:
-        from ..optim.zero_adam import parts_of
-
-        opt = self._opt
-        parts = parts_of(opt)
-        mine = _fingerprint(parts)
+        view = self._view
+        mine = _fingerprint(view)
         if state["layout"] != mine:
             raise LayoutMismatchError(
                 f"zerofast.integrations.torchft: this replica group cannot heal from its peer: the peer "
@@ -425,12 +433,12 @@ class ReplicaGroups:
                 f"have the same number of ranks, stage, partition, precision and model"
             )
         with torch.no_grad():
-            for name, mine_t in _flat_state(parts).items():
+            for name, mine_t in view.flat_state().items():
                 mine_t.copy_(state["tensors"][name])
-        parts.shard.set_step_counts(state["steps"])
-        parts.comm.where.step = state["where_step"]
-        opt.checkpoint_view.load_loss_scaler_state(state["scaler"])
-        for group, saved in zip(opt.param_groups, state["param_groups"]):
+        view.set_step_counts(state["steps"])
+        view.set_steps_taken(state["where_step"])
+        view.load_loss_scaler_state(state["scaler"])
+        for group, saved in zip(view.param_groups, state["param_groups"]):
             for k, v in saved.items():
                 group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
         torch.set_rng_state(state["rng"])
@@ -438,30 +446,17 @@ class ReplicaGroups:
             obj.load_state_dict(state["tracked"][name])
 
 
-def _flat_state(parts) -> dict[str, torch.Tensor]:
-    """Every flat tensor of this rank's state, by name; loading into them in place restores it."""
-    shard = parts.shard
-    # Stages 1-2: every parameter, whole; stage 3: the parameters' shard below (its gathered buffers
-    # hold no storage at rest).
-    out = {} if parts.plan.params_sharded else {f"param_buffers.{i}": b for i, b in enumerate(shard.param_buffers)}
-    for name in ("param_shard", "master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
-        out[name] = getattr(shard, name)
-    if parts.frozen is not None:
-        out["frozen_shard"] = parts.frozen.shard
-    return {k: v for k, v in out.items() if v.numel()}
-
-
-def _fingerprint(parts) -> dict:
+def _fingerprint(view) -> dict:
     """What two ranks must share to copy each other's flat state: the shard's size and rank, the
     configuration, and every flat tensor's dtype and size."""
-    plan, topo = parts.plan, parts.topology
+    facts = view.facts
     return {
-        "shard_size": topo.shard_size,
-        "shard_rank": topo.shard_rank,
-        "stage": plan.stage,
-        "partition": plan.partition,
-        "tensors": {k: [str(v.dtype), v.numel()] for k, v in _flat_state(parts).items()},
-        "params": [[n, list(p.shape)] for n, p in zip(parts.names, parts.params)],
+        "shard_size": facts.shard_size,
+        "shard_rank": facts.shard_rank,
+        "stage": facts.stage,
+        "partition": facts.partition,
+        "tensors": {k: [str(v.dtype), v.numel()] for k, v in view.flat_state().items()},
+        "params": [[n, list(p.shape)] for n, p in view.trainable.params],
     }
 
 

@@ -15,25 +15,35 @@ What build() does, in order (every rank of the data-parallel group calls it, wit
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from ..checkpoint.view import CheckpointView, Facts, ScalerState, ShardedPart
-from ..comm import BucketComm, group_timeout, second_group
+from ..comm import BucketComm
 from ..config import Plan
 from ..layout import Layout
+from ..model_setup import in_precision, join_ranks
 from ..stage3.frozen import FrozenShard, frozen_part
+from ..stage3.module import ShardedModule
 from ..stage3.runtime import UnitBuffers, UnitTracker
 from ..stage3.units import UnitPlan, hook_needs
-from ..topology import LiveReplicas, Topology, resolve_topology
+from ..topology import (
+    ReplicaSource,
+    Topology,
+    check_process_group,
+    data_parallel_group,
+    group_timeout,
+    resolve_topology,
+    second_group,
+)
 from . import checks
 from .gather import ParamGather
 from .grads import GradReducer
 from .layouts import plan_layouts
-from .precision import InputCast, LossScaler, cast_unmanaged
+from .precision import LossScaler
 from .state import ShardState, storage_of
 from .update import Phase3, UpdateRule
 
@@ -66,7 +76,7 @@ class Parts:
     frozen_named: list[tuple[str, nn.Parameter]]  # stage 3: the frozen parameters it shards
     frozen: FrozenShard | None  # and their buffers and shard ([Note: frozen parameters in stage 3])
     frozen_comm: BucketComm | None  # and their gathers (no reduce)
-    hooks: list = field(default_factory=list)  # handles on the model: remove_hooks() removes them
+    module: ShardedModule = None  # type: ignore[assignment]  # the model side: gathers, whole tensors, hooks
     decided: bool = False  # torchft: this step's commit decision was taken ([Note: replica groups on torchft])
 
     def quiesce(self) -> None:
@@ -96,12 +106,8 @@ class Parts:
         return stats
 
     def remove_hooks(self) -> None:
-        for h in self.hooks:
-            h.remove()
-        self.hooks = []
+        self.module.remove_hooks()
         self.grads.remove()
-        if self.units is not None:
-            self.units.remove()
 
 
 def trainable_params(model: nn.Module, who: str) -> list[tuple[str, nn.Parameter]]:
@@ -117,16 +123,16 @@ def trainable_params(model: nn.Module, who: str) -> list[tuple[str, nn.Parameter
 def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Parts:
     """Wire the parts for `model` under `plan` across `process_group` (None: the world; or a 2-D
     DeviceMesh), with the front's update `rule`. Collective: every rank calls it."""
-    checks.check_process_group(process_group)
-    live = process_group if isinstance(process_group, LiveReplicas) else None
-    if live is not None:
-        checks.check_live_replicas(live, plan)
-    group, shard_size, mesh = checks.data_parallel_group(live.group if live else process_group, plan.shard_size)
+    check_process_group(process_group)
+    source = process_group if isinstance(process_group, ReplicaSource) else None
+    group, shard_size, mesh = data_parallel_group(source.group if source else process_group, plan.shard_size)
     named = trainable_params(model, "ZeroAdam")
     names, params = [n for n, _ in named], [p for _, p in named]
-    checks.check_same_across_ranks(model, group)
-    checks.broadcast_from_rank0(model, group)
-    topology = live.topology(group) if live else resolve_topology(group, shard_size, group_timeout(group), mesh)
+    join_ranks(model, group, "ZeroAdam")
+    # A replica source's own Topology checks the plan against what its Replication supports.
+    topology = (
+        source.topology(group, plan) if source else resolve_topology(group, shard_size, group_timeout(group), mesh)
+    )
     group_index = {id(p): g for g, grp in enumerate(rule.groups) for p in grp["params"]}
     # Which of the model's parameters were trainable: the layout is built over them, so a change of
     # requires_grad later is an error at the next step (checks.check_trainable_unchanged).
@@ -134,8 +140,7 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
     checks.check_dtypes(names, params, plan.param_dtype)
     hooks = []
     if plan.separate_master:  # see [Note: mixed precision]; before stage 3 lays out the frozen parameters
-        cast_unmanaged(model, plan.param_dtype)
-        hooks.append(model.register_forward_pre_hook(InputCast(plan.param_dtype), prepend=True, with_kwargs=True))
+        hooks += in_precision(model, plan.param_dtype)
     layouts = plan_layouts(model, plan, topology.shard_size, rule.partition_costs)
     shard = ShardState(layouts.layout, topology.shard_rank, names, params, plan)
     comm = BucketComm(
@@ -148,12 +153,12 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
         plan.bucket_buffers,
         plan.check_collectives,
         replicate_group=topology.replicate_group,
-        # torchft's managed group is one group per Manager: the agreement waits for its gradient
-        # all_reduces instead ([Note: replica groups on torchft]).
+        # A replicate group whose membership changes is one group per step: the agreement waits for
+        # its gradient all_reduces instead of running on a second group (zerofast/topology.py).
         replicate_grads_group=topology.replicate_group
-        if topology.live
+        if topology.replication.changes_membership
         else second_group(topology.replicate_group, topology.group),
-        live=topology.live,
+        replication=topology.replication,
         replicate_min_bytes=plan.replicate_bytes,
         dp_rank=topology.rank,
         dp_world=topology.world,
@@ -168,7 +173,7 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
         units = _shard_params(model, layouts, topology, shard, comm, frozen, frozen_comm)
     grads = GradReducer(params, names, layouts.layout, comm, shard, plan, scaler=scaler, gather=gather)
     group_of = [group_index[id(p)] for p in params]
-    return Parts(
+    parts = Parts(
         model=model,
         plan=plan,
         rule=rule,
@@ -190,8 +195,11 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
         frozen_named=layouts.frozen_named,
         frozen=frozen,
         frozen_comm=frozen_comm,
-        hooks=hooks,
     )
+    # The model side (zerofast/stage3/module.py), as shard_frozen's: at rest before whole tensors are
+    # read, the step's gathers finished before a gathered block.
+    parts.module = ShardedModule(model, units, hooks, settle=parts.quiesce, before_block=gather.wait)
+    return parts
 
 
 def _gather_group(topology: Topology) -> dist.ProcessGroup:
@@ -279,7 +287,23 @@ def checkpoint_view(parts: Parts, param_groups: list[dict]) -> CheckpointView:
         load_loss_scaler_state=lambda state: _load_scaler_state(parts.scaler, state),
         quiesce=parts.quiesce,
         sync_params_from_master=parts.sync_params_from_master,
+        flat_state=lambda: _flat_state(parts),
+        steps_taken=lambda: parts.comm.where.step,
+        set_steps_taken=lambda step: setattr(parts.comm.where, "step", int(step)),
     )
+
+
+def _flat_state(parts: Parts) -> dict[str, torch.Tensor]:
+    """Every flat tensor of this rank's state, by name (CheckpointView.flat_state)."""
+    shard = parts.shard
+    # Stages 1-2: every parameter, whole; stage 3: the parameters' shard below (its gathered buffers
+    # hold no storage at rest).
+    out = {} if parts.plan.params_sharded else {f"param_buffers.{i}": b for i, b in enumerate(shard.param_buffers)}
+    for name in ("param_shard", "master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
+        out[name] = getattr(shard, name)
+    if parts.frozen is not None:
+        out["frozen_shard"] = parts.frozen.shard
+    return {k: v for k, v in out.items() if v.numel()}
 
 
 def _frozen_view(parts: Parts) -> ShardedPart | None:

@@ -13,7 +13,7 @@ Muon orthogonalizes each matrix's update with Newton-Schulz, which needs the who
 slices, runs Newton-Schulz on the whole matrix on every rank and keeps its own slice: an extra
 collective per step and N-fold repeated Newton-Schulz. The owner partitions ("greedy", "round_robin")
 already give each tensor one owner: phase 2 reduces each whole gradient to its owner, phase 4
-broadcasts each whole parameter from it. So ZeroMuon is ZeroAdam (a subclass: the layout, the gradient
+broadcasts each whole parameter from it. So ZeroMuon is ZeroAdam's sibling over one front (ZeroOptimizer: the layout, the gradient
 path, phase 2's reduces, agreement, norm and clipping, phase 4's gather, stage 3's units and the
 checkpoints stay) built with another update rule (MuonUpdate, below), whose phase 3 differs: the owner of a Muon matrix runs torch's Muon step on it
 (momentum, Newton-Schulz, weight decay, the adjusted lr), the fused AdamW kernel runs over the rest of
@@ -64,9 +64,9 @@ import torch.nn as nn
 from ..config import CommPolicy, _is_number, check_hyper, comm_policy, reject_moved, resolve_plan
 from ..layout import Piece
 from ..partition import newton_schulz_flops
+from .base import ZeroOptimizer
 from .builder import trainable_params
 from .state import ShardState
-from .zero_adam import ZeroAdam
 
 __all__ = ["ZeroMuon", "zeropower_via_newtonschulz", "muon_update_", "adjust_lr", "newton_schulz_calls"]
 
@@ -313,7 +313,7 @@ class MuonUpdate:
 # --- the optimizer front -------------------------------------------------------------------------------
 
 
-class ZeroMuon(ZeroAdam):
+class ZeroMuon(ZeroOptimizer):
     """Muon on the model's 2-D hidden matrices and AdamW on everything else, each matrix's Muon step
     run once by its owner, with ZeRO stage 1, 2 or 3 sharding across `process_group`
     ([Note: Muon on whole-matrix owners]).
@@ -334,8 +334,8 @@ class ZeroMuon(ZeroAdam):
       Newton-Schulz]) or "numel" (elements only, as ZeroAdam's greedy).
     opt.param_groups: [the Muon group (use_muon=True), the AdamW group (use_muon=False)] (a group
       with no parameters is left out); an LR scheduler sets each group's lr.
-    It is ZeroAdam with another update rule (MuonUpdate, given to the same builder); report()'s
-    partition adds each rank's Newton-Schulz FLOPs.
+    ZeroAdam's sibling over ZeroOptimizer (zerofast/optim/base.py): another update rule (MuonUpdate,
+    given to the same builder); report()'s partition adds each rank's Newton-Schulz FLOPs.
     """
 
     def __init__(

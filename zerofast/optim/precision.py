@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn as nn
 
 from ..config import LossScalePolicy
 
@@ -75,32 +74,3 @@ class LossScaler:
 
 def to_f32(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32))
-
-
-def cast_unmanaged(model: nn.Module, dtype: torch.dtype) -> None:
-    """The rest of the model follows the managed parameters into `dtype`, as model.to(dtype) would:
-    frozen floating parameters and floating buffers (see [Note: mixed precision])."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if not p.requires_grad and p.is_floating_point():
-                p.data = p.data.to(dtype)
-        for mod in model.modules():
-            for name, buf in mod.named_buffers(recurse=False):
-                if buf.is_floating_point():
-                    setattr(mod, name, buf.to(dtype))
-
-
-class InputCast:
-    """A forward pre-hook (with kwargs) on the model: floating-point tensors passed to its forward,
-    cast to the parameters' dtype."""
-
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
-
-    def __call__(self, module, args, kwargs):
-        def cast(x):
-            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.dtype:
-                return x.to(self.dtype)
-            return x
-
-        return torch.utils._pytree.tree_map(cast, (args, kwargs))

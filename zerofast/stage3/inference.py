@@ -28,64 +28,37 @@ is the UnitBuffers' only part, and no optimizer.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..comm import second_group
 from ..config import precision_policy, unit_policy
-from ..optim import checks
-from ..optim.precision import InputCast, cast_unmanaged
+from ..model_setup import in_precision, join_ranks
+from ..topology import ReplicaSource, check_process_group, data_parallel_group, second_group
 from .frozen import FrozenShard, frozen_part, inference_plan
+from .module import ShardedModule
 from .runtime import UnitBuffers, UnitTracker
 from .units import hook_needs
-from .weights import entries_for, named_full_tensors
 
 WHO = "shard_frozen"
 _SHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its ShardedFrozenModel
 
 
-class ShardedFrozenModel:
+class ShardedFrozenModel(ShardedModule):
     """What shard_frozen() returns: the model (called as before: its forwards gather unit by unit)
-    and the whole-model access a ZeroAdam gives (gathered_params(), named_full_tensors())."""
+    and the whole-model access a ZeroAdam gives (gathered_params(), named_full_tensors(),
+    full_state_dict(): the same handle, zerofast/stage3/module.py)."""
 
     def __init__(self, model: nn.Module, units: UnitTracker, frozen: FrozenShard, hooks: list):
-        self.model = model
-        self._units, self._frozen, self._hooks = units, frozen, hooks
+        super().__init__(model, units, hooks)
+        self._frozen = frozen
 
     @property
     def dtype(self) -> torch.dtype:
         """The sharded parameters' dtype."""
         return self._frozen.dtype
-
-    @contextlib.contextmanager
-    def gathered_params(self) -> Iterator[nn.Module]:
-        """Every unit gathered on entry (a collective: every rank enters), kept through any number of
-        forwards inside with no collective (ranks may run different numbers of them), released on
-        exit: [Note: generation on stage 3] in zerofast/stage3/schedule.py."""
-        self._units.pin()
-        try:
-            yield self.model
-        finally:
-            self._units.unpin()
-
-    def named_full_tensors(self, peft: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, whole tensor) for every entry of model.state_dict(), one unit gathered at a time
-        (zerofast/stage3/weights.py); peft: as ZeroAdam.named_full_tensors's. Every rank runs it to
-        its end (the gathers are collectives)."""
-        entries = entries_for(self.model, peft, "named_full_tensors")
-        self._units.release_all()
-        return named_full_tensors(self.model, self._units, entries)
-
-    @property
-    def unit_gathers(self) -> int:
-        """Unit gathers started since it was sharded (what generation costs: [Note: generation on
-        stage 3])."""
-        return self._units.gathers
 
     def parameter_bytes(self) -> dict[str, int]:
         """This rank's parameter storage now: "shard" (its part of every unit) and "gathered" (the
@@ -99,10 +72,7 @@ class ShardedFrozenModel:
     def remove_hooks(self) -> None:
         """Take every hook off the model (its parameters stay views of released unit buffers: the
         model is unusable afterwards; for tearing down)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        self._units.remove()
+        super().remove_hooks()
         _SHARDED.pop(self.model, None)
 
 
@@ -122,17 +92,19 @@ def shard_frozen(
         raise ValueError(
             f"{WHO}: this {type(model).__name__} is sharded already (shard_frozen was called on it before)"
         )
-    if isinstance(process_group, checks.LiveReplicas):
-        raise TypeError(f"{WHO}: process_group must be a ProcessGroup, a DeviceMesh or None; got torchft's replicas")
-    checks.check_process_group(process_group)
+    if isinstance(process_group, ReplicaSource):
+        raise TypeError(
+            f"{WHO}: process_group must be a ProcessGroup, a DeviceMesh or None; got {type(process_group).__name__} "
+            f"(replica groups that bring their own Replication are for training)"
+        )
+    check_process_group(process_group)
     param_dtype = precision_policy(mixed_precision, WHO).param_dtype if mixed_precision is not None else None
     unit_p = unit_policy(units)
-    group, _, _ = checks.data_parallel_group(process_group, None)
+    group, _, _ = data_parallel_group(process_group, None)
     for p in model.parameters():
         p.requires_grad_(False)
     hooks = in_precision(model, param_dtype)
-    checks.check_same_across_ranks(model, group, WHO)
-    checks.broadcast_from_rank0(model, group)
+    join_ranks(model, group, WHO)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     named, plan, layout, bucket_of = inference_plan(model, param_dtype, unit_p, world, WHO)
     params = [p for _, p in named]
@@ -148,13 +120,3 @@ def shard_frozen(
 def sharded_frozen_of(model: nn.Module) -> ShardedFrozenModel | None:
     """The handle shard_frozen() returned for `model`, or None if it was never sharded so."""
     return _SHARDED.get(model)
-
-
-def in_precision(model: nn.Module, param_dtype: torch.dtype | None) -> list:
-    """A model run for inference beside a policy in low precision: its floating parameters and
-    buffers converted to param_dtype and its floating inputs cast, as ZeroAdam's mixed precision
-    does to the policy (nothing for None or float32). Returns the hook handles."""
-    if param_dtype is None or param_dtype == torch.float32:
-        return []
-    cast_unmanaged(model, param_dtype)
-    return [model.register_forward_pre_hook(InputCast(param_dtype), prepend=True, with_kwargs=True)]

@@ -62,7 +62,6 @@ subclass; remove() puts the original classes back. Tested by tests/test_compile.
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -72,6 +71,7 @@ import torch.nn as nn
 
 from .._hook_classes import own_classes, restore_classes
 from ..layout import Layout
+from .extensions import attach_hosts, detach_hosts
 from .schedule import Action, CallRef, Schedule, UnitOp, UnitState
 
 # --- the unit buffers --------------------------------------------------------------------------------
@@ -203,7 +203,7 @@ class UnitTracker:
             self.handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post_forward, always_call=True))
         self._original_classes = own_classes(needs)  # [Note: code compiled before stage 3]
-        self._generation_hosts = _hook_generation(model, self)  # [Note: generation on stage 3]
+        attach_hosts(model, self)  # [Note: stage-3 extension points] in zerofast/stage3/extensions.py
 
     @property
     def state(self) -> list[UnitState]:
@@ -322,9 +322,7 @@ class UnitTracker:
         self.handles = []
         restore_classes(self._original_classes)
         self._original_classes = {}
-        for host in self._generation_hosts:
-            host.detach()
-        self._generation_hosts = []
+        detach_hosts(self)
 
 
 class _BeforeBackward:
@@ -335,17 +333,6 @@ class _BeforeBackward:
 
     def __call__(self, grad: torch.Tensor) -> None:
         self.tracker._pre_backward(self.call)
-
-
-def _hook_generation(model: nn.Module, tracker: UnitTracker) -> list:
-    """Make Hugging Face's generate() on this model sync the ranks ([Note: generation on stage 3]).
-    transformers is imported only by models that are its own, so a model of another library never
-    imports it."""
-    if "transformers" not in sys.modules:
-        return []
-    from ..integrations import hf_generation
-
-    return hf_generation.attach(model, tracker)
 
 
 def output_tensors(output) -> list[torch.Tensor]:

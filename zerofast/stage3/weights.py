@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from .entries import Entry, copy_of
+from .extensions import weight_view
 
 
 def state_dict_entries(model: nn.Module) -> list[tuple[str, Entry]]:
@@ -26,15 +27,12 @@ def state_dict_entries(model: nn.Module) -> list[tuple[str, Entry]]:
 
 
 def entries_for(model: nn.Module, peft: str | None, who: str) -> list[tuple[str, Entry]]:
-    """The entries the weight iterator hands out: state_dict()'s (peft=None), or a PEFT model's
-    merged weights ("merged") or adapter ("adapter"): zerofast/integrations/peft_weights.py."""
+    """The entries the weight iterator hands out: state_dict()'s (peft=None), or another view of the
+    model registered by an integration ([Note: stage-3 extension points] in extensions.py): a PEFT
+    model's merged weights ("merged") or adapter ("adapter"), zerofast/integrations/peft_weights.py."""
     if peft is None:
         return state_dict_entries(model)
-    if peft not in ("merged", "adapter"):
-        raise ValueError(f"{who}: peft must be None, 'merged' or 'adapter'; got {peft!r}")
-    from ..integrations.peft_weights import peft_entries  # imports peft, an optional package
-
-    return peft_entries(model, peft, who)
+    return weight_view(peft, who)(model, who)
 
 
 def _has_storage(t: torch.Tensor) -> bool:

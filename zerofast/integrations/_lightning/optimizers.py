@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from ...config import comm_policy
+from ...optim.base import ZeroOptimizer
 from ...optim.zero_adam import ZeroAdam
 
 # Keys of torch.optim.Adam(W)'s param groups that choose its implementation, not its mathematics.
@@ -50,7 +51,7 @@ def zero_from(optimizer, module: nn.Module, stage: int | None, options: dict) ->
     """The ZeroAdam that trains `module`: `optimizer` itself if it is one built on it, else one with
     torch.optim.AdamW's / Adam's parameter groups and hyper-parameters (frozen parameters left out,
     the groups' other keys, a scheduler's initial_lr, carried over)."""
-    if isinstance(optimizer, ZeroAdam):
+    if isinstance(optimizer, ZeroOptimizer):
         if optimizer.model is not module:
             raise ValueError(
                 f"ZeroStrategy: configure_optimizers returned a ZeroAdam built on "

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ... import checkpoint as zckpt
 from ...config import MixedPrecisionPolicy, check_stage, resolve_plan
+from ...optim.base import ZeroOptimizer
 from ...optim.zero_adam import ZeroAdam
 from .. import hosts
 from .checkpoints import LIGHTNING_FILE, WRITING, ZERO_DIR, _into_place
@@ -196,7 +197,7 @@ class ZeroStrategyMixin:
         given = self.optimizers[0]
         # The order of a plain checkpoint's AdamW state (load_model_state_dict): this optimizer's.
         self._torch_order = [p for group in given.param_groups for p in group["params"]]
-        if isinstance(given, ZeroAdam):
+        if isinstance(given, ZeroOptimizer):
             wanted = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.precision_plugin.dtype)
             if given.plan.mixed_precision != wanted:
                 raise ValueError(

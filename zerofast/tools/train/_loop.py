@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ...checkpoint import latest, load, save
 from ...comm import CollectiveError
 from ...config import CommPolicy, MixedPrecisionPolicy, precision_policy
+from ...optim.base import ZeroOptimizer
 from ...optim.zero_adam import ZeroAdam
 from ...reference import ReferenceZero
 from ..data import corpus_tokens, text_batch
@@ -67,7 +68,7 @@ def _precision(args):
 
 def _measure(kind: str, model, opt) -> dict[str, int]:
     """Bytes this rank holds now, counted from the tensors."""
-    if isinstance(opt, ZeroAdam):
+    if isinstance(opt, ZeroOptimizer):
         r = opt.report().memory
         return {
             "params": r.materialized_params,
@@ -99,7 +100,7 @@ def run(kind: str, args, device, steps: int, progress: bool, stage: int | None =
     checkpoints = kind == "zero" and args.save_dir is not None
     start = _resume(args, model, opt, rank) if checkpoints and _resuming(args) else 0
     bar = Progress(steps, progress and rank == 0)
-    if progress and rank == 0 and isinstance(opt, ZeroAdam) and opt.plan.params_sharded:
+    if progress and rank == 0 and isinstance(opt, ZeroOptimizer) and opt.plan.params_sharded:
         units = opt.report().units
         largest = max(units, key=lambda u: u.bytes)
         sys.stderr.write(
@@ -111,7 +112,7 @@ def run(kind: str, args, device, steps: int, progress: bool, stage: int | None =
         x, y = text_batch(tokens, args.batch, seq, seed=step * world + rank)  # the data position is the step
         t0 = time.perf_counter()
         _, loss = module(x.to(device), y.to(device))
-        if isinstance(opt, ZeroAdam):
+        if isinstance(opt, ZeroOptimizer):
             opt.backward(loss)  # scales the loss under fp16
         else:
             loss.backward()
@@ -143,9 +144,9 @@ def run(kind: str, args, device, steps: int, progress: bool, stage: int | None =
                 raise _job_fault("saving the checkpoint", step + 1, args, e) from e
             if step + 1 == steps and args.save_async:
                 written.wait()  # the last one: complete before the job reports and exits
-    comm = opt.report().comm if isinstance(opt, ZeroAdam) else {}
+    comm = opt.report().comm if isinstance(opt, ZeroOptimizer) else {}
     numel = sum(p.numel() for p in model.parameters())
-    if isinstance(opt, ZeroAdam):
+    if isinstance(opt, ZeroOptimizer):
         opt.remove_hooks()
     return losses, times, measured, comm, numel
 

@@ -1,0 +1,88 @@
+"""What ZeroAdam and shard_frozen do to a model before sharding it, written once for both: every
+rank holds the same model (checked: one all_gather_object, the first mismatch named on every rank)
+with rank 0's values (broadcast), and in low precision the model converted and its inputs cast
+([Note: mixed precision] in zerofast/optim/precision.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .topology import broadcast_from_rank0
+
+__all__ = ["join_ranks", "check_same_across_ranks", "in_precision", "cast_unmanaged", "InputCast"]
+
+
+def join_ranks(model: nn.Module, group: dist.ProcessGroup, who: str) -> None:
+    """The same model on every rank of `group`, with rank 0's values. Collective."""
+    check_same_across_ranks(model, group, who)
+    broadcast_from_rank0(model, group)
+
+
+def check_same_across_ranks(model: nn.Module, group, who: str = "ZeroAdam") -> None:
+    """Every rank raises the same error (naming the first mismatch) instead of hanging later."""
+    mine = _signature(model)
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    reference = everyone[0]
+    for rank, sig in enumerate(everyone[1:], start=1):
+        if sig == reference:
+            continue
+        for a, b in zip(reference, sig):
+            if a != b:
+                raise ValueError(
+                    f"{who}: ranks hold different models: rank 0 has {a[0]} {a[1]} "
+                    f"{a[2]} {a[3]} (requires_grad={a[4]}), rank {rank} has {b[0]} {b[1]} "
+                    f"{b[2]} {b[3]} (requires_grad={b[4]})"
+                )
+        raise ValueError(
+            f"{who}: ranks hold different models: rank 0 has {len(reference)} parameters "
+            f"and buffers, rank {rank} has {len(sig)}"
+        )
+
+
+def _signature(model: nn.Module) -> list[tuple]:
+    return [("param", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()] + [
+        ("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in model.named_buffers()
+    ]
+
+
+def in_precision(model: nn.Module, param_dtype: torch.dtype | None) -> list:
+    """The model in low precision: its floating parameters (ZeroAdam's trainable ones: its own
+    conversion) and buffers in param_dtype and its floating inputs cast, so a model run for
+    inference beside a policy is converted exactly as the policy (nothing for None or float32).
+    Returns the hook handles."""
+    if param_dtype is None or param_dtype == torch.float32:
+        return []
+    cast_unmanaged(model, param_dtype)
+    return [model.register_forward_pre_hook(InputCast(param_dtype), prepend=True, with_kwargs=True)]
+
+
+def cast_unmanaged(model: nn.Module, dtype: torch.dtype) -> None:
+    """The rest of the model follows the managed parameters into `dtype`, as model.to(dtype) would:
+    frozen floating parameters and floating buffers (see [Note: mixed precision])."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(dtype)
+        for mod in model.modules():
+            for name, buf in mod.named_buffers(recurse=False):
+                if buf.is_floating_point():
+                    setattr(mod, name, buf.to(dtype))
+
+
+class InputCast:
+    """A forward pre-hook (with kwargs) on the model: floating-point tensors passed to its forward,
+    cast to the parameters' dtype."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def __call__(self, module, args, kwargs):
+        def cast(x):
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.dtype:
+                return x.to(self.dtype)
+            return x
+
+        return torch.utils._pytree.tree_map(cast, (args, kwargs))

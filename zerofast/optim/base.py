@@ -1,0 +1,252 @@
+"""The front ZeroAdam and ZeroMuon share: `ZeroOptimizer`, a torch.optim.Optimizer whose update
+rule is given (zerofast/optim/update.py: Adam's, or Muon's with AdamW beside it). The two are
+siblings over it, each a constructor that checks its own hyper-parameters and builds its rule;
+everything after construction (the step's order, the model side, reports, checkpoints) is here.
+See zerofast/optim/zero_adam.py for a step's phases and the parts that run them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from ..checkpoint.view import CheckpointView
+from ..config import Plan
+from . import checks
+from .builder import Parts, build, checkpoint_view
+from .report import Report, build_report
+from .update import UpdateRule
+
+__all__ = ["ZeroOptimizer", "parts_of"]
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """A sharded optimizer over a model: ZeroAdam's and ZeroMuon's shared front. It is not built
+    directly: a sibling's constructor resolves the plan and its update rule, then calls _wire()."""
+
+    def _wire(self, model: torch.nn.Module, plan: Plan, process_group, rule: UpdateRule) -> None:
+        """Where every front's constructor ends (ZeroMuon's too): the builder wires the parts from
+        the plan and the front's update rule; then torch.optim's own fields, over the rule's groups."""
+        self.model, self.plan = model, plan
+        self._parts: Parts = build(model, plan, process_group, rule)
+        super().__init__(rule.groups, rule.defaults)
+        self._constructed = True  # add_param_group after this is an error
+        self._view = checkpoint_view(self._parts, self.param_groups)
+        self._step_skipped = False  # the last step() applied nothing (fp16 overflow, or not committed)
+        self._last_comm: dict[str, int] = {}
+        self._parts.topology.replication.attach(self)  # the extension point: zerofast/topology.py
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_constructed", False):
+            raise RuntimeError(
+                f"{type(self).__name__}.add_param_group: parameter groups are fixed at construction (the flat "
+                "buffers, shards and collectives are laid out over them); pass every group as "
+                "ZeroAdam(model, param_groups=[...])"
+            )
+        super().add_param_group(param_group)
+
+    # --- the training loop's calls --------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """loss.backward(), with the loss multiplied by the current loss scale under fp16 (as
+        torch.amp.GradScaler.scale does); the same as loss.backward() otherwise."""
+        self._parts.scaler.backward(loss, **kwargs)
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without fp16)."""
+        return self._parts.scaler.scale
+
+    def no_sync(self):
+        """The backwards inside only accumulate gradients; the step's last backward, outside, and
+        step() then act on the sum. See [Note: accumulation] for what each stage communicates."""
+        return self._parts.grads.no_sync()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear .grad (stage 1 keeps full local gradients there). Between a backward and step(),
+        gradients already handed to the buckets cannot be taken back (their reduces are in flight
+        on every rank): that is an error rather than a step that silently keeps them. Gradients
+        accumulated only locally (stage 1, or accumulate_locally, inside no_sync) are dropped. It
+        also begins the step for the replication (zerofast/topology.py: on torchft's replica groups
+        the step's quorum, once per step, where a recovering group receives the state)."""
+        self._parts.grads.zero_grad(set_to_none)
+        self._parts.topology.replication.begin_step()
+
+    def step(self, closure=None):
+        """One optimizer step (phases 2-4). With a closure, as every torch optimizer: the closure
+        (which runs forward and backward) is called under torch.enable_grad() first, and its loss
+        is returned."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            replication = self._parts.topology.replication
+            replication.check_step(self._parts.comm.where.step)
+            try:
+                self._step()
+            except BaseException as e:  # one commit decision per step, even when it raises before it
+                if not self._parts.decided:
+                    replication.on_error(e)
+                raise
+        return loss
+
+    def _step(self) -> None:
+        parts, plan = self._parts, self.plan
+        parts.decided = False
+        if parts.grads.phase.in_no_sync:
+            raise RuntimeError(
+                "ZeroAdam.step() was called inside `with opt.no_sync():`; no_sync() wraps "
+                "the micro-batches whose gradients are only accumulated, and step() follows "
+                "the last backward, outside it"
+            )
+        where, world = parts.comm.where, parts.topology.divisor()
+        where.phase = "step() (phase 2: the reduces and the agreement)"
+        parts.quiesce()  # last step's gathers, if some module never ran; stage 3: none stays gathered across the update
+        prep = parts.grads.prepare(plan.max_grad_norm is not None, world, check=self._check_update)  # phase 2
+        if plan.max_grad_norm is not None:
+            parts.grads.clip(prep, plan.max_grad_norm)
+        if not self._commit():
+            return
+        anything = any(prep.used)  # agreed: the same on every rank
+        if anything and not prep.found_inf:
+            parts.update(prep.used, self.param_groups, prep.grad_scale(world, parts.scaler.scale))  # phase 3
+            if plan.gather_after_step:  # phase 4 (stage 3: the next forward gathers)
+                where.phase = "step() (phase 4: the parameter gather)"
+                with torch.profiler.record_function("zerofast::gather"):
+                    parts.gather.start()
+                    if not plan.overlap_param_gather:
+                        parts.gather.wait()
+        if anything:  # a step without gradients anywhere is no evidence for or against the scale
+            parts.scaler.update(prep.found_inf)
+        self._step_skipped = prep.found_inf
+        self._last_comm = parts.end_step()
+        where.step += 1
+        where.phase = "forward"
+        parts.grads.begin_step()
+
+    def _commit(self) -> bool:
+        """The replication's decision for this step (always yes for fixed replicas; torchft's: [Note:
+        replica groups on torchft]); no: nothing applied, the step not counted, this step's
+        gradients dropped."""
+        parts = self._parts
+        parts.decided = True  # before it: a commit that raises is this step's decision too
+        committed = parts.topology.replication.commit()
+        if not committed:
+            self._step_skipped = True
+            self._last_comm = parts.end_step()
+            parts.comm.where.phase = "forward"
+            parts.grads.begin_step()
+        return committed
+
+    def _check_update(self) -> None:
+        """The last checks before an update, on every rank before the step's agreement, so that a
+        failure here applies nothing anywhere ([Note: the step's agreement] in zerofast/optim/grads.py):
+        the hyper-parameters as a scheduler or user code may have left them, and which parameters
+        are trainable."""
+        for g, group in enumerate(self.param_groups):
+            self._parts.rule.check_group(g, group)
+        checks.check_trainable_unchanged(self._parts.trainable_at_build)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients' global norm to max_norm, as torch.nn.utils.clip_grad_norm_ on the
+        whole model would, and return the norm before clipping (a float32 tensor). Call it after
+        the last backward of a step and before step(); the clipping is applied inside the fused
+        kernel, through its grad_scale ([Note: global gradient clipping] in zerofast/optim/grads.py).
+        max_norm=float("inf") only measures: the norm is returned and nothing is clipped (what
+        trainers call to log the norm)."""
+        grads, world = self._parts.grads, self._parts.topology.divisor()
+        prep = grads.prepare_to_clip("clip_grad_norm_", "max_norm", max_norm, True, world, self._check_update)
+        return grads.clip(prep, float(max_norm))
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every element of the step's gradient to [-clip_value, clip_value], as
+        torch.nn.utils.clip_grad_value_ on the whole model after DDP's average would (the averaged,
+        unscaled gradient). Call it after the last backward of a step and before step(); each rank
+        clamps its own reduced shard, elementwise, so it costs no communication beyond the step's."""
+        grads, world = self._parts.grads, self._parts.topology.divisor()
+        prep = grads.prepare_to_clip("clip_grad_value_", "clip_value", clip_value, False, world, self._check_update)
+        grads.clamp(prep, float(clip_value), world)
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last step() applied nothing: some rank's fp16 gradients held an inf or nan
+        (torch.amp.GradScaler's skipped step; the same on every rank), or on torchft's replica groups
+        the step was not committed (a replica group failed in it). False otherwise."""
+        return self._step_skipped
+
+    # --- the model, reports, checkpoints ----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def gathered_params(self):
+        """Full, current parameters on every rank inside the block. Stages 1 and 2 always hold
+        them, so this costs nothing there (beyond finishing gathers still in flight); stage 3
+        gathers every unit on entry (every rank), keeps them gathered through any number of
+        forwards inside (generation: no collective per token, so ranks may run different numbers
+        of forwards) and re-shards on exit (changes made inside the block are not kept). See
+        [Note: generation on stage 3] in zerofast/stage3/schedule.py."""
+        with self._parts.module.gathered_params():
+            yield self.model
+
+    def full_state_dict(self, keep: bool = True, device="cpu") -> dict[str, torch.Tensor] | None:
+        """model.state_dict() with every tensor whole, copied to `device` (default the CPU): what a
+        consolidated save (Hugging Face's save_pretrained, safetensors) writes. Stage 3 gathers one
+        unit at a time, so no rank holds more than the copies plus one gathered unit. Every rank must
+        call it (the gathers are collectives); ranks passing keep=False take part, copy nothing and
+        get None. Tied tensors keep one copy under each of their names, as state_dict() has them."""
+        return self._parts.module.full_state_dict(keep, device)
+
+    def report(self) -> Report:
+        """This rank's partition (elements owned per rank, and ZeroMuon's Newton-Schulz FLOPs),
+        stage 3's units, the bytes held now by kind, the bucket buffers, and the last step's payload
+        bytes per collective: plain data, measured now (zerofast/optim/report.py)."""
+        return build_report(self._parts, self._last_comm)
+
+    @property
+    def checkpoint_view(self) -> CheckpointView:
+        """The training state as zerofast.checkpoint reads and writes it (zerofast/checkpoint/view.py):
+        the parameters by name, what state each holds, live views of this rank's pieces, the step
+        counts, the loss scale."""
+        return self._view
+
+    def named_full_tensors(self, peft: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) for every entry of model.state_dict(), whole and in the model's dtype, one
+        at a time, stage 3 gathering one unit at a time: for sending weights to an inference engine
+        with no rank holding the whole model (zerofast/stage3/weights.py). Every rank must run it
+        to its end (the gathers are collectives). For a PEFT model, peft="merged" gives
+        merge_and_unload().state_dict() (what TRL's vLLM sync sends) and peft="adapter"
+        get_peft_model_state_dict(), bitwise, the model left as it was ([Note: merged weights unit
+        by unit] in zerofast/integrations/peft_weights.py)."""
+        return self._parts.module.named_full_tensors(peft)
+
+    def state_dict(self) -> dict:
+        """This rank's part of the training state as a torch.distributed.checkpoint state dict, for
+        dcp.save: unlike a torch optimizer's, it holds the model's parameters too (in stage 3 and in
+        mixed precision the fp32 master, which is the source of truth, lives here), each parameter
+        and Adam moment by name in its own shape, this rank's pieces only (views of the live state).
+        To restore: sd = opt.state_dict(); dcp.load(sd, ...); opt.load_state_dict(sd), in any
+        configuration. zerofast.checkpoint.save/load do this with atomic folders and `extra`."""
+        from ..checkpoint import dcp  # DCP is imported when first used (zerofast/checkpoint/__init__.py)
+
+        return dcp.state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Finish restoring after dcp.load filled a state_dict() of this optimizer (step counts,
+        hyper-parameters, loss scale, low-precision parameters, the gather of stages 1 and 2)."""
+        from ..checkpoint import dcp
+
+        dcp.load_state_dict(self, state_dict)
+
+    def remove_hooks(self) -> None:
+        """Take every hook this optimizer put on the model off it (the model keeps its parameters,
+        views of the optimizer's buffers)."""
+        self._parts.remove_hooks()
+
+
+def parts_of(opt: ZeroOptimizer) -> Parts:
+    """The test seam: the parts behind a ZeroAdam or ZeroMuon front (zerofast/optim/builder.py), for
+    tests that inject a fault into one part or check one part's internals. Library code goes
+    through the front, its report() and its checkpoint_view instead."""
+    return opt._parts
