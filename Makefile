@@ -26,8 +26,9 @@ FT_DEPS := "torchft==0.2.0"
 # Benchmarks only (`make bench`, not the tests): torchao's and bitsandbytes' AdamW8bit, the anchors that
 # benchmarks/bench_adam.py runs beside zerofast's 8-bit Adam state.
 BENCH_DEPS := "torchao==0.18.0" "bitsandbytes==0.50.2"
-# Lint and docs: ruff (Python lint and format), clang-format (csrc/), mkdocs-material (docs/).
-TOOL_DEPS := "ruff==0.17.6" "clang-format==23.1.5" "mkdocs-material==9.8.2"
+# Lint and docs: ruff (Python lint and format), clang-format (csrc/), import-linter (the package's
+# layers: pyproject.toml's [tool.importlinter]), mkdocs-material (docs/).
+TOOL_DEPS := "ruff==0.17.6" "clang-format==23.1.5" "import-linter==2.17" "mkdocs-material==9.8.2"
 PIP_DEPS := "$(TORCH_SPEC)" ninja setuptools wheel pytest pytest-benchmark pytest-xdist numpy matplotlib $(HF_DEPS) $(LIGHTNING_DEPS) $(FT_DEPS) $(TOOL_DEPS)
 
 PY      := $(VENV)/bin/python
@@ -122,13 +123,16 @@ $(OLDEST_BUILT): $(OLDEST_MARK) $(SOURCES)
 test-oldest: $(OLDEST_BUILT)
 	$(OLDEST_PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(OLDEST_TESTS)
 
-# Lint: ruff's linter and formatter (pyproject.toml's [tool.ruff]) and clang-format (.clang-format) over
-# csrc/, checking only; `make format` rewrites the tree the same way.
+# Lint: ruff's linter and formatter (pyproject.toml's [tool.ruff]), clang-format (.clang-format) over
+# csrc/, checking only (`make format` rewrites the tree the same way), and import-linter's contracts
+# (pyproject.toml's [tool.importlinter]: the layers, and no core module importing an integration or a
+# command line).
 CXX_SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu)
 lint: $(DEPS)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/clang-format --dry-run --Werror $(CXX_SOURCES)
+	$(VENV)/bin/lint-imports --no-cache
 
 format: $(DEPS)
 	$(VENV)/bin/ruff check --fix .

@@ -294,6 +294,32 @@ class BucketComm:
             f"{timeout}). Backend: {first}"
         )
 
+    def grad_path(self, params, names, layout: Layout, views, grads_sharded, overlap, on_grad, on_error, before_launch):
+        """The compiled gradient path over this comm's buckets ([Note: the gradient path] in
+        csrc/grad_path.cpp): each parameter's slot (bucket, offset), the buckets' sizes, stage 1's
+        bucket views, and the reducer's callbacks (on_grad for a gradient Python handles, on_error
+        for a CommError, before_launch for check_collectives)."""
+        slots = layout.slots
+        return _C.GradPath(
+            self._impl,
+            params,
+            names,
+            [s.bucket for s in slots],
+            [s.offset for s in slots],
+            [len(b.params) for b in layout.buckets],
+            views,
+            grads_sharded,
+            overlap,
+            on_grad,
+            on_error,
+            before_launch,
+        )
+
+    @staticmethod
+    def error(message: str) -> Exception:
+        """The compiled engine's CommError with `message` (a failure the gradient path reported)."""
+        return _C.CommError(message)
+
     def run(self, what, fn, *args):
         """fn: a call into the compiled engine (BucketComm, GradPath). Only its CommError (a c10d call
         that failed: csrc/errors.h) is the communication's; any other error (a GradientError, running

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _C, _ops
+from .. import _ops
 from ..comm import BucketComm, OutOfStepError
 from ..config import Plan
 from ..layout import Layout
@@ -120,17 +120,13 @@ class GradReducer:
         # overlapped gather (each checks its bucket's gather was waited for), check_collectives
         # (each launch is described first). See [Note: the gradient path] in csrc/grad_path.cpp.
         self.always_python = plan.overlap_param_gather or plan.scales_loss or plan.check_collectives
-        slots = layout.slots
         # The compiled path calls back through weak references: it must not keep this reducer (and
         # with it the optimizer) alive, since the garbage collector cannot see references held in C++.
         me = weakref.ref(self)
-        self.path = _C.GradPath(
-            comm._impl,
+        self.path = comm.grad_path(
             params,
             names,
-            [s.bucket for s in slots],
-            [s.offset for s in slots],
-            [len(b.params) for b in layout.buckets],
+            layout,
             self.views or [],
             plan.grads_sharded,
             plan.overlap,
@@ -206,7 +202,7 @@ class GradReducer:
         bucket = self.layout.slots[index].bucket
         raise self.comm.failed(
             f"the gradient path at bucket {bucket} (its copy, or a reduce it launched or waited for)",
-            _C.CommError(message),
+            self.comm.error(message),
         )
 
     def _before_launch(self, bucket: int) -> None:
