@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .config import collective_names
+from .collectives import collective_names
 from .layout import Layout
 from .topology import group_timeout
 
@@ -159,7 +159,7 @@ def _options(struct, **fields):
 
 def collectives_for(backend: str, flat: bool) -> tuple[_C.Collective, _C.Collective]:
     """The (reduce, gather) collectives of a layout on a backend, as the compiled engine's enum:
-    config.collective_names chooses them."""
+    zerofast/collectives.py chooses them."""
     reduce, gather = collective_names(backend, flat)
     return _C.Collective.__members__[reduce], _C.Collective.__members__[gather]
 

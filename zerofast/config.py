@@ -17,13 +17,13 @@ extension was never built) and holds every default and every check of ZeroAdam's
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .collectives import debug_from_env
 from .partition import PARTITIONS
 from .quant import DEFAULT_STATE_BLOCK, MIN_STATE_BLOCK, STATE_BITS
 
@@ -336,21 +336,6 @@ def check_stage(stage, who: str = "ZeroAdam", stages=STAGES) -> None:
         raise ValueError(f"{who}: stage must be {words}; got {stage!r}")
 
 
-def check_hyper(where: str, g: dict) -> None:
-    """lr, betas, eps and weight_decay of the constructor or of one parameter group."""
-    lr, betas, eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
-    if not (_is_number(lr) and lr >= 0):
-        raise ValueError(f"ZeroAdam{where}: lr must be a number >= 0; got {lr!r}")
-    if not (
-        isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_number(b) and 0.0 <= b < 1.0 for b in betas)
-    ):
-        raise ValueError(f"ZeroAdam{where}: betas must be two numbers in [0, 1); got {betas!r}")
-    if not (_is_number(eps) and eps >= 0):
-        raise ValueError(f"ZeroAdam{where}: eps must be a number >= 0; got {eps!r}")
-    if not (_is_number(wd) and wd >= 0):
-        raise ValueError(f"ZeroAdam{where}: weight_decay must be a number >= 0; got {wd!r}")
-
-
 def resolve_plan(
     stage: int, *, adamw: bool = True, max_grad_norm: float | None = None, mixed_precision=None, comm=None, units=None
 ) -> Plan:
@@ -411,22 +396,6 @@ def resolve_plan(
         state_bits=precision.state_bits,
         state_block=precision.state_block,
     )
-
-
-def collective_names(backend: str, flat: bool) -> tuple[str, str]:
-    """The (reduce, gather) collectives of a layout on a backend, by name: the one place that
-    chooses them (zerofast/comm.py maps them onto the compiled engine's; the estimator counts them).
-    Owner layouts reduce to and broadcast from each owner. The flat layout uses NCCL's ring-optimal
-    reduce_scatter and all_gather, and on gloo all_reduce and broadcasts, which gloo runs faster
-    with the same result ([Note: collectives per backend] in csrc/buckets.cpp)."""
-    if not flat:
-        return "reduce", "broadcast"
-    return ("all_reduce", "broadcast") if backend == "gloo" else ("reduce_scatter", "all_gather")
-
-
-def debug_from_env() -> bool:
-    """ZEROFAST_DEBUG=1 turns check_collectives on where CommPolicy leaves it None."""
-    return os.environ.get("ZEROFAST_DEBUG", "0") not in ("", "0")
 
 
 # Where each keyword ZeroAdam took before the policies lives now, for the error that names it.

@@ -138,8 +138,8 @@ class CheckpointView:
     # at rest, copying into them in place restores the state, for a peer with the same layout (a
     # replica that heals from another: zerofast/integrations/torchft.py).
     flat_state: Callable[[], dict[str, torch.Tensor]]
-    # Steps the optimizer has taken (its count of step() calls that ended, committed or not) and its
-    # setter, for a state copied from a peer.
+    # Steps the optimizer has counted (every step() that ended, but one its replication did not
+    # commit) and its setter, for a state copied from a peer.
     steps_taken: Callable[[], int]
     set_steps_taken: Callable[[int], None]
 

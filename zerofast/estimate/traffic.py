@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from ..config import DEFAULT_BUCKET_MB, check_stage, collective_names, resolve_plan
+from ..collectives import collective_names
+from ..config import DEFAULT_BUCKET_MB, check_stage, resolve_plan
 from ..optim.agreement import AgreementLayout
 from ..optim.layouts import plan_layouts
 from ..stage3.schedule import CallRef, Schedule, UnitOp

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..config import check_hyper
+from .update import check_hyper
 
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 

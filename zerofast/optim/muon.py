@@ -61,12 +61,13 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from ..config import CommPolicy, _is_number, check_hyper, comm_policy, reject_moved, resolve_plan
+from ..config import CommPolicy, _is_number, comm_policy, reject_moved, resolve_plan
 from ..layout import Piece
 from ..partition import newton_schulz_flops
 from .base import ZeroOptimizer
 from .builder import trainable_params
 from .state import ShardState
+from .update import check_hyper
 
 __all__ = ["ZeroMuon", "zeropower_via_newtonschulz", "muon_update_", "adjust_lr", "newton_schulz_calls"]
 

@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from ..config import check_hyper, reject_moved, resolve_plan
+from ..config import reject_moved, resolve_plan
 from . import checks
 from .base import ZeroOptimizer, parts_of
 from .builder import trainable_params
-from .update import AdamUpdate
+from .update import AdamUpdate, check_hyper
 
 __all__ = ["ZeroAdam", "parts_of"]
 

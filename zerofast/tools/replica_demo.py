@@ -62,8 +62,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from zerofast import ZeroAdam
-    from zerofast.integrations.torchft import ReplicaGroups, _flat_state
-    from zerofast.optim.zero_adam import parts_of
+    from zerofast.integrations.torchft import ReplicaGroups
 
     dist.init_process_group("gloo")
     rank, k = dist.get_rank(), dist.get_world_size()
@@ -113,7 +112,7 @@ def worker(args) -> None:
             took=took,
         )
     digest = hashlib.sha256()
-    for t in _flat_state(parts_of(opt)).values():
+    for t in opt.checkpoint_view.flat_state().values():
         digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
     digests = [None] * k
     dist.all_gather_object(digests, digest.hexdigest())
