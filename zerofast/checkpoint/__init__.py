@@ -15,8 +15,11 @@ caller's `extra`, returned by load() as saved) and manifest.json (io.py, [Note: 
 Opening one runs no code from it (safe.py, [Note: safe checkpoints]).
 
 The package, by concern:
-  dcp.py      flat ranges as boxes (ShardedTensor chunks), the DCP state dict of a rank's pieces,
-              binding to the optimizer (ZeroAdam.state_dict / load_state_dict)
+  dcp.py      flat ranges as boxes, the DCP state dict of a rank's pieces, binding to the
+              optimizer (ZeroAdam.state_dict / load_state_dict)
+  chunked.py  ChunkedTensor: a rank's boxes of a tensor, as DCP saves and loads them (its
+              checkpointable protocol)
+  staging.py  Staging: an asynchronous save's copy of a rank's state
   io.py       save / load in atomic folders, the manifest, latest(), keep=K's purge, info(), upgrade()
   background.py  asynchronous saves: the writer thread, its gloo group, the AsyncSave handle
   safe.py     reading without running code: the small state as tagged JSON, DCP's metadata through
@@ -46,6 +49,7 @@ _LAZY = {
     "wait": (".background", "settle"),
     "from_torch": (".convert", "from_torch"),
     "to_torch": (".convert", "to_torch"),
+    "ChunkedTensor": (".chunked", "ChunkedTensor"),
     "boxes": (".dcp", "boxes"),
     "load_state_dict": (".dcp", "load_state_dict"),
     "state_dict": (".dcp", "state_dict"),
@@ -73,6 +77,7 @@ __all__ = [
     "state_dict",
     "load_state_dict",
     "boxes",
+    "ChunkedTensor",
     "main",
     "SafeReader",
     "SafeLoadPlanner",

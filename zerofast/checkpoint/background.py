@@ -4,7 +4,7 @@ save(..., blocking=False) returns.
 [Note: asynchronous save]
 save(blocking=False) does on the caller's thread what must see the live state: it waits for the
 previous asynchronous save, checks its arguments, encodes the small state, and copies the rank's
-shard into the optimizer's Staging (dcp.py; reused, never reallocated). Then it returns, and the
+shard into the optimizer's Staging (staging.py; reused, never reallocated). Then it returns, and the
 next step() may change the live state at once. The writer thread writes the staged copy exactly as
 a blocking save writes the live state (io._write: DCP into path + ".incomplete", rank 0 adds
 zerofast.json and manifest.json and renames it), so the folder still appears only when every rank's

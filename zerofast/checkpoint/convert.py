@@ -15,6 +15,7 @@ carry use_muon, and the view says per parameter which state it holds (a Muon mat
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ import torch.nn as nn
 
 from ..quant import code_of, dequantize, num_blocks, scale_kind
 from . import safe
-from .dcp import finish_load, groups_by_name, sharded_tensors
+from .dcp import finish_load, groups_by_name
 from .io import read_manifest, read_small
 from .view import Checkpointable, ShardedPart
 
@@ -86,7 +87,9 @@ def to_torch(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     muon = {n for g in small["param_groups"] if g.get("use_muon") for n in g["params"]}
     kinds = {n: MUON_KINDS if n in muon else ADAM_KINDS for n in names}
     moments = {n: _saved_moments(model_sd[n].shape, block, kinds[n]) for n in names}
-    with sharded_tensors():
+    with warnings.catch_warnings():
+        # DCP warns that it loads in one process when no process group is given: on purpose here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled.*", category=UserWarning)
         torch_dcp.load(
             {"model": model_sd, "optim": moments},
             storage_reader=safe.SafeReader(path),

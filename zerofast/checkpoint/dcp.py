@@ -19,29 +19,31 @@ The optimizer is read only through its CheckpointView (view.py): opt.checkpoint_
 A rank owns 1-D ranges of the flattened parameters (layout.pieces). DCP describes a shard as a
 rectangular chunk of the tensor (offsets and sizes per dimension), so each range is cut into at
 most 2 * ndim - 1 boxes of the row-major tensor: the tail of a partial first row, the full rows,
-the head of a partial last row, recursively. Every rank computes every rank's boxes from the
-layout (a pure function), so the ShardedTensors are built without a collective, padding is never
-written, and DCP's own resharding reads, for the loading configuration's boxes, whatever saved
-chunks overlap them: any world size, stage or partition on either side.
+the head of a partial last row, recursively. A rank computes its boxes from the layout (a pure
+function), without a collective, and padding is never written. Each tensor goes to DCP as a
+ChunkedTensor (chunked.py): this rank's boxes, views of the live state, behind DCP's checkpointable
+protocol. The metadata is DCP's TensorStorageMetadata, one chunk per box of every rank (DCP checks
+on save that they cover the tensor once), and DCP's own resharding reads, for the loading
+configuration's boxes, whatever saved chunks overlap them: any world size, stage or partition on
+either side. zerofast before ChunkedTensor gave DCP the same boxes as ShardedTensors: the same
+metadata and files, which load as they are (tests/test_checkpoint_format.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from ..quant import block_slice, code_of, num_blocks, scale_kind
 from . import safe
+from .chunked import ChunkedTensor
 from .view import Checkpointable, CheckpointView, ShardedPart
+
+if TYPE_CHECKING:
+    from .staging import Staging
 
 __all__ = [
     "boxes",
@@ -53,8 +55,6 @@ __all__ = [
     "groups_by_name",
     "state_dict",
     "load_state_dict",
-    "sharded_tensors",
-    "Staging",
 ]
 
 
@@ -106,9 +106,11 @@ def _exact(view: torch.Tensor) -> torch.Tensor:
 
 class _Chunks:
     """For every parameter of one sharded part (the trainable parameters' fp32 values and state, or
-    stage 3's frozen parameters in their own dtype: [Note: frozen parameters in stage 3]), every
+    stage 3's frozen parameters in their own dtype: [Note: frozen parameters in stage 3]), this
     rank's boxes under the part's layout. With `staged`, the values are views of its copy instead
-    of the live state."""
+    of the live state. Under hybrid sharding each replica describes the same boxes, and DCP's
+    planner writes each box once, the replicas splitting the writing between them (its dedup of
+    replicated writes, balanced by size)."""
 
     def __init__(
         self,
@@ -117,74 +119,41 @@ class _Chunks:
         staged: Staging | _Decoding | None = None,
         block: int | None = None,
     ):
-        self.facts = view.facts
-        # The boxes of every rank of this rank's shard group. Under hybrid sharding each replica
-        # describes the same boxes, and DCP's planner writes each box once, the replicas splitting
-        # the writing between them (its dedup of replicated writes, balanced by size).
-        rank, world, group = self.facts.shard_rank, self.facts.shard_size, self.facts.shard_group
         self.shapes = [tuple(p.shape) for _, p in part.params]
-        layout, self.dtype, self.device = part.layout, part.dtype, part.device
+        self.dtype, self.device = part.dtype, part.device
         self.view = part.piece_view if staged is None else staged.piece_view
-        self.global_ranks = [
-            dist.get_global_rank(group, r) if group is not dist.group.WORLD else r for r in range(world)
-        ]
-        # per parameter: [(rank, offsets, sizes)] over every rank; this rank's: [(piece, offsets, sizes, start)]
-        self.all: list[list[tuple[int, tuple, tuple]]] = [[] for _ in self.shapes]
+        # per parameter, this rank's boxes: [(piece, offsets, sizes, flat start)]
         self.mine: list[list[tuple]] = [[] for _ in self.shapes]
         # 8-bit state's scales: per parameter a 1-D tensor, one per block ([Note: 8-bit checkpoints])
         self.block = part.state_block if block is None else block  # the format saved (a load's: the checkpoint's)
         self.scale_shapes = [(num_blocks(_numel(s), self.block),) if self.block else () for s in self.shapes]
-        self.scale_all: list[list[tuple[int, tuple, tuple]]] = [[] for _ in self.shapes]
         self.scale_mine: list[list[tuple]] = [[] for _ in self.shapes]
-        for r in range(world):
-            for pc in layout.pieces(r):
-                for offsets, sizes, start in boxes(self.shapes[pc.param], pc.param_offset, pc.param_offset + pc.numel):
-                    self.all[pc.param].append((r, offsets, sizes))
-                    if r == rank:
-                        self.mine[pc.param].append((pc, offsets, sizes, start))
-                if self.block:
-                    blocks = block_slice(pc.param_offset, pc.numel, self.block)
-                    box = ((blocks.start,), (blocks.stop - blocks.start,))
-                    self.scale_all[pc.param].append((r, *box))
-                    if r == rank:
-                        self.scale_mine[pc.param].append((pc, *box, pc.param_offset))
+        for pc in part.layout.pieces(view.facts.shard_rank):
+            for offsets, sizes, start in boxes(self.shapes[pc.param], pc.param_offset, pc.param_offset + pc.numel):
+                self.mine[pc.param].append((pc, offsets, sizes, start))
+            if self.block:
+                blocks = block_slice(pc.param_offset, pc.numel, self.block)
+                self.scale_mine[pc.param].append((pc, (blocks.start,), (blocks.stop - blocks.start,), pc.param_offset))
 
     def _geometry(self, i: int, kind: str):
-        """Parameter i's `kind` as saved: (every rank's boxes, this rank's, shape, dtype)."""
+        """Parameter i's `kind` as saved: (this rank's boxes, shape, dtype)."""
         if self.block and kind.endswith("_scale"):
-            return self.scale_all[i], self.scale_mine[i], self.scale_shapes[i], torch.float32
+            return self.scale_mine[i], self.scale_shapes[i], torch.float32
         if self.block and kind != "master":
-            return self.all[i], self.mine[i], self.shapes[i], torch.uint8
-        return self.all[i], self.mine[i], self.shapes[i], self.dtype
+            return self.mine[i], self.shapes[i], torch.uint8
+        return self.mine[i], self.shapes[i], self.dtype
 
-    def sharded(self, i: int, kind: str) -> ShardedTensor:
+    def chunked(self, i: int, kind: str) -> ChunkedTensor:
         """Parameter i's `kind` ("master" or one of its optimizer state's kinds; with 8-bit state also
-        their scales) as a ShardedTensor of its shape whose local shards are this rank's boxes,
-        views of the live state (the part's piece_view)."""
-        every, mine, shape, dtype = self._geometry(i, kind)
-        local = []
+        their scales) as a ChunkedTensor of its shape whose chunks are this rank's boxes, views of
+        the live state (the part's piece_view)."""
+        mine, shape, dtype = self._geometry(i, kind)
+        chunks = []
         for pc, offsets, sizes, start in mine:
             flat = self.view(pc, kind)
             lo = start - pc.param_offset
-            box = _exact(flat[lo : lo + _numel(sizes)].view(sizes))
-            local.append(Shard(box, self._meta(offsets, sizes, self.facts.shard_rank, flat.device)))
-        dev = local[0].tensor.device if local else self.device
-        metas = [self._meta(o, z, r, dev) for r, o, z in every]
-        props = TensorProperties(
-            dtype=dtype,
-            layout=torch.strided,
-            requires_grad=False,
-            memory_format=torch.contiguous_format,
-            pin_memory=False,
-        )
-        meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size(shape), tensor_properties=props)
-        return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta, process_group=self.facts.group)
-
-    def _meta(self, offsets, sizes, rank, device) -> ShardMetadata:
-        where = "cpu" if device.type == "cpu" else f"cuda:{device.index}"
-        return ShardMetadata(
-            shard_offsets=list(offsets), shard_sizes=list(sizes), placement=f"rank:{self.global_ranks[rank]}/{where}"
-        )
+            chunks.append((offsets, _exact(flat[lo : lo + _numel(sizes)].view(sizes))))
+        return ChunkedTensor(shape, dtype, chunks, device=None if chunks else self.device)
 
 
 # --- the state dict: views into the live state (save reads them, load writes them) -----------------
@@ -202,9 +171,9 @@ def _model_entries(
     for key, value in model.state_dict(keep_vars=True).items():
         i = view.trainable.index(value)
         j = view.frozen.index(value) if i is None and view.frozen is not None else None
-        if j is not None:  # tied: one ShardedTensor under each name
+        if j is not None:  # tied: one ChunkedTensor under each name
             if j not in frozen:
-                frozen[j] = frozen_chunks.sharded(j, "master")
+                frozen[j] = frozen_chunks.chunked(j, "master")
             out[key] = frozen[j]
             continue
         if i is None:
@@ -212,8 +181,8 @@ def _model_entries(
                 value.detach() if staged is None or isinstance(value, nn.Parameter) else staged.buffer(key, value)
             )
             continue
-        if i not in master:  # a tied weight: one ShardedTensor under each of its names
-            master[i] = chunks.sharded(i, "master")
+        if i not in master:  # a tied weight: one ChunkedTensor under each of its names
+            master[i] = chunks.chunked(i, "master")
         out[key] = master[i]
     return out
 
@@ -230,7 +199,7 @@ def _optim_entries(part: ShardedPart, chunks: _Chunks) -> dict[str, Any]:
     """Per parameter name, its optimizer state by kind (Adam's exp_avg and exp_avg_sq, or a ZeroMuon
     matrix's momentum_buffer: what the view says it holds; 8-bit state: saved_kinds)."""
     return {
-        name: {kind: chunks.sharded(i, kind) for kind in saved_kinds(part, i)}
+        name: {kind: chunks.chunked(i, kind) for kind in saved_kinds(part, i)}
         for i, (name, _) in enumerate(part.params)
     }
 
@@ -314,7 +283,7 @@ class _Decoding:
         chunks = _Chunks(view, self.part, self, block=self.saved_block)
         out = {}
         for i, (name, _) in enumerate(self.part.params):
-            out[name] = {kind: chunks.sharded(i, kind) for kind in self.part.kinds[i]}
+            out[name] = {kind: chunks.chunked(i, kind) for kind in self.part.kinds[i]}
             for kind in self.part.kinds[i] if self.saved_block else ():
                 out[name][scale_kind(kind)] = self.scales[(i, kind)]
         return out
@@ -329,79 +298,6 @@ class _Decoding:
                     index = (torch.arange(pc.numel) + pc.param_offset) // self.saved_block
                     values = code_of(kind)[values.long()] * scales[index]  # quant.dequantize's product
                 self.part.write_piece(pc, kind, values.to(self.part.device))
-
-
-class Staging:
-    """An asynchronous save's copy of one rank's state, reused by every save of the optimizer (the
-    buffers are made by the first and refilled by the next, never reallocated): the fp32 master and
-    the flat buffers of this rank's shard that its optimizer state lives in (exp_avg, exp_avg_sq),
-    one flat tensor each, at the shard's own offsets (so a piece's view is the same slice as in the
-    live state), and the model's buffers (which
-    forwards may change: BatchNorm's statistics). Parameters that are not trained (frozen ones,
-    sharded or not) are written from the live state: step() never changes them. On a GPU the copy
-    lives in pinned host memory, so that the device-to-host copies run at full speed and the
-    writer thread reads host memory. Its size is the shard: 3 x 4 bytes per owned element, plus
-    the buffers (nbytes())."""
-
-    def __init__(self):
-        self.flat: dict[str, torch.Tensor] = {}  # by the shard's buffer name ("master", "exp_avg", ...)
-        self.buffers: dict[str, torch.Tensor] = {}
-        self.buffer_of = lambda kind: kind  # the part's, once copied
-        self.block = 0  # the part's state_block, once copied
-
-    def _host(self, device: torch.device, shape, dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
-
-    def copy_from(self, view: CheckpointView) -> None:
-        """Copy the trainable part's state in (the caller has quiesced the optimizer): the master and
-        every flat buffer its kinds live in, each once; returns when the copy is complete, so the
-        live state may change at once."""
-        part = view.trainable
-        self.block = part.state_block
-        numel = part.layout.shard_numel(view.facts.shard_rank)
-        names = {"master"} | {part.buffer_of(k) for i in range(len(part.params)) for k in saved_kinds(part, i)}
-        with torch.no_grad():
-            for name in sorted(names):
-                size, dtype = numel, torch.float32
-                if self.block and name.endswith("_scale"):
-                    size = num_blocks(numel, self.block)
-                elif self.block and name != "master":
-                    dtype = torch.uint8  # 8-bit moments, as stored
-                out = self.flat.get(name)
-                if out is None or out.numel() != size or out.dtype != dtype:
-                    out = self.flat[name] = self._host(part.device, (size,), dtype)
-                for pc in part.pieces:  # a buffer by any kind it holds: the same memory
-                    out[self._range(pc, name)].copy_(part.piece_view(pc, name), non_blocking=True)
-        self.buffer_of = part.buffer_of
-        self._device = part.device
-
-    def _range(self, pc, name: str) -> slice:
-        """Where a piece's values of the buffer `name` sit in it: its elements, or its blocks' scales."""
-        if self.block and name.endswith("_scale"):
-            return block_slice(pc.state_offset, pc.numel, self.block)
-        return slice(pc.state_offset, pc.state_offset + pc.numel)
-
-    def buffer(self, key: str, live: torch.Tensor) -> torch.Tensor:
-        """The copy of the model's buffer `key` (made or refilled now)."""
-        out = self.buffers.get(key)
-        if out is None or out.shape != live.shape or out.dtype != live.dtype:
-            out = self.buffers[key] = self._host(live.device, live.shape, live.dtype)
-        with torch.no_grad():
-            out.copy_(live.detach(), non_blocking=True)
-        return out
-
-    def synchronize(self) -> None:
-        """Wait for the device-to-host copies (no-op on the CPU)."""
-        if getattr(self, "_device", torch.device("cpu")).type == "cuda":
-            torch.cuda.current_stream(self._device).synchronize()
-
-    def piece_view(self, pc, kind: str) -> torch.Tensor:
-        # by the shard's own buffer: [Note: Muon's momentum in exp_avg's slot] in zerofast/optim/state.py
-        name = self.buffer_of(kind)
-        return self.flat[name][self._range(pc, name)]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in [*self.flat.values(), *self.buffers.values()])
 
 
 def groups_by_name(view: CheckpointView) -> list[dict]:
@@ -441,18 +337,6 @@ def finish_load(view: CheckpointView, small: dict[str, Any]) -> None:
     if small["loss_scaler"] is not None:
         view.load_loss_scaler_state(small["loss_scaler"])
     view.sync_params_from_master()
-
-
-@contextlib.contextmanager
-def sharded_tensors():
-    """DCP warns that ShardedTensor is deprecated in favour of DTensor; but a DTensor shards each
-    dimension evenly, and a rank's flat range of a parameter is a few boxes of any shape
-    ([Note: flat slices as chunks]), which only ShardedTensor's per-shard metadata can describe."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*", category=FutureWarning)
-        # export / to_torch read in one process, without a process group, on purpose
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled.*", category=UserWarning)
-        yield
 
 
 # --- binding to the optimizer: ZeroAdam.state_dict / load_state_dict ------------------------------

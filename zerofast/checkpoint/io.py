@@ -34,7 +34,8 @@ import torch.nn as nn
 from .._version import __version__
 from . import background, safe
 from .background import AsyncSave
-from .dcp import Staging, finish_load, loading_tensors, sharded_tensors, small_state, tensors
+from .dcp import finish_load, loading_tensors, small_state, tensors
+from .staging import Staging
 from .view import Checkpointable, CheckpointView
 
 __all__ = [
@@ -73,7 +74,7 @@ def save(
     delete all but the K latest complete checkpoints beside it ([Note: which checkpoint is the
     latest]), never this one. Returns path.
 
-    blocking=False: copy this rank's shard (into memory reused by every such save: dcp.Staging) and
+    blocking=False: copy this rank's shard (into memory reused by every such save: staging.Staging) and
     return an AsyncSave handle (.wait(), .done()) while a background thread writes the copy; the
     next step() may run at once. A second save, load() and the process's exit wait for it; its
     error is raised by .wait() or by the next save / load ([Note: asynchronous save])."""
@@ -99,16 +100,14 @@ def save(
         os.makedirs(path + INCOMPLETE)  # visible at once: a trainer's folder never looks finished without it
     if blocking:
         dist.barrier(group=f.group)
-        with sharded_tensors():
-            state = tensors(model, view)
+        state = tensors(model, view)
         _write(path, state, f.group, f.rank, small, manifest, keep)
         return path
     group = background.checkpoint_group(f.group, f.world_size)  # every rank, here: also the barrier above's role
     staged = _STAGING.get(view)
     if staged is None:
         staged = _STAGING[view] = Staging()
-    with sharded_tensors():
-        state = tensors(model, view, staged)
+    state = tensors(model, view, staged)
     staged.synchronize()
     dist.barrier(group=f.group)  # the stale ".incomplete" is gone on every rank's view before any writes
     return background.submit(path, lambda: _write(path, state, group, f.rank, small, manifest, keep))
@@ -139,8 +138,7 @@ def _write(path: str, state: dict, group, rank: int, small: bytes, manifest: dic
     folder (best effort)."""
     tmp = path + INCOMPLETE
     try:
-        with sharded_tensors():
-            torch_dcp.save(state, checkpoint_id=tmp, process_group=group)
+        torch_dcp.save(state, checkpoint_id=tmp, process_group=group)
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -178,15 +176,14 @@ def load(path: str, model: nn.Module, opt: Checkpointable) -> dict:
     view = opt.checkpoint_view
     manifest = _check_manifest(path, view)
     small = read_small(path)
-    with sharded_tensors():
-        # fp32 and 8-bit state load into each other: [Note: 8-bit checkpoints] in dcp.py
-        state, convert = loading_tensors(model, view, manifest.get("state_block", 0))
-        torch_dcp.load(
-            state,
-            storage_reader=safe.SafeReader(path),
-            planner=safe.SafeLoadPlanner(),
-            process_group=view.facts.group,
-        )
+    # fp32 and 8-bit state load into each other: [Note: 8-bit checkpoints] in dcp.py
+    state, convert = loading_tensors(model, view, manifest.get("state_block", 0))
+    torch_dcp.load(
+        state,
+        storage_reader=safe.SafeReader(path),
+        planner=safe.SafeLoadPlanner(),
+        process_group=view.facts.group,
+    )
     convert()
     finish_load(view, small)
     return small["extra"]

@@ -1,0 +1,115 @@
+"""ChunkedTensor: a tensor of which this rank holds some rectangular chunks, each a plain tensor (a
+view of the live state), as torch.distributed.checkpoint (DCP) saves and loads it.
+
+A rank's flat range of a parameter is a few boxes of any shape ([Note: flat slices as chunks] in
+dcp.py). A DTensor cannot describe them (it shards each dimension evenly, one block per rank), and
+ShardedTensor, which could, is deprecated. DCP asks a value of a state dict three things, through the
+protocol DTensor implements (torch.distributed._checkpointable._Checkpointable; DCP's planner calls
+it on any value that has the methods, in torch 2.11 to 2.14 alike):
+  __create_write_items__  what to write: one WriteItem per chunk (its offsets and sizes, the
+                          tensor's global size and dtype), which DCP gathers into the metadata's
+                          TensorStorageMetadata, one ChunkStorageMetadata per chunk;
+  __create_chunk_list__   what to load: the chunks, against which DCP's resharding reads whatever
+                          saved chunks overlap them;
+  __get_tensor_shard__    the chunk's tensor at a chunk's offsets (saving reads it, loading copies
+                          into it).
+That is the metadata a ShardedTensor's shards gave DCP, so the files are the same: checkpoints written
+with ShardedTensor (zerofast before this class) and with it load into each other's configurations.
+
+It is a torch.Tensor (a wrapper subclass of the global shape, dtype and device, holding no storage
+of its own) because DCP looks values up (find_state_dict_object) and prepares them for loading
+(_init_state_dict) as tensors; any operation on it is an error: it describes chunks, it is not a
+tensor to compute with. Its chunks are `.chunks`. (torch 2.14 adds another protocol,
+CheckpointableTensor: attributes on one local tensor whose chunks are boxes of it in the global
+tensor's number of dimensions; a flat range's boxes are views of a 1-D buffer, and torch 2.11 does
+not have it.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+__all__ = ["ChunkedTensor"]
+
+
+class ChunkedTensor(torch.Tensor):
+    """A tensor of `shape` and `dtype` of which this rank holds `chunks`: [(offsets, tensor)], each
+    tensor the box at those offsets (its shape the box's sizes, the same dtype), none overlapping
+    (the ranks' chunks together cover the tensor once: DCP checks this when it saves)."""
+
+    _chunks: list[tuple[torch.Size, torch.Tensor]]
+    _at: dict[torch.Size, torch.Tensor]
+
+    @staticmethod
+    def __new__(
+        cls, shape: tuple[int, ...], dtype: torch.dtype, chunks: list[tuple[tuple[int, ...], torch.Tensor]], device=None
+    ) -> ChunkedTensor:
+        shape = torch.Size(shape)
+        for offsets, t in chunks:
+            if len(offsets) != len(shape) or t.dim() != len(shape) or t.dtype != dtype:
+                raise ValueError(
+                    f"ChunkedTensor: a chunk at {tuple(offsets)} of {t.dtype} and shape {tuple(t.shape)} in a "
+                    f"tensor of {dtype} and shape {tuple(shape)}"
+                )
+            if any(o < 0 or o + s > n for o, s, n in zip(offsets, t.shape, shape)):
+                raise ValueError(
+                    f"ChunkedTensor: the chunk at {tuple(offsets)} of shape {tuple(t.shape)} lies outside "
+                    f"the tensor's shape {tuple(shape)}"
+                )
+        if device is None:
+            device = chunks[0][1].device if chunks else torch.device("cpu")
+        out = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
+        out._chunks = [(torch.Size(o), t) for o, t in chunks]
+        out._at = dict(out._chunks)
+        return out
+
+    @property
+    def chunks(self) -> list[tuple[torch.Size, torch.Tensor]]:
+        """This rank's chunks: [(offsets, tensor)]."""
+        return list(self._chunks)
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        boxes = ", ".join(f"{tuple(o)}+{tuple(t.shape)}" for o, t in self._chunks)
+        return f"ChunkedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, chunks=[{boxes}])"
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(
+            f"ChunkedTensor does not support {func}: it describes this rank's chunks of a tensor for "
+            f"torch.distributed.checkpoint (its chunks are .chunks), it is not a tensor to compute with"
+        )
+
+    # --- DCP's checkpointable protocol (torch.distributed._checkpointable._Checkpointable) ---------
+
+    def __create_write_items__(self, fqn: str, object: Any) -> list[WriteItem]:
+        properties = TensorProperties(
+            dtype=self.dtype,
+            layout=torch.strided,
+            requires_grad=False,
+            memory_format=torch.contiguous_format,
+            pin_memory=False,
+        )
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=t.shape), properties=properties, size=self.shape
+                ),
+            )
+            for offsets, t in self._chunks
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=offsets, sizes=t.shape) for offsets, t in self._chunks]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        found = self._at.get(index.offset) if index.offset is not None else None
+        if found is None:
+            raise ValueError(f"ChunkedTensor: no chunk of {index.fqn!r} at offsets {index.offset} on this rank")
+        return found
