@@ -8,7 +8,8 @@ exactly as stage 3 shards a trained model's frozen parameters ([Note: frozen par
 in zerofast/stage3/frozen.py), with the same code: units.py plans the units, frozen.py lays out the
 frozen part and builds its FrozenShard and gather-only BucketComm, runtime.py's UnitBuffers and
 UnitTracker gather and release each unit around the modules that use it (the schedule of
-schedule.py, two units in flight), and hf_generation.py makes generate() sync the ranks. What
+schedule.py, two units in flight), and a model host (zerofast/integrations/hf_generation.py, once
+imported: extensions.py) makes generate() sync the ranks. What
 differs from ZeroAdam's frozen part is only what is absent: no trainable part, so the frozen part
 is the UnitBuffers' only part, and no optimizer.
   - Every parameter is frozen (requires_grad=False): the model is never trained through this.

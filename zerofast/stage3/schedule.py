@@ -76,10 +76,12 @@ that runs one forward more than another would wait in a gather nobody joins. Two
   - unit by unit (any forward outside the block): each forward gathers every unit once (the
     schedule above, two units in flight), so every rank must run the same number of forwards.
     Hugging Face's generate() does so with synced_gpus=True: a rank that has finished keeps
-    running forwards (with a flag all_reduce per token) until every rank has. zerofast turns it on
-    by itself for a stage-3 model (zerofast/integrations/hf_generation.py) outside the block, and
-    off inside it, where the flag's all_reduce would be the only collective; synced_gpus=False
-    outside the block raises GenerationSyncError on every rank at once. A loop of one's own that
+    running forwards (with a flag all_reduce per token) until every rank has. zerofast's Hugging
+    Face integration, once imported (zerofast/integrations/hf_generation.py, a model host: [Note:
+    stage-3 extension points] in extensions.py), turns it on for a stage-3 model outside the block,
+    and off inside it, where the flag's all_reduce would be the only collective; synced_gpus=False
+    outside the block raises GenerationSyncError on every rank at once. A generate() that no host
+    serves raises at once outside the block, on every rank that calls it. A loop of one's own that
     calls the model must either run inside the block or run the same number of forwards on every
     rank.
 """
