@@ -54,7 +54,16 @@ _PRELOAD = [
     "zerofast.optim.zero_adam",
     "zerofast.checkpoint.io",
 ]
-_PRELOAD += ["zerofast.tools.models", "transformers", "harness", "oracles"]
+_PRELOAD += [
+    "zerofast.tools.models",
+    "transformers",
+    "harness",
+    "tolerances",
+    "models",
+    "training",
+    "oracles",
+    "probes",
+]
 _CONTEXT = None
 
 

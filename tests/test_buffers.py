@@ -8,16 +8,10 @@ import time
 import pytest
 import torch
 from harness import run_ranks
-from oracles import (
-    HYPER,
-    fp32_tol,
-    held_tensor_bytes,
-    max_abs_diff,
-    rank_batch,
-    single_process_adamw,
-    train_steps,
-    zero_options,
-)
+from oracles import single_process_adamw
+from probes import held_tensor_bytes
+from tolerances import HYPER, fp32_tol, max_abs_diff
+from training import rank_batch, train_steps, zero_options
 
 from zerofast import ZeroAdam
 from zerofast.optim.zero_adam import parts_of

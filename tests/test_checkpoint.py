@@ -12,17 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import run_ranks
-from oracles import (
-    HYPER,
-    Quirky,
-    fp32_tol,
-    full_master,
-    global_batch,
-    max_abs_diff,
-    rank_batch,
-    train_steps,
-    zero_options,
-)
+from models import Quirky
+from probes import full_master
+from tolerances import HYPER, fp32_tol, max_abs_diff
+from training import global_batch, rank_batch, train_steps, zero_options
 
 from zerofast import ZeroAdam
 from zerofast import checkpoint as ck

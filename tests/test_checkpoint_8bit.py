@@ -14,7 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import run_ranks
-from oracles import HYPER, full_master, train_same_batch
+from probes import full_master
+from tolerances import HYPER
+from training import train_same_batch
 
 from zerofast import CommPolicy, MixedPrecisionPolicy, ZeroAdam
 from zerofast import checkpoint as ck

@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 from harness import run_ranks
-from oracles import HYPER, max_abs_diff, rank_batch, train_steps
+from tolerances import HYPER, max_abs_diff
+from training import rank_batch, train_steps
 
 from zerofast import CommPolicy, ZeroAdam, ZeroMuon
 from zerofast.tools.models import make_gpt
@@ -17,7 +18,7 @@ from zerofast.tools.models import make_gpt
 STEPS = 4
 # Compiled and eager code reduce in other orders (Inductor fuses layer norm, softmax and the loss
 # differently), which is the same kind of difference as the multi-rank tests' reduction orders:
-# the same tolerance and the same argument (tests/oracles.py, HYPER's eps).
+# the same tolerance and the same argument (tests/tolerances.py, HYPER's eps).
 TOL = 2e-5
 
 

@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 from harness import run_ranks
-from oracles import HYPER, rank_batch
+from tolerances import HYPER
+from training import rank_batch
 
 from zerofast import ZeroAdam
 from zerofast.tools.estimate import main as estimate_main
@@ -146,16 +147,23 @@ def test_zero_adam_takes_at_most_twelve_keywords_and_the_policies():
 
 
 def test_zero_adam_is_a_thin_front():
-    """ZeroAdam holds the torch.optim surface and the order of a step: at most 20 public members of
-    its own beyond torch.optim.Optimizer's, reports in one dataclass, checkpoints through one view."""
-    from zerofast import ZeroMuon
+    """The shared front (ZeroOptimizer) holds the torch.optim surface and the order of a step: at
+    most 20 public members of its own beyond torch.optim.Optimizer's, reports in one dataclass,
+    checkpoints through one view. ZeroAdam and ZeroMuon are siblings over it: each adds its
+    constructor (ZeroMuon also muon_names), neither is a kind of the other, and neither overrides a
+    step of the front."""
+    from zerofast import ZeroMuon, ZeroOptimizer
 
-    own = {n for n in vars(ZeroAdam) if not n.startswith("_")} | {"model", "plan"}  # + its two attributes
+    own = {n for n in vars(ZeroOptimizer) if not n.startswith("_")} | {"model", "plan"}  # + its two attributes
     assert len(own) <= 20, sorted(own)
     assert {"report", "checkpoint_view", "step", "state_dict"} <= own
+    assert ZeroAdam.__bases__ == (ZeroOptimizer,) and ZeroMuon.__bases__ == (ZeroOptimizer,)
+    assert not issubclass(ZeroMuon, ZeroAdam) and not issubclass(ZeroAdam, ZeroMuon)
+    assert {n for n in vars(ZeroAdam) if not n.startswith("_")} == set()
     assert {n for n in vars(ZeroMuon) if not n.startswith("_")} == {"muon_names"}
-    # ZeroMuon configures the same builder: no hook of ZeroAdam's is overridden.
-    assert not {n for n in vars(ZeroMuon) if n.startswith("_") and not n.startswith("__")}
+    for front in (ZeroAdam, ZeroMuon):  # only the constructor: no step of the front is overridden
+        assert {n for n in vars(front) if n.startswith("_") and not n.startswith("__")} == set()
+        assert {n for n in vars(front) if n.startswith("__") and callable(vars(front)[n])} == {"__init__"}
 
 
 def test_the_checkpoint_package_imports_nothing_of_the_optimizer():

@@ -4,7 +4,8 @@ step. World size 1 (runs on a machine with one GPU); skips without a GPU and CUD
 import pytest
 import torch
 from harness import run_ranks
-from oracles import HYPER, fp32_tol, lp_param_tol, max_abs_diff, rank_batch, zero_options
+from tolerances import HYPER, fp32_tol, lp_param_tol, max_abs_diff
+from training import rank_batch, zero_options
 
 import zerofast
 
@@ -91,7 +92,7 @@ def test_mixed_precision_nccl_world1_matches_torch(precision, scaler):
     )
     assert history == [h[:2] for h in want_history]
     diff = max_abs_diff(got, want)
-    tol = lp_param_tol(dtype, STEPS, want)  # see the tolerances in tests/oracles.py
+    tol = lp_param_tol(dtype, STEPS, want)  # see the tolerances in tests/tolerances.py
     assert diff <= tol, f"{precision}: {diff:.3g} > {tol:.3g}"
 
 

@@ -9,7 +9,7 @@ zerofast issues on it. ProcessGroupGloo (torch/csrc/distributed/c10d/ProcessGrou
 ProcessGroupGlooCuda.cpp / ProcessGroupGlooDetail.hpp in newer torch) accepts at::kCUDA in
 allreduce, reduce and broadcast: each copies the tensor into pinned host memory on a stream that
 waits for the caller's, runs the collective on the host, copies back, and Work::wait() makes the
-caller's stream wait for the copy back. zerofast's collectives on gloo (config.collective_names)
+caller's stream wait for the copy back. zerofast's collectives on gloo (collectives.collective_names)
 are all_reduce + broadcast for the flat layout and reduce + broadcast for the owner layouts
 (round_robin, greedy), so both layouts run here. What gloo does NOT take with CUDA tensors:
 allreduce_coalesced (CPU only), which zerofast issues only for hybrid sharding's replicas when
@@ -47,16 +47,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from harness import RankFailed, run_ranks
-from oracles import (
-    HYPER,
-    fp32_tol,
-    global_batch,
-    lp_param_tol,
-    max_abs_diff,
-    rank_batch,
-    single_process_mixed,
-    zero_options,
-)
+from oracles import single_process_mixed
+from tolerances import HYPER, fp32_tol, lp_param_tol, max_abs_diff
+from training import global_batch, rank_batch, zero_options
 
 import zerofast
 
@@ -285,7 +278,7 @@ def _bf16(device: str, world: int) -> dict[str, torch.Tensor]:
 def _check(case: Case, device: str, world: int, per_rank: list[dict]) -> None:
     if case.precision == "bf16":
         want = _bf16(device, world)
-        tol = lp_param_tol(torch.bfloat16, STEPS, want)  # see the tolerances in tests/oracles.py
+        tol = lp_param_tol(torch.bfloat16, STEPS, want)  # see the tolerances in tests/tolerances.py
     else:
         want = _adamw(device, world, case.micro, case.clip_norm, case.clip_value)
         # fp32_tol assumes a sum of at most 4 gradients per element per step; no_sync sums

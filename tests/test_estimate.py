@@ -12,10 +12,12 @@ import sys
 import pytest
 import torch
 from harness import run_ranks
-from oracles import Nested, rank_batch
+from models import Nested
+from training import rank_batch
 
 from zerofast import CommPolicy, UnitPolicy, ZeroAdam
-from zerofast.config import collective_names, resolve_plan
+from zerofast.collectives import collective_names
+from zerofast.config import resolve_plan
 from zerofast.estimate.memory import estimate_memory
 from zerofast.estimate.timemodel import Cluster, Link, collective_time, link_of, predict
 from zerofast.estimate.traffic import AGREEMENT_EXTRA, Op, estimate_traffic

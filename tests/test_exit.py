@@ -1,5 +1,5 @@
 """Every process ends cleanly ([Note: clean exit] in csrc/work_keeper.cpp): ranks launched as their
-own interpreters (tests/exit_job.py), as torchrun launches them, exit 0 however their collectives
+own interpreters (tests/jobs/exit_job.py), as torchrun launches them, exit 0 however their collectives
 stand at exit.
 
 The first test reproduces the abort finished jobs showed now and then (a gloo thread that must take
@@ -21,7 +21,7 @@ from harness import ROOT, free_port, launch_env
 
 from zerofast import checkpoint
 
-JOB = os.path.join(ROOT, "tests", "exit_job.py")
+JOB = os.path.join(ROOT, "tests", "jobs", "exit_job.py")
 
 
 def _launch(*args: str, world: int = 2, timeout: float = 120) -> list[subprocess.CompletedProcess]:
@@ -74,7 +74,8 @@ def _kept_after_steps(rank: int, world: int) -> dict[str, list[int]]:
     next forward), and once a step is over."""
     import time
 
-    from oracles import HYPER, rank_batch, zero_options
+    from tolerances import HYPER
+    from training import rank_batch, zero_options
 
     from zerofast import _C, ZeroAdam
     from zerofast.tools.models import make_gpt

@@ -21,7 +21,8 @@ from datetime import timedelta
 import pytest
 import torch
 from harness import context, free_port, run_ranks
-from oracles import HYPER, rank_batch, train_steps, zero_options
+from tolerances import HYPER
+from training import rank_batch, train_steps, zero_options
 
 from zerofast import ZeroAdam
 from zerofast.optim.zero_adam import parts_of

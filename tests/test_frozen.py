@@ -14,7 +14,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from harness import run_ranks
-from oracles import HYPER, fp32_tol, layout_of, max_abs_diff, param_bytes, single_process, train_steps, zero_options
+from oracles import single_process
+from probes import layout_of, param_bytes
+from tolerances import HYPER, fp32_tol, max_abs_diff
+from training import train_steps, zero_options
 
 from zerofast import ZeroAdam
 from zerofast import checkpoint as ck
@@ -24,7 +27,7 @@ from zerofast.tools.models import make_gpt
 
 STEPS = 3
 DEEP = 4  # blocks of the mostly frozen GPT: more than the two a rank may hold gathered at once
-TOL = fp32_tol(STEPS)  # see the tolerances in tests/oracles.py
+TOL = fp32_tol(STEPS)  # see the tolerances in tests/tolerances.py
 
 
 class LoRA(nn.Module):

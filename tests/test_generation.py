@@ -11,7 +11,8 @@ import copy
 import pytest
 import torch
 from harness import run_ranks
-from oracles import HYPER, gathered_bytes, unit_bytes
+from probes import gathered_bytes, unit_bytes
+from tolerances import HYPER
 
 from zerofast import UnitPolicy, ZeroAdam
 from zerofast.optim.zero_adam import parts_of
@@ -52,7 +53,10 @@ def greedy(model, ids, new, **kw) -> torch.Tensor:
 
 
 def sharded(model):
-    """A stage-3 ZeroAdam over `model`, one unit per block (min_unit_mb=0); the model and it."""
+    """A stage-3 ZeroAdam over `model`, one unit per block (min_unit_mb=0); the model and it. With
+    Hugging Face's generate() synced by its integration, as a user asks for it."""
+    import zerofast.integrations.hf_generation  # noqa: F401
+
     opt = ZeroAdam(model, stage=3, units=UnitPolicy(min_unit_mb=0), **HYPER)
     return model, opt
 
@@ -279,3 +283,49 @@ def test_a_peft_model_generates_in_both_modes():
     calls the inner model's, which zerofast syncs; the tokens equal the unsharded PeftModel's."""
     for rank, out in enumerate(run_ranks(_peft, world_size=2, timeout=180)):
         assert out == (True, True), f"{rank=}"
+
+
+class _Looping(torch.nn.Module):
+    """A model of no library zerofast knows, with a generate() of its own: a forward per token until
+    a per-rank length."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3)))
+
+    def forward(self, x):
+        return self.blocks(x)
+
+    def generate(self, x, steps):
+        for _ in range(steps):
+            x = self.forward(x)
+        return x
+
+
+def _unsynced_generate(rank, world):
+    """generate() of a model no integration serves: unit by unit it raises on every rank at once
+    (ranks asking for different lengths would otherwise wait in a gather); inside gathered_params()
+    it runs, each rank its own length, and equals the unsharded model's; remove_hooks() restores the
+    class's generate()."""
+    model = _Looping()
+    oracle = copy.deepcopy(model)
+    opt = ZeroAdam(model, stage=3, units=UnitPolicy(modules=torch.nn.Linear, min_unit_mb=0), **HYPER)
+    x = torch.ones(2, 8)
+    out = {}
+    try:
+        model.generate(x, steps=2 + rank)
+    except RuntimeError as e:
+        out["error"] = str(e)
+    with opt.gathered_params(), torch.no_grad():
+        out["in_block"] = torch.equal(model.generate(x, steps=2 + rank), oracle.generate(x, steps=2 + rank))
+    opt.remove_hooks()
+    out["restored"] = "generate" not in model.__dict__
+    return out
+
+
+def test_generate_that_no_integration_syncs_raises_at_once_on_every_rank():
+    for r in run_ranks(_unsynced_generate, 2):
+        assert "_Looping.generate() on a ZeRO stage-3 model across 2 ranks" in r["error"]
+        assert "gathered_params()" in r["error"]
+        assert r["in_block"] and r["restored"]

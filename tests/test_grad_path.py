@@ -9,7 +9,10 @@ import pytest
 import torch
 import torch.nn as nn
 from harness import run_ranks
-from oracles import HYPER, Quirky, fp32_tol, max_abs_diff, rank_batch, single_process_quirky, zero_options
+from models import Quirky
+from oracles import single_process_quirky
+from tolerances import HYPER, fp32_tol, max_abs_diff
+from training import rank_batch, zero_options
 
 from zerofast import ZeroAdam
 from zerofast.comm import GradientError

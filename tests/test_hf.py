@@ -1,7 +1,7 @@
 """zerofast.integrations.hf: ZeroTrainer (transformers.Trainer with ZeroAdam) in real launches,
 2 CPU ranks under torchrun (gloo), against the framework's own path, Trainer + DDP with its AdamW,
 on the same arguments: accumulation 2, clipping 1.0, warmup + linear schedule, weight decay
-(tests/hf_job.py runs the jobs). Also: resuming checkpoint-2 in a fresh launch, at another stage
+(tests/jobs/hf_job.py runs the jobs). Also: resuming checkpoint-2 in a fresh launch, at another stage
 and at another world size; save_model() loaded by from_pretrained; LoRA (peft) in stage 3 with
 gradient checkpointing; TRL's SFTTrainer with the mixin; the clear errors and a step skipped on
 an fp16 overflow (one process)."""
@@ -15,12 +15,12 @@ import sys
 import pytest
 import torch
 from harness import launch_env
-from oracles import fp32_tol
+from tolerances import fp32_tol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOB = os.path.join(ROOT, "tests", "hf_job.py")
+JOB = os.path.join(ROOT, "tests", "jobs", "hf_job.py")
 STEPS = 4  # hf_job.STEPS
-# Parameters: fp32_tol (tests/oracles.py): the same argument as every multi-rank test. Logged loss
+# Parameters: fp32_tol (tests/tolerances.py): the same argument as every multi-rank test. Logged loss
 # and grad_norm: computed from parameters that differ by at most fp32_tol(step) relative to their
 # scale; in these 2-layer models a relative parameter change reaches the loss through at most 8
 # chained products (2 layers x (attention: 2, MLP: 2)), each carrying it once: 8 x fp32_tol(STEPS)

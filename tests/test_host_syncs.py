@@ -16,9 +16,10 @@ from collections import Counter
 import pytest
 import torch
 from harness import run_ranks
-from oracles import HYPER, rank_batch, zero_options
+from tolerances import HYPER
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from training import rank_batch, zero_options
 
 # Tensor methods that move a value to the host (on CUDA: wait for the stream).
 _READS = {

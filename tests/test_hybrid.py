@@ -20,18 +20,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import free_port, run_ranks
-from oracles import (
-    HYPER,
-    Nested,
-    fp32_tol,
-    full_master,
-    max_abs_diff,
-    model_loss,
-    norm_rel_tol,
-    rank_batch,
-    single_process,
-    zero_options,
-)
+from models import Nested, model_loss
+from oracles import single_process
+from probes import full_master
+from tolerances import HYPER, fp32_tol, max_abs_diff, norm_rel_tol
+from training import rank_batch, zero_options
 
 from zerofast import CommPolicy, ZeroAdam
 from zerofast import checkpoint as ck
@@ -39,14 +32,14 @@ from zerofast.optim.grads import AgreementLayout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-STEPS, MICRO = 3, 2  # as tests/hybrid_job.py
+STEPS, MICRO = 3, 2  # as tests/jobs/hybrid_job.py
 TENSORS = len(list(Nested().parameters()))  # the tied weight is one parameter
 PARAM_BYTES = sum(p.numel() * 4 for p in Nested().parameters())
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """tests/hybrid_job.py on 2 x 2 ranks; every rank's results and the checkpoint's folder."""
+    """tests/jobs/hybrid_job.py on 2 x 2 ranks; every rank's results and the checkpoint's folder."""
     out = str(tmp_path_factory.mktemp("hybrid"))
     port = free_port()
     launches = [
@@ -65,7 +58,7 @@ def launched(tmp_path_factory):
                 "c10d",
                 "--rdzv-endpoint",
                 f"127.0.0.1:{port}",
-                os.path.join(ROOT, "tests", "hybrid_job.py"),
+                os.path.join(ROOT, "tests", "jobs", "hybrid_job.py"),
                 out,
             ],
             cwd=ROOT,
@@ -98,7 +91,7 @@ def _accumulated_oracle(world: int) -> dict[str, torch.Tensor]:
 
 # Two correct runs differ by the order the 4 ranks' gradients are added (a ring over 2 then over 2,
 # against one process's sum): fp32_tol's bound (16 ulps of the largest parameter's scale per step;
-# tests/oracles.py says why).
+# tests/tolerances.py says why).
 def test_hybrid_equals_single_process_adamw_and_sends_a_shard_across(launched):
     results, _ = launched
     want = single_process(Nested, 4, STEPS)

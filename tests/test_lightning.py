@@ -1,7 +1,7 @@
 """zerofast.integrations.lightning: ZeroStrategy in real launches on CPU (gloo), against Lightning's own
 path, DDPStrategy with the same module, data and Trainer flags (accumulate_grad_batches=2,
 gradient_clip_val=1.0, AdamW over decay / no-decay groups with a warmup schedule stepped each
-optimizer step; tests/lightning_job.py runs the jobs). Launches: the train job on 2 ranks with
+optimizer step; tests/jobs/lightning_job.py runs the jobs). Launches: the train job on 2 ranks with
 Lightning's own launcher (`python script.py`), resumes in fresh launches on 2 and on 3 ranks, and
 the pytorch_lightning package under torchrun. The argument errors are checked in this process."""
 
@@ -12,16 +12,16 @@ import sys
 
 import pytest
 import torch
-from oracles import fp32_tol
+from tolerances import fp32_tol
 
 pl = pytest.importorskip("lightning.pytorch")
 from zerofast.integrations import _lightning as core  # noqa: E402
 from zerofast.integrations.lightning import ZeroStrategy  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOB = os.path.join(ROOT, "tests", "lightning_job.py")
+JOB = os.path.join(ROOT, "tests", "jobs", "lightning_job.py")
 STEPS = 12  # lightning_job: 3 epochs x 4 optimizer steps
-# Parameters: fp32_tol (tests/oracles.py), the argument of every multi-rank test: per step the reduced
+# Parameters: fp32_tol (tests/tolerances.py), the argument of every multi-rank test: per step the reduced
 # gradients differ by the rounding of a sum of N <= 3 terms in another order. Logged losses and the
 # validation loss: computed from parameters that differ by at most fp32_tol(STEPS) relative to their
 # scale (1.0, the layer norms); in Nested a relative change reaches the loss through at most 8 chained

@@ -21,7 +21,7 @@ from zerofast.partition import greedy_by_cost, newton_schulz_flops
 
 STEPS = 4
 MUON = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1)
-ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)  # eps: see HYPER in tests/oracles.py
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)  # eps: see HYPER in tests/tolerances.py
 # fp16 reducing in fp32, as the oracle sums: see [Note: the Muon tolerance]
 FP16 = MixedPrecisionPolicy(torch.float16, torch.float32, LossScalePolicy(init_scale=1024.0, growth_interval=1000))
 VOCAB, WIDTH, BATCH, SEQ = 32, 8, 2, 8
@@ -370,7 +370,7 @@ def max_diff(a, b):
 def test_one_rank_fed_identical_gradients_is_torch_muon_and_adamw():
     """Muon's matrices bitwise torch.optim.Muon; the rest within ZeroAdam's fused AdamW kernel's own
     agreement with torch.optim.AdamW (an ulp in a few percent of elements: tests/test_fused_adam.py),
-    at most 16 ulps of the parameter scale per step (fp32_tol in tests/oracles.py)."""
+    at most 16 ulps of the parameter scale per step (fp32_tol in tests/tolerances.py)."""
     results = run_ranks(_world_one, 1, timeout=120)
     oracle, muon_names = probe_oracle(STEPS)
     for stage, out in results[0].items():

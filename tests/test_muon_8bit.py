@@ -1,5 +1,5 @@
 """ZeroMuon with 8-bit state (MixedPrecisionPolicy(state_bits=8): [Note: Muon's 8-bit momentum]) on
-real gloo ranks. The model is oracles.Nested (blocks three levels down, a tied embedding / head,
+real gloo ranks. The model is models.Nested (blocks three levels down, a tied embedding / head,
 biases and layer norms): Muon on its six hidden matrices (20 x 10 and 10 x 20: 6.25 blocks of 32
 each, so every matrix ends inside a block), 8-bit AdamW on the rest.
 
@@ -24,7 +24,9 @@ import tempfile
 import pytest
 import torch
 from harness import run_ranks
-from oracles import HYPER, Nested, model_loss, rank_batch, train_same_batch
+from models import Nested, model_loss
+from tolerances import HYPER
+from training import rank_batch, train_same_batch
 
 from zerofast import CommPolicy, MixedPrecisionPolicy, ZeroAdam, ZeroMuon
 from zerofast import checkpoint as ck

@@ -8,23 +8,11 @@ import math
 import pytest
 import torch
 from harness import run_ranks
-from oracles import (
-    HYPER,
-    ULP_REL,
-    Quirky,
-    fp32_tol,
-    full_master,
-    low_precision_tol,
-    lp_param_tol,
-    max_abs_diff,
-    norm_rel_tol,
-    rank_batch,
-    single_process_adamw,
-    single_process_clipped,
-    single_process_mixed,
-    train_steps,
-    zero_options,
-)
+from models import Quirky
+from oracles import single_process_adamw, single_process_clipped, single_process_mixed
+from probes import full_master
+from tolerances import HYPER, ULP_REL, fp32_tol, low_precision_tol, lp_param_tol, max_abs_diff, norm_rel_tol
+from training import rank_batch, train_steps, zero_options
 
 from zerofast import ZeroAdam
 from zerofast.optim.zero_adam import parts_of
@@ -69,7 +57,7 @@ def _run_matrix(rank, world, configs):
 
 def _check(results, key, world, oracle, dtype, steps, where):
     """ZeroAdam's parameters, fp32 master, loss-scale decisions and norms against the mixed-precision
-    oracle, within the low-precision tolerances of tests/oracles.py."""
+    oracle, within the low-precision tolerances of tests/tolerances.py."""
     params0, master_oracle, history_oracle = oracle
     param_tol, master_tol = lp_param_tol(dtype, steps, params0), low_precision_tol(dtype, steps)
     master = full_master([out[key][1] for out in results], _shapes())
@@ -91,7 +79,7 @@ def _check(results, key, world, oracle, dtype, steps, where):
         assert all(torch.equal(out[key][0][k], results[0][key][0][k]) for k in params0)
 
 
-# Tolerances: low_precision_tol and lp_param_tol (tests/oracles.py). The ranks and the oracle
+# Tolerances: low_precision_tol and lp_param_tol (tests/tolerances.py). The ranks and the oracle
 # compute per-rank gradients with the same ops, but a shard-wise norm, gloo's order on 3 ranks, or
 # another processor's matmul blocking can round one low-precision parameter to its neighbour, after
 # which every gradient differs by up to one ulp of that dtype. Norms: relative one ulp of the dtype

@@ -8,7 +8,9 @@ Cost: about 20 s on 2 cores (three pools, 3 steps of the tiny GPT per configurat
 import pytest
 import torch
 from harness import run_ranks
-from oracles import HYPER, model_loss, rank_batch
+from models import model_loss
+from tolerances import HYPER
+from training import rank_batch
 
 from zerofast import CommPolicy, MixedPrecisionPolicy, ZeroAdam
 from zerofast.optim.zero_adam import parts_of

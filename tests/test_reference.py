@@ -4,7 +4,9 @@ owners) against single-process AdamW, and their memory."""
 import pytest
 import torch
 from harness import run_ranks
-from oracles import HYPER, fp32_tol, max_abs_diff, single_process_adamw, train_steps
+from oracles import single_process_adamw
+from tolerances import HYPER, fp32_tol, max_abs_diff
+from training import train_steps
 
 from zerofast.reference import ReferenceZero, round_robin_owners
 from zerofast.tools.models import make_gpt

@@ -1,5 +1,5 @@
 """TRL's GRPO (beta > 0), RLOO and DPO with ZeroTrainerMixin at stage 3, in one torchrun launch of 2 CPU
-ranks (tests/rl_job.py; about 15-20 s on a 2-core machine), against the same TRL trainer + DDP:
+ranks (tests/jobs/rl_job.py; about 15-20 s on a 2-core machine), against the same TRL trainer + DDP:
 greedy generation (deterministic), so both runs see the same completions, which end at different
 lengths on the two ranks. TRL's reference model is sharded by zerofast.shard_frozen and runs in the
 policy's precision: under bf16 GRPO's KL and DPO's implicit rewards are exactly 0 at the first step
@@ -13,14 +13,14 @@ import sys
 
 import pytest
 from harness import launch_env
-from oracles import fp32_tol
+from tolerances import fp32_tol
 
 from zerofast.layout import ALIGN
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOB = os.path.join(ROOT, "tests", "rl_job.py")
+JOB = os.path.join(ROOT, "tests", "jobs", "rl_job.py")
 STEPS = 3  # rl_job.STEPS
-# Parameters: fp32_tol (tests/oracles.py), the argument of every multi-rank test: the two runs
+# Parameters: fp32_tol (tests/tolerances.py), the argument of every multi-rank test: the two runs
 # differ only in the order gradients are summed and in the Adam kernel's rounding. The parameters'
 # scale is 1 (layer norm weights), the largest here.
 PARAM_TOL = fp32_tol(STEPS)

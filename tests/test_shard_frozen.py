@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from harness import run_ranks
-from oracles import HYPER
 from test_generation import PLANS, greedy, prompt, tiny_llama
+from tolerances import HYPER
 
 from zerofast import ShardedFrozenModel, UnitPolicy, ZeroAdam, shard_frozen
 from zerofast.layout import ALIGN

@@ -6,23 +6,11 @@ import re
 import pytest
 import torch
 from harness import run_ranks
-from oracles import (
-    HYPER,
-    Quirky,
-    TwiceMLP,
-    fp32_tol,
-    layout_of,
-    make_scheduler,
-    max_abs_diff,
-    param_bytes,
-    rank_batch,
-    single_process,
-    single_process_adamw,
-    single_process_quirky,
-    train_steps,
-    two_groups,
-    zero_options,
-)
+from models import Quirky, TwiceMLP
+from oracles import single_process, single_process_adamw, single_process_quirky
+from probes import layout_of, param_bytes
+from tolerances import HYPER, fp32_tol, max_abs_diff
+from training import make_scheduler, rank_batch, train_steps, two_groups, zero_options
 
 from zerofast import ZeroAdam
 from zerofast.optim.grads import AgreementLayout
@@ -31,7 +19,7 @@ from zerofast.tools.models import make_gpt
 
 STEPS = 10
 PARTITIONS = ("flat", "round_robin", "greedy")
-TOL = fp32_tol(STEPS)  # see the tolerances in tests/oracles.py
+TOL = fp32_tol(STEPS)  # see the tolerances in tests/tolerances.py
 
 
 def _full_params(opt, model):
@@ -222,7 +210,7 @@ def test_units_are_configurable():
 def _evaluate_between_steps(rank, world):
     """Lightning and Hugging Face evaluate under torch.inference_mode() (torch.no_grad() on gloo) in the
     middle of training: stage 3 gathers there too, and training goes on afterwards."""
-    from oracles import Nested
+    from models import Nested
 
     model = Nested()
     opt = ZeroAdam(model, stage=3, **HYPER)
@@ -236,7 +224,7 @@ def _evaluate_between_steps(rank, world):
 
 
 def test_stage3_evaluates_under_inference_mode_between_steps():
-    from oracles import Nested
+    from models import Nested
 
     world = 2
     want = single_process(Nested, world, 4)

@@ -19,7 +19,8 @@ import time
 import pytest
 import torch
 from harness import free_port
-from oracles import HYPER, fp32_tol, global_batch, max_abs_diff
+from tolerances import HYPER, fp32_tol, max_abs_diff
+from training import global_batch
 
 pytest.importorskip("torchft")
 from torchft.coordination import LighthouseServer  # noqa: E402
@@ -30,7 +31,7 @@ from zerofast.tools.models import make_gpt  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-STEPS, LOSE_AT, K = 8, 2, 2  # group 0 parks before step RELAUNCH_AT = 5, once alone (tests/ft_job.py)
+STEPS, LOSE_AT, K = 8, 2, 2  # group 0 parks before step RELAUNCH_AT = 5, once alone (tests/jobs/ft_job.py)
 
 
 class Events:
@@ -62,7 +63,7 @@ class Events:
 def _launch(group, port, lighthouse, gates, stage, events, fault="none"):
     procs = [
         subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "ft_job.py"), str(group), str(r), str(port), lighthouse, gates]
+            [sys.executable, os.path.join(HERE, "jobs", "ft_job.py"), str(group), str(r), str(port), lighthouse, gates]
             + [str(stage), str(STEPS), fault if r == 1 or fault == "relaunch" else "none"],
             cwd=ROOT,
             env=ENV,
@@ -181,15 +182,15 @@ def _another_layout(rank, world):
     from torchft.coordination import LighthouseServer
 
     from zerofast import ZeroAdam
-    from zerofast.integrations.torchft import LayoutMismatchError, ReplicaGroups, _fingerprint
-    from zerofast.optim.zero_adam import parts_of
+    from zerofast.integrations.torchft import LayoutMismatchError, ReplicaGroups
+    from zerofast.integrations.torchft.replicas import _fingerprint
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
     replicas = ReplicaGroups("g0", lighthouse=lighthouse.address(), timeout=10)
     opt = ZeroAdam(make_gpt("tiny"), stage=2, process_group=replicas, **HYPER)
     other = ZeroAdam(make_gpt("tiny"), stage=3, **HYPER)  # flat over this rank: another layout
     state = replicas._state()
-    state["layout"] = _fingerprint(parts_of(other))
+    state["layout"] = _fingerprint(other.checkpoint_view)
     try:
         replicas._load(state)
     except LayoutMismatchError as e:
@@ -230,8 +231,8 @@ def test_the_main_job_shows_a_group_lost_and_healed():
 
 def _muon_alone_and_flat(rank, world):
     import torch.distributed as dist
-    from oracles import rank_batch
     from torchft.coordination import LighthouseServer
+    from training import rank_batch
 
     from zerofast import ZeroMuon
     from zerofast.integrations.torchft import ReplicaGroups

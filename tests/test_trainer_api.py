@@ -8,7 +8,9 @@ import math
 
 import torch
 from harness import run_ranks
-from oracles import HYPER, fp32_tol, max_abs_diff, norm_rel_tol, rank_batch, single_process_clipped
+from oracles import single_process_clipped
+from tolerances import HYPER, fp32_tol, max_abs_diff, norm_rel_tol
+from training import rank_batch
 
 from zerofast import LossScalePolicy, MixedPrecisionPolicy, ZeroAdam
 from zerofast.tools.models import make_gpt

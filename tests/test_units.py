@@ -6,26 +6,18 @@ parameters equal to single-process AdamW's."""
 import pytest
 import torch
 from harness import run_ranks
-from oracles import (
-    HYPER,
-    Nested,
-    TwiceMLP,
-    fp32_tol,
-    hf_gpt2,
-    layout_of,
-    max_abs_diff,
-    param_bytes,
-    single_process,
-    train_steps,
-    zero_options,
-)
+from models import Nested, TwiceMLP, hf_gpt2
+from oracles import single_process
+from probes import layout_of, param_bytes
+from tolerances import HYPER, fp32_tol, max_abs_diff
+from training import train_steps, zero_options
 
 from zerofast import ZeroAdam
 from zerofast.stage3.units import find_units, hook_needs
 from zerofast.tools.models import Block, make_gpt
 
 STEPS = 6
-TOL = fp32_tol(STEPS)  # see the tolerances in tests/oracles.py
+TOL = fp32_tol(STEPS)  # see the tolerances in tests/tolerances.py
 
 # --- which units: pure Python, no process group ---------------------------------------------------
 

@@ -10,7 +10,8 @@ iterator must give bitwise (the same merge code on the same tensors). One run_ra
 import torch
 import torch.nn as nn
 from harness import run_ranks
-from oracles import HYPER, gathered_bytes, unit_bytes
+from probes import gathered_bytes, unit_bytes
+from tolerances import HYPER
 
 from zerofast import UnitPolicy, ZeroAdam
 from zerofast.optim.zero_adam import parts_of
@@ -137,6 +138,8 @@ CASES = {
 def _peft_weights(rank, world):
     from peft import get_peft_model_state_dict
 
+    import zerofast.integrations.peft_weights  # noqa: F401 (registers the "merged" and "adapter" views)
+
     out = {}
     for case, c in CASES.items():
         dtype = c.get("dtype", torch.float32)
@@ -208,19 +211,26 @@ def test_peft_merged_and_adapter_weights_bitwise_peft_one_unit_at_a_time():
             assert 0 < results["stage3"]["sync_peak"] <= results["stage3"]["largest_unit"]
 
 
-def test_a_bad_peft_choice_is_a_named_error():
-    """peft= other than None, 'merged' or 'adapter', or given for a model that is not a PeftModel:
-    a ValueError naming the argument and the value, when the iterator is asked for (before any
-    gather)."""
+def test_a_bad_peft_choice_is_a_named_error(monkeypatch):
+    """peft= other than None or a registered view ('merged' and 'adapter', once PEFT's integration is
+    imported), or given for a model that is not a PeftModel: a ValueError naming the argument and the
+    value, when the iterator is asked for (before any gather)."""
     import pytest
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    import zerofast.integrations.peft_weights  # noqa: F401
+    from zerofast.stage3 import extensions
     from zerofast.stage3.weights import entries_for
 
-    with pytest.raises(ValueError, match="peft must be None, 'merged' or 'adapter'; got 'merge'"):
+    with pytest.raises(
+        ValueError, match=r"named_full_tensors: peft='merge' is not a registered weight view \('adapter', 'merged'\)"
+    ):
         entries_for(lora_llama(dict(target_modules=["q_proj"])), "merge", "named_full_tensors")
     plain = LlamaForCausalLM(
         LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)
     )
     with pytest.raises(ValueError, match="peft='merged' needs a peft.PeftModel; the model is a LlamaForCausalLM"):
+        entries_for(plain, "merged", "named_full_tensors")
+    monkeypatch.setattr(extensions, "_VIEWS", {})  # as before PEFT's integration is imported
+    with pytest.raises(ValueError, match="registered by `import zerofast.integrations.peft_weights`"):
         entries_for(plain, "merged", "named_full_tensors")

@@ -5,20 +5,11 @@ paper's stages in plain PyTorch, round-robin owners)."""
 import pytest
 import torch
 from harness import run_ranks
-from oracles import (
-    HYPER,
-    Quirky,
-    fp32_tol,
-    held_tensor_bytes,
-    make_scheduler,
-    max_abs_diff,
-    rank_batch,
-    single_process_adamw,
-    single_process_quirky,
-    train_steps,
-    two_groups,
-    zero_options,
-)
+from models import Quirky
+from oracles import single_process_adamw, single_process_quirky
+from probes import held_tensor_bytes
+from tolerances import HYPER, fp32_tol, max_abs_diff
+from training import make_scheduler, rank_batch, train_steps, two_groups, zero_options
 
 from zerofast import ZeroAdam
 from zerofast.partition import imbalance
@@ -27,7 +18,7 @@ from zerofast.tools.models import make_gpt
 
 STEPS = 10
 PARTITIONS = ("flat", "round_robin", "greedy")
-TOL = fp32_tol(STEPS)  # see the tolerances in tests/oracles.py
+TOL = fp32_tol(STEPS)  # see the tolerances in tests/tolerances.py
 
 
 def _params(model):

@@ -1,5 +1,5 @@
 """TRL's GRPO, RLOO and DPO with the mixin, run by tests/test_rl.py under torchrun (2 CPU ranks, gloo):
-`python tests/rl_job.py grpo OUT`. Rank 0 writes OUT/grpo.json.
+`python tests/jobs/rl_job.py grpo OUT`. Rank 0 writes OUT/grpo.json.
 
 One launch, trainings of a 2-layer Llama (built from a config, saved locally so that TRL
 builds its reference model from the path, as it does from a hub name), greedy generation, beta > 0:
@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 torch.set_num_threads(1)
-from oracles import WORDS, tiny_llama, word_tokenizer  # noqa: E402  (tests/, this script's folder, is on sys.path)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the shared modules
+from models import WORDS, tiny_llama, word_tokenizer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 hf_logging.set_verbosity_error()

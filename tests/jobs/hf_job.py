@@ -1,5 +1,5 @@
 """The Hugging Face integration's jobs, run by tests/test_hf.py under torchrun (CPU, gloo) or plain
-python: `python tests/hf_job.py train|resume|sft OUT [STAGE]`. Rank 0 writes OUT/<job>.json and the
+python: `python tests/jobs/hf_job.py train|resume|sft OUT [STAGE]`. Rank 0 writes OUT/<job>.json and the
 tensors the test compares (OUT/<job>-*.pt); the test asserts on them with the suite's tolerances.
 
 Models are built from a config (no download): a 2-layer GPT-2 with tied embeddings for the plain
@@ -13,6 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the shared modules
 torch.set_num_threads(1)
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
@@ -225,8 +226,8 @@ def resume():
 def sft():
     """TRL's SFTTrainer with the mixin (ZeroSFTTrainer), LoRA, stage 3: a few steps."""
     from datasets import Dataset
-    from oracles import WORDS as words
-    from oracles import tiny_llama, word_tokenizer
+    from models import WORDS as words
+    from models import tiny_llama, word_tokenizer
     from peft import LoraConfig
     from trl import SFTConfig
 

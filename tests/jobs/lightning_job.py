@@ -1,10 +1,10 @@
 """The Lightning integration's jobs, run by tests/test_lightning.py on CPU (gloo):
-`python tests/lightning_job.py train|resume OUT [WORLD]` (Lightning's own launcher starts the other
-processes: the Trainer's devices=WORLD), and `python -m torch.distributed.run ... tests/lightning_job.py
+`python tests/jobs/lightning_job.py train|resume OUT [WORLD]` (Lightning's own launcher starts the other
+processes: the Trainer's devices=WORLD), and `python -m torch.distributed.run ... tests/jobs/lightning_job.py
 torchrun OUT` (the pytorch_lightning package, under torchrun's environment). Rank 0 writes
 OUT/<job>.json and the tensors the test compares (OUT/<job>-*.pt); the test asserts on them.
 
-The model: tests/oracles.py's Nested (blocks at backbone.layers[i], the embedding tied to the head at
+The model: tests/models.py's Nested (blocks at backbone.layers[i], the embedding tied to the head at
 the root). Every rank takes 6 // WORLD sequences per micro-batch from the DistributedSampler Lightning
 puts in (for training shuffled, with seed 0 and the epoch: one permutation at every world size, rank r
 taking every WORLD-th index), so the global batch of a step is the same six sequences at 2 and at 3
@@ -34,7 +34,8 @@ else:
 
     from zerofast.integrations.lightning import ZeroStrategy  # noqa: E402
 
-from oracles import Nested  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the shared modules
+from models import Nested  # noqa: E402
 
 from zerofast import ZeroAdam  # noqa: E402
 

@@ -2,7 +2,7 @@
 MASTER_PORT set, as torchrun sets them), so that it ends the way a job ends: through the
 interpreter's atexit and finalization ([Note: clean exit] in csrc/work_keeper.cpp).
 
-    python tests/exit_job.py FOLDER   # every kind of work in flight at exit; FOLDER gets a checkpoint
+    python tests/jobs/exit_job.py FOLDER   # every kind of work in flight at exit; FOLDER gets a checkpoint
 
 One launch for all of it: each rank is an interpreter that imports torch and zerofast (seconds).
 

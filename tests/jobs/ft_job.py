@@ -1,10 +1,10 @@
 """One rank of a replica group on torchft, for tests/test_torchft.py: the tiny GPT, ZeroAdam over
 zerofast.integrations.torchft.ReplicaGroups, one JSON line per event on stdout.
 
-    python tests/ft_job.py GROUP RANK PORT LIGHTHOUSE DIR STAGE STEPS [FAULT]
+    python tests/jobs/ft_job.py GROUP RANK PORT LIGHTHOUSE DIR STAGE STEPS [FAULT]
 
 GROUP's ranks are their own c10d world (MASTER_PORT=PORT). Rank r of group g reads the batch of data
--parallel rank g*2+r at the committed step (oracles.rank_batch), so a healed group computes what the
+-parallel rank g*2+r at the committed step (training.rank_batch), so a healed group computes what the
 lost one would have. FAULT "exit_in_backward:S": this rank leaves (os._exit) inside backward at step
 S; "relaunch": this is a relaunched rank, which waits at no gate. Gates (files in DIR, opened by the
 test): "start" before the optimizer is built (the first quorum then holds both groups); "rejoin",
@@ -25,12 +25,12 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from oracles import HYPER, rank_batch  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the shared modules
+from tolerances import HYPER  # noqa: E402
+from training import rank_batch  # noqa: E402
 
 from zerofast import ZeroAdam, checkpoint  # noqa: E402
-from zerofast.integrations.torchft import ReplicaGroups, _flat_state  # noqa: E402
-from zerofast.optim.zero_adam import parts_of  # noqa: E402
+from zerofast.integrations.torchft import ReplicaGroups  # noqa: E402
 from zerofast.tools.models import make_gpt  # noqa: E402
 
 K = 2  # ranks per replica group
@@ -56,7 +56,7 @@ def main(group: int, rank: int, port: int, lighthouse: str, gates: str, stage: i
     model = make_gpt("tiny")
     opt = ZeroAdam(model, stage=stage, process_group=replicas, **HYPER)
     opt.zero_grad()  # the first quorum: a relaunched group heals here (the loop's first zero_grad is then a no-op)
-    log("built", step=replicas.step, where=parts_of(opt).comm.where.step)
+    log("built", step=replicas.step, where=opt.checkpoint_view.steps_taken())
     exit_at = int(fault.split(":")[1]) if fault.startswith("exit_in_backward:") else None
     joint = 0  # consecutive steps committed with both groups
     alone = False  # committed a step without the other group: the loss was seen
@@ -81,7 +81,7 @@ def main(group: int, rank: int, port: int, lighthouse: str, gates: str, stage: i
             alone = alone or participants == 1
         log(kind, step=step, participants=participants)
     digest = hashlib.sha256()
-    for t in _flat_state(parts_of(opt)).values():
+    for t in opt.checkpoint_view.flat_state().values():
         digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
     full = opt.full_state_dict()
     if replicas.saves:  # one group saves: a plain K-rank checkpoint

@@ -4,7 +4,7 @@ model.backbone.layers[i], tied embedding) 3 steps with ZeroAdam(comm=CommPolicy(
 ZeroAdam, and rank 0 writes what the test compares: every rank's parameters, each step's
 report().comm, and a checkpoint saved at (4 ranks, shard_size=2).
 
-    python -m torch.distributed.run --nnodes 2 --nproc-per-node 2 ... tests/hybrid_job.py OUT_DIR
+    python -m torch.distributed.run --nnodes 2 --nproc-per-node 2 ... tests/jobs/hybrid_job.py OUT_DIR
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from oracles import HYPER, Nested, model_loss, rank_batch, zero_options  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the shared modules
+from models import Nested, model_loss  # noqa: E402
+from tolerances import HYPER  # noqa: E402
+from training import rank_batch, zero_options  # noqa: E402
 
 from zerofast import ZeroAdam  # noqa: E402
 from zerofast import checkpoint as ck  # noqa: E402
