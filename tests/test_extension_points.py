@@ -155,6 +155,54 @@ def test_importing_zerofast_patches_nothing_until_the_integration_is_imported():
     assert out.stdout.split("\n")[-2] == "True [] True", out.stdout
 
 
+class _Hosted(torch.nn.Module):
+    """A model of a library of our own making, with a generate() a host of ours serves."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(2)))
+
+    def forward(self, x):
+        return self.blocks(x)
+
+    def generate(self, x):
+        return self.forward(x)
+
+
+class _Handle:
+    detached: list = []
+
+    def __init__(self, module):
+        self.module = module
+
+    def detach(self):
+        _Handle.detached.append(type(self.module).__name__)
+
+
+def _our_host(model, tracker):
+    """Claims every _Hosted in a model stage 3 shards (and nothing else: the registry is per process)."""
+    return [_Handle(m) for m in model.modules() if isinstance(m, _Hosted)]
+
+
+def _late_host(rank, world):
+    from zerofast import UnitPolicy, ZeroAdam
+    from zerofast.stage3.extensions import register_model_host
+
+    model = _Hosted()
+    opt = ZeroAdam(model, stage=3, units=UnitPolicy(modules=torch.nn.Linear), **HYPER)
+    guarded = "generate" in model.__dict__  # no host serves it yet
+    register_model_host(_our_host)  # after the model was sharded: attached to it at once
+    served = "generate" not in model.__dict__
+    _Handle.detached.clear()
+    opt.remove_hooks()
+    return guarded, served, list(_Handle.detached)
+
+
+def test_a_model_host_registered_after_sharding_takes_over_from_the_guard():
+    for guarded, served, detached in run_ranks(_late_host, 2):
+        assert guarded and served and detached == ["_Hosted"]
+
+
 def test_no_library_module_uses_the_tests_seam():
     """parts_of is the tests' way into the parts behind a front; library code (integrations and
     command lines included) goes through the front, its report() and its checkpoint_view."""

@@ -310,7 +310,7 @@ def _unsynced_generate(rank, world):
     class's generate()."""
     model = _Looping()
     oracle = copy.deepcopy(model)
-    opt = ZeroAdam(model, stage=3, units=UnitPolicy(modules=torch.nn.Linear, min_unit_mb=0), **HYPER)
+    opt = ZeroAdam(model, stage=3, units=UnitPolicy(modules=torch.nn.Linear), **HYPER)
     x = torch.ones(2, 8)
     out = {}
     try:

@@ -30,7 +30,6 @@ from training import rank_batch, train_same_batch
 
 from zerofast import CommPolicy, MixedPrecisionPolicy, ZeroAdam, ZeroMuon
 from zerofast import checkpoint as ck
-from zerofast.checkpoint.dcp import saved_kinds
 from zerofast.quant import code_of, dequantize, num_blocks, quantize, scale_kind
 from zerofast.reference_quant import ReferenceAdam8
 
@@ -82,12 +81,12 @@ def _train(model, opt, start=0, steps=STEPS):
 
 def _snapshot(model, opt) -> dict:
     """The full parameters, the step counts, and this rank's pieces of every stored state: the
-    master, and with 8-bit state each kind's bytes and scales as stored (saved_kinds), with fp32 state
+    master, and with 8-bit state each kind's bytes and scales as stored (ShardedPart.saved_kinds), with fp32 state
     each kind's values."""
     part = opt.checkpoint_view.trainable
     with opt.gathered_params():
         params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    kinds = lambda i: saved_kinds(part, i)  # noqa: E731
+    kinds = part.saved_kinds
     pieces = [
         (
             part.params[pc.param][0],

@@ -49,7 +49,6 @@ __all__ = [
     "boxes",
     "tensors",
     "loading_tensors",
-    "saved_kinds",
     "small_state",
     "finish_load",
     "groups_by_name",
@@ -187,20 +186,11 @@ def _model_entries(
     return out
 
 
-def saved_kinds(part: ShardedPart, i: int) -> tuple[str, ...]:
-    """The optimizer-state entries of parameter i in a checkpoint of `part`: its kinds, and with 8-bit
-    state each moment's scales after it ([Note: 8-bit checkpoints])."""
-    if not part.state_block:
-        return part.kinds[i]
-    return tuple(k for kind in part.kinds[i] for k in (kind, scale_kind(kind)))
-
-
 def _optim_entries(part: ShardedPart, chunks: _Chunks) -> dict[str, Any]:
     """Per parameter name, its optimizer state by kind (Adam's exp_avg and exp_avg_sq, or a ZeroMuon
-    matrix's momentum_buffer: what the view says it holds; 8-bit state: saved_kinds)."""
+    matrix's momentum_buffer: what the view says it holds; 8-bit state: ShardedPart.saved_kinds)."""
     return {
-        name: {kind: chunks.chunked(i, kind) for kind in saved_kinds(part, i)}
-        for i, (name, _) in enumerate(part.params)
+        name: {kind: chunks.chunked(i, kind) for kind in part.saved_kinds(i)} for i, (name, _) in enumerate(part.params)
     }
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from ..quant import block_slice, num_blocks
-from .dcp import saved_kinds
 from .view import CheckpointView
 
 __all__ = ["Staging"]
@@ -41,7 +40,7 @@ class Staging:
         part = view.trainable
         self.block = part.state_block
         numel = part.layout.shard_numel(view.facts.shard_rank)
-        names = {"master"} | {part.buffer_of(k) for i in range(len(part.params)) for k in saved_kinds(part, i)}
+        names = {"master"} | {part.buffer_of(k) for i in range(len(part.params)) for k in part.saved_kinds(i)}
         with torch.no_grad():
             for name in sorted(names):
                 size, dtype = numel, torch.float32

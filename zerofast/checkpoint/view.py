@@ -91,6 +91,13 @@ class ShardedPart:
     def names(self) -> list[str]:
         return [n for n, _ in self.params]
 
+    def saved_kinds(self, i: int) -> tuple[str, ...]:
+        """The optimizer-state entries of parameter i in a checkpoint: its kinds, and with 8-bit
+        state each moment's scales after it ([Note: 8-bit checkpoints] in dcp.py)."""
+        if not self.state_block:
+            return self.kinds[i]
+        return tuple(k for kind in self.kinds[i] for k in (kind, scale_kind(kind)))
+
     def state_pieces(self, kind: str) -> list[tuple[str, int, torch.Tensor]]:
         """This rank's part of `kind` ("master" or a kind of `kinds`), as (parameter name, offset into
         the flattened parameter, fp32 copy of the values) pieces; the ranks' pieces together cover
