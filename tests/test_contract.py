@@ -161,6 +161,8 @@ def test_zero_adam_is_a_thin_front():
     assert not issubclass(ZeroMuon, ZeroAdam) and not issubclass(ZeroAdam, ZeroMuon)
     assert {n for n in vars(ZeroAdam) if not n.startswith("_")} == set()
     assert {n for n in vars(ZeroMuon) if not n.startswith("_")} == {"muon_names"}
+    with pytest.raises(TypeError, match="build a zerofast.ZeroAdam or zerofast.ZeroMuon"):
+        ZeroOptimizer(torch.nn.Linear(2, 2))
     for front in (ZeroAdam, ZeroMuon):  # only the constructor: no step of the front is overridden
         assert {n for n in vars(front) if n.startswith("_") and not n.startswith("__")} == set()
         assert {n for n in vars(front) if n.startswith("__") and callable(vars(front)[n])} == {"__init__"}

@@ -26,6 +26,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
     """A sharded optimizer over a model: ZeroAdam's and ZeroMuon's shared front. It is not built
     directly: a sibling's constructor resolves the plan and its update rule, then calls _wire()."""
 
+    def __init__(self, *args, **kwargs):
+        raise TypeError(
+            "ZeroOptimizer is the front ZeroAdam and ZeroMuon share, not an optimizer of its own: "
+            "build a zerofast.ZeroAdam or zerofast.ZeroMuon"
+        )
+
     def _wire(self, model: torch.nn.Module, plan: Plan, process_group, rule: UpdateRule) -> None:
         """Where every front's constructor ends (ZeroMuon's too): the builder wires the parts from
         the plan and the front's update rule; then torch.optim's own fields, over the rule's groups."""
