@@ -92,12 +92,18 @@ def worker(args) -> None:
     say("asking")
     opt.zero_grad()
     say("joined", step=replicas.step)
-    while replicas.step < args.steps:
+    # Every group stops after the same committed step, one with every group in it: a group that
+    # stepped alone while the lost one came back steps on until the relaunched group has healed from
+    # it and joined (on a loaded machine its first quorum can come after the others' last step, and
+    # then it would have no live peer to heal from), as tests/jobs/ft_job.py's groups do.
+    together = 0  # groups in the last step this group took (none yet: every group takes one)
+    while replicas.step < args.steps or together < args.replica_groups:
         if replicas.step in gates and not os.path.exists(gates[replicas.step]):
             wait_for_gate(gates[replicas.step])
         t0 = time.perf_counter()
         opt.zero_grad()
         step, participants = replicas.step, replicas.participants
+        together = participants
         # Every group's ranks read the windows of their data-parallel position at this step: a healed
         # group reads what the lost one would have.
         _, loss = model(*text_batch(tokens, args.batch, seq, seed=(step * args.replica_groups + group) * k + rank))
