@@ -259,6 +259,8 @@ def test_parse_quantities():
         (["--params", "7.5B", "--world", "64", "--backend", "mpi"], "--backend must be nccl or gloo"),
         (["--params", "7.5B", "--world", "64", "--time", "--global-tokens", "10"], "--global-tokens must be at least"),
         (["--params", "7.5B", "--world", "64", "--gpus-per-node", "0"], "--gpus-per-node must be at least 1"),
+        (["--params", "7.5B", "--world", "64", "--state-bits", "4"], "--state-bits must be 32 or 8; got 4"),
+        (["--params", "7.5B", "--world", "64", "--frozen-models", "lots"], "--frozen-models"),
     ],
 )
 def test_cli_errors_name_the_argument(argv, named, capsys):
@@ -275,6 +277,26 @@ def test_cli_prints_links_and_times(capsys):
     main(["--params", "7.5B", "--world", "64", "--time", "--stage", "2"])
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("stage 2")]
     assert [r[2] for r in rows] == ["64", "8"]  # flat, then hybrid with a node per shard group
+
+
+def test_cli_counts_8bit_state_and_models_sharded_for_inference(capsys):
+    """--state-bits 8 and --frozen-models: each stage's row is estimate_memory's with the main job's
+    8-bit policy and the frozen models, to the byte as the table prints it (what the library counts,
+    the command line now takes); the traffic, which 8-bit state does not change, stays the same."""
+    from zerofast import MixedPrecisionPolicy
+    from zerofast.tools.estimate import format_table
+
+    main(["--params", "7B", "--world", "8", "--state-bits", "8", "--frozen-models", "7B", "1.5B"])
+    out = capsys.readouterr().out
+    policy = MixedPrecisionPolicy(torch.bfloat16, state_bits=8)
+    rows = [estimate_memory(7 * 10**9, 8, s, policy, frozen_models=[7 * 10**9, 15 * 10**8]) for s in (0, 1, 2, 3)]
+    assert format_table(rows) in out and "8-bit Adam state, 2 model(s) sharded for inference only" in out
+    assert all(r.frozen_models > 0 for r in rows)
+    plain = [estimate_memory(7 * 10**9, 8, s, "bf16") for s in (0, 1, 2, 3)]
+    assert all(r.optimizer < p.optimizer / 1.9 for r, p in zip(rows, plain))  # 4 + 1 + 1 bytes, not 4 + 4 + 4
+    traffic = out.split("Communication per step")[1]
+    main(["--params", "7B", "--world", "8"])
+    assert capsys.readouterr().out.split("Communication per step")[1] == traffic
 
 
 def _inference_models(rank, world):

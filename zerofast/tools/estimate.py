@@ -7,21 +7,26 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import CommPolicy
+from ..config import CommPolicy, MixedPrecisionPolicy, precision_policy
 from ..estimate.memory import MemoryEstimate, estimate_memory
 from ..estimate.timemodel import Cluster, Link, link_of, step_time
 from ..estimate.traffic import traffic_ops
+from ..quant import STATE_BITS
 from .quantities import format_bytes, format_seconds, parse_count, parse_rate, parse_seconds
 
 
 def format_table(rows: list[MemoryEstimate]) -> str:
-    head = f"{'':10s} {'params':>12s} {'grads':>12s} {'optimizer':>12s} {'zerofast+':>12s} {'total':>12s}"
-    lines = [head]
+    """Bytes per rank by kind; a column for the models sharded for inference only when any are."""
+    frozen = any(r.frozen_models for r in rows)
+    head = f"{'':10s} {'params':>12s} {'grads':>12s} {'optimizer':>12s} {'zerofast+':>12s}"
+    lines = [head + (f" {'frozen models':>14s}" if frozen else "") + f" {'total':>12s}"]
     for r in rows:
         name = "DDP" if r.stage == 0 else f"stage {r.stage}"
         lines.append(
             f"{name:10s} {format_bytes(r.params):>12s} {format_bytes(r.grads):>12s} {format_bytes(r.optimizer):>12s} "
-            f"{format_bytes(r.zerofast_extra):>12s} {format_bytes(r.total):>12s}"
+            f"{format_bytes(r.zerofast_extra):>12s}"
+            + (f" {format_bytes(r.frozen_models):>14s}" if frozen else "")
+            + f" {format_bytes(r.total):>12s}"
         )
     return "\n".join(lines)
 
@@ -86,7 +91,9 @@ def _time_table(args, p) -> str:
                     args.micro_batches,
                     args.overlap,
                 )
-                mem = estimate_memory(args.params, args.world, s, _PRECISIONS[args.precision], shard_size=k)
+                mem = estimate_memory(
+                    args.params, args.world, s, _state_policy(args), shard_size=k, frozen_models=args.frozen_models
+                )
             except ValueError as e:
                 p.error(str(e))
             lines.append(
@@ -100,6 +107,15 @@ def _time_table(args, p) -> str:
 
 
 _PRECISIONS = {"mixed": "bf16", "bf16": "bf16", "fp16": "fp16", "fp32": None}
+
+
+def _state_policy(args):
+    """--precision with --state-bits, as ZeroAdam takes it (the main job builds the same policy):
+    8-bit state changes what the optimizer holds, never what a step communicates."""
+    name = _PRECISIONS[args.precision]
+    if args.state_bits == 32:
+        return name
+    return MixedPrecisionPolicy(precision_policy(name).param_dtype, state_bits=args.state_bits)
 
 
 def main(argv=None) -> int:
@@ -137,6 +153,22 @@ def main(argv=None) -> int:
         "--precision",
         default="mixed",
         help="mixed or bf16 (2+2+12 bytes), fp16 (the same), or fp32 (4+4+8); default mixed",
+    )
+    p.add_argument(
+        "--state-bits",
+        type=int,
+        default=32,
+        help="Adam's moments in 32 bits (default) or 8 (one byte per element plus a scale per block: "
+        "MixedPrecisionPolicy(state_bits=8), the main job's --state-bits)",
+    )
+    p.add_argument(
+        "--frozen-models",
+        type=parse_count,
+        nargs="+",
+        default=[],
+        metavar="COUNT",
+        help="models sharded for inference only beside the trained one (zerofast.shard_frozen: a reference "
+        "or reward model), each by its parameter count, e.g. --frozen-models 7B 7B",
     )
     p.add_argument(
         "--bucket-mb",
@@ -209,6 +241,8 @@ def main(argv=None) -> int:
         )
     if args.precision not in _PRECISIONS:
         p.error(f"--precision must be mixed, bf16, fp16 or fp32; got {args.precision!r}")
+    if args.state_bits not in STATE_BITS:
+        p.error(f"--state-bits must be 32 or 8; got {args.state_bits}")
     if args.backend not in ("nccl", "gloo"):
         p.error(f"--backend must be nccl or gloo; got {args.backend!r}")
     if args.gpus_per_node < 1:
@@ -245,13 +279,23 @@ def main(argv=None) -> int:
         try:
             rows.append(
                 estimate_memory(
-                    args.params, args.world, s, _PRECISIONS[args.precision], stage_comm, shard_size=args.shard_size
+                    args.params,
+                    args.world,
+                    s,
+                    _state_policy(args),
+                    stage_comm,
+                    shard_size=args.shard_size,
+                    frozen_models=args.frozen_models,
                 )
             )
         except ValueError as e:
             p.error(str(e))
     k = f", sharded over K = {args.shard_size} (x{args.world // args.shard_size} replicas)" if args.shard_size else ""
-    print(f"Φ = {args.params:,} parameters, N = {args.world} ranks{k}, {args.precision} Adam; bytes per rank")
+    state = ", 8-bit Adam state" if args.state_bits == 8 else ""
+    frozen = f", {len(args.frozen_models)} model(s) sharded for inference only" if args.frozen_models else ""
+    print(
+        f"Φ = {args.params:,} parameters, N = {args.world} ranks{k}, {args.precision} Adam{state}{frozen}; bytes per rank"
+    )
     print(format_table(rows))
     if args.params > 0 and any(s > 0 for s in stages):
         print(f"\nCommunication per step ({args.backend}, {args.gpus_per_node} GPUs per node; a count: no padding)")
