@@ -140,6 +140,16 @@ def test_sharded_reference_and_reward_models_score_as_the_whole_ones():
         assert m["shard"] + m["peak"] < m["all_bytes"], f"{rank=} {m}"  # less than a whole copy
 
 
+class _OwnReplicas:
+    """A process_group that brings its own Replication (zerofast.topology.ReplicaSource), as torchft's
+    replica groups do: for training only."""
+
+    group = None
+
+    def topology(self, group, plan):
+        raise AssertionError("shard_frozen must refuse it before asking for a topology")
+
+
 def _generation(rank, world):
     from zerofast.integrations.hf_generation import GenerationSyncError
 
@@ -182,6 +192,7 @@ def _generation(rank, world):
         lambda: shard_frozen("model"),
         lambda: shard_frozen(tiny_llama(), mixed_precision="fp8"),
         lambda: shard_frozen(model),  # sharded above
+        lambda: shard_frozen(tiny_llama(), process_group=_OwnReplicas()),
     ):
         try:
             call()
@@ -201,9 +212,10 @@ def test_generation_from_a_sharded_frozen_model_in_both_modes():
     for rank, out in enumerate(results):
         assert out["gathers_in_block"] == 0 and out["named_error"], f"{rank=}"
         bad = out["bad_input"]
-        assert len(bad) == 3 and "shard_frozen: model must be an nn.Module" in bad[0], bad
+        assert len(bad) == 4 and "shard_frozen: model must be an nn.Module" in bad[0], bad
         assert "shard_frozen: mixed_precision" in bad[1] and "fp8" in bad[1], bad
         assert "sharded already" in bad[2], bad
+        assert "shard_frozen: process_group must be" in bad[3] and "_OwnReplicas" in bad[3], bad
         for b in range(3):
             longest = max(PLANS[r][b][1] if b < len(PLANS[r]) else 1 for r in range(2))
             assert out["gathers"][b] == longest * out["units"], f"{rank=} batch {b}: {out['gathers']}"
