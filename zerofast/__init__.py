@@ -3,8 +3,8 @@
 Public names: ZeroAdam (the sharded optimizer), ZeroMuon (Muon + AdamW on whole-matrix owners),
 ZeroOptimizer (their shared front: isinstance(opt, ZeroOptimizer) holds for both),
 shard_frozen (a reference or reward model sharded for inference only, a ShardedFrozenModel) and their policies (MixedPrecisionPolicy,
-LossScalePolicy, CommPolicy, UnitPolicy: zerofast/config.py), the errors it raises
-(CollectiveError, OutOfStepError, StepNotAppliedError,
+LossScalePolicy, CommPolicy, UnitPolicy, OffloadPolicy: zerofast/config.py), the errors it raises
+(CollectiveError, OutOfStepError, StepNotAppliedError, OffloadError,
 GradientError), estimate_memory (the paper's memory table), estimate_traffic (report().comm without a run),
 fused_adam_ (the compiled fused Adam/AdamW step), fused_adam_8bit_ (the same with 8-bit moments),
 nonfinite_check_ (its overflow check alone),
@@ -29,7 +29,7 @@ from .compat import check_torch as _check_torch
 # range, not whatever a later import would trip over.
 _check_torch(_torch.__version__)
 
-from .config import CommPolicy, LossScalePolicy, MixedPrecisionPolicy, UnitPolicy  # noqa: E402
+from .config import CommPolicy, LossScalePolicy, MixedPrecisionPolicy, OffloadPolicy, UnitPolicy  # noqa: E402
 from .estimate import estimate_memory, estimate_traffic  # noqa: E402
 
 # name -> the module that defines it, imported when the name is first read (PEP 562).
@@ -43,6 +43,7 @@ _LAZY = {
     "OutOfStepError": "zerofast.comm",
     "GradientError": "zerofast.comm",
     "StepNotAppliedError": "zerofast.optim.grads",
+    "OffloadError": "zerofast.offload",
     "fused_adam_": "zerofast._ops",
     "fused_adam_8bit_": "zerofast._ops",
     "nonfinite_check_": "zerofast._ops",
@@ -60,6 +61,8 @@ __all__ = [
     "LossScalePolicy",
     "CommPolicy",
     "UnitPolicy",
+    "OffloadPolicy",
+    "OffloadError",
     "CollectiveError",
     "OutOfStepError",
     "StepNotAppliedError",

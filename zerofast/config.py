@@ -7,6 +7,8 @@ OffloadPolicy do; each is a small frozen dataclass that checks its own fields wh
                         bucket size, buffers in flight, overlap, accumulation, the collectives'
                         debug check
   UnitPolicy            stage 3: which modules form a unit, and merging small ones
+  OffloadPolicy         where the optimizer state lives: the device, pinned host memory, or files on
+                        disk streamed through a bounded window
 `resolve_plan` checks the combinations and fills every default once, into a `Plan` whose fields are
 explicit facts (gradients as bucket views, parameters sharded, ...). Every part of the optimizer
 reads the plan; none re-derives the stage from an argument or infers it from a tensor's size.
@@ -18,7 +20,8 @@ extension was never built) and holds every default and every check of ZeroAdam's
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from os import PathLike, fspath
 from typing import Any
 
 import torch
@@ -246,6 +249,74 @@ class UnitPolicy:
             )
 
 
+OFFLOAD_STATES = (None, "host", "disk")
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Where this rank's optimizer state (the fp32 master, Adam's moments and 8-bit state's scales)
+    lives: [Note: offload schedule] in zerofast/offload/__init__.py.
+
+    state: None (default: with the parameters, no offload), "host" (pinned host memory, stepped by
+      the fused CPU kernel; on a CPU model the state is in host memory already, so nothing changes)
+      or "disk" (files under `path`, streamed through a bounded window, stepped by the CPU kernel;
+      any device, the CPU included).
+    path: "disk": the folder that holds the files (created if missing; one subfolder per rank and
+      optimizer, removed when the optimizer is; twice the state's bytes, for the all-or-none step).
+    window_mb: "disk": MiB of state in memory at once per rank (the read-ahead, the step and the
+      write-behind; at least 3 chunks of one element of every state kind each).
+    io_threads: "disk": threads reading and writing the files.
+    pin_memory: "host" on a GPU: the state in page-locked memory (so its copies run asynchronously).
+    `offload="host"` / `offload="disk:PATH"` on ZeroAdam are shortcuts for the policy.
+    """
+
+    state: str | None = None
+    path: str | None = None
+    window_mb: float = 64.0
+    io_threads: int = 2
+    pin_memory: bool = True
+
+    def __post_init__(self):
+        if self.state not in OFFLOAD_STATES:
+            raise ValueError(f"OffloadPolicy: state must be None, 'host' or 'disk'; got {self.state!r}")
+        if self.path is not None:
+            if not isinstance(self.path, (str, PathLike)) or not fspath(self.path):
+                raise ValueError(f"OffloadPolicy: path must be a folder's path (str or os.PathLike); got {self.path!r}")
+            object.__setattr__(self, "path", fspath(self.path))
+        if self.state == "disk" and self.path is None:
+            raise ValueError(
+                "OffloadPolicy: state='disk' needs path=, the folder for the state's files (a local disk, "
+                "not a RAM-backed /tmp); got path=None"
+            )
+        if self.state != "disk" and self.path is not None:
+            raise ValueError(
+                f"OffloadPolicy: path applies to state='disk'; got path={self.path!r} with state={self.state!r}"
+            )
+        if not (_is_number(self.window_mb) and self.window_mb > 0):
+            raise ValueError(f"OffloadPolicy: window_mb must be a number > 0; got {self.window_mb!r}")
+        t = self.io_threads
+        if not (isinstance(t, int) and not isinstance(t, bool) and t >= 1):
+            raise ValueError(f"OffloadPolicy: io_threads must be an integer >= 1; got {t!r}")
+        _check_bool("OffloadPolicy", "pin_memory", self.pin_memory)
+
+    @property
+    def active(self) -> bool:
+        return self.state is not None
+
+
+def offload_policy(offload) -> OffloadPolicy:
+    """offload= as ZeroAdam takes it: None, an OffloadPolicy, "host", "disk:PATH"."""
+    if offload is None:
+        return OffloadPolicy()
+    if isinstance(offload, OffloadPolicy):
+        return offload
+    if offload == "host":
+        return OffloadPolicy("host")
+    if isinstance(offload, str) and offload.startswith("disk:") and len(offload) > len("disk:"):
+        return OffloadPolicy("disk", offload[len("disk:") :])
+    raise ValueError(f"ZeroAdam: offload must be None, 'host', 'disk:PATH' or an OffloadPolicy; got {offload!r}")
+
+
 # --- the plan -------------------------------------------------------------------------------------
 
 
@@ -282,6 +353,7 @@ class Plan:
     separate_master: bool  # low-precision parameters: an fp32 master shard of its own
     state_bits: int = 32  # Adam's moments: fp32, or 8-bit codes with per-block scales
     state_block: int = DEFAULT_STATE_BLOCK  # 8-bit state: elements per scale
+    offload: OffloadPolicy = field(default_factory=OffloadPolicy)  # where the state lives
 
     @property
     def quantized_state(self) -> bool:
@@ -337,7 +409,14 @@ def check_stage(stage, who: str = "ZeroAdam", stages=STAGES) -> None:
 
 
 def resolve_plan(
-    stage: int, *, adamw: bool = True, max_grad_norm: float | None = None, mixed_precision=None, comm=None, units=None
+    stage: int,
+    *,
+    adamw: bool = True,
+    max_grad_norm: float | None = None,
+    mixed_precision=None,
+    comm=None,
+    units=None,
+    offload=None,
 ) -> Plan:
     """The one place ZeroAdam's options are checked together and their defaults filled in.
     mixed_precision, comm and units as ZeroAdam takes them (shortcuts included)."""
@@ -395,6 +474,7 @@ def resolve_plan(
         separate_master=param_dtype != torch.float32,
         state_bits=precision.state_bits,
         state_block=precision.state_block,
+        offload=offload_policy(offload),
     )
 
 

@@ -118,7 +118,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return
         anything = any(prep.used)  # agreed: the same on every rank
         if anything and not prep.found_inf:
-            parts.update(prep.used, self.param_groups, prep.grad_scale(world, parts.scaler.scale))  # phase 3
+            parts.apply(prep.used, self.param_groups, prep.grad_scale(world, parts.scaler.scale))  # phase 3
             if plan.gather_after_step:  # phase 4 (stage 3: the next forward gathers)
                 where.phase = "step() (phase 4: the parameter gather)"
                 with torch.profiler.record_function("zerofast::gather"):

@@ -26,6 +26,7 @@ from ..comm import BucketComm
 from ..config import Plan
 from ..layout import Layout
 from ..model_setup import in_precision, join_ranks
+from ..offload import OffloadError
 from ..stage3.frozen import FrozenShard, frozen_part
 from ..stage3.module import ShardedModule
 from ..stage3.runtime import UnitBuffers, UnitTracker
@@ -41,7 +42,7 @@ from ..topology import (
 )
 from . import checks
 from .gather import ParamGather
-from .grads import GradReducer
+from .grads import GradReducer, StepNotAppliedError
 from .layouts import plan_layouts
 from .precision import LossScaler
 from .state import ShardState, storage_of
@@ -85,6 +86,43 @@ class Parts:
         self.gather.wait()
         if self.plan.params_sharded:
             self.units.release_all()
+
+    def apply(self, used: list[bool], param_groups: list[dict], grad_scale) -> None:
+        """Phase 3: the rule's update over the shard. With the state on disk, every data-parallel rank
+        then says whether it wrote its update, and all switch to it or none does ([Note: the
+        all-or-none offloaded step] in zerofast/offload/__init__.py)."""
+        shard = self.shard
+        if shard.store is None:
+            self.update(used, param_groups, grad_scale)
+            return
+        error = None
+        try:
+            self.update(used, param_groups, grad_scale)
+        except OffloadError as e:
+            error = e
+        if shard.placement == "disk":
+            where = self.comm.where
+            where.phase = "step() (phase 3: the agreement that every rank wrote its offloaded state)"
+            flag = torch.tensor([0 if error is None else self.topology.rank + 1], dtype=torch.int64)
+            flag = flag.to(self.comm.device)
+            self.comm.all_reduce_max(flag)
+            failed = int(flag.item()) - 1
+            if failed >= 0:
+                shard.abort_offloaded()
+                self.grads.begin_step()  # this step's gradients are dropped; nothing was applied
+                where.phase = "forward"
+                note = (
+                    f"ZeroAdam: step {where.step + 1} was not applied on any rank: rank {failed} could not write its "
+                    f"offloaded state; parameters and optimizer state are those after step {where.step} on every "
+                    f"rank, and this step's gradients are dropped"
+                )
+                if error is not None:
+                    error.add_note(note)
+                    raise error
+                raise StepNotAppliedError(note + " (see that rank's error)")
+        elif error is not None:
+            raise error
+        shard.commit_offloaded()
 
     def sync_params_from_master(self) -> None:
         """After the fp32 master was written outside step(): the low-precision parameters become its

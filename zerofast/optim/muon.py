@@ -61,7 +61,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from ..config import CommPolicy, _is_number, comm_policy, reject_moved, resolve_plan
+from ..config import CommPolicy, _is_number, comm_policy, offload_policy, reject_moved, resolve_plan
 from ..layout import Piece
 from ..partition import newton_schulz_flops
 from .base import ZeroOptimizer
@@ -331,6 +331,7 @@ class ZeroMuon(ZeroOptimizer):
       muon_params to leave it to AdamW), a callable (name, parameter) -> bool, or a collection of
       parameters or parameter names.
     comm: a CommPolicy whose partition is "greedy" (default) or "round_robin"; "flat" splits matrices.
+    offload: not supported (a named error): Newton-Schulz needs whole matrices on the device.
     balance: greedy's measure: "cost" (Newton-Schulz FLOPs, then elements: [Note: balancing
       Newton-Schulz]) or "numel" (elements only, as ZeroAdam's greedy).
     opt.param_groups: [the Muon group (use_muon=True), the AdamW group (use_muon=False)] (a group
@@ -363,9 +364,17 @@ class ZeroMuon(ZeroOptimizer):
         units=None,
         comm=None,
         process_group=None,
+        offload=None,
         **moved,
     ):
         reject_moved("ZeroMuon", moved)
+        if offload_policy(offload).active:
+            raise ValueError(
+                f"ZeroMuon: offload={offload!r} is not supported: the offloaded step streams the state "
+                "elementwise through the fused CPU Adam kernel, and Muon's Newton-Schulz needs each "
+                "owned matrix's whole gradient and momentum as matrices on the device; use ZeroAdam "
+                "with offload, or ZeroMuon without it"
+            )
         named = trainable_params(model, "ZeroMuon")
         comm = CommPolicy(partition="greedy") if comm is None else comm_policy(comm)
         if comm.partition == "flat":

@@ -76,6 +76,26 @@ class BufferCounts:
 
 
 @dataclass(frozen=True)
+class OffloadReport:
+    """Where this rank's optimizer state lives (OffloadPolicy) and what the last step's I/O cost."""
+
+    state: str  # "device" (no offload), "host" or "disk"
+    folder: str | None  # disk: this optimizer's folder of state files (removed with the optimizer)
+    host_bytes: int  # host memory held for the state: host's pinned state; disk's window (once stepped)
+    disk_bytes: int  # bytes of the state files (two generations: [Note: the all-or-none offloaded step])
+    window_bytes: int  # disk: the window's three slots
+    read_bytes: int  # the last step's reads of the files
+    write_bytes: int  # and writes
+    io_wait_seconds: float  # of the last step's phase 3, waiting for reads and writes
+    phase3_seconds: float  # the last step's phase 3 through the store
+
+    @property
+    def io_bandwidth(self) -> float:
+        """Bytes per second read and written over the last step's phase 3 (0 without a step on disk)."""
+        return (self.read_bytes + self.write_bytes) / self.phase3_seconds if self.phase3_seconds else 0.0
+
+
+@dataclass(frozen=True)
 class Report:
     """opt.report(): this rank's view of the partition, the units, memory, buffers and traffic."""
 
@@ -87,6 +107,25 @@ class Report:
     # Stage 3: unit gathers started since the optimizer was built (a forward outside
     # gathered_params() gathers each unit it runs; generation's cost per token); 0 in stages 1 and 2.
     unit_gathers: int = 0
+    offload: OffloadReport | None = None  # where the optimizer state lives
+
+
+def offload_report(shard) -> OffloadReport:
+    store = shard.store
+    if store is None:
+        return OffloadReport(shard.placement, None, 0, 0, 0, 0, 0, 0.0, 0.0)
+    stats = store.stats
+    return OffloadReport(
+        state=store.placement,
+        folder=store.folder,
+        host_bytes=store.host_bytes,
+        disk_bytes=store.disk_bytes,
+        window_bytes=store.window_bytes,
+        read_bytes=stats.read_bytes,
+        write_bytes=stats.write_bytes,
+        io_wait_seconds=stats.wait_seconds,
+        phase3_seconds=stats.seconds,
+    )
 
 
 def partition_report(layout, shard_size: int, step_costs: list[int] | None) -> PartitionReport:
@@ -158,4 +197,5 @@ def build_report(parts: Parts, last_comm: dict[str, int]) -> Report:
         buffers=buffer_counts(parts.comm),
         comm=dict(last_comm),
         unit_gathers=parts.units.gathers if sharded else 0,
+        offload=offload_report(parts.shard),
     )

@@ -21,6 +21,7 @@ import torch
 from .. import _ops
 from ..config import Plan
 from ..layout import Layout, Piece, bind_views
+from ..offload import DiskState, HostState, StateSpec
 from ..quant import block_slice, code_of, dequantize, dynamic_code, num_blocks, quantize, scale_kind, thresholds
 
 
@@ -63,22 +64,43 @@ class ShardState:
         self.param_shard = torch.zeros(shard if plan.params_sharded else 0, dtype=dtype, device=device)
         # The moments: fp32, or with 8-bit state one code index per element and one fp32 scale per
         # block, block k at state offsets [k * block, (k + 1) * block) ([Note: quantized state]).
+        # Offloaded (zerofast/offload), the master is always a tensor of its own, in the store: the
+        # parameters stay with the model, and the master is what a failed step is undone from.
+        self.offloaded = plan.offload.state == "disk" or (plan.offload.state == "host" and device.type != "cpu")
+        self.master_apart = mixed or self.offloaded
         state_dtype = torch.uint8 if plan.quantized_state else torch.float32
-        self.exp_avg = torch.zeros(shard, dtype=state_dtype, device=device)
-        self.exp_avg_sq = torch.zeros(shard, dtype=state_dtype, device=device)
         blocks = num_blocks(shard, plan.state_block) if plan.quantized_state else 0
-        self.exp_avg_scale = torch.zeros(blocks, dtype=torch.float32, device=device)  # 1D, one per block
-        self.exp_avg_sq_scale = torch.zeros(blocks, dtype=torch.float32, device=device)
-        self.codes = (dynamic_code(True).to(device), dynamic_code(False).to(device)) if plan.quantized_state else None
-        self.master = torch.zeros(shard if mixed else 0, dtype=torch.float32, device=device)  # mixed only
+        specs = [
+            StateSpec("master", torch.float32, shard if self.master_apart else 0),
+            StateSpec("exp_avg", state_dtype, shard),
+            StateSpec("exp_avg_sq", state_dtype, shard),
+            StateSpec("exp_avg_scale", torch.float32, blocks, plan.state_block),  # 1D, one per block
+            StateSpec("exp_avg_sq_scale", torch.float32, blocks, plan.state_block),
+        ]
+        self.store = _store(specs, shard, plan, device) if self.offloaded else None
+        if self.store is None:
+            for spec in specs:
+                setattr(self, spec.name, torch.zeros(spec.numel, dtype=spec.dtype, device=device))
+        else:
+            self._bind_store()
+        state_device = self.exp_avg.device
+        self.codes = (
+            (dynamic_code(True).to(state_device), dynamic_code(False).to(state_device))
+            if plan.quantized_state
+            else None
+        )
+        self._pending_used: list[bool] | None = None  # an offloaded step written, not yet committed
         self.pieces: list[Piece] = layout.pieces(rank)
         self.steps = [0] * len(params)  # per parameter, as torch.optim keeps it
         originals = [p.detach() for p in params]
         bind_views(params, layout, self.param_buffers)
         with torch.no_grad():
-            for pc in self.pieces if mixed else []:
+            for pc in self.pieces if self.master_apart else []:
                 src = originals[pc.param].reshape(-1)[pc.param_offset : pc.param_offset + pc.numel]
-                self.master[pc.state_offset : pc.state_offset + pc.numel].copy_(src)
+                if isinstance(self.store, DiskState):  # through the files: no page of the state stays resident
+                    self.store.write("master", pc.state_offset, src)
+                else:
+                    self.master[pc.state_offset : pc.state_offset + pc.numel].copy_(src)
 
     # --- phase 3 --------------------------------------------------------------------------------
 
@@ -91,23 +113,15 @@ class ShardState:
         grad_scale: float | torch.Tensor,
     ) -> None:
         """The fused AdamW step over every owned range of a used parameter, the gradient shard
-        multiplied by grad_scale (1/N, unscaling and clipping together)."""
+        multiplied by grad_scale (1/N, unscaling and clipping together). Offloaded, the update is
+        written but counted only by commit_offloaded() (or undone by abort_offloaded()): [Note: the
+        all-or-none offloaded step] in zerofast/offload/__init__.py."""
+        if self.store is not None:
+            return self._apply_offloaded(used, param_groups, group_of, adamw, grad_scale)
         for run in self.runs(used, group_of):
-            group = param_groups[run.group]
-            beta1, beta2 = group["betas"]
             state = slice(run.state_lo, run.state_lo + run.numel)
             master, copy = self.master_and_copy(run.bucket, run.bucket_lo, state)
-            hyper = dict(
-                lr=group["lr"],
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                step=self.steps[run.params[0]] + 1,
-                adamw=adamw,
-                grad_scale=grad_scale,
-                param_copy=copy,
-            )
+            hyper = dict(self._hyper(run, param_groups, adamw, grad_scale), param_copy=copy)
             grad = self.grad_range(run.bucket, run.bucket_lo, state)
             if self.plan.quantized_state:
                 _ops.fused_adam_8bit_(
@@ -116,6 +130,80 @@ class ShardState:
             else:
                 _ops.fused_adam_(master, grad, self.exp_avg[state], self.exp_avg_sq[state], **hyper)
         self.count_steps(used)
+
+    def _hyper(self, run: Run, param_groups: list[dict], adamw: bool, grad_scale) -> dict:
+        group = param_groups[run.group]
+        beta1, beta2 = group["betas"]
+        return dict(
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            step=self.steps[run.params[0]] + 1,
+            adamw=adamw,
+            grad_scale=grad_scale,
+        )
+
+    def _apply_offloaded(self, used, param_groups, group_of, adamw, grad_scale) -> None:
+        """Phase 3 through the store: the CPU kernel over each piece of a run the store hands out
+        (disk: a chunk of the window), the gradients brought to the host and the updated parameters
+        (the master's rounding, or its copy in fp32) back to the model's device."""
+        if isinstance(grad_scale, torch.Tensor):
+            grad_scale = grad_scale.to("cpu")  # one read of the device per step
+        segments = [
+            (run.state_lo, run.state_lo + run.numel, (run, self._hyper(run, param_groups, adamw, grad_scale)))
+            for run in self.runs(used, group_of)
+        ]
+
+        def step(payload, lo: int, hi: int, views: dict[str, torch.Tensor]) -> None:
+            run, hyper = payload
+            at = run.bucket_lo + lo - run.state_lo
+            grad = self.grad_range(run.bucket, at, slice(lo, hi))
+            dest = self.master_and_copy(run.bucket, at, slice(lo, hi))[1]
+            on_host = dest.device.type == "cpu"
+            copy = dest if on_host else torch.empty(hi - lo, dtype=dest.dtype)
+            grad = grad if on_host else grad.to("cpu")
+            if self.plan.quantized_state:
+                moments = (views["exp_avg"], views["exp_avg_sq"], views["exp_avg_scale"], views["exp_avg_sq_scale"])
+                _ops.fused_adam_8bit_(
+                    views["master"], grad, *moments, *self.codes, block=self.plan.state_block, param_copy=copy, **hyper
+                )
+            else:
+                _ops.fused_adam_(views["master"], grad, views["exp_avg"], views["exp_avg_sq"], param_copy=copy, **hyper)
+            if not on_host:
+                dest.copy_(copy)
+
+        self._pending_used = list(used)
+        if isinstance(self.store, DiskState):
+            self.store.release()  # pages a checkpoint touched since the last step
+        self.store.stream(segments, step)
+
+    def commit_offloaded(self) -> None:
+        """Every rank wrote its offloaded update: it is the state now, and its steps count."""
+        self.store.commit()
+        self._bind_store()
+        if self._pending_used is not None:
+            self.count_steps(self._pending_used)
+        self._pending_used = None
+
+    def abort_offloaded(self) -> None:
+        """Some rank failed to write its update: the state stays as it was (the store's last
+        generation), and the parameters this rank updated in memory become that master's rounding
+        again, as the last applied step left them."""
+        self._pending_used = None
+        self.sync_params_from_master()
+
+    def _bind_store(self) -> None:
+        for name, t in self.store.views().items():
+            setattr(self, name, t)
+
+    @property
+    def placement(self) -> str:
+        """Where the state lives: "device", "host" or "disk" ([Note: offload schedule])."""
+        if self.store is not None:
+            return self.store.placement
+        return "host" if self.plan.offload.state == "host" else "device"
 
     def quantized_range(self, state: slice) -> tuple[torch.Tensor, ...]:
         """8-bit state of the shard range `state` (which starts at a block boundary: [Note:
@@ -210,7 +298,7 @@ class ShardState:
             if self.plan.params_sharded
             else self.param_buffers[bucket].narrow(0, bucket_lo, state.stop - state.start)
         )
-        if self.plan.separate_master:
+        if self.master_apart:
             return self.master[state], params
         return params, None
 
@@ -363,16 +451,19 @@ class ShardState:
         def size(t):
             return t.numel() * t.element_size()
 
+        def state_size(t):  # offloaded state is counted by the store (OffloadReport), not here
+            return 0 if self.store is not None else size(t)
+
         return {
             "params": self.materialized_param_bytes(),
             "param_padding": sum(b.numel - self.layout.used_numel(b.index) for b in self.layout.buckets)
             * self.param_buffers[0].element_size(),
             "grad_shard": size(self.grad_shard),
-            "optimizer": size(self.exp_avg)
-            + size(self.exp_avg_sq)
-            + size(self.exp_avg_scale)
-            + size(self.exp_avg_sq_scale),
-            "master_copy": size(self.master),
+            "optimizer": state_size(self.exp_avg)
+            + state_size(self.exp_avg_sq)
+            + state_size(self.exp_avg_scale)
+            + state_size(self.exp_avg_sq_scale),
+            "master_copy": state_size(self.master),
             "grad_buckets": sum(size(g) for g in self.grad_buckets),
         }
 
@@ -403,3 +494,18 @@ def storage_of(kind: str) -> str:
 def _check_kind(where: str, kind: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"ShardState.{where}: kind must be one of {', '.join(KINDS)}; got {kind!r}")
+
+
+def _store(specs: list[StateSpec], shard: int, plan: Plan, device: torch.device):
+    """The offloaded state's store (zerofast/offload), as plan.offload places it."""
+    policy = plan.offload
+    if policy.state == "host":
+        return HostState(specs, pin=policy.pin_memory and device.type == "cuda")
+    return DiskState(
+        specs,
+        shard,
+        policy.path,
+        int(policy.window_mb * 2**20),
+        policy.io_threads,
+        plan.state_block if plan.quantized_state else 1,
+    )

@@ -71,6 +71,9 @@ class ZeroAdam(ZeroOptimizer):
       overlap, accumulation, and the collectives' debug check (None: CommPolicy()'s defaults).
     process_group: the data-parallel ranks (None: the whole world), or a 2-D DeviceMesh with
       mesh_dim_names ("replicate", "shard") as FSDP2's HSDP takes it: hybrid sharding by its groups.
+    offload: where the optimizer state lives: None (with the parameters), an OffloadPolicy, or its
+      shortcuts "host" (pinned host memory, stepped by the fused CPU kernel) and "disk:PATH" (files
+      under PATH streamed through a bounded window): [Note: offload schedule] in zerofast/offload.
     Every option is checked and resolved once into `opt.plan` (zerofast/config.py), which every part
     reads. Every wait is bounded by the process group's timeout (stage 3's gather group gets the
     same): a dead, stuck or out-of-step rank makes the others raise CollectiveError naming the step,
@@ -93,12 +96,19 @@ class ZeroAdam(ZeroOptimizer):
         units=None,
         comm=None,
         process_group=None,
+        offload=None,
         **moved,
     ):
         reject_moved("ZeroAdam", moved)
         named = trainable_params(model, "ZeroAdam")
         plan = resolve_plan(
-            stage, adamw=adamw, max_grad_norm=max_grad_norm, mixed_precision=mixed_precision, comm=comm, units=units
+            stage,
+            adamw=adamw,
+            max_grad_norm=max_grad_norm,
+            mixed_precision=mixed_precision,
+            comm=comm,
+            units=units,
+            offload=offload,
         )
         defaults = dict(
             lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps, weight_decay=weight_decay

@@ -1,0 +1,408 @@
+"""The optimizer state offloaded (OffloadPolicy, zerofast/offload) on real gloo ranks:
+- on disk, through a window of a few chunks, bitwise equal to the same ZeroAdam with its state in
+  memory (parameters, master, moments, step counts, loss scale) at 1 and 2 ranks, stages 1-3, fp32 /
+  bf16 / fp16 with clipping and accumulation, 8-bit state, hybrid sharding; "host" on the CPU too;
+- the step is all or none: a write that fails on one rank applies the step on no rank, names the
+  file, and training goes on from the state before it;
+- the state resident in memory is the window, not the state (a fresh process, its peak RSS);
+- checkpoints from an offloaded run load into one without offload, at another world size, and back,
+  bitwise; files of a killed job are removed, never read;
+- bad input is named at construction: the policy's fields, a path that cannot be created or
+  written, a disk without room; ZeroMuon says why it does not offload.
+The in-memory ZeroAdam is itself checked against torch.optim.AdamW (tests/test_zero_adam.py); the
+comparisons here are bitwise because both run the same kernel on the same elements in the same
+order (the kernel is elementwise: [Note: one kernel per range]).
+Cost: about 30 s on 2 cores."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import free_port, run_ranks
+from models import Nested, model_loss
+from probes import full_master
+from tolerances import HYPER
+from training import rank_batch, zero_options
+
+from zerofast import MixedPrecisionPolicy, OffloadError, OffloadPolicy, StepNotAppliedError, ZeroAdam, ZeroMuon
+from zerofast import checkpoint as ck
+from zerofast.config import OFFLOAD_STATES
+from zerofast.optim.zero_adam import parts_of
+
+STEPS, MICRO = 3, 2
+WINDOW_MB = 0.03  # ~31 KB: chunks of 1024 elements, so the Nested model's shard spans several
+
+
+@pytest.fixture
+def root():
+    path = tempfile.mkdtemp(prefix="zerofast-offload-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _nested():
+    return Nested(width=32, layers=4)  # ~19K elements: a rank's shard spans several chunks of the window
+
+
+def _options(stage, precision, bits, clip, **comm):
+    scaling = dict(init_scale=2.0**8, growth_interval=2) if precision == "fp16" else {}  # steps apply, the scale moves
+    kw = zero_options(stage, mixed_precision=precision, bucket_mb=0.002, **scaling, **comm)
+    if bits == 8:
+        dtype = {None: torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        loss_scale = kw["mixed_precision"].loss_scale if precision == "fp16" else None
+        kw["mixed_precision"] = MixedPrecisionPolicy(dtype, loss_scale=loss_scale, state_bits=8, state_block=64)
+    return dict(kw, max_grad_norm=clip, **HYPER)
+
+
+def _pair(stage, precision, bits, clip, offload, **comm):
+    """Two equal Nested models: one with its state in memory, one offloaded; each its own group."""
+    out = []
+    for where in (None, offload):
+        model = _nested()
+        group = dist.new_group(list(range(dist.get_world_size())))
+        out.append(
+            (
+                model,
+                ZeroAdam(model, **_options(stage, precision, bits, clip, **comm), process_group=group, offload=where),
+            )
+        )
+    return out
+
+
+def _train(model, opt, rank, start, steps, micro=MICRO):
+    for step in range(start, start + steps):
+        for m in range(micro):
+            x, y = rank_batch(model, 10 * step + m, rank)
+            if m < micro - 1:
+                with opt.no_sync():
+                    opt.backward(model_loss(model, x, y))
+            else:
+                opt.backward(model_loss(model, x, y))
+        opt.step()
+        opt.zero_grad()
+
+
+def _snapshot(model, opt) -> dict:
+    with opt.gathered_params():
+        params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    view = opt.checkpoint_view
+    return dict(
+        params=params,
+        **{k: view.trainable.state_pieces(k) for k in ("master", "exp_avg", "exp_avg_sq")},
+        steps=view.step_counts(),
+        scale=opt.loss_scale,
+    )
+
+
+def _same(a: dict, b: dict) -> list[str]:
+    """What differs between two snapshots (bitwise)."""
+    bad = [n for n in a["params"] if not torch.equal(a["params"][n], b["params"][n])]
+    for kind in ("master", "exp_avg", "exp_avg_sq"):
+        if not all(x[:2] == y[:2] and torch.equal(x[2], y[2]) for x, y in zip(a[kind], b[kind])):
+            bad.append(kind)
+    if a["steps"] != b["steps"] or a["scale"] != b["scale"]:
+        bad.append("steps/scale")
+    return bad
+
+
+# --- bitwise equal to the state in memory ------------------------------------------------------------
+
+CASES = [  # (world, stage, precision, state bits, max_grad_norm, CommPolicy fields)
+    (2, 1, None, 32, None, {}),
+    (2, 2, "bf16", 32, 1.0, {}),
+    (2, 3, "fp16", 32, 1.0, {}),
+    (2, 2, "bf16", 8, 0.5, {}),
+    (2, 3, None, 8, None, {"partition": "round_robin"}),
+    (2, 2, None, 32, 1.0, {"shard_size": 1}),  # hybrid: two replicas of one shard
+    (2, 1, "bf16", 32, None, {"partition": "greedy"}),
+    (1, 3, "bf16", 32, 1.0, {}),
+    (1, 1, "fp16", 8, None, {}),
+]
+
+
+def _bitwise_cases(rank, world, root, cases):
+    out = {}
+    for case in cases:
+        _, stage, precision, bits, clip, comm = case
+        (a, oa), (b, ob) = _pair(stage, precision, bits, clip, OffloadPolicy("disk", root, window_mb=WINDOW_MB), **comm)
+        for model, opt in ((a, oa), (b, ob)):
+            _train(model, opt, rank, 0, STEPS)
+        report = ob.report()
+        out[str(case)] = dict(
+            differs=_same(_snapshot(a, oa), _snapshot(b, ob)),
+            offload=report.offload,
+            memory=report.memory,
+            shard=parts_of(ob).shard.exp_avg.numel(),
+            chunk=parts_of(ob).shard.store.chunk,
+            files=sorted(os.listdir(report.offload.folder)),
+        )
+        # "host" on the CPU: the state is in host memory already; the same optimizer
+        (c, oc) = _pair(stage, precision, bits, clip, "host", **comm)[1]
+        _train(c, oc, rank, 0, STEPS)
+        out[str(case)]["host"] = (_same(_snapshot(a, oa), _snapshot(c, oc)), oc.report().offload.state)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_disk_offload_is_bitwise_the_state_in_memory(world, root):
+    cases = [c for c in CASES if c[0] == world]
+    for rank, out in enumerate(run_ranks(_bitwise_cases, world, args=(root, cases), timeout=300)):
+        for case, got in out.items():
+            where = f"{case} rank {rank}"
+            assert got["differs"] == [], f"{where}: {got['differs']} differ from the state in memory"
+            assert got["host"] == ([], "host"), where
+            off, mem = got["offload"], got["memory"]
+            assert off.state == "disk" and mem.optimizer == 0 and mem.master_copy == 0, where
+            assert got["shard"] > 2 * got["chunk"], f"{where}: the shard must span several chunks of the window"
+            one_generation = off.disk_bytes // 2
+            assert off.read_bytes == off.write_bytes == one_generation > 0, where  # every element read and written once
+            assert off.window_bytes <= WINDOW_MB * 2**20 + 3 * 4 * 1024, where  # rounded up to whole chunks at most
+            assert off.host_bytes == off.window_bytes, where
+            assert "lock" in got["files"] and sum(f.endswith((".0", ".1")) for f in got["files"]) >= 6, where
+
+
+# --- all or none -------------------------------------------------------------------------------------
+
+
+def _failed_write(rank, world, root, stage, precision):
+    (a, oa), (b, ob) = _pair(stage, precision, 32, 1.0, OffloadPolicy("disk", root, window_mb=WINDOW_MB))
+    _train(a, oa, rank, 0, STEPS)
+    _train(b, ob, rank, 0, 1)
+    before = _snapshot(b, ob)
+    store = parts_of(ob).shard.store
+
+    def full_disk(path, chunk):
+        if rank == world - 1 and chunk == 1:
+            raise OSError(errno.ENOSPC, "No space left on device (simulated)", path)
+
+    store.fail_write = full_disk
+    try:
+        _train(b, ob, rank, 1, 1)
+        raised = None
+    except (OffloadError, StepNotAppliedError) as e:
+        raised = (type(e).__name__, str(e), "\n".join(getattr(e, "__notes__", [])))
+    after = _snapshot(b, ob)
+    store.fail_write = None
+    _train(b, ob, rank, 1, STEPS - 1)  # the same batches again: the failed step never happened
+    return raised, _same(before, after), _same(_snapshot(a, oa), _snapshot(b, ob)), ob.report().offload.folder
+
+
+@pytest.mark.parametrize("stage, precision", [(2, "bf16"), (3, None)])
+def test_a_failed_write_applies_the_step_on_no_rank(stage, precision, root):
+    results = run_ranks(_failed_write, 2, args=(root, stage, precision))
+    for rank, (raised, changed, differs, folder) in enumerate(results):
+        assert raised is not None, f"rank {rank} did not raise"
+        kind, message, notes = raised
+        if rank == 1:
+            assert kind == "OffloadError" and "No space left" in message and "chunk 1" in message, message
+            assert folder in message, message  # names the file
+            assert "not applied on any rank" in notes, notes
+        else:
+            assert kind == "StepNotAppliedError" and "rank 1 could not write" in message, message
+        assert changed == [], f"rank {rank}: the failed step changed {changed}"
+        assert differs == [], f"rank {rank}: after the failure, training differs from the state in memory: {differs}"
+
+
+# --- the window, not the state, in memory -------------------------------------------------------------
+
+
+def _peak_growth(rank, world, root, offload):
+    """A 4M-parameter model: how far the peak resident memory grows from before the optimizer is
+    built through two steps (/proc/self/status's VmHWM, restarted at the current RSS first)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    x = torch.randn(4, 1024)
+
+    def rss(field: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    start = rss("VmRSS:")
+    opt = ZeroAdam(model, stage=2, offload=offload, **HYPER)
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return rss("VmHWM:") - start, opt.report().offload
+
+
+def test_the_resident_state_is_the_window(root):
+    window = 1.0
+    policy = OffloadPolicy("disk", root, window_mb=window)
+    [(disk_peak, off)] = run_ranks(_peak_growth, 1, args=(root, policy), fresh=True)
+    [(memory_peak, _)] = run_ranks(_peak_growth, 1, args=(root, None), fresh=True)
+    state = off.disk_bytes // 2  # one generation: the master and both moments, 12 bytes per element
+    assert off.window_bytes <= window * 2**20 and state >= 10 * off.window_bytes, off
+    # Both runs hold the gradients, the buckets and the kernel's scratch; in memory the moments too (8
+    # of the 12 bytes per element: fp32 parameters are their own master), on disk only the window.
+    moments = 2 * state // 3
+    assert memory_peak - disk_peak >= moments - off.window_bytes - 4 * 2**20, (memory_peak, disk_peak, off)
+    assert disk_peak < memory_peak - moments // 2, (memory_peak, disk_peak)
+
+
+# --- checkpoints ----------------------------------------------------------------------------------------
+
+
+def _save(rank, world, path, offload, stage, precision):
+    model = _nested()
+    opt = ZeroAdam(model, **_options(stage, precision, 32, 1.0), offload=offload)
+    _train(model, opt, rank, 0, STEPS)
+    ck.save(path, model, opt)
+    return _snapshot(model, opt)
+
+
+def _load(rank, world, path, offload, stage, precision):
+    torch.manual_seed(5)
+    model = _nested()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()  # other values: everything must come from the checkpoint
+    opt = ZeroAdam(model, **_options(stage, precision, 32, 1.0), offload=offload)
+    ck.load(path, model, opt)
+    return _snapshot(model, opt)
+
+
+def _full(snapshots, kind):
+    return full_master([s[kind] for s in snapshots], {n: tuple(p.shape) for n, p in _nested().named_parameters()})
+
+
+def test_checkpoints_move_between_offloaded_and_in_memory_runs_bitwise(root):
+    disk = OffloadPolicy("disk", os.path.join(root, "state"), window_mb=WINDOW_MB)
+    trips = [  # (saved: world, offload, stage, precision) -> (loaded)
+        ((2, disk, 2, "bf16"), (1, None, 3, "bf16")),
+        ((1, None, 1, None), (2, disk, 3, None)),
+        ((2, disk, 3, None), (2, disk, 1, None)),
+    ]
+    for i, (saved, loaded) in enumerate(trips):
+        path = os.path.join(root, f"ckpt-{i}")
+        before = run_ranks(_save, saved[0], args=(path, *saved[1:]))
+        after = run_ranks(_load, loaded[0], args=(path, *loaded[1:]))
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            want, got = _full(before, kind), _full(after, kind)
+            assert all(torch.equal(got[n], want[n]) for n in want), f"{kind} differs after {saved} -> {loaded}"
+        for snap in after:
+            assert snap["steps"] == before[0]["steps"]
+            assert all(torch.equal(snap["params"][n], before[0]["params"][n]) for n in snap["params"]), (saved, loaded)
+
+
+# --- the files of a killed job, and of a finished optimizer ---------------------------------------------
+
+
+def _folders(rank, world, root):
+    host = socket.gethostname()
+    dead = os.path.join(root, f"zerofast-{host}-999999999-deadbeef0000")  # no such pid: a killed job's
+    os.makedirs(dead)
+    open(os.path.join(dead, "lock"), "w").close()
+    open(os.path.join(dead, "exp_avg.0"), "wb").write(b"\x7f" * 4096)
+    foreign = os.path.join(root, "zerofast-notes")  # not ours: no lock file
+    os.makedirs(foreign)
+    first = ZeroAdam(_nested(), stage=2, offload=OffloadPolicy("disk", root, window_mb=WINDOW_MB))
+    live = first.report().offload.folder
+    second = ZeroAdam(_nested(), stage=2, offload=OffloadPolicy("disk", root, window_mb=WINDOW_MB))
+    listed = sorted(os.listdir(root))
+    fresh_state = parts_of(second).shard.exp_avg.abs().max().item()  # zeros, never the dead job's bytes
+    del first
+    gc.collect()
+    return listed, os.path.basename(live), os.path.exists(live), os.path.basename(dead), fresh_state
+
+
+def test_files_of_a_killed_job_are_removed_and_never_read(root):
+    [(listed, live, live_after, dead, fresh_state)] = run_ranks(_folders, 1, args=(root,), fresh=True)
+    assert dead not in listed and "zerofast-notes" in listed and live in listed, listed
+    assert len([d for d in listed if d.startswith("zerofast-") and d != "zerofast-notes"]) == 2, listed
+    assert fresh_state == 0.0
+    assert not live_after, "a collected optimizer's folder is removed"
+    # The harness's ranks end with os._exit, as a killed job would: the next optimizer removes it.
+    # A process that ends normally removes its own (weakref.finalize runs at exit).
+    script = (
+        "import os, torch.distributed as dist, zerofast\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:%d', rank=0, world_size=1)\n"
+        "opt = zerofast.ZeroAdam(torch.nn.Linear(8, 8), offload='disk:%s')\n"
+        "print(opt.report().offload.folder)\n" % (free_port(), root)
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", "import torch\n" + script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    folder = done.stdout.strip().splitlines()[-1]
+    assert folder.startswith(root) and not os.path.exists(folder), folder
+
+
+# --- bad input, named at construction ---------------------------------------------------------------------
+
+
+def _construction_errors(rank, world, root):
+    import shutil as sh
+
+    from zerofast.offload import stores
+
+    out = {}
+
+    def error(fn):
+        try:
+            fn()
+        except (ValueError, TypeError, OffloadError) as e:
+            return type(e).__name__, str(e)
+        return None
+
+    blocker = os.path.join(root, "a-file")
+    open(blocker, "w").close()
+    out["under a file"] = error(lambda: ZeroAdam(_nested(), offload=f"disk:{blocker}/state"))
+    out["proc"] = error(lambda: ZeroAdam(_nested(), offload="disk:/proc/zerofast-state"))
+    real = sh.disk_usage
+    stores.shutil.disk_usage = lambda p: real(p)._replace(free=1000)
+    try:
+        out["full"] = error(lambda: ZeroAdam(_nested(), offload=OffloadPolicy("disk", os.path.join(root, "full"))))
+    finally:
+        stores.shutil.disk_usage = real
+    out["full, nothing left"] = [d for d in os.listdir(os.path.join(root, "full"))]
+    out["muon"] = error(lambda: ZeroMuon(_nested(), offload="host"))
+    out["shortcut"] = error(lambda: ZeroAdam(_nested(), offload="nvme"))
+    return out
+
+
+def test_bad_input_is_named_at_construction(root):
+    for field, value, words in [
+        ("state", "nvme", "state must be None, 'host' or 'disk'; got 'nvme'"),
+        ("window_mb", 0, "window_mb must be a number > 0; got 0"),
+        ("io_threads", 0, "io_threads must be an integer >= 1; got 0"),
+        ("pin_memory", "yes", "pin_memory"),
+    ]:
+        kw = {"state": "disk", "path": root, field: value}
+        with pytest.raises((ValueError, TypeError), match=words.replace("(", r"\(").replace(")", r"\)")):
+            OffloadPolicy(**kw)
+    with pytest.raises(ValueError, match="state='disk' needs path="):
+        OffloadPolicy("disk")
+    with pytest.raises(ValueError, match="path applies to state='disk'"):
+        OffloadPolicy("host", root)
+    assert OffloadPolicy() == OffloadPolicy(None) and not OffloadPolicy().active and None in OFFLOAD_STATES
+    [out] = run_ranks(_construction_errors, 1, args=(root,))
+    for case in ("under a file", "proc"):
+        kind, message = out[case]
+        assert kind == "OffloadError" and "cannot be created or written" in message and "path=" in message, (
+            case,
+            message,
+        )
+    kind, message = out["full"]
+    assert kind == "OffloadError" and "needs" in message and "1000 free" in message and root in message, message
+    assert out["full, nothing left"] == [], "a refused optimizer leaves no files"
+    kind, message = out["muon"]
+    assert (
+        kind == "ValueError" and "ZeroMuon: offload='host' is not supported" in message and "Newton-Schulz" in message
+    )
+    kind, message = out["shortcut"]
+    assert (
+        kind == "ValueError" and "offload must be None, 'host', 'disk:PATH' or an OffloadPolicy; got 'nvme'" in message
+    )

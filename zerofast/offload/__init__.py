@@ -1,0 +1,42 @@
+"""Where the optimizer state lives (OffloadPolicy in zerofast/config.py): with the parameters (no
+offload), in pinned host memory ("host"), or in files on disk streamed through a bounded window
+("disk"). ShardState (zerofast/optim/state.py) holds its fp32 master, moments and 8-bit scales in one
+of the stores here and runs phase 3 through it; the checkpoint view reads the same tensors.
+
+[Note: offload schedule]
+What leaves the device, when the CPU steps it, and when the parameters come back:
+- Backward is unchanged: each bucket's gradient is reduced into the rank's gradient shard, on the
+  device, as soon as the bucket is complete ([Note: bucket order]).
+- Phase 2 (the agreement, the overflow check, the global norm) runs as without offload: it needs
+  every gradient, so the update starts after the last reduce, whatever the placement.
+- Phase 3 walks the shard in chunks (`window_mb` / 3 each, a multiple of 8-bit state's block):
+  "disk": three slots in flight: chunk k+1 is read on the I/O threads while the CPU kernel steps
+  chunk k and chunk k-1 is written; "host": the state is stepped where it lies, in host memory. On a
+  GPU, each chunk's gradients are copied to the host before its step and its updated parameters
+  (the master's rounding) back to the device after it; the next forward starts after the last
+  copy (the step returns then).
+- Phase 4 (stages 1 and 2) gathers the updated parameters as without offload; stage 3's next
+  forward gathers them.
+What overlaps what: the disk's reads and writes overlap the CPU kernel and each other; the device's
+copies are ordered with the kernel chunk by chunk. The update does not overlap backward yet: every
+setting waits for the whole gradient (the CPU step of a bucket as soon as its reduce ends, ZeRO-
+Offload's schedule, is the next step of this work: see docs/offload.md).
+
+[Note: the all-or-none offloaded step]
+A step on disk reads generation g of the files and writes generation g+1 (two sets of files, each
+preallocated at construction so that a full disk is found then, not in a step). Only when every
+chunk of every rank was written does every rank switch to g+1 (one small all_reduce of who failed,
+over every data-parallel rank, replicas included); otherwise every rank keeps g and restores the
+parameters it updated in memory from g's master (their rounding, as the kernel wrote them), the
+step counts unchanged: the step was not applied anywhere, as a failure before the update.
+
+[Note: files of a killed job]
+Each optimizer writes under PATH/zerofast-<host>-<pid>-<id>/ with a lock file it holds (flock) for
+its life; the folder is removed when the optimizer is collected or the process exits. A folder
+whose lock nobody holds belongs to a process that died: it is never read (an optimizer reads only
+files it created and wrote) and a new optimizer under the same PATH removes it.
+"""
+
+from .stores import DiskState, HostState, OffloadError, OffloadStats, StateSpec
+
+__all__ = ["DiskState", "HostState", "OffloadError", "OffloadStats", "StateSpec"]

@@ -1,0 +1,360 @@
+"""The two places offloaded state lives: HostState (tensors in host memory, pinned for a GPU's
+copies) and DiskState (two generations of files per rank, streamed through a bounded window by I/O
+threads). Both hold the state as named flat tensors (`views()`: what checkpoints read and write) and
+run phase 3 over them with `stream(segments, step)`, which calls `step(payload, lo, hi, views)` for
+every piece [lo, hi) of the shard that a segment covers, the views then being that piece's state.
+See [Note: offload schedule] and [Note: the all-or-none offloaded step] in __init__.py.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import fcntl
+import math
+import mmap
+import os
+import shutil
+import socket
+import time
+import uuid
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DiskState", "HostState", "OffloadError", "OffloadStats", "StateSpec"]
+
+Views = dict[str, torch.Tensor]
+Step = Callable[[object, int, int, Views], None]  # (payload, lo, hi, the state of [lo, hi))
+Segment = tuple[int, int, object]  # [lo, hi) of the shard and what the step needs to update it
+
+
+class OffloadError(RuntimeError):
+    """The offloaded state could not be placed, read or written: names the path and what failed."""
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One flat tensor of the state: `per` shard elements per element of it (1, or 8-bit state's block
+    for the per-block scales)."""
+
+    name: str
+    dtype: torch.dtype
+    numel: int
+    per: int = 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def range(self, lo: int, hi: int) -> slice:
+        """Its elements for shard elements [lo, hi) (lo a multiple of `per`)."""
+        return slice(lo // self.per, -(-hi // self.per))
+
+
+@dataclass
+class OffloadStats:
+    """The last step's I/O: bytes read and written, the seconds the kernel waited for reads and the
+    end waited for writes, and the seconds of the whole pass."""
+
+    read_bytes: int = 0
+    write_bytes: int = 0
+    wait_seconds: float = 0.0
+    seconds: float = 0.0
+
+
+def _views_of(specs: list[StateSpec], tensors: Views, lo: int, hi: int, base: int = 0) -> Views:
+    return {s.name: tensors[s.name][s.range(lo - base, hi - base)] for s in specs}
+
+
+class HostState:
+    """The state in host memory (pinned when `pin`): stepped where it lies, one call per segment."""
+
+    placement = "host"
+
+    def __init__(self, specs: list[StateSpec], pin: bool):
+        self.specs = specs
+        self.tensors = {s.name: torch.zeros(s.numel, dtype=s.dtype, pin_memory=pin) for s in specs}
+        self.stats = OffloadStats()
+
+    def views(self) -> Views:
+        return self.tensors
+
+    def stream(self, segments: list[Segment], step: Step) -> None:
+        start = time.perf_counter()
+        for lo, hi, payload in segments:
+            step(payload, lo, hi, _views_of(self.specs, self.tensors, lo, hi))
+        self.stats = OffloadStats(seconds=time.perf_counter() - start)
+
+    def commit(self) -> None:
+        """Nothing to switch: the step wrote the state in place."""
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+    disk_bytes = 0
+    window_bytes = 0
+    folder = None
+
+    def close(self) -> None:
+        pass
+
+
+class DiskState:
+    """The state in files under `root`: generation g holds the state after the last applied step,
+    a step writes generation 1-g and `commit()` switches to it ([Note: the all-or-none offloaded
+    step]). `views()` map generation g's files (reading or writing them is reading or writing the
+    state: checkpoints), the step reads and writes through the window's three slots instead."""
+
+    placement = "disk"
+
+    def __init__(self, specs: list[StateSpec], shard: int, root: str, window_bytes: int, io_threads: int, align: int):
+        self.empty = {s.name: torch.zeros(0, dtype=s.dtype) for s in specs if not s.numel}
+        self.specs, self.shard, self.root = [s for s in specs if s.numel], shard, root
+        per_element = sum(s.dtype.itemsize / s.per for s in self.specs) or 1.0
+        align = math.lcm(align, 1024)  # chunks start at a block boundary and a page of every file
+        self.chunk = max(align, int(window_bytes / (3 * per_element)) // align * align)
+        self.window_bytes = 3 * sum(s.range(0, self.chunk).stop * s.dtype.itemsize for s in self.specs)
+        self.folder, self._lock = _make_folder(root)
+        self._fds: dict[tuple[int, str], int] = {}
+        self._pool = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="zerofast-offload-io")
+        # Closed when the optimizer is collected or at exit (weakref.finalize runs at exit too): its I/O
+        # threads joined, its files closed and removed ([Note: clean exit] in csrc/work_keeper.cpp).
+        self._finalizer = weakref.finalize(self, _close, self._fds, self.folder, self._lock, self._pool)
+        need = 2 * sum(s.nbytes for s in self.specs)
+        free = shutil.disk_usage(self.folder).free
+        if need > free:
+            self.close()
+            raise OffloadError(
+                f"OffloadPolicy(path={root!r}): the optimizer state needs {need} bytes on disk (two generations of "
+                f"{need // 2}: [Note: the all-or-none offloaded step]) and the filesystem has {free} free"
+            )
+        try:
+            for g in (0, 1):
+                for s in self.specs:
+                    path = self._path(g, s)
+                    fd = self._fds[(g, s.name)] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                    _preallocate(fd, s.nbytes)
+        except OSError as e:
+            self.close()
+            raise OffloadError(
+                f"OffloadPolicy(path={root!r}): could not create the state's files in {self.folder}: {e}"
+            ) from e
+        self.gen = 0
+        self._mmaps: list[mmap.mmap] = []
+        self._maps = [self._map(0), self._map(1)]
+        self._slots: list[Views] | None = None  # the window, allocated at the first step
+        self.stats = OffloadStats()
+        self.fail_write: Callable[[str, int], None] | None = None  # a test's fault: (file, chunk) -> raise
+
+    def _path(self, g: int, s: StateSpec) -> str:
+        return os.path.join(self.folder, f"{s.name}.{g}")
+
+    def _map(self, g: int) -> Views:
+        """Generation g's files as tensors over shared mappings: pages are read (and count as this
+        process's resident memory) only where a reader touches them, and release() lets them go."""
+        out = {}
+        for s in self.specs:
+            mapped = mmap.mmap(self._fds[(g, s.name)], s.nbytes, access=mmap.ACCESS_WRITE)
+            self._mmaps.append(mapped)
+            out[s.name] = torch.frombuffer(mapped, dtype=s.dtype, count=s.numel)
+        return out
+
+    def release(self) -> None:
+        """Drop the mapped pages a reader touched from this process's resident memory (their bytes
+        stay in the files and the page cache): after a checkpoint read or wrote the views."""
+        for mapped in self._mmaps:
+            mapped.madvise(mmap.MADV_DONTNEED)
+
+    def write(self, name: str, offset: int, values: torch.Tensor) -> None:
+        """Write `values` (flat, this kind's dtype) at element `offset` of the live generation, through
+        the files rather than the mapping (so the pages do not stay resident)."""
+        s = next(s for s in self.specs if s.name == name)
+        buf = values.detach().to("cpu", s.dtype).contiguous()
+        view, done = memoryview(buf.view(torch.uint8).numpy()).cast("B"), 0
+        while done < len(view):
+            done += os.pwrite(self._fds[(self.gen, name)], view[done:], offset * s.dtype.itemsize + done)
+
+    def views(self) -> Views:
+        return {**self.empty, **self._maps[self.gen]}
+
+    @property
+    def host_bytes(self) -> int:
+        return self.window_bytes if self._slots is not None else 0
+
+    @property
+    def disk_bytes(self) -> int:
+        return 2 * sum(s.nbytes for s in self.specs)
+
+    def commit(self) -> None:
+        """Every rank wrote its next generation: it is the state now."""
+        self.gen = 1 - self.gen
+
+    def stream(self, segments: list[Segment], step: Step) -> None:
+        """Generation 1-g = generation g with `step` applied to every segment, through the window:
+        chunk k+1 read, chunk k stepped, chunk k-1 written, at once. Raises OffloadError (after every
+        I/O in flight ended) if a read or write failed; generation g is untouched either way."""
+        start = time.perf_counter()
+        self.stats = stats = OffloadStats()
+        chunks = [(lo, min(lo + self.chunk, self.shard)) for lo in range(0, self.shard, self.chunk)]
+        work: list[list[Segment]] = [[] for _ in chunks]
+        for lo, hi, payload in segments:
+            while lo < hi:
+                k = lo // self.chunk
+                end = min(hi, chunks[k][1])
+                work[k].append((lo, end, payload))
+                lo = end
+        if self._slots is None:
+            self._slots = [
+                {s.name: torch.empty(s.range(0, self.chunk).stop, dtype=s.dtype) for s in self.specs} for _ in range(3)
+            ]
+        src, dst = self.gen, 1 - self.gen
+        pending: dict[tuple[str, int], list[cf.Future]] = {}
+
+        def io(kind: str, k: int) -> None:
+            slot, (lo, hi) = self._slots[k % 3], chunks[k]
+            fn = self._read if kind == "read" else self._write
+            g = src if kind == "read" else dst
+            pending[(kind, k)] = [self._pool.submit(fn, g, s, slot[s.name], lo, hi, k) for s in self.specs]
+
+        def wait(kind: str, k: int) -> None:
+            t = time.perf_counter()
+            for f in pending.pop((kind, k), []):
+                nbytes = f.result()
+                if kind == "read":
+                    stats.read_bytes += nbytes
+                else:
+                    stats.write_bytes += nbytes
+            stats.wait_seconds += time.perf_counter() - t
+
+        try:
+            if chunks:
+                io("read", 0)
+            for k, (c_lo, _) in enumerate(chunks):
+                if k + 1 < len(chunks):
+                    wait("write", k - 2)  # the slot chunk k+1 reads into held chunk k-2
+                    io("read", k + 1)
+                wait("read", k)
+                for lo, hi, payload in work[k]:
+                    step(payload, lo, hi, _views_of(self.specs, self._slots[k % 3], lo, hi, c_lo))
+                io("write", k)
+            for key in sorted(pending, key=lambda kk: kk[1]):
+                wait(*key)
+        except BaseException:
+            futures = [f for fs in pending.values() for f in fs]
+            for f in futures:
+                f.cancel()
+            cf.wait(futures)  # nothing still writing into the window or the files once this returns
+            raise
+        finally:
+            stats.seconds = time.perf_counter() - start
+
+    def _read(self, g: int, s: StateSpec, buf: torch.Tensor, lo: int, hi: int, k: int) -> int:
+        return self._io("read", g, s, buf, lo, hi, k)
+
+    def _write(self, g: int, s: StateSpec, buf: torch.Tensor, lo: int, hi: int, k: int) -> int:
+        return self._io("write", g, s, buf, lo, hi, k)
+
+    def _io(self, kind: str, g: int, s: StateSpec, buf: torch.Tensor, lo: int, hi: int, k: int) -> int:
+        r = s.range(lo, hi)
+        view = memoryview(buf[: r.stop - r.start].view(torch.uint8).numpy()).cast("B")
+        offset, done, fd = r.start * s.dtype.itemsize, 0, self._fds[(g, s.name)]
+        try:
+            if kind == "write" and self.fail_write is not None:
+                self.fail_write(self._path(g, s), k)
+            while done < len(view):
+                if kind == "read":
+                    n = os.preadv(fd, [view[done:]], offset + done)
+                else:
+                    n = os.pwrite(fd, view[done:], offset + done)
+                if n <= 0:
+                    raise OSError(f"{kind} returned {n} at byte {offset + done} of {s.nbytes}")
+                done += n
+        except OSError as e:
+            raise OffloadError(
+                f"OffloadPolicy(path={self.root!r}): the {kind} of chunk {k} of {self._path(g, s)} "
+                f"({len(view)} bytes at byte {offset}) failed: {e}"
+            ) from e
+        return done
+
+    def close(self) -> None:
+        """Close the files, remove the folder and stop the I/O threads (idempotent)."""
+        self._finalizer()
+
+
+def _preallocate(fd: int, nbytes: int) -> None:
+    """Reserve the file's blocks now, so that a full disk is an error at construction, not in a step
+    (filesystems without fallocate get a sparse file of the size)."""
+    if nbytes == 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno not in (95, 22):  # EOPNOTSUPP, EINVAL: no fallocate here
+            raise
+        os.ftruncate(fd, nbytes)
+
+
+_PREFIX = "zerofast-"
+
+
+def _make_folder(root: str) -> tuple[str, int]:
+    """This optimizer's folder under `root` and its held lock ([Note: files of a killed job]); stale
+    folders of dead processes removed first."""
+    try:
+        os.makedirs(root, exist_ok=True)
+        _remove_stale(root)
+        folder = os.path.join(root, f"{_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        os.mkdir(folder, 0o700)
+        lock = os.open(os.path.join(folder, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        raise OffloadError(
+            f"OffloadPolicy(path={root!r}): the folder for the optimizer state cannot be created or written: {e}"
+        ) from e
+    return folder, lock
+
+
+def _remove_stale(root: str) -> None:
+    host = socket.gethostname()
+    for entry in os.scandir(root):
+        if not (entry.name.startswith(_PREFIX) and entry.is_dir(follow_symlinks=False)):
+            continue
+        owner = entry.name[len(_PREFIX) :].rsplit("-", 2)
+        if len(owner) == 3 and owner[0] == host and owner[1].isdigit() and _alive(int(owner[1])):
+            continue  # a live process on this machine (its lock may not be taken yet)
+        try:
+            fd = os.open(os.path.join(entry.path, "lock"), os.O_RDWR)
+        except OSError:
+            continue  # being created, or not ours
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # held: alive (on another machine sharing the folder)
+        finally:
+            os.close(fd)
+        shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _close(fds: dict, folder: str, lock: int, pool: cf.ThreadPoolExecutor) -> None:
+    pool.shutdown(wait=True)
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
+    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        os.close(lock)
+    except OSError:
+        pass
