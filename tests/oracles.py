@@ -69,6 +69,25 @@ def single_process(model_fn, world: int, steps: int) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def single_process_delayed(model_fn, world: int, steps: int) -> dict[str, torch.Tensor]:
+    """ZeRO-Offload's one-step-delayed update as its definition: torch.optim.AdamW on one process
+    over every rank's batch, each step's gradient computed with the parameters from before the
+    previous step's update (W_{t+1} = AdamW(W_t, grad at W_{t-1}), W_{-1} = W_0); returns the
+    parameters after every update was applied."""
+    model, behind = model_fn(), model_fn()  # AdamW's parameters, and the ones the forward sees
+    opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+    for step in range(steps):
+        total = sum(model_loss(behind, *rank_batch(behind, step, r)) for r in range(world)) / world
+        total.backward()
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), behind.parameters()):
+                p.grad, q.grad = q.grad, None
+                q.copy_(p)  # the next forward sees the parameters before this update
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def single_process_mixed(
     world: int,
     steps: int,

@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 from harness import free_port, run_ranks
 from models import Nested, model_loss
+from oracles import single_process, single_process_delayed
 from probes import full_master
-from tolerances import HYPER
+from tolerances import HYPER, fp32_tol, max_abs_diff
 from training import rank_batch, zero_options
 
 from zerofast import MixedPrecisionPolicy, OffloadError, OffloadPolicy, StepNotAppliedError, ZeroAdam, ZeroMuon
@@ -213,6 +214,42 @@ def test_a_failed_write_applies_the_step_on_no_rank(stage, precision, root):
         assert differs == [], f"rank {rank}: after the failure, training differs from the state in memory: {differs}"
 
 
+# --- the delayed update: AdamW one step late --------------------------------------------------------
+
+DELAYED_STEPS = 4
+
+
+def _delayed(rank, world, root):
+    out = {}
+    for stage in (1, 2, 3):
+        for state in ("host", "disk"):
+            model = _nested()
+            policy = OffloadPolicy(state, root if state == "disk" else None, window_mb=WINDOW_MB, delayed_update=True)
+            group = dist.new_group(list(range(world)))
+            opt = ZeroAdam(model, stage=stage, offload=policy, process_group=group, **HYPER)
+            for step in range(DELAYED_STEPS):
+                model_loss(model, *rank_batch(model, step, rank)).backward()
+                opt.step()
+                opt.zero_grad()
+            in_flight = parts_of(opt).shard.update_in_flight
+            opt.flush()
+            with opt.gathered_params():
+                out[stage, state] = (in_flight, {n: p.detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
+def test_the_delayed_update_is_adamw_one_step_late(root):
+    late = single_process_delayed(_nested, 2, DELAYED_STEPS)
+    on_time = single_process(_nested, 2, DELAYED_STEPS)
+    tol = fp32_tol(DELAYED_STEPS)
+    assert max_abs_diff(late, on_time) > 100 * tol, "the oracle must tell the two algorithms apart"
+    for rank, out in enumerate(run_ranks(_delayed, 2, args=(root,))):
+        for (stage, state), (in_flight, params) in out.items():
+            assert in_flight, f"stage {stage} {state}: the last step's update runs after step() returns"
+            err = max_abs_diff(params, late)
+            assert err <= tol, f"stage {stage} {state} rank {rank}: {err} from AdamW one step late (tol {tol})"
+
+
 # --- the window, not the state, in memory -------------------------------------------------------------
 
 
@@ -385,6 +422,8 @@ def test_bad_input_is_named_at_construction(root):
             OffloadPolicy(**kw)
     with pytest.raises(ValueError, match="state='disk' needs path="):
         OffloadPolicy("disk")
+    with pytest.raises(ValueError, match="delayed_update=True needs state='host' or 'disk'; got state=None"):
+        OffloadPolicy(delayed_update=True)
     with pytest.raises(ValueError, match="path applies to state='disk'"):
         OffloadPolicy("host", root)
     assert OffloadPolicy() == OffloadPolicy(None) and not OffloadPolicy().active and None in OFFLOAD_STATES

@@ -22,19 +22,39 @@ csrc/bucket_pool.cpp), and padding (each bucket padded to a multiple of world x 
 gradients are its buckets, reduced in place ([Note: grads as bucket views]): padding only, unless
 it reduces in another dtype (then it copies, as stage 2 does, and keeps a reduced shard).
 
+With the state offloaded (ZeroAdam's offload=, an OffloadPolicy: [Note: offload schedule] in
+zerofast/offload/__init__.py) the fp32 master, the moments and 8-bit state's scales leave the device
+(`optimizer` is 0, and so is their padding in `zerofast_extra`) for pinned host memory ("host") or
+two generations of files streamed through a window of three chunks ("disk"); the master is then a
+tensor of its own in fp32 too. offloaded_state() counts them as ShardState lays them out and the
+stores hold them (zerofast/offload/stores.py): for a module exactly (its layout's shard, padding
+included), for a count its ceil(Φ/K) elements. "host" on a CPU model moves nothing (the state is in
+host memory already).
+
 Pure arithmetic: the options are checked and resolved by zerofast/config.py, the same code as
 ZeroAdam's, so the estimator accepts exactly what ZeroAdam accepts; no compiled code is imported.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from ..config import DEFAULT_BUCKET_MB, check_stage, comm_policy, precision_policy, resolve_plan, unit_policy
+from ..config import (
+    DEFAULT_BUCKET_MB,
+    OffloadPolicy,
+    check_stage,
+    comm_policy,
+    offload_policy,
+    precision_policy,
+    resolve_plan,
+    unit_policy,
+)
 from ..layout import ALIGN
+from ..offload import StateSpec
 from ..quant import num_blocks
 from ..topology import check_shard_size
 
@@ -48,10 +68,23 @@ class MemoryEstimate:
     optimizer: int
     zerofast_extra: int  # bucket buffers, padding, stage 1's gradient shard (0 for DDP)
     frozen_models: int = 0  # models sharded for inference only (shard_frozen): shards + units in flight
+    # Where the optimizer state lives, as report().offload.state: "device" (no offload), "host" or
+    # "disk" (offload=); offloaded, `optimizer` is 0 and the state is in these, as report().offload
+    # gives them after a step:
+    placement: str = "device"
+    host_bytes: int = 0  # "host": the state in pinned host memory; "disk": the window
+    disk_bytes: int = 0  # "disk": the state's files, two generations
+    window_bytes: int = 0  # "disk": the window's three chunks of every kind of state
 
     @property
     def total(self) -> int:
+        """Bytes on the device (the parameters' device: a GPU, or host memory for a CPU model)."""
         return self.params + self.grads + self.optimizer + self.zerofast_extra + self.frozen_models
+
+    @property
+    def device_bytes(self) -> int:
+        """`total`, named beside host_bytes and disk_bytes."""
+        return self.total
 
 
 # Where the estimator's keywords of before the policies live now.
@@ -71,6 +104,9 @@ def estimate_memory(
     units=None,
     shard_size=None,
     frozen_models=(),
+    offload=None,
+    device="cuda",
+    rank=None,
     **moved,
 ) -> MemoryEstimate:
     """Per-rank bytes of parameters, gradients and optimizer state for DDP (stage 0) or a ZeRO stage,
@@ -83,7 +119,14 @@ def estimate_memory(
     so each sharded part is divided by K instead of W (None: K = world, flat ZeRO).
     frozen_models: models sharded for inference only with zerofast.shard_frozen over the world's
     ranks in the policy's precision (a reference model, reward models), each a module or a
-    parameter count: counted in `frozen_models` by frozen_model_bytes."""
+    parameter count: counted in `frozen_models` by frozen_model_bytes.
+    offload: where the optimizer state lives, as ZeroAdam takes it (None, "host", "disk:PATH" or an
+    OffloadPolicy; the path is never touched here); device: the type of device the model trains on
+    ("cuda" by default, or "cpu", a torch.device, ...), which decides whether "host" moves anything
+    (not on a CPU model: the state is in host memory already). Offloaded, `optimizer` is 0 and
+    `placement`, host_bytes, disk_bytes and window_bytes say where the state is, as report().offload
+    does after a step (stages 1-3; DDP has no offload). rank: whose shard they count, for a module
+    (shards differ by their padding; None: the largest); a count's shards are all ceil(Φ/K)."""
     for name in moved:
         if name in _MOVED:
             raise TypeError(f"estimate_memory: the keyword {name}= is now {_MOVED[name]}")
@@ -106,14 +149,22 @@ def estimate_memory(
         raise ValueError(f"estimate_memory: world must be an integer >= 1; got {world!r}")
     check_stage(stage, "estimate_memory", stages=(0, 1, 2, 3))
     shards = check_shard_size(shard_size, world, "estimate_memory", comm)
+    device_type = _device_type(device)
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world):
+        raise ValueError(f"estimate_memory: rank must be None or an integer in [0, {world}); got {rank!r}")
     if stage == 0:  # DDP: the options are checked all the same, so a typo is not silently ignored
         precision, comm_p = precision_policy(mixed_precision), comm_policy(comm)
         unit_policy(units)
+        if offload_policy(offload).active:
+            raise ValueError(
+                f"estimate_memory: offload applies to ZeroAdam's stages 1-3; stage 0 is DDP, whose optimizer "
+                f"state stays with the parameters; got offload={offload!r} with stage=0"
+            )
         param_dtype, reduce_dtype = precision.param_dtype, precision.reduce_dtype or precision.param_dtype
         bucket_bytes, buffers, views = 0, comm_p.bucket_buffers, False
         state_bits, state_block = precision.state_bits, precision.state_block
     else:
-        plan = resolve_plan(stage, mixed_precision=mixed_precision, comm=comm, units=units)
+        plan = resolve_plan(stage, mixed_precision=mixed_precision, comm=comm, units=units, offload=offload)
         param_dtype, reduce_dtype = plan.param_dtype, plan.reduce_dtype
         bucket_bytes = plan.bucket_bytes or int(DEFAULT_BUCKET_MB[2] * 2**20)  # stage 3: a unit's stand-in
         buffers, views = plan.bucket_buffers, plan.grads_as_bucket_views
@@ -140,12 +191,88 @@ def estimate_memory(
         extra += r_bytes * shard if stage == 1 and not views else 0  # stage 1's reduced shard in reduce_dtype
         padding_elements = ALIGN * shards * max(1, -(-r_bytes * numel // bucket_bytes))
         extra += padding_elements * (p_bytes + r_bytes + o_bytes)
+    placement, host, disk, window = "device", 0, 0, 0
+    if stage >= 1 and plan.offload.active:
+        placement = plan.offload.state
+        if offloaded(plan.offload, device_type):  # the state, its padding included, leaves the device
+            state_shard = shard  # a count's: ceil(Φ/K); a module's, exact:
+            if isinstance(model_or_param_count, nn.Module):
+                shard_rank = None if rank is None else rank % shards
+                state_shard = _module_shard(model_or_param_count, plan, shards, shard_rank)
+            host, disk, window = offloaded_state(state_shard, plan)
+            optimizer = 0
+            extra -= padding_elements * o_bytes
     if isinstance(frozen_models, (nn.Module, int)) or not isinstance(frozen_models, (list, tuple)):
         raise ValueError(
             f"estimate_memory: frozen_models must be a list of modules or parameter counts; got {frozen_models!r}"
         )
     inference = sum(frozen_model_bytes(m, world, param_dtype, units) for m in frozen_models)
-    return MemoryEstimate(stage, world, params, grads, optimizer, extra, inference)
+    return MemoryEstimate(stage, world, params, grads, optimizer, extra, inference, placement, host, disk, window)
+
+
+def _device_type(device) -> str:
+    if isinstance(device, torch.device):
+        return device.type
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"estimate_memory: device must be the device the model trains on ('cuda', 'cpu', a torch.device); "
+            f"got {device!r}"
+        ) from None
+
+
+def offloaded(policy: OffloadPolicy, device_type: str) -> bool:
+    """Whether ZeroAdam moves the state off a model on `device_type` (ShardState.offloaded): "disk"
+    always, "host" unless the model is on the CPU already (where only the delayed update, when the
+    policy has it, keeps the state apart)."""
+    delayed = getattr(policy, "delayed_update", False)
+    return policy.state == "disk" or (policy.state == "host" and (device_type != "cpu" or delayed))
+
+
+def _module_shard(model: nn.Module, plan, shards: int, shard_rank: int | None) -> int:
+    """Elements of the shard ZeroAdam builds for `shard_rank` (None: the largest), padding included."""
+    from ..optim.layouts import plan_layouts
+
+    layout = plan_layouts(model, plan, shards).layout
+    if shard_rank is None:
+        return max(layout.shard_numel(r) for r in range(shards))
+    return layout.shard_numel(shard_rank)
+
+
+def state_specs(shard: int, plan) -> list[StateSpec]:
+    """The flat tensors of an offloaded shard of `shard` elements, as ShardState lays them out: the
+    fp32 master (a tensor of its own once offloaded, in fp32 too), exp_avg and exp_avg_sq (fp32, or
+    one byte each with 8-bit state) and 8-bit state's fp32 scales, one per block of each moment."""
+    quantized = plan.quantized_state
+    blocks = num_blocks(shard, plan.state_block) if quantized else 0
+    moment = torch.uint8 if quantized else torch.float32
+    return [
+        StateSpec("master", torch.float32, shard),
+        StateSpec("exp_avg", moment, shard),
+        StateSpec("exp_avg_sq", moment, shard),
+        StateSpec("exp_avg_scale", torch.float32, blocks, plan.state_block),
+        StateSpec("exp_avg_sq_scale", torch.float32, blocks, plan.state_block),
+    ]
+
+
+def offloaded_state(shard: int, plan) -> tuple[int, int, int]:
+    """(host_bytes, disk_bytes, window_bytes) of a shard of `shard` elements offloaded as
+    plan.offload places it, as report().offload gives them after a step: HostState holds the state;
+    DiskState two generations of files, and in host memory the window, three chunks of every kind
+    of state, a chunk window_mb / 3 of state rounded down to a multiple of lcm(8-bit state's block,
+    1024) elements, at least one such multiple (DiskState's arithmetic, restated)."""
+    specs = state_specs(shard, plan)
+    state = sum(s.nbytes for s in specs)
+    if plan.offload.state == "host":
+        return state, 0, 0
+    live = [s for s in specs if s.numel]
+    per_element = sum(s.dtype.itemsize / s.per for s in live) or 1.0
+    align = math.lcm(plan.state_block if plan.quantized_state else 1, 1024)
+    window_policy = int(plan.offload.window_mb * 2**20)
+    chunk = max(align, int(window_policy / (3 * per_element)) // align * align)
+    window = 3 * sum(s.range(0, chunk).stop * s.dtype.itemsize for s in live)
+    return window, 2 * state, window
 
 
 def frozen_model_bytes(model_or_param_count, world: int, param_dtype: torch.dtype, units=None) -> int:

@@ -129,6 +129,7 @@ def traffic_ops(
     rank: int = 0,
     micro_batches: int = 1,
     max_grad_norm=None,
+    offload=None,
 ) -> list[Op]:
     """The collectives behind estimate_traffic, with their call counts and the phase each can overlap."""
     who = "estimate_traffic"
@@ -151,7 +152,12 @@ def traffic_ops(
         raise ValueError(f"{who}: rank must be an integer in [0, {world}); got {rank!r}")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"{who}: micro_batches must be an integer >= 1; got {micro_batches!r}")
-    plan = resolve_plan(stage, max_grad_norm=max_grad_norm, mixed_precision=mixed_precision, comm=comm, units=units)
+    plan = resolve_plan(
+        stage, max_grad_norm=max_grad_norm, mixed_precision=mixed_precision, comm=comm, units=units, offload=offload
+    )
+    # The state on disk: after the update, one int64 MAX over every rank, whether each wrote its
+    # files ([Note: the all-or-none offloaded step] in zerofast/offload/__init__.py).
+    disk_agreement = plan.offload.state == "disk"
     replicas, shard_rank = world // shards, rank % shards
     r_bytes, p_bytes = plan.reduce_dtype.itemsize, plan.param_dtype.itemsize
     reduces = 1 if plan.accumulates_locally else micro_batches  # [Note: accumulation] in zerofast/optim/grads.py
@@ -229,11 +235,15 @@ def traffic_ops(
         ops.append(Op("shard", "all_reduce_flags", flags, 1, "step", shards))
         if plan.scales_loss or plan.max_grad_norm is not None:  # overflow flag and squared norm: 2 x fp32
             ops.append(Op("shard", "all_reduce_stats", 8, 1, "step", shards))
+        if disk_agreement:
+            ops.append(Op("shard", "all_reduce_flags", 8, 1, "step", shards))
     if replicas > 1:
         # launched as each bucket's last reduce finishes: overlapped with backward ([Note: replicas
         # in backward] in csrc/buckets.cpp)
         ops.append(Op("replicate", "all_reduce", shard_numel * r_bytes, replicate_calls, "backward", replicas))
         ops.append(Op("replicate", "all_reduce_flags", flags, 1, "step", replicas))
+        if disk_agreement:
+            ops.append(Op("replicate", "all_reduce_flags", 8, 1, "step", replicas))
     return ops
 
 
@@ -261,11 +271,14 @@ def estimate_traffic(
     rank: int = 0,
     micro_batches: int = 1,
     max_grad_norm=None,
+    offload=None,
 ) -> dict[str, int]:
     """The payload bytes per collective that `opt.report().comm` reports on rank `rank` after a step
     of ZeroAdam(model, stage, mixed_precision=..., comm=CommPolicy(shard_size=..., ...), units=...,
-    max_grad_norm=...) on `world` ranks of `backend`, with `micro_batches` backwards per step
-    (all but the last under no_sync()). Keys "shard/<collective>" (the K ranks sharing the state)
+    max_grad_norm=..., offload=...) on `world` ranks of `backend`, with `micro_batches` backwards
+    per step (all but the last under no_sync()). offload as ZeroAdam takes it: with the state on
+    disk each step that applies its update agrees, over every rank, that every rank wrote its files
+    (8 more bytes of all_reduce_flags in each group of more than one rank); "host" moves nothing more. Keys "shard/<collective>" (the K ranks sharing the state)
     and "replicate/<collective>" (the W/K copies of each shard, when shard_size < world).
 
     For an nn.Module it is exact: the same layouts ZeroAdam builds (zerofast.optim.layouts), the
@@ -287,6 +300,7 @@ def estimate_traffic(
         rank,
         micro_batches,
         max_grad_norm,
+        offload,
     ):
         totals[op.key] = totals.get(op.key, 0) + op.nbytes
     return totals

@@ -110,16 +110,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
             )
         where, world = parts.comm.where, parts.topology.divisor()
         where.phase = "step() (phase 2: the reduces and the agreement)"
-        parts.quiesce()  # last step's gathers, if some module never ran; stage 3: none stays gathered across the update
+        # Last step's gathers, if some module never ran; stage 3: none stays gathered across the update.
+        parts.quiesce(flush=False)
         prep = parts.grads.prepare(plan.max_grad_norm is not None, world, check=self._check_update)  # phase 2
         if plan.max_grad_norm is not None:
             parts.grads.clip(prep, plan.max_grad_norm)
         if not self._commit():
             return
+        parts.flush()  # the last step's delayed update, if one is in flight ([Note: the delayed update])
         anything = any(prep.used)  # agreed: the same on every rank
         if anything and not prep.found_inf:
             parts.apply(prep.used, self.param_groups, prep.grad_scale(world, parts.scaler.scale))  # phase 3
-            if plan.gather_after_step:  # phase 4 (stage 3: the next forward gathers)
+            # Phase 4 (stage 3: the next forward gathers; the delayed update: the next flush does).
+            if plan.gather_after_step and not plan.offload.delayed_update:
                 where.phase = "step() (phase 4: the parameter gather)"
                 with torch.profiler.record_function("zerofast::gather"):
                     parts.gather.start()
@@ -244,6 +247,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         from ..checkpoint import dcp
 
         dcp.load_state_dict(self, state_dict)
+
+    def flush(self) -> None:
+        """With OffloadPolicy(delayed_update=True): wait for the update still running (the last
+        step's) and apply it, so that the model and the state are those after every step taken;
+        nothing to do otherwise. step(), gathered_params(), full_state_dict() and checkpoints call
+        it themselves; call it after the last step before reading the model's parameters directly.
+        Every rank calls it (stages 1 and 2 then gather the updated parameters)."""
+        self._parts.flush()
 
     def remove_hooks(self) -> None:
         """Take every hook this optimizer put on the model off it (the model keeps its parameters,

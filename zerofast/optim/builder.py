@@ -80,49 +80,81 @@ class Parts:
     module: ShardedModule = None  # type: ignore[assignment]  # the model side: gathers, whole tensors, hooks
     decided: bool = False  # torchft: this step's commit decision was taken ([Note: replica groups on torchft])
 
-    def quiesce(self) -> None:
+    def quiesce(self, flush: bool = True) -> None:
         """Bring the state to rest: wait for parameter gathers still in flight (stages 1 and 2: the
-        last step's, if some module never ran) and release every gathered unit (stage 3)."""
+        last step's, if some module never ran), release every gathered unit (stage 3) and apply the
+        delayed update in flight (OffloadPolicy(delayed_update=True))."""
         self.gather.wait()
         if self.plan.params_sharded:
             self.units.release_all()
+        if flush:  # step() flushes after its phase 2 instead: [Note: the delayed update]
+            self.flush()  # once no unit is gathered
 
     def apply(self, used: list[bool], param_groups: list[dict], grad_scale) -> None:
         """Phase 3: the rule's update over the shard. With the state on disk, every data-parallel rank
         then says whether it wrote its update, and all switch to it or none does ([Note: the
-        all-or-none offloaded step] in zerofast/offload/__init__.py)."""
+        all-or-none offloaded step] in zerofast/offload/__init__.py); with the delayed update it only
+        starts, and the next quiesce() settles it."""
         shard = self.shard
         if shard.store is None:
             self.update(used, param_groups, grad_scale)
+            return
+        if self.plan.offload.delayed_update:
+            self.update(used, param_groups, grad_scale)  # starts the thread
             return
         error = None
         try:
             self.update(used, param_groups, grad_scale)
         except OffloadError as e:
             error = e
+        self._settle_offloaded(error, "this step's update")
+
+    def _settle_offloaded(self, error: BaseException | None, what: str) -> bool:
+        """After an offloaded update was written (or failed) on this rank: on disk, the ranks agree
+        whether every one wrote it; then it is the state everywhere, or nowhere and this raises."""
+        shard, where = self.shard, self.comm.where
+        failed = -1 if error is None else self.topology.rank
         if shard.placement == "disk":
-            where = self.comm.where
             where.phase = "step() (phase 3: the agreement that every rank wrote its offloaded state)"
-            flag = torch.tensor([0 if error is None else self.topology.rank + 1], dtype=torch.int64)
-            flag = flag.to(self.comm.device)
+            flag = torch.tensor([failed + 1], dtype=torch.int64).to(self.comm.device)
             self.comm.all_reduce_max(flag)
             failed = int(flag.item()) - 1
-            if failed >= 0:
-                shard.abort_offloaded()
-                self.grads.begin_step()  # this step's gradients are dropped; nothing was applied
-                where.phase = "forward"
-                note = (
-                    f"ZeroAdam: step {where.step + 1} was not applied on any rank: rank {failed} could not write its "
-                    f"offloaded state; parameters and optimizer state are those after step {where.step} on every "
-                    f"rank, and this step's gradients are dropped"
-                )
-                if error is not None:
-                    error.add_note(note)
-                    raise error
-                raise StepNotAppliedError(note + " (see that rank's error)")
-        elif error is not None:
+        if failed < 0:
+            shard.commit_offloaded()
+            return True
+        shard.abort_offloaded()
+        self.grads.begin_step()  # this step's gradients are dropped; nothing was applied
+        where.phase = "forward"
+        note = (
+            f"ZeroAdam: {what} (step {where.step + 1}) was not applied on any rank: rank {failed} could not write "
+            f"its offloaded state; parameters and optimizer state are those after step {where.step} on every "
+            f"rank, and this step's gradients are dropped"
+        )
+        if error is not None:
+            error.add_note(note)
             raise error
-        shard.commit_offloaded()
+        raise StepNotAppliedError(note + " (see that rank's error)")
+
+    def flush(self) -> None:
+        """The delayed update in flight, if any, waited for, agreed on and applied: the parameters
+        (stages 1 and 2: gathered from their owners) and the state become those after it ([Note:
+        the delayed update] in zerofast/offload/__init__.py). Collective while one is in flight."""
+        shard = self.shard
+        if not shard.update_in_flight:
+            return
+        error = shard.wait_delayed()
+        if error is not None and not isinstance(error, OffloadError):
+            shard.drop_delayed()
+            raise error
+        try:
+            self._settle_offloaded(error, "the delayed update of the last step")
+        except BaseException:
+            shard.drop_delayed()
+            raise
+        shard.apply_delayed()
+        if not self.plan.params_sharded:
+            self.gather.start()
+            self.gather.wait()
 
     def sync_params_from_master(self) -> None:
         """After the fp32 master was written outside step(): the low-precision parameters become its
@@ -171,6 +203,12 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
     topology = (
         source.topology(group, plan) if source else resolve_topology(group, shard_size, group_timeout(group), mesh)
     )
+    if plan.offload.delayed_update and topology.replication.changes_membership:
+        raise ValueError(
+            "ZeroAdam: OffloadPolicy(delayed_update=True) cannot run on replicas whose membership changes "
+            f"({type(topology.replication).__name__}): a group that joins would receive the state with an "
+            "update still in flight elsewhere; use the delayed update with fixed replicas"
+        )
     group_index = {id(p): g for g, grp in enumerate(rule.groups) for p in grp["params"]}
     # Which of the model's parameters were trainable: the layout is built over them, so a change of
     # requires_grad later is an error at the next step (checks.check_trainable_unchanged).

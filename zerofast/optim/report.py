@@ -88,6 +88,7 @@ class OffloadReport:
     write_bytes: int  # and writes
     io_wait_seconds: float  # of the last step's phase 3, waiting for reads and writes
     phase3_seconds: float  # the last step's phase 3 through the store
+    delayed_update: bool = False  # OffloadPolicy(delayed_update=True): parameters one update behind
 
     @property
     def io_bandwidth(self) -> float:
@@ -113,7 +114,7 @@ class Report:
 def offload_report(shard) -> OffloadReport:
     store = shard.store
     if store is None:
-        return OffloadReport(shard.placement, None, 0, 0, 0, 0, 0, 0.0, 0.0)
+        return OffloadReport(shard.placement, None, 0, 0, 0, 0, 0, 0.0, 0.0, shard.plan.offload.delayed_update)
     stats = store.stats
     return OffloadReport(
         state=store.placement,
@@ -125,6 +126,7 @@ def offload_report(shard) -> OffloadReport:
         write_bytes=stats.write_bytes,
         io_wait_seconds=stats.wait_seconds,
         phase3_seconds=stats.seconds,
+        delayed_update=shard.plan.offload.delayed_update,
     )
 
 

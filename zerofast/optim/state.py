@@ -13,6 +13,7 @@ reports through nbytes(), never through its tensors' names.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -66,7 +67,10 @@ class ShardState:
         # block, block k at state offsets [k * block, (k + 1) * block) ([Note: quantized state]).
         # Offloaded (zerofast/offload), the master is always a tensor of its own, in the store: the
         # parameters stay with the model, and the master is what a failed step is undone from.
-        self.offloaded = plan.offload.state == "disk" or (plan.offload.state == "host" and device.type != "cpu")
+        policy = plan.offload
+        self.offloaded = policy.state == "disk" or (
+            policy.state == "host" and (device.type != "cpu" or policy.delayed_update)
+        )
         self.master_apart = mixed or self.offloaded
         state_dtype = torch.uint8 if plan.quantized_state else torch.float32
         blocks = num_blocks(shard, plan.state_block) if plan.quantized_state else 0
@@ -90,6 +94,7 @@ class ShardState:
             else None
         )
         self._pending_used: list[bool] | None = None  # an offloaded step written, not yet committed
+        self._delayed: _Delayed | None = None  # the delayed update in flight ([Note: the delayed update])
         self.pieces: list[Piece] = layout.pieces(rank)
         self.steps = [0] * len(params)  # per parameter, as torch.optim keeps it
         originals = [p.detach() for p in params]
@@ -148,22 +153,31 @@ class ShardState:
     def _apply_offloaded(self, used, param_groups, group_of, adamw, grad_scale) -> None:
         """Phase 3 through the store: the CPU kernel over each piece of a run the store hands out
         (disk: a chunk of the window), the gradients brought to the host and the updated parameters
-        (the master's rounding, or its copy in fp32) back to the model's device."""
+        (the master's rounding, or its copy in fp32) back to the model's device. With the delayed
+        update, on a thread, from a copy of the gradients, into staging buffers that
+        apply_delayed() copies into the parameters ([Note: the delayed update])."""
         if isinstance(grad_scale, torch.Tensor):
             grad_scale = grad_scale.to("cpu")  # one read of the device per step
+        delayed = self.plan.offload.delayed_update
+        runs = self.runs(used, group_of)
         segments = [
             (run.state_lo, run.state_lo + run.numel, (run, self._hyper(run, param_groups, adamw, grad_scale)))
-            for run in self.runs(used, group_of)
+            for run in runs
         ]
+        grads = self._grad_snapshot(runs) if delayed else None
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def step(payload, lo: int, hi: int, views: dict[str, torch.Tensor]) -> None:
             run, hyper = payload
             at = run.bucket_lo + lo - run.state_lo
-            grad = self.grad_range(run.bucket, at, slice(lo, hi))
+            if grads is None:
+                grad = self.grad_range(run.bucket, at, slice(lo, hi))
+                grad = grad if grad.device.type == "cpu" else grad.to("cpu")
+            else:
+                grad = grads[run.state_lo][lo - run.state_lo : hi - run.state_lo]
             dest = self.master_and_copy(run.bucket, at, slice(lo, hi))[1]
-            on_host = dest.device.type == "cpu"
-            copy = dest if on_host else torch.empty(hi - lo, dtype=dest.dtype)
-            grad = grad if on_host else grad.to("cpu")
+            direct = dest.device.type == "cpu" and not delayed
+            copy = dest if direct else torch.empty(hi - lo, dtype=dest.dtype)
             if self.plan.quantized_state:
                 moments = (views["exp_avg"], views["exp_avg_sq"], views["exp_avg_scale"], views["exp_avg_sq_scale"])
                 _ops.fused_adam_8bit_(
@@ -171,13 +185,46 @@ class ShardState:
                 )
             else:
                 _ops.fused_adam_(views["master"], grad, views["exp_avg"], views["exp_avg_sq"], param_copy=copy, **hyper)
-            if not on_host:
+            if delayed:
+                staged.append((dest, copy))
+            elif not direct:
                 dest.copy_(copy)
 
         self._pending_used = list(used)
         if isinstance(self.store, DiskState):
             self.store.release()  # pages a checkpoint touched since the last step
-        self.store.stream(segments, step)
+        if not delayed:
+            self.store.stream(segments, step)
+            return
+        self._delayed = _Delayed(lambda: self.store.stream(segments, step), staged)
+
+    def _grad_snapshot(self, runs: list[Run]) -> dict[int, torch.Tensor]:
+        """Each run's reduced gradients copied to the host, by its first shard element: the next
+        backward writes the buffers they are in while the delayed update reads them."""
+        return {
+            run.state_lo: self.grad_range(run.bucket, run.bucket_lo, slice(run.state_lo, run.state_lo + run.numel)).to(
+                "cpu", copy=True
+            )
+            for run in runs
+        }
+
+    @property
+    def update_in_flight(self) -> bool:
+        """A delayed update was started and not yet applied."""
+        return self._delayed is not None
+
+    def wait_delayed(self) -> BaseException | None:
+        """Wait for the delayed update's thread; its error, if it failed (nothing is applied yet)."""
+        return self._delayed.wait()
+
+    def apply_delayed(self) -> None:
+        """The delayed update written by every rank: the parameters take its values."""
+        for dest, copy in self._delayed.staged:
+            dest.copy_(copy)
+        self._delayed = None
+
+    def drop_delayed(self) -> None:
+        self._delayed = None
 
     def commit_offloaded(self) -> None:
         """Every rank wrote its offloaded update: it is the state now, and its steps count."""
@@ -494,6 +541,26 @@ def storage_of(kind: str) -> str:
 def _check_kind(where: str, kind: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"ShardState.{where}: kind must be one of {', '.join(KINDS)}; got {kind!r}")
+
+
+class _Delayed:
+    """The delayed update's thread ([Note: the delayed update]) and the parameter values it stages."""
+
+    def __init__(self, run, staged: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.staged, self.error = staged, None
+
+        def body():
+            try:
+                run()
+            except BaseException as e:  # noqa: BLE001 (raised where the update is applied)
+                self.error = e
+
+        self.thread = threading.Thread(target=body, name="zerofast-delayed-update", daemon=False)
+        self.thread.start()
+
+    def wait(self) -> BaseException | None:
+        self.thread.join()
+        return self.error
 
 
 def _store(specs: list[StateSpec], shard: int, plan: Plan, device: torch.device):

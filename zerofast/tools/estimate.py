@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import CommPolicy, MixedPrecisionPolicy, precision_policy
+from ..config import CommPolicy, MixedPrecisionPolicy, OffloadPolicy, precision_policy
 from ..estimate.memory import MemoryEstimate, estimate_memory
 from ..estimate.timemodel import Cluster, Link, link_of, step_time
 from ..estimate.traffic import traffic_ops
@@ -16,10 +16,14 @@ from .quantities import format_bytes, format_seconds, parse_count, parse_rate, p
 
 
 def format_table(rows: list[MemoryEstimate]) -> str:
-    """Bytes per rank by kind; a column for the models sharded for inference only when any are."""
+    """Bytes per rank by kind; a column for the models sharded for inference only when any are.
+    With the optimizer state offloaded the total is the device's, and host and disk follow it."""
     frozen = any(r.frozen_models for r in rows)
+    offload = any(r.placement != "device" for r in rows)
     head = f"{'':10s} {'params':>12s} {'grads':>12s} {'optimizer':>12s} {'zerofast+':>12s}"
-    lines = [head + (f" {'frozen models':>14s}" if frozen else "") + f" {'total':>12s}"]
+    head += f" {'frozen models':>14s}" if frozen else ""
+    head += f" {'device':>12s} {'host':>12s} {'disk':>12s}" if offload else f" {'total':>12s}"
+    lines = [head]
     for r in rows:
         name = "DDP" if r.stage == 0 else f"stage {r.stage}"
         lines.append(
@@ -27,11 +31,14 @@ def format_table(rows: list[MemoryEstimate]) -> str:
             f"{format_bytes(r.zerofast_extra):>12s}"
             + (f" {format_bytes(r.frozen_models):>14s}" if frozen else "")
             + f" {format_bytes(r.total):>12s}"
+            + (f" {format_bytes(r.host_bytes):>12s} {format_bytes(r.disk_bytes):>12s}" if offload else "")
         )
     return "\n".join(lines)
 
 
-def _link_table(params: int, world: int, stages, shard_size, precision, backend: str, gpus_per_node: int) -> str:
+def _link_table(
+    params: int, world: int, stages, shard_size, precision, backend: str, gpus_per_node: int, offload=None
+) -> str:
     """Bytes per GPU per step of each collective, and the link it crosses (ranks numbered node by node)."""
     cluster = Cluster(gpus_per_node=gpus_per_node)
     k = world if shard_size is None else shard_size
@@ -40,7 +47,7 @@ def _link_table(params: int, world: int, stages, shard_size, precision, backend:
         if s == 0:
             continue
         totals: dict[str, list] = {}  # stage 3's forward and backward gathers: one row
-        for op in traffic_ops(params, world, s, shard_size, precision, backend=backend):
+        for op in traffic_ops(params, world, s, shard_size, precision, backend=backend, offload=offload):
             row = totals.setdefault(op.key, [0, link_of(op.group, world, k, cluster).name])
             row[0] += op.nbytes
         for key, (nbytes, link) in totals.items():
@@ -118,6 +125,30 @@ def _state_policy(args):
     return MixedPrecisionPolicy(precision_policy(name).param_dtype, state_bits=args.state_bits)
 
 
+def _offload_policy(args):
+    """--offload (and --window-mb) as ZeroAdam's OffloadPolicy. The estimate never touches the files,
+    so the policy's path, which "disk" requires, is a placeholder."""
+    if args.offload is None:
+        return None
+    if args.offload == "host":
+        return OffloadPolicy("host")
+    return OffloadPolicy("disk", ".", window_mb=OffloadPolicy.window_mb if args.window_mb is None else args.window_mb)
+
+
+def _offload_words(args) -> str:
+    if args.offload is None:
+        return ""
+    if args.offload == "host" and args.device == "cpu":
+        return ", --offload host on a CPU model (the state is in host memory already: nothing moves)"
+    if args.offload == "host":
+        return ", optimizer state in pinned host memory"
+    window = OffloadPolicy.window_mb if args.window_mb is None else args.window_mb
+    return (
+        f", optimizer state on disk (two generations of files; host: the window of {window:g} MiB "
+        f"as three chunks)"
+    )
+
+
 def main(argv=None) -> int:
     def typed(parse, what):
         def f(text):
@@ -169,6 +200,26 @@ def main(argv=None) -> int:
         metavar="COUNT",
         help="models sharded for inference only beside the trained one (zerofast.shard_frozen: a reference "
         "or reward model), each by its parameter count, e.g. --frozen-models 7B 7B",
+    )
+    p.add_argument(
+        "--offload",
+        choices=("host", "disk"),
+        default=None,
+        help="where the optimizer state (fp32 master, moments, 8-bit scales) lives: pinned host memory or files "
+        "on disk (ZeroAdam's offload=); default: on the device, with the parameters",
+    )
+    p.add_argument(
+        "--window-mb",
+        type=float,
+        default=None,
+        help=f"--offload disk: MiB of state in host memory at once per rank (OffloadPolicy.window_mb, "
+        f"default {OffloadPolicy.window_mb:g})",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="what the model trains on (default cuda): --offload host on a CPU model moves nothing",
     )
     p.add_argument(
         "--bucket-mb",
@@ -255,6 +306,12 @@ def main(argv=None) -> int:
         p.error(f"--global-tokens must be at least --world ({args.world}); got {args.global_tokens}")
     if args.tokens_per_rank < 1:
         p.error(f"--tokens-per-rank must be at least 1; got {args.tokens_per_rank}")
+    if args.window_mb is not None and args.offload != "disk":
+        p.error(f"--window-mb applies to --offload disk; got --window-mb {args.window_mb:g} without it")
+    try:
+        offload = _offload_policy(args)
+    except ValueError as e:
+        p.error(str(e).replace("OffloadPolicy: window_mb", "--window-mb"))
     try:
         comm = CommPolicy(bucket_mb=args.bucket_mb, bucket_buffers=args.bucket_buffers)
     except ValueError as e:
@@ -268,6 +325,8 @@ def main(argv=None) -> int:
             p.error("--time models ZeRO stages 1-3; got --stage 0")
         if args.params < 1:
             p.error("--time needs --params of 1 or more")
+        if args.offload is not None:
+            p.error("--time models the update on the device; --offload's CPU update and disk I/O are not modelled")
         print(_time_table(args, p))
         return 0
     stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
@@ -286,6 +345,8 @@ def main(argv=None) -> int:
                     stage_comm,
                     shard_size=args.shard_size,
                     frozen_models=args.frozen_models,
+                    offload=offload if s > 0 else None,  # DDP keeps its state with the parameters
+                    device=args.device,
                 )
             )
         except ValueError as e:
@@ -293,8 +354,10 @@ def main(argv=None) -> int:
     k = f", sharded over K = {args.shard_size} (x{args.world // args.shard_size} replicas)" if args.shard_size else ""
     state = ", 8-bit Adam state" if args.state_bits == 8 else ""
     frozen = f", {len(args.frozen_models)} model(s) sharded for inference only" if args.frozen_models else ""
+    where = _offload_words(args)
     print(
-        f"Φ = {args.params:,} parameters, N = {args.world} ranks{k}, {args.precision} Adam{state}{frozen}; bytes per rank"
+        f"Φ = {args.params:,} parameters, N = {args.world} ranks{k}, {args.precision} Adam{state}{frozen}{where}; "
+        f"bytes per rank"
     )
     print(format_table(rows))
     if args.params > 0 and any(s > 0 for s in stages):
@@ -308,6 +371,7 @@ def main(argv=None) -> int:
                 _PRECISIONS[args.precision],
                 args.backend,
                 args.gpus_per_node,
+                offload,
             )
         )
     return 0

@@ -4,10 +4,12 @@ the package's docstring) and _resolve_nproc (how many local ranks, from the back
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 
+from ...config import offload_policy
 from ...partition import PARTITIONS
 from ...quant import STATE_BITS
 from .. import replica_demo
@@ -40,6 +42,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="Adam's moments in 32 bits or 8 (one byte per element plus a scale per block: docs/8bit-state.md)",
     )
     p.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm to this")
+    p.add_argument(
+        "--offload",
+        default=None,
+        metavar="host|disk[:PATH]",
+        help="where ZeroAdam's optimizer state lives (OffloadPolicy: docs/configuration.md): host (host memory, "
+        "stepped by the CPU kernel) or disk (files under PATH, streamed through a bounded window; disk alone: "
+        "DIR/offload with --save-dir DIR, else ./offload). Default: with the parameters",
+    )
     p.add_argument(
         "--shard-size",
         type=int,
@@ -127,6 +137,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--shard-size must be at least 1; got {args.shard_size}")
     if args.max_grad_norm is not None and not args.max_grad_norm > 0:
         p.error(f"--max-grad-norm must be positive; got {args.max_grad_norm}")
+    if args.offload is not None:
+        args.offload = _resolve_offload(p, args.offload, args.save_dir)
+        if args.replica_groups:
+            p.error("--offload applies to the main run; --replica-groups' demo keeps its ZeroAdam's state in memory")
     if args.resume and args.compare:
         p.error("--compare trains DDP and the reference stage from step 0 beside this run; use it without --resume")
     if args.save_every < 0:
@@ -142,6 +156,21 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error("--plot needs matplotlib (pip install matplotlib)")
     replica_demo.check_arguments(p, args)
     return args
+
+
+def _resolve_offload(p: argparse.ArgumentParser, value: str, save_dir: str | None) -> str:
+    """--offload as ZeroAdam's offload= shortcut: "host", or "disk:PATH" with PATH absolute (every rank
+    resolves it in the same working directory); "disk" alone: the folder offload/ under --save-dir,
+    or under the working directory. The library checks the folder when the optimizer is built."""
+    if value == "disk":
+        value = "disk:" + os.path.join(save_dir if save_dir is not None else os.curdir, "offload")
+    if value.startswith("disk:") and value != "disk:":
+        value = "disk:" + os.path.abspath(value[len("disk:") :])
+    try:
+        offload_policy(value)
+    except ValueError:
+        p.error(f"--offload must be host, disk or disk:PATH; got {value!r}")
+    return value
 
 
 def _resolve_nproc(p: argparse.ArgumentParser, nproc: int | None, backend: str | None) -> int:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm import CollectiveError, OutOfStepError
+from ...offload import OffloadError
 from ...optim.grads import StepNotAppliedError
 from .. import replica_demo
 from ._args import parse_args
@@ -39,8 +40,10 @@ def exit_on_fault(error: BaseException) -> None:
 def worker(args: argparse.Namespace) -> None:
     try:
         _worker(args)
-    except (CollectiveError, OutOfStepError, StepNotAppliedError, dist.DistError) as e:
-        exit_on_fault(e)  # dist.DistError: a fault in a checkpoint's collectives (DCP, barriers)
+    except (CollectiveError, OutOfStepError, StepNotAppliedError, OffloadError, dist.DistError) as e:
+        # dist.DistError: a fault in a checkpoint's collectives (DCP, barriers); OffloadError: --offload's
+        # folder or files (the other ranks then raise StepNotAppliedError or wait on the first collective)
+        exit_on_fault(e)
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -51,7 +54,7 @@ def _worker(args: argparse.Namespace) -> None:
     if rank == 0:
         n = sum(p.numel() for p in _model(args).parameters())
         log.info(
-            "training a %s GPT (%.2fM parameters) on %d ranks (%s): ZeroAdam stage %d, %s partition%s",
+            "training a %s GPT (%.2fM parameters) on %d ranks (%s): ZeroAdam stage %d, %s partition%s%s",
             args.model,
             n / 1e6,
             world,
@@ -59,6 +62,7 @@ def _worker(args: argparse.Namespace) -> None:
             args.stage,
             args.partition,
             f", sharded in groups of {args.shard_size}" if args.shard_size not in (None, world) else "",
+            _offload_words(args.offload),
         )
     losses, times, measured, comm, numel = run("zero", args, device, args.steps, progress=True)
     everyone: list = [None] * world
@@ -99,9 +103,23 @@ def _worker(args: argparse.Namespace) -> None:
             dist.all_gather_object(per_rank, m)
             rows[label] = per_rank
         if rank == 0:
-            plot(args.plot, rows, numel, args.mixed_precision or "fp32")
+            precision = (args.mixed_precision or "fp32") + (
+                f", its optimizer state {_offload_words(args.offload)[len(', optimizer state ') :]}"
+                if args.offload
+                else ""
+            )
+            plot(args.plot, rows, numel, precision)
             log.info("wrote %s", args.plot)
     dist.destroy_process_group()
+
+
+def _offload_words(offload: str | None) -> str:
+    """--offload in the job's first line: where the optimizer state lives."""
+    if offload is None:
+        return ""
+    if offload == "host":
+        return ", optimizer state in host memory"
+    return f", optimizer state on disk under {offload[len('disk:') :]}"
 
 
 def main(argv=None) -> int:

@@ -56,6 +56,7 @@ def _make_optimizer(kind: str, model, args, stage: int):
         mixed_precision=_precision(args),
         max_grad_norm=args.max_grad_norm,
         comm=CommPolicy(partition=args.partition, shard_size=args.shard_size),
+        offload=args.offload,
     )
 
 
@@ -66,16 +67,29 @@ def _precision(args):
     return MixedPrecisionPolicy(precision_policy(args.mixed_precision).param_dtype, state_bits=args.state_bits)
 
 
-def _measure(kind: str, model, opt) -> dict[str, int]:
-    """Bytes this rank holds now, counted from the tensors."""
+def _offloaded(opt):
+    """The optimizer's OffloadReport (where its state lives, the last step's I/O) when --offload placed
+    the state away from the parameters' memory; else None."""
+    if not (isinstance(opt, ZeroOptimizer) and opt.plan.offload.active):
+        return None
+    return opt.report().offload
+
+
+def _measure(kind: str, model, opt) -> dict:
+    """Bytes this rank holds now, counted from the tensors; with --offload also "offload", the
+    optimizer's OffloadReport (its state is then not in "optimizer")."""
     if isinstance(opt, ZeroOptimizer):
-        r = opt.report().memory
-        return {
+        report = opt.report()
+        r = report.memory
+        measured = {
             "params": r.materialized_params,
             "grads": r.grads + r.grad_shard,
             "optimizer": r.optimizer + r.master_copy,
             "buckets": r.bucket_buffers + r.bucket_pool,
         }
+        if opt.plan.offload.active:
+            measured["offload"] = report.offload
+        return measured
     if hasattr(opt, "memory_held"):  # the reference stage counts its own
         return {**opt.memory_held(), "buckets": 0}
     state = list(opt.state.values())
@@ -129,7 +143,7 @@ def run(kind: str, args, device, steps: int, progress: bool, stage: int | None =
         except RuntimeError as e:
             raise _job_fault("the loss average", step + 1, args, e) from e
         losses.append(mean_loss.item() / world)
-        bar.update(step, losses[-1], args.batch * seq * world / times[-1])
+        bar.update(step, losses[-1], args.batch * seq * world / times[-1], _offloaded(opt) if bar.enabled else None)
         if checkpoints and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps):
             try:
                 written = save(

@@ -1,11 +1,13 @@
 """The main job's closing table: report (each rank's measured bytes next to the ZeRO paper's memory
-table, and the communication per step next to its 2Φ / 3Φ) and _median (a step time, warm-up left
-out)."""
+table, with --offload where the optimizer state lives and what the last step's I/O cost, and the
+communication per step next to its 2Φ / 3Φ) and _median (a step time, warm-up left out)."""
 
 from __future__ import annotations
 
 from ...estimate import estimate_memory
+from ..quantities import format_bytes
 from ._loop import _precision
+from ._progress import io_cost, placement
 
 
 def _median(xs):
@@ -32,6 +34,7 @@ def report(args, measured_all, comm, numel, world) -> None:
             f"{r:4d} {m['params']:12,d} {est.params:12,d} {m['grads']:12,d} {est.grads:12,d} "
             f"{m['optimizer']:12,d} {est.optimizer:12,d} {m['buckets']:10,d}"
         )
+    _offload_report(args, measured_all)
     paper = 3 if args.stage == 3 else 2
     k = args.shard_size or world
     for group, formula, f_bytes in (("shard", f"{paper}Φ", paper * phi), ("replicate", f"Φ/K = Φ/{k}", phi // k)):
@@ -49,3 +52,25 @@ def report(args, measured_all, comm, numel, world) -> None:
             f"{formula} = {f_bytes:,d}; Φ = {phi:,d} bytes of {args.mixed_precision or 'fp32'} parameters)  "
             f"by collective: {mine}"
         )
+
+
+def _offload_report(args, measured_all) -> None:
+    """With --offload: where each rank's optimizer state lives (the table's optimizer column counts
+    only what stays with the parameters) and, on disk, what the last step's I/O cost."""
+    offloads = [m.get("offload") for m in measured_all]
+    if not any(offloads):
+        return
+    where = placement(offloads[0])
+    if offloads[0].state == "disk":
+        print(
+            f"optimizer state {where} under {args.offload[len('disk:') :]} (not in the optimizer column), "
+            f"per rank: files (two generations), window in memory, the last step's I/O"
+        )
+        for r, o in enumerate(offloads):
+            print(
+                f"{r:4d} files {format_bytes(o.disk_bytes)}, window {format_bytes(o.window_bytes)}, {io_cost(o)} "
+                f"({o.io_wait_seconds * 1e3:.1f} of {o.phase3_seconds * 1e3:.1f} ms waiting for I/O)"
+            )
+    else:
+        held = ", ".join(format_bytes(o.host_bytes) for o in offloads)
+        print(f"optimizer state {where} (--offload host), per rank held apart from the parameters: {held}")
