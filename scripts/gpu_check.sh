@@ -40,7 +40,7 @@ FAILED=0
 
 # The CUDA test files, by name (collecting `-m cuda tests` would import every module).
 KERNEL_TESTS="tests/test_fused_adam.py tests/test_quant_state.py" # fp32 and 8-bit kernels
-ENGINE_TESTS="tests/test_cuda_engine.py"
+ENGINE_TESTS="tests/test_cuda_engine.py tests/test_cuda_offload.py" # the engine; the state offloaded from the GPU
 RANK_TESTS="tests/test_cuda_ranks.py"
 
 # Steps that only measure or look further: running out of time there is reported, not a failure.
