@@ -20,7 +20,8 @@ What leaves the device, when the CPU steps it, and when the parameters come back
 What overlaps what: the disk's reads and writes overlap the CPU kernel and each other; the device's
 copies are ordered with the kernel chunk by chunk. The update does not overlap backward yet: every
 setting waits for the whole gradient (the CPU step of a bucket as soon as its reduce ends, ZeRO-
-Offload's schedule, is the next step of this work: see docs/offload.md).
+Offload's schedule, is the next step of this work: see docs/offload.md); the delayed update overlaps
+step t's whole phase 3 with step t+1's forward and backward ([Note: the delayed update]).
 
 [Note: the all-or-none offloaded step]
 A step on disk reads generation g of the files and writes generation g+1 (two sets of files, each
@@ -29,6 +30,20 @@ chunk of every rank was written does every rank switch to g+1 (one small all_red
 over every data-parallel rank, replicas included); otherwise every rank keeps g and restores the
 parameters it updated in memory from g's master (their rounding, as the kernel wrote them), the
 step counts unchanged: the step was not applied anywhere, as a failure before the update.
+
+[Note: the delayed update]
+OffloadPolicy(delayed_update=True) is ZeRO-Offload's one-step-delayed parameter update (DPU), a
+different algorithm, never the default: step t's phase 3 (the gradient copies, the CPU kernel, the
+I/O) runs on a thread, from a copy of the step's reduced gradients on the host, writing the new
+parameter values into staging buffers; step() returns at once, and step t+1's forward and backward
+run with the parameters from before it. Step t+1's step(), after its phase 2 (its reduces waited
+for), waits for the thread, agrees (disk) that every rank wrote its update, applies the staged values
+(stages 1 and 2 then gather them) and starts its own. So W_{t+1} = AdamW(W_t, the gradient at
+W_{t-1}): AdamW applied one step late (tests/oracles.py single_process_delayed). Whatever reads the
+state or the whole model first applies the update in flight (Parts.quiesce: gathered_params(),
+full_state_dict(), a checkpoint) and so does opt.flush(). It costs a copy of the gradient shard and
+of the owned parameters on the host. A failed write of the delayed update raises at the next step()
+(or flush) on every rank, which then drops that step's gradients too.
 
 [Note: files of a killed job]
 Each optimizer writes under PATH/zerofast-<host>-<pid>-<id>/ with a lock file it holds (flock) for
