@@ -1,13 +1,16 @@
 """The traffic estimator and the step-time model (zerofast/estimate/traffic.py, timemodel.py):
 estimate_traffic against report().comm measured on 4 gloo ranks (exact: equality, no tolerance),
+the offloaded state's bytes and traffic against report() on 1 and 2 gloo ranks (equality too),
 the cost formulas against hand-computed values, the command line's output and errors.
 No timing here: the model's check against measured step times is scripts/probe_links.py."""
 
 import dataclasses
 import functools
 import math
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -15,7 +18,7 @@ from harness import run_ranks
 from models import Nested
 from training import rank_batch
 
-from zerofast import CommPolicy, UnitPolicy, ZeroAdam
+from zerofast import CommPolicy, MixedPrecisionPolicy, OffloadPolicy, UnitPolicy, ZeroAdam
 from zerofast.collectives import collective_names
 from zerofast.config import resolve_plan
 from zerofast.estimate.memory import estimate_memory
@@ -185,6 +188,171 @@ def test_memory_with_shard_size():
         estimate_memory(phi, 64, 3, shard_size=5)
 
 
+# --- the optimizer state offloaded: bytes by placement, and the disk's agreement ---------------------
+
+# (stage, precision, partition, shard_size, window_mb): stages 1-3 in fp32, bf16 and with 8-bit state
+# (a block of 2048 elements: chunks aligned to it, not to 1024), windows whose chunk is the
+# alignment's floor (0.03 MiB) or a multiple of it; round_robin's shards differ between ranks
+EIGHT_BIT = MixedPrecisionPolicy(torch.bfloat16, state_bits=8, state_block=2048)
+OFFLOAD_CASES = {
+    2: [
+        (1, None, "flat", None, 0.03),
+        (2, None, "round_robin", None, 0.2),
+        (3, None, "flat", None, 0.5),
+        (1, "bf16", "round_robin", None, 0.5),
+        (2, "bf16", "flat", None, 0.03),
+        (3, "bf16", "round_robin", None, 0.2),
+        (1, EIGHT_BIT, "flat", None, 0.2),
+        (2, EIGHT_BIT, "flat", None, 0.5),
+        (3, EIGHT_BIT, "flat", None, 0.03),
+        (2, "bf16", "flat", 1, 0.2),  # hybrid: two replicas of one shard, the agreement over the replicas
+    ],
+    1: [(1, None, "flat", None, 0.2), (2, "bf16", "flat", None, 0.03), (3, EIGHT_BIT, "flat", None, 0.5)],
+}
+
+
+# "host" on the CPU with the delayed update keeps the state apart (HostState), for its thread to update
+DELAYED_HOST = OffloadPolicy("host", delayed_update=True)
+
+
+def _offload_model():
+    return Nested(width=32, layers=4)  # ~19K elements: a rank's shard spans several chunks of the window
+
+
+def _offload_kwargs(stage, precision, partition, shard_size):
+    bucket_mb = 0.004 if stage < 3 else None  # stage 3's buckets are its units
+    comm = CommPolicy(partition=partition, shard_size=shard_size, bucket_mb=bucket_mb)
+    return dict(stage=stage, mixed_precision=precision, comm=comm)
+
+
+def _offloaded_reports(rank, world, root, cases):
+    """Each case on disk: report().offload before the first step, and report().memory, .offload and
+    .comm after the second (the traffic estimate is of a step after the first); then "host" on the
+    CPU beside no offload (the same optimizer: the state is in host memory already), and with the
+    delayed update (the state apart, in HostState)."""
+    out = {}
+    for case in cases:
+        stage, precision, partition, shard_size, window_mb = case
+        model = _offload_model()
+        opt = ZeroAdam(
+            model,
+            lr=1e-3,
+            **_offload_kwargs(stage, precision, partition, shard_size),
+            offload=OffloadPolicy("disk", root, window_mb=window_mb),
+        )
+        before = opt.report().offload
+        for step in range(2):
+            x, y = rank_batch(model, step, rank)
+            opt.backward(model(x, y)[1])
+            opt.step()
+            opt.zero_grad()
+        report = opt.report()
+        out[case] = (before, report.memory, report.offload, report.comm)
+        opt.remove_hooks()
+    stage, precision, partition, shard_size, _ = cases[-1]
+    for name, where in ((None, None), ("host", "host"), ("delayed", DELAYED_HOST)):
+        model = _offload_model()
+        opt = ZeroAdam(model, lr=1e-3, **_offload_kwargs(stage, precision, partition, shard_size), offload=where)
+        x, y = rank_batch(model, 0, rank)
+        opt.backward(model(x, y)[1])
+        opt.step()
+        opt.flush()
+        report = opt.report()
+        out[name] = (report.memory, report.offload)
+        opt.remove_hooks()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_estimate_counts_offloaded_state_exactly(world):
+    """estimate_memory(offload=...) against report() on real ranks, to the byte: on disk the device
+    holds no state (report().memory's optimizer and master_copy are 0) and host_bytes, disk_bytes,
+    window_bytes are report().offload's (the fp32 master counted in fp32 too, 8-bit state's scales,
+    each rank's padded shard, DiskState's chunk); the window is in host memory once a step ran.
+    estimate_traffic counts the disk's agreement (8 bytes in each group of more than one rank).
+    "host" holds what the disk's generation holds (on a CUDA model, or on the CPU with the delayed
+    update); on the CPU without it, it moves nothing. One launch per world size, about 3 s."""
+    root = tempfile.mkdtemp(prefix="zerofast-estimate-")
+    try:
+        results = run_ranks(_offloaded_reports, world, args=(root, OFFLOAD_CASES[world]), timeout=120)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    failures = []
+    for rank, got in enumerate(results):
+        for case in OFFLOAD_CASES[world]:
+            stage, precision, partition, shard_size, window_mb = case
+            before, memory, offload, comm = got[case]
+            kwargs = _offload_kwargs(stage, precision, partition, shard_size)
+            policy = OffloadPolicy("disk", "/never/touched", window_mb=window_mb)
+            est = estimate_memory(_offload_model(), world, offload=policy, device="cpu", rank=rank, **kwargs)
+            measured = (offload.state, memory.optimizer + memory.master_copy, offload.host_bytes)
+            measured += (offload.disk_bytes, offload.window_bytes)
+            estimated = (est.placement, est.optimizer, est.host_bytes, est.disk_bytes, est.window_bytes)
+            if measured != estimated or memory.optimizer != 0 or memory.master_copy != 0:
+                failures.append(f"rank {rank} {case}: measured {measured} {memory}, estimated {estimated}")
+            if (before.host_bytes, before.window_bytes) != (0, est.window_bytes):
+                failures.append(f"rank {rank} {case}: before the first step {before}")
+            host = estimate_memory(_offload_model(), world, offload="host", device="cuda", rank=rank, **kwargs)
+            if (host.placement, host.optimizer, host.host_bytes, host.disk_bytes) != (
+                "host",
+                0,
+                est.disk_bytes // 2,
+                0,
+            ):
+                failures.append(f"rank {rank} {case}: host on a GPU {host}, disk {est}")
+            traffic = estimate_traffic(_offload_model(), world, backend="gloo", rank=rank, offload=policy, **kwargs)
+            if traffic != comm:
+                failures.append(f"rank {rank} {case}: traffic estimated {traffic}, measured {comm}")
+        (plain, plain_offload), (on_cpu, host_offload) = got[None], got["host"]
+        stage, precision, partition, shard_size, _ = OFFLOAD_CASES[world][-1]
+        kwargs = _offload_kwargs(stage, precision, partition, shard_size)
+        est = estimate_memory(_offload_model(), world, offload="host", device="cpu", rank=rank, **kwargs)
+        assert est == dataclasses.replace(estimate_memory(_offload_model(), world, **kwargs), placement="host")
+        assert (plain_offload.state, host_offload.state) == ("device", "host")
+        assert (host_offload.host_bytes, host_offload.disk_bytes, host_offload.window_bytes) == (0, 0, 0)
+        assert (on_cpu.optimizer, on_cpu.master_copy) == (plain.optimizer, plain.master_copy) != (0, 0)
+        delayed_memory, delayed = got["delayed"]
+        est = estimate_memory(_offload_model(), world, offload=DELAYED_HOST, device="cpu", rank=rank, **kwargs)
+        measured = (delayed.state, delayed_memory.optimizer + delayed_memory.master_copy, delayed.host_bytes)
+        assert measured == (est.placement, est.optimizer, est.host_bytes) == ("host", 0, est.host_bytes)
+        assert (delayed.disk_bytes, delayed.window_bytes) == (est.disk_bytes, est.window_bytes) == (0, 0)
+        assert (
+            est.host_bytes == estimate_memory(_offload_model(), world, offload="host", rank=rank, **kwargs).host_bytes
+        )
+    assert not failures, "\n".join(failures)
+
+
+def test_offload_arguments():
+    """offload= as ZeroAdam takes it (its shortcuts and its errors); DDP has none; the device named."""
+    phi = 10**6
+    disk = estimate_memory(phi, 4, 2, "bf16", offload="disk:/scratch")
+    assert disk == estimate_memory(phi, 4, 2, "bf16", offload=OffloadPolicy("disk", "/elsewhere"))
+    state = (4 + 4 + 4) * phi // 4  # fp32 master, exp_avg, exp_avg_sq of a quarter
+    assert (disk.placement, disk.optimizer, disk.disk_bytes) == ("disk", 0, 2 * state)
+    # a chunk of 64 MiB / 3 of state would be 1.86M elements; it is capped at the shard (1024-aligned)
+    assert disk.host_bytes == disk.window_bytes == 3 * 12 * (-(-(phi // 4) // 1024) * 1024)
+    plain = estimate_memory(phi, 4, 2, "bf16")
+    assert disk.total == plain.total - plain.optimizer - ALIGN * 4 * 1 * 12  # the state and its padding
+    fp32 = estimate_memory(phi, 4, 1, None, offload="host", device=torch.device("cuda", 1))
+    assert (fp32.host_bytes, fp32.optimizer) == (12 * phi // 4, 0)  # the master apart, in fp32 too
+    with pytest.raises(ValueError, match="offload must be None, 'host', 'disk:PATH' or an OffloadPolicy"):
+        estimate_memory(phi, 4, 2, offload="nvme")
+    with pytest.raises(ValueError, match="offload applies to ZeroAdam's stages 1-3; stage 0 is DDP"):
+        estimate_memory(phi, 4, 0, offload="host")
+    with pytest.raises(ValueError, match="device must be the device the model trains on"):
+        estimate_memory(phi, 4, 2, offload="host", device="gpu")
+    with pytest.raises(ValueError, match=r"rank must be None or an integer in \[0, 4\)"):
+        estimate_memory(phi, 4, 2, rank=4)
+    flags = estimate_traffic(phi, 8, 2, shard_size=4, offload="disk:/scratch")
+    base = estimate_traffic(phi, 8, 2, shard_size=4)
+    assert {k: flags[k] - base[k] for k in base} == {
+        **{k: 0 for k in base},
+        "shard/all_reduce_flags": 8,
+        "replicate/all_reduce_flags": 8,
+    }
+    assert estimate_traffic(phi, 8, 2, shard_size=4, offload="host") == base
+
+
 # --- the time model: hand-computed values -------------------------------------------------------
 
 LINK = Link("test", 1e9, 1e-5)  # 1 GB/s, 10 us
@@ -261,6 +429,11 @@ def test_parse_quantities():
         (["--params", "7.5B", "--world", "64", "--gpus-per-node", "0"], "--gpus-per-node must be at least 1"),
         (["--params", "7.5B", "--world", "64", "--state-bits", "4"], "--state-bits must be 32 or 8; got 4"),
         (["--params", "7.5B", "--world", "64", "--frozen-models", "lots"], "--frozen-models"),
+        (["--params", "7.5B", "--world", "64", "--offload", "nvme"], "--offload: invalid choice: 'nvme'"),
+        (["--params", "7.5B", "--world", "64", "--window-mb", "8"], "--window-mb applies to --offload disk"),
+        (["--params", "7.5B", "--world", "64", "--offload", "disk", "--window-mb", "0"], "--window-mb must be"),
+        (["--params", "7.5B", "--world", "64", "--offload", "host", "--time"], "--offload's CPU update"),
+        (["--params", "7.5B", "--world", "64", "--device", "tpu"], "--device: invalid choice: 'tpu'"),
     ],
 )
 def test_cli_errors_name_the_argument(argv, named, capsys):
@@ -358,3 +531,30 @@ def test_estimate_counts_inference_models_given_as_counts():
         estimate_memory(phi, 8, 3, frozen_models=phi)
     with pytest.raises(ValueError, match="frozen_models"):
         estimate_memory(phi, 8, 3, frozen_models=[-1])
+
+
+def test_cli_prints_device_host_and_disk_bytes(capsys):
+    """--offload disk|host: each stage's row is estimate_memory's with the policy (DDP's without: it
+    has no offload), the device's total beside the host's and the disk's bytes; the disk's agreement
+    adds 8 bytes to every step's flags; "host" on a CPU model changes no row."""
+    from zerofast.tools.estimate import format_table
+
+    main(["--params", "7B", "--world", "8", "--offload", "disk", "--window-mb", "16", "--state-bits", "8"])
+    out = capsys.readouterr().out
+    policy = MixedPrecisionPolicy(torch.bfloat16, state_bits=8)
+    disk = OffloadPolicy("disk", "/never/touched", window_mb=16)
+    rows = [estimate_memory(7 * 10**9, 8, s, policy, offload=disk if s else None) for s in (0, 1, 2, 3)]
+    table = format_table(rows)
+    assert table in out and "state offloaded to disk" in out and "two generations" in out
+    assert table.splitlines()[0].split()[-3:] == ["device", "host", "disk"]
+    assert [r.host_bytes for r in rows[1:]] == [rows[1].window_bytes] * 3 and rows[1].window_bytes <= 16 * 2**20
+    assert rows[3].disk_bytes == 2 * (4 + 1 + 1) * 7 * 10**9 // 8 + 2 * 2 * 4 * -(-7 * 10**9 // 8 // 256)
+    flags = [line.split() for line in out.splitlines() if "shard/all_reduce_flags" in line]
+    main(["--params", "7B", "--world", "8"])
+    plain = [line.split() for line in capsys.readouterr().out.splitlines() if "shard/all_reduce_flags" in line]
+    assert [f[-3:-1] for f in flags] == [["80", "B"]] * 3 and [f[-3:-1] for f in plain] == [["72", "B"]] * 3
+    main(["--params", "7B", "--world", "8", "--offload", "host", "--device", "cpu"])
+    out = capsys.readouterr().out
+    same = [dataclasses.replace(estimate_memory(7 * 10**9, 8, s, "bf16"), placement="host") for s in (0, 1, 2, 3)]
+    same[0] = dataclasses.replace(same[0], placement="device")
+    assert format_table(same) in out and "nothing moves" in out

@@ -254,11 +254,11 @@ def test_the_delayed_update_is_adamw_one_step_late(root):
 
 
 def _peak_growth(rank, world, root, offload):
-    """A 4M-parameter model: how far the peak resident memory grows from before the optimizer is
+    """A 17M-parameter model: how far the peak resident memory grows from before the optimizer is
     built through two steps (/proc/self/status's VmHWM, restarted at the current RSS first)."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
-    x = torch.randn(4, 1024)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)])
+    x = torch.randn(4, 2048)
 
     def rss(field: str) -> int:
         with open("/proc/self/status") as f:
@@ -283,9 +283,11 @@ def test_the_resident_state_is_the_window(root):
     state = off.disk_bytes // 2  # one generation: the master and both moments, 12 bytes per element
     assert off.window_bytes <= window * 2**20 and state >= 10 * off.window_bytes, off
     # Both runs hold the gradients, the buckets and the kernel's scratch; in memory the moments too (8
-    # of the 12 bytes per element: fp32 parameters are their own master), on disk only the window.
+    # of the 12 bytes per element: fp32 parameters are their own master, 134 MB here), on disk only
+    # the window. 16 MiB of slack: what the two runs' allocators keep differs by up to ~12 MiB under
+    # load (glibc's per-thread arenas of the I/O threads, the autograd buffers' caching).
     moments = 2 * state // 3
-    assert memory_peak - disk_peak >= moments - off.window_bytes - 4 * 2**20, (memory_peak, disk_peak, off)
+    assert memory_peak - disk_peak >= moments - off.window_bytes - 16 * 2**20, (memory_peak, disk_peak, off)
     assert disk_peak < memory_peak - moments // 2, (memory_peak, disk_peak)
 
 
@@ -363,15 +365,14 @@ def test_files_of_a_killed_job_are_removed_and_never_read(root):
     assert not live_after, "a collected optimizer's folder is removed"
     # The harness's ranks end with os._exit, as a killed job would: the next optimizer removes it.
     # A process that ends normally removes its own (weakref.finalize runs at exit).
+    port = free_port()
     script = (
-        "import os, torch.distributed as dist, zerofast\n"
-        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:%d', rank=0, world_size=1)\n"
-        "opt = zerofast.ZeroAdam(torch.nn.Linear(8, 8), offload='disk:%s')\n"
-        "print(opt.report().offload.folder)\n" % (free_port(), root)
+        "import torch, torch.distributed as dist, zerofast\n"
+        f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{port}', rank=0, world_size=1)\n"
+        f"opt = zerofast.ZeroAdam(torch.nn.Linear(8, 8), offload='disk:{root}')\n"
+        "print(opt.report().offload.folder)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", "import torch\n" + script], capture_output=True, text=True, timeout=120
-    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     folder = done.stdout.strip().splitlines()[-1]
     assert folder.startswith(root) and not os.path.exists(folder), folder

@@ -37,7 +37,6 @@ ZeroAdam's, so the estimator accepts exactly what ZeroAdam accepts; no compiled 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +53,7 @@ from ..config import (
     unit_policy,
 )
 from ..layout import ALIGN
-from ..offload import StateSpec
+from ..offload import is_offloaded, state_specs, window_layout
 from ..quant import num_blocks
 from ..topology import check_shard_size
 
@@ -223,11 +222,9 @@ def _device_type(device) -> str:
 
 
 def offloaded(policy: OffloadPolicy, device_type: str) -> bool:
-    """Whether ZeroAdam moves the state off a model on `device_type` (ShardState.offloaded): "disk"
-    always, "host" unless the model is on the CPU already (where only the delayed update, when the
-    policy has it, keeps the state apart)."""
-    delayed = getattr(policy, "delayed_update", False)
-    return policy.state == "disk" or (policy.state == "host" and (device_type != "cpu" or delayed))
+    """Whether ZeroAdam moves the state off a model on `device_type` (zerofast/offload's is_offloaded,
+    which ShardState asks too)."""
+    return is_offloaded(policy.state, policy.delayed_update, device_type)
 
 
 def _module_shard(model: nn.Module, plan, shards: int, shard_rank: int | None) -> int:
@@ -240,38 +237,17 @@ def _module_shard(model: nn.Module, plan, shards: int, shard_rank: int | None) -
     return layout.shard_numel(shard_rank)
 
 
-def state_specs(shard: int, plan) -> list[StateSpec]:
-    """The flat tensors of an offloaded shard of `shard` elements, as ShardState lays them out: the
-    fp32 master (a tensor of its own once offloaded, in fp32 too), exp_avg and exp_avg_sq (fp32, or
-    one byte each with 8-bit state) and 8-bit state's fp32 scales, one per block of each moment."""
-    quantized = plan.quantized_state
-    blocks = num_blocks(shard, plan.state_block) if quantized else 0
-    moment = torch.uint8 if quantized else torch.float32
-    return [
-        StateSpec("master", torch.float32, shard),
-        StateSpec("exp_avg", moment, shard),
-        StateSpec("exp_avg_sq", moment, shard),
-        StateSpec("exp_avg_scale", torch.float32, blocks, plan.state_block),
-        StateSpec("exp_avg_sq_scale", torch.float32, blocks, plan.state_block),
-    ]
-
-
 def offloaded_state(shard: int, plan) -> tuple[int, int, int]:
     """(host_bytes, disk_bytes, window_bytes) of a shard of `shard` elements offloaded as
     plan.offload places it, as report().offload gives them after a step: HostState holds the state;
-    DiskState two generations of files, and in host memory the window, three chunks of every kind
-    of state, a chunk window_mb / 3 of state rounded down to a multiple of lcm(8-bit state's block,
-    1024) elements, at least one such multiple (DiskState's arithmetic, restated)."""
-    specs = state_specs(shard, plan)
+    DiskState two generations of files, and in host memory its window (zerofast/offload's
+    state_specs and window_layout, which ShardState and DiskState use)."""
+    specs = state_specs(shard, True, plan.state_bits, plan.state_block)
     state = sum(s.nbytes for s in specs)
     if plan.offload.state == "host":
         return state, 0, 0
-    live = [s for s in specs if s.numel]
-    per_element = sum(s.dtype.itemsize / s.per for s in live) or 1.0
-    align = math.lcm(plan.state_block if plan.quantized_state else 1, 1024)
-    window_policy = int(plan.offload.window_mb * 2**20)
-    chunk = max(align, int(window_policy / (3 * per_element)) // align * align)
-    window = 3 * sum(s.range(0, chunk).stop * s.dtype.itemsize for s in live)
+    block = plan.state_block if plan.quantized_state else 1
+    _, window = window_layout(specs, shard, int(plan.offload.window_mb * 2**20), block)
     return window, 2 * state, window
 
 

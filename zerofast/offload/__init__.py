@@ -52,6 +52,24 @@ whose lock nobody holds belongs to a process that died: it is never read (an opt
 files it created and wrote) and a new optimizer under the same PATH removes it.
 """
 
-from .stores import DiskState, HostState, OffloadError, OffloadStats, StateSpec
+from .stores import (
+    DiskState,
+    HostState,
+    OffloadError,
+    OffloadStats,
+    StateSpec,
+    is_offloaded,
+    state_specs,
+    window_layout,
+)
 
-__all__ = ["DiskState", "HostState", "OffloadError", "OffloadStats", "StateSpec"]
+__all__ = [
+    "DiskState",
+    "HostState",
+    "OffloadError",
+    "OffloadStats",
+    "StateSpec",
+    "is_offloaded",
+    "state_specs",
+    "window_layout",
+]

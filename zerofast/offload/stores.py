@@ -23,7 +23,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DiskState", "HostState", "OffloadError", "OffloadStats", "StateSpec"]
+__all__ = [
+    "DiskState",
+    "HostState",
+    "OffloadError",
+    "OffloadStats",
+    "StateSpec",
+    "is_offloaded",
+    "state_specs",
+    "window_layout",
+]
 
 Views = dict[str, torch.Tensor]
 Step = Callable[[object, int, int, Views], None]  # (payload, lo, hi, the state of [lo, hi))
@@ -62,6 +71,42 @@ class OffloadStats:
     write_bytes: int = 0
     wait_seconds: float = 0.0
     seconds: float = 0.0
+
+
+def is_offloaded(state: str | None, delayed_update: bool, device_type: str) -> bool:
+    """Whether the state leaves the parameters' memory (OffloadPolicy's `state`): "disk" always;
+    "host" unless the model is on the CPU already, where only the delayed update keeps the state
+    apart, for its thread to update ([Note: the delayed update])."""
+    return state == "disk" or (state == "host" and (device_type != "cpu" or delayed_update))
+
+
+def state_specs(shard: int, master: bool, state_bits: int, state_block: int) -> list[StateSpec]:
+    """The flat tensors of a shard of `shard` elements: the fp32 master (numel 0 when `master` is
+    False: fp32 parameters in memory are their own), exp_avg and exp_avg_sq (fp32, or one byte each
+    with 8-bit state) and 8-bit state's fp32 scales, one per block of each moment (0 elements in fp32)."""
+    quantized = state_bits == 8
+    blocks = -(-shard // state_block) if quantized else 0
+    moment = torch.uint8 if quantized else torch.float32
+    return [
+        StateSpec("master", torch.float32, shard if master else 0),
+        StateSpec("exp_avg", moment, shard),
+        StateSpec("exp_avg_sq", moment, shard),
+        StateSpec("exp_avg_scale", torch.float32, blocks, state_block),
+        StateSpec("exp_avg_sq_scale", torch.float32, blocks, state_block),
+    ]
+
+
+def window_layout(specs: list[StateSpec], shard: int, window_bytes: int, block: int) -> tuple[int, int]:
+    """DiskState's (chunk elements, window bytes): a chunk is a third of `window_bytes` of state,
+    rounded down to a multiple of lcm(block, 1024) elements (a chunk starts at an 8-bit block boundary
+    and a page of every file), at least one such multiple, at most the shard rounded up to one; the
+    window is three chunks of every kind of state."""
+    live = [s for s in specs if s.numel]
+    per_element = sum(s.dtype.itemsize / s.per for s in live) or 1.0
+    align = math.lcm(block, 1024)
+    whole = max(align, -(-shard // align) * align)
+    chunk = min(whole, max(align, int(window_bytes / (3 * per_element)) // align * align))
+    return chunk, 3 * sum(s.range(0, chunk).stop * s.dtype.itemsize for s in live)
 
 
 def _views_of(specs: list[StateSpec], tensors: Views, lo: int, hi: int, base: int = 0) -> Views:
@@ -113,10 +158,7 @@ class DiskState:
     def __init__(self, specs: list[StateSpec], shard: int, root: str, window_bytes: int, io_threads: int, align: int):
         self.empty = {s.name: torch.zeros(0, dtype=s.dtype) for s in specs if not s.numel}
         self.specs, self.shard, self.root = [s for s in specs if s.numel], shard, root
-        per_element = sum(s.dtype.itemsize / s.per for s in self.specs) or 1.0
-        align = math.lcm(align, 1024)  # chunks start at a block boundary and a page of every file
-        self.chunk = max(align, int(window_bytes / (3 * per_element)) // align * align)
-        self.window_bytes = 3 * sum(s.range(0, self.chunk).stop * s.dtype.itemsize for s in self.specs)
+        self.chunk, self.window_bytes = window_layout(specs, shard, window_bytes, align)
         self.folder, self._lock = _make_folder(root)
         self._fds: dict[tuple[int, str], int] = {}
         self._pool = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="zerofast-offload-io")

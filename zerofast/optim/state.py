@@ -22,7 +22,7 @@ import torch
 from .. import _ops
 from ..config import Plan
 from ..layout import Layout, Piece, bind_views
-from ..offload import DiskState, HostState, StateSpec
+from ..offload import DiskState, HostState, StateSpec, is_offloaded, state_specs
 from ..quant import block_slice, code_of, dequantize, dynamic_code, num_blocks, quantize, scale_kind, thresholds
 
 
@@ -68,19 +68,9 @@ class ShardState:
         # Offloaded (zerofast/offload), the master is always a tensor of its own, in the store: the
         # parameters stay with the model, and the master is what a failed step is undone from.
         policy = plan.offload
-        self.offloaded = policy.state == "disk" or (
-            policy.state == "host" and (device.type != "cpu" or policy.delayed_update)
-        )
+        self.offloaded = is_offloaded(policy.state, policy.delayed_update, device.type)
         self.master_apart = mixed or self.offloaded
-        state_dtype = torch.uint8 if plan.quantized_state else torch.float32
-        blocks = num_blocks(shard, plan.state_block) if plan.quantized_state else 0
-        specs = [
-            StateSpec("master", torch.float32, shard if self.master_apart else 0),
-            StateSpec("exp_avg", state_dtype, shard),
-            StateSpec("exp_avg_sq", state_dtype, shard),
-            StateSpec("exp_avg_scale", torch.float32, blocks, plan.state_block),  # 1D, one per block
-            StateSpec("exp_avg_sq_scale", torch.float32, blocks, plan.state_block),
-        ]
+        specs = state_specs(shard, self.master_apart, plan.state_bits, plan.state_block)
         self.store = _store(specs, shard, plan, device) if self.offloaded else None
         if self.store is None:
             for spec in specs:

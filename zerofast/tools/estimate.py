@@ -135,17 +135,18 @@ def _offload_policy(args):
     return OffloadPolicy("disk", ".", window_mb=OffloadPolicy.window_mb if args.window_mb is None else args.window_mb)
 
 
-def _offload_words(args) -> str:
+def _offload_words(args) -> tuple[str, str]:
+    """What the title says of --offload, and the line under the table that says where each column is."""
     if args.offload is None:
-        return ""
+        return "", ""
     if args.offload == "host" and args.device == "cpu":
-        return ", --offload host on a CPU model (the state is in host memory already: nothing moves)"
+        return ", --offload host on a CPU model", "host: nothing moves (a CPU model's state is in host memory already)"
     if args.offload == "host":
-        return ", optimizer state in pinned host memory"
+        return ", state offloaded to host", "host: the optimizer state (fp32 master, moments), pinned"
     window = OffloadPolicy.window_mb if args.window_mb is None else args.window_mb
-    return (
-        f", optimizer state on disk (two generations of files; host: the window of {window:g} MiB "
-        f"as three chunks)"
+    return ", state offloaded to disk", (
+        f"host: the window (three chunks of every kind of state, in {window:g} MiB); "
+        f"disk: the state's files, two generations"
     )
 
 
@@ -354,12 +355,14 @@ def main(argv=None) -> int:
     k = f", sharded over K = {args.shard_size} (x{args.world // args.shard_size} replicas)" if args.shard_size else ""
     state = ", 8-bit Adam state" if args.state_bits == 8 else ""
     frozen = f", {len(args.frozen_models)} model(s) sharded for inference only" if args.frozen_models else ""
-    where = _offload_words(args)
+    where, columns = _offload_words(args)
     print(
         f"Φ = {args.params:,} parameters, N = {args.world} ranks{k}, {args.precision} Adam{state}{frozen}{where}; "
         f"bytes per rank"
     )
     print(format_table(rows))
+    if columns:
+        print(columns)
     if args.params > 0 and any(s > 0 for s in stages):
         print(f"\nCommunication per step ({args.backend}, {args.gpus_per_node} GPUs per node; a count: no padding)")
         print(
