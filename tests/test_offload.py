@@ -232,7 +232,12 @@ def _delayed(rank, world, root):
                 opt.step()
                 opt.zero_grad()
             in_flight = parts_of(opt).shard.update_in_flight
+            parts = parts_of(opt)
+            owned = sum(r.numel for r in parts.shard.runs([True] * len(parts.params), parts.group_of))
+            # fp32: a 4-byte gradient copy and a 4-byte staged parameter per element the update steps
+            assert opt.report().offload.delayed_bytes == 8 * owned > 0
             opt.flush()
+            assert opt.report().offload.delayed_bytes == 0
             with opt.gathered_params():
                 out[stage, state] = (in_flight, {n: p.detach().clone() for n, p in model.named_parameters()})
     return out

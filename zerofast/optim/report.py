@@ -89,6 +89,7 @@ class OffloadReport:
     io_wait_seconds: float  # of the last step's phase 3, waiting for reads and writes
     phase3_seconds: float  # the last step's phase 3 through the store
     delayed_update: bool = False  # OffloadPolicy(delayed_update=True): parameters one update behind
+    delayed_bytes: int = 0  # host memory of the delayed update in flight: its gradient and parameter copies
 
     @property
     def io_bandwidth(self) -> float:
@@ -114,7 +115,9 @@ class Report:
 def offload_report(shard) -> OffloadReport:
     store = shard.store
     if store is None:
-        return OffloadReport(shard.placement, None, 0, 0, 0, 0, 0, 0.0, 0.0, shard.plan.offload.delayed_update)
+        return OffloadReport(
+            shard.placement, None, 0, 0, 0, 0, 0, 0.0, 0.0, shard.plan.offload.delayed_update, shard.delayed_bytes
+        )
     stats = store.stats
     return OffloadReport(
         state=store.placement,
@@ -127,6 +130,7 @@ def offload_report(shard) -> OffloadReport:
         io_wait_seconds=stats.wait_seconds,
         phase3_seconds=stats.seconds,
         delayed_update=shard.plan.offload.delayed_update,
+        delayed_bytes=shard.delayed_bytes,
     )
 
 

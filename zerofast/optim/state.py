@@ -186,7 +186,9 @@ class ShardState:
         if not delayed:
             self.store.stream(segments, step)
             return
-        self._delayed = _Delayed(lambda: self.store.stream(segments, step), staged)
+        held = sum(g.numel() * g.element_size() for g in grads.values())
+        held += sum(run.numel for run in runs) * self.param_buffers[0].element_size()  # the staged parameters
+        self._delayed = _Delayed(lambda: self.store.stream(segments, step), staged, held)
 
     def _grad_snapshot(self, runs: list[Run]) -> dict[int, torch.Tensor]:
         """Each run's reduced gradients copied to the host, by its first shard element: the next
@@ -197,6 +199,11 @@ class ShardState:
             )
             for run in runs
         }
+
+    @property
+    def delayed_bytes(self) -> int:
+        """Host memory held by the delayed update in flight (its gradient and parameter copies)."""
+        return self._delayed.nbytes if self._delayed is not None else 0
 
     @property
     def update_in_flight(self) -> bool:
@@ -536,8 +543,8 @@ def _check_kind(where: str, kind: str) -> None:
 class _Delayed:
     """The delayed update's thread ([Note: the delayed update]) and the parameter values it stages."""
 
-    def __init__(self, run, staged: list[tuple[torch.Tensor, torch.Tensor]]):
-        self.staged, self.error = staged, None
+    def __init__(self, run, staged: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int):
+        self.staged, self.error, self.nbytes = staged, None, nbytes
 
         def body():
             try:
