@@ -1,10 +1,11 @@
 """zerofast.integrations.hf: ZeroTrainer (transformers.Trainer with ZeroAdam) in real launches,
 2 CPU ranks under torchrun (gloo), against the framework's own path, Trainer + DDP with its AdamW,
 on the same arguments: accumulation 2, clipping 1.0, warmup + linear schedule, weight decay
-(tests/jobs/hf_job.py runs the jobs). Also: resuming checkpoint-2 in a fresh launch, at another stage
-and at another world size; save_model() loaded by from_pretrained; LoRA (peft) in stage 3 with
-gradient checkpointing; TRL's SFTTrainer with the mixin; the clear errors and a step skipped on
-an fp16 overflow (one process)."""
+(tests/jobs/hf_job.py runs the jobs). Also: the optimizer state on disk (zero={"offload": ...});
+resuming checkpoint-2 in a fresh launch, at another stage and at another world size; save_model()
+loaded by from_pretrained; LoRA (peft) in stage 3 with gradient checkpointing; TRL's SFTTrainer
+with the mixin; the clear errors, a step skipped on an fp16 overflow and train() with the delayed
+update (one process)."""
 
 import importlib.util
 import json
@@ -83,6 +84,19 @@ def test_zero_trainer_stages_equal_trainer_with_ddp(jobs):
     evals = [res[s]["eval_loss"] for s in ("1", "2", "3")]
     assert max(evals) - min(evals) <= LOG_REL * max(evals), evals
     assert res["3"]["predictions"] == [4, 16, 96]
+
+
+def test_offload_in_zero_passes_through_to_zero_adam(jobs):
+    """zero={"stage": 2, "offload": "disk:PATH"}: ZeroAdam's state in files under PATH, and the run
+    equals the same ZeroTrainer in memory bitwise (logged loss, grad_norm, learning rate, parameters);
+    the files are gone when the job ends."""
+    with open(os.path.join(jobs, "train.json")) as f:
+        res = json.load(f)
+    state, under, read = res["stage2-disk"]["offload"]
+    assert state == "disk" and under and read > 0, res["stage2-disk"]
+    assert res["stage2-disk"]["logs"] == res["2"]["logs"]
+    assert _max_diff(_load(jobs, "train-stage2-disk.pt"), _load(jobs, "train-stage2.pt")) == 0.0
+    assert os.listdir(os.path.join(jobs, "offload")) == []
 
 
 def test_bf16_and_fp16_are_zero_adams_mixed_precision(jobs):
@@ -191,9 +205,9 @@ def test_resume_true_skips_a_checkpoint_whose_shards_were_never_completed(tmp_pa
     assert last_complete_checkpoint(str(tmp_path / "nothing")) is None
 
 
-# Bad combinations named before any training, and a step skipped on an fp16 overflow, both through
-# the real Trainer in one process (a group of one): one interpreter for both (about 10 s, most of it
-# importing transformers).
+# Bad combinations named before any training, a step skipped on an fp16 overflow, and train() with
+# the delayed update, all through the real Trainer in one process (a group of one): one interpreter
+# for all (about 10 s, most of it importing transformers).
 ONE_PROCESS = r"""
 import json, torch, torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
@@ -240,7 +254,19 @@ overflow = ZeroTrainer(
 )
 before = {n: p.detach().clone() for n, p in model.named_parameters()}
 overflow.train()
+
+# OffloadPolicy(delayed_update=True) in zero=: train() returns with the last step's update applied.
+from zerofast import OffloadPolicy
+from zerofast.optim.zero_adam import parts_of
+delayed = ZeroTrainer(
+    model=GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8)),
+    args=args(max_steps=2, per_device_train_batch_size=2, save_strategy="no", disable_tqdm=True),
+    train_dataset=Tokens(),
+    zero={"offload": OffloadPolicy("host", delayed_update=True)},
+)
+delayed.train()
 print(json.dumps({
+    "delayed": [delayed.state.global_step, parts_of(delayed.optimizer).shard.update_in_flight],
     "errors": errors,
     "lrs": [h["learning_rate"] for h in overflow.state.log_history if "loss" in h],
     "skipped": overflow.accelerator.optimizer_step_was_skipped,
@@ -273,3 +299,9 @@ def test_a_step_skipped_on_fp16_overflow_holds_the_schedule(one_process):
     assert one_process["lrs"] == [1e-3, 1e-3], one_process
     assert one_process["skipped"] and one_process["unchanged"], one_process
     assert one_process["loss_scale"] == 2.0**38, one_process  # backed off at each of the 2 skipped steps
+
+
+def test_train_returns_with_the_delayed_update_applied(one_process):
+    """zero={"offload": OffloadPolicy("host", delayed_update=True)}: the last step's update, still
+    running when the Trainer's loop ends, is applied before train() returns."""
+    assert one_process["delayed"] == [2, False], one_process

@@ -3,7 +3,8 @@ path, DDPStrategy with the same module, data and Trainer flags (accumulate_grad_
 gradient_clip_val=1.0, AdamW over decay / no-decay groups with a warmup schedule stepped each
 optimizer step; tests/jobs/lightning_job.py runs the jobs). Launches: the train job on 2 ranks with
 Lightning's own launcher (`python script.py`), resumes in fresh launches on 2 and on 3 ranks, and
-the pytorch_lightning package under torchrun. The argument errors are checked in this process."""
+the pytorch_lightning package under torchrun (also with the optimizer state offloaded, offload=).
+The argument errors are checked in this process."""
 
 import json
 import os
@@ -170,6 +171,21 @@ def test_pytorch_lightning_under_torchrun(jobs):
     assert d <= fp32_tol(4), f"pytorch_lightning: parameters {d:.3g} from DDPStrategy"
 
 
+def test_offload_passes_through_to_zero_adam(jobs):
+    """ZeroStrategy(offload="disk:PATH") (the torchrun job): ZeroAdam's state in files under PATH, and
+    the run equals the same run in memory bitwise (losses, validation loss, parameters); the files
+    are gone when the job ends. With the delayed update, nothing is left in flight after fit()."""
+    res = _json(jobs, "torchrun")
+    disk, memory = res["stage3-disk"], res["stage3"]
+    state, under, read = disk["offload"]
+    assert state == "disk" and under and read > 0, disk["offload"]
+    assert disk["losses"] == memory["losses"] and disk["val_loss"] == memory["val_loss"]
+    assert _max_diff(_params(jobs, "torchrun-stage3-disk"), _params(jobs, "torchrun-stage3")) == 0.0
+    assert os.listdir(os.path.join(jobs, "offload")) == []
+    # OffloadPolicy(delayed_update=True): fit() returns with the last step's update applied
+    assert res["stage2-delayed"] == {"in flight": False, "steps": 4}, res["stage2-delayed"]
+
+
 def test_unsupported_optimizers_get_named_errors(jobs):
     errors = _json(jobs, "train")["errors"]
     assert errors["sgd"].startswith("TypeError: ZeroStrategy: configure_optimizers returned torch.optim.sgd.SGD")
@@ -191,6 +207,8 @@ def test_strategy_argument_errors():
         ZeroStrategy(stage=1, units=[torch.nn.Linear(2, 2)])
     with pytest.raises(ValueError, match="shard_size must be None or an integer >= 1; got 0"):
         ZeroStrategy(shard_size=0)
+    with pytest.raises(ValueError, match="offload must be None, 'host', 'disk:PATH' or an OffloadPolicy; got 'nvme'"):
+        ZeroStrategy(offload="nvme")
     with pytest.raises(TypeError, match="save_full_weights must be a bool; got 'yes'"):
         ZeroStrategy(save_full_weights="yes")
     with pytest.raises(ValueError, match="precision='64-true' is not supported"):

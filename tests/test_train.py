@@ -223,6 +223,9 @@ def test_train_command_loss_goes_down():
         (["--lose-group-at", "2"], "--lose-group-at needs --replica-groups"),
         (["--replica-groups", "2", "--steps", "6", "--lose-group-at", "3"], "[0, --steps - 3) = [0, 3); got 3"),
         (["--replica-groups", "2", "--compare"], "without --save-dir, --resume, --compare and --plot"),
+        (["--offload", "nvme"], "--offload must be host, disk or disk:PATH; got 'nvme'"),
+        (["--offload", "disk:"], "--offload must be host, disk or disk:PATH; got 'disk:'"),
+        (["--offload", "host", "--replica-groups", "2"], "--offload applies to the main run"),
     ],
 )
 def test_train_bad_arguments_exit_2(argv, message, capsys):
@@ -253,6 +256,19 @@ def test_train_nproc_follows_the_gpus(gpus, argv, want, monkeypatch):
     assert parse_args(argv).nproc == want
 
 
+def test_train_offload_folder(tmp_path, monkeypatch):
+    """Parsing only: --offload as ZeroAdam's offload= shortcut, its folder absolute; disk alone is
+    offload/ under --save-dir, else under the working directory."""
+    from zerofast.tools.train import parse_args
+
+    monkeypatch.chdir(tmp_path)
+    assert parse_args([]).offload is None
+    assert parse_args(["--offload", "host"]).offload == "host"
+    assert parse_args(["--offload", "disk"]).offload == f"disk:{tmp_path / 'offload'}"
+    assert parse_args(["--offload", "disk", "--save-dir", "ck"]).offload == f"disk:{tmp_path / 'ck' / 'offload'}"
+    assert parse_args(["--offload", "disk:st"]).offload == f"disk:{tmp_path / 'st'}"
+
+
 def test_train_nproc_beyond_the_gpus_is_refused(monkeypatch, capsys):
     from zerofast.tools.train import parse_args
 
@@ -278,22 +294,44 @@ def test_resume_continues_the_interrupted_run_bitwise(tmp_path):
     (the data position is the step, and the RNG state travels in the checkpoint); the interrupted
     run saves asynchronously (--save-async), the whole one blocking. (A resume on other ranks and
     another stage: tests/test_launch.py's relaunch on fewer ranks, and tests/test_checkpoint.py's
-    reshards; fp32 state into 8-bit: tests/test_checkpoint_8bit.py.) The runs keep 8-bit Adam state."""
+    reshards; fp32 state into 8-bit: tests/test_checkpoint_8bit.py.) The runs keep 8-bit Adam state.
+    The interrupted run keeps it on disk (--offload disk: the folder the job chooses under --save-dir,
+    then --offload disk:PATH): its losses are bitwise those of the whole run in memory, its progress
+    line and closing table say where the state lives and what its I/O cost, and its files are gone
+    at exit. (The offloaded step against the one in memory, case by case: tests/test_offload.py.)"""
     from zerofast import checkpoint
+    from zerofast.checkpoint.io import read_small
 
     common = ["zerofast.train", "--nproc", "2", "--model", "tiny", "--stage", "3", "--batch", "4", "--lr", "1e-2"]
     common += ["--state-bits", "8"]  # 8-bit Adam state through the main job's save and resume
-    whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
+    whole, split, offload_dir = str(tmp_path / "whole"), str(tmp_path / "split"), str(tmp_path / "state")
+    texts = []
     for argv in (
         [*common, "--steps", "8", "--save-dir", whole],
-        [*common, "--steps", "4", "--save-dir", split, "--save-every", "2", "--keep", "2", "--save-async"],
-        [*common, "--steps", "8", "--save-dir", split, "--resume", "--keep", "2", "--save-async"],
+        [*common, "--steps", "4", "--save-dir", split, "--save-every", "2", "--keep", "2", "--save-async"]
+        + ["--offload", "disk"],
+        [*common, "--steps", "8", "--save-dir", split, "--resume", "--keep", "2", "--save-async"]
+        + ["--offload", f"disk:{offload_dir}"],
     ):
         out = _run(*argv)
         assert out.returncode == 0, out.stdout + out.stderr
-    assert "resumed from" in out.stdout + out.stderr and "at step 4" in out.stdout + out.stderr
-    assert "per rank, bytes after step() (fp32: 4 + 4 + 2 + scales per parameter" in out.stdout + out.stderr
-    assert sorted(os.listdir(split)) == ["step-000004", "step-000008"]  # keep=2 purged step 2
+        texts.append(out.stdout + out.stderr)
+    in_memory, first, resumed = texts
+    assert "resumed from" in resumed and "at step 4" in resumed
+    assert "per rank, bytes after step() (fp32: 4 + 4 + 2 + scales per parameter" in resumed
+    assert "state on disk" not in in_memory and "optimizer state on disk under" not in in_memory
+    assert f"optimizer state on disk under {os.path.join(split, 'offload')}" in first  # the job's own folder
+    assert f"optimizer state on disk under {offload_dir}" in resumed
+    assert re.search(
+        r"\] 8/8  loss [\d.]+  [\d,]+ tok/s  state on disk: [\d.]+ \w+ r\+w per step at [\d,]+ MB/s", resumed
+    )
+    rows = [t for t in resumed.splitlines() if re.match(r"\s+[01] files [\d.]+ \w+, window", t)]
+    assert len(rows) == 2 and all("r+w per step at" in row for row in rows), resumed
+    assert sorted(os.listdir(split)) == ["step-000004", "step-000008"]  # keep=2 purged step 2; offload/ removed
+    assert os.listdir(offload_dir) == []  # every rank's files removed at exit
+    want = read_small(os.path.join(whole, "step-000008"))["extra"]["losses"]
+    got = [read_small(os.path.join(split, f"step-00000{s}"))["extra"]["losses"] for s in (4, 8)]
+    assert len(want) == 8 and got[0] + got[1] == want, (got, want)  # exactly: the offloaded step is bitwise
     (a_model, a_optim), (b_model, b_optim) = (
         checkpoint.to_torch(os.path.join(d, "step-000008")) for d in (whole, split)
     )

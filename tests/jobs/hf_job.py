@@ -102,8 +102,9 @@ def save(name, value):
 
 def train():
     """Trainer + DDP, then ZeroTrainer stages 1-3 on the same arguments; stage 3 also saves
-    checkpoint-2, evaluates, predicts and save_model()s. Then LoRA (peft) with gradient
-    checkpointing, Trainer + DDP against ZeroTrainer stage 3, and the adapter it saves."""
+    checkpoint-2, evaluates, predicts and save_model()s; stage 2 again with its state on disk. Then
+    LoRA (peft) with gradient checkpointing, Trainer + DDP against ZeroTrainer stage 3, and the
+    adapter it saves."""
     res = {}
     trainer = Trainer(model=gpt2(), args=arguments(os.path.join(OUT, "ddp")), train_dataset=TinyLM())
     trainer.train()
@@ -140,11 +141,28 @@ def train():
             trainer.save_model(os.path.join(OUT, "final"))
             if RANK == 0:
                 res[stage]["checkpoint"] = sorted(os.listdir(os.path.join(OUT, "stage3", "checkpoint-2")))
+    res["stage2-disk"] = offloaded()
     res["lora"] = lora()
     res["precision"] = precision()
     if RANK == 0:
         with open(os.path.join(OUT, "train.json"), "w") as f:
             json.dump(res, f)
+
+
+def offloaded():
+    """The stage-2 run again with ZeroAdam's optimizer state on disk: zero={"offload": "disk:PATH"}
+    passes through to ZeroAdam as every other option does; the test compares it with the run in memory."""
+    folder = os.path.join(OUT, "offload")
+    trainer = ZeroTrainer(
+        model=gpt2(),
+        args=arguments(os.path.join(OUT, "stage2-disk")),
+        train_dataset=TinyLM(),
+        zero={"stage": 2, "offload": f"disk:{folder}"},
+    )
+    trainer.train()
+    offload = trainer.optimizer.report().offload
+    save("stage2-disk", params(trainer))
+    return {"logs": logs(trainer), "offload": [offload.state, offload.folder.startswith(folder), offload.read_bytes]}
 
 
 def lora():

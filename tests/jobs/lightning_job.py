@@ -1,7 +1,7 @@
 """The Lightning integration's jobs, run by tests/test_lightning.py on CPU (gloo):
 `python tests/jobs/lightning_job.py train|resume OUT [WORLD]` (Lightning's own launcher starts the other
 processes: the Trainer's devices=WORLD), and `python -m torch.distributed.run ... tests/jobs/lightning_job.py
-torchrun OUT` (the pytorch_lightning package, under torchrun's environment). Rank 0 writes
+torchrun OUT` (the pytorch_lightning package, under torchrun's environment; with offload= too). Rank 0 writes
 OUT/<job>.json and the tensors the test compares (OUT/<job>-*.pt); the test asserts on them.
 
 The model: tests/models.py's Nested (blocks at backbone.layers[i], the embedding tied to the head at
@@ -37,7 +37,8 @@ else:
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the shared modules
 from models import Nested  # noqa: E402
 
-from zerofast import ZeroAdam  # noqa: E402
+from zerofast import OffloadPolicy, ZeroAdam  # noqa: E402
+from zerofast.optim.zero_adam import parts_of  # noqa: E402
 
 EPOCHS = 3
 GLOBAL_BATCH = 6
@@ -293,10 +294,19 @@ def resume():
 
 
 def torchrun():
-    """pytorch_lightning under torchrun: DDP against stage 3."""
+    """pytorch_lightning under torchrun: DDP against stage 3; stage 3 again with its optimizer state on
+    disk (offload=, passed through to ZeroAdam), to equal the run in memory bitwise."""
     res = {}
     fit("ddp", ddp(), res, epochs=1)
     fit("stage3", ZeroStrategy(stage=3), res, epochs=1)
+    folder = os.path.join(OUT, "offload")
+    t, _ = fit("stage3-disk", ZeroStrategy(stage=3, offload=f"disk:{folder}"), res, epochs=1)
+    offload = t.strategy.zero.report().offload
+    res["stage3-disk"]["offload"] = [offload.state, offload.folder.startswith(folder), offload.read_bytes]
+    # The one-step-delayed update: fit() applies the last step's update before it returns
+    t = trainer(ZeroStrategy(stage=2, offload=OffloadPolicy("host", delayed_update=True)), epochs=1)
+    t.fit(Lit(), loader(48, 0))
+    res["stage2-delayed"] = {"in flight": parts_of(t.strategy.zero).shard.update_in_flight, "steps": t.global_step}
     if dist.get_rank() == 0:
         with open(os.path.join(OUT, "torchrun.json"), "w") as f:
             json.dump(res, f)

@@ -22,6 +22,8 @@ naming it, never an override silently skipped. What maps to what:
     optimizer_step_was_skipped (fp16's overflow);
   - max_grad_norm: the accelerator's clip_grad_norm_ is opt.clip_grad_norm_, the global norm across
     shards, which is the logged grad_norm;
+  - zero={"offload": "host" | "disk:PATH" | OffloadPolicy(...)}: ZeroAdam's, as given; with
+    delayed_update=True, train() applies the last step's update before it returns;
   - bf16=True / fp16=True: ZeroAdam's mixed precision (the model in that dtype, an fp32 master
     shard; fp16 with ZeroAdam's loss scaling), no autocast and no GradScaler on top;
   - checkpoints: checkpoint-N/zerofast/ is a zerofast checkpoint (every rank its shard), beside the
@@ -164,7 +166,7 @@ def _ensure_process_group(device: torch.device) -> None:
 
 class ZeroTrainerMixin:
     """Put before a transformers.Trainer subclass: `class ZeroSFTTrainer(ZeroTrainerMixin, SFTTrainer)`.
-    zero: ZeroAdam's options ({"stage": 3, "units": ..., "comm": CommPolicy(...), ...}), except those
+    zero: ZeroAdam's options ({"stage": 3, "units": ..., "comm": CommPolicy(...), "offload": ...}), except those
     TrainingArguments owns (learning_rate, adam_beta1/2, adam_epsilon, weight_decay, max_grad_norm,
     bf16 / fp16: mixed_precision may be given only to refine them, e.g. a MixedPrecisionPolicy with
     reduce_dtype=torch.float32)."""
@@ -373,6 +375,10 @@ class ZeroTrainerMixin:
         if resume_from_checkpoint is True:  # the Trainer would take the highest checkpoint-N, complete or not
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir) or True
         out = super().train(resume_from_checkpoint, *args, **kwargs)
+        if isinstance(self.optimizer, ZeroOptimizer):
+            # OffloadPolicy(delayed_update=True): the last step's update, still in flight, applied now,
+            # so that train() returns the trained model (nothing to do otherwise; every rank calls it)
+            self.optimizer.flush()
         zckpt.wait()  # the last asynchronous save (save_async=True) is complete when train() returns
         return out
 

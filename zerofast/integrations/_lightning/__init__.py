@@ -19,6 +19,8 @@ checks at import (zerofast.integrations.hosts). What maps to what:
   - gradient_clip_val: ZeroAdam's clip_grad_norm_ (the global norm across shards) or, with
     gradient_clip_algorithm="value", its clip_grad_value_ (elementwise on each rank's shard);
   - precision: ZeroPrecision (precision.py) maps the flag to ZeroAdam's mixed precision;
+  - offload=: ZeroAdam's (the optimizer state in host memory or on disk), as given; with the
+    delayed update, on_train_end applies the last step's update, so fit() returns the trained module;
   - checkpoints: a folder per checkpoint, `zerofast/` (a zerofast checkpoint, every rank its shard,
     resharded on load at any world size or stage) beside `lightning.ckpt` (the loops', callbacks' and
     schedulers' state, written by rank 0 through Lightning's CheckpointIO); the module's whole

@@ -23,6 +23,7 @@ STRATEGY_OVERRIDES = (
     "test_step",
     "predict_step",
     "block_backward_sync",
+    "on_train_end",
     "teardown",
     "restore_checkpoint_after_setup",
     "lightning_module_state_dict",

@@ -48,6 +48,9 @@ class ZeroStrategyMixin:
     units, comm: ZeroAdam's (a UnitPolicy or the unit modules; a CommPolicy).
     shard_size: ZeroAdam's: shard within groups of that many consecutive ranks (a machine: Lightning
       numbers ranks node by node), replicate across them ([Note: hybrid sharding]); None: every rank.
+    offload: ZeroAdam's: where the optimizer state lives, an OffloadPolicy or its shortcuts "host" and
+      "disk:PATH" (None: with the parameters); with delayed_update=True, fit() applies the last
+      step's update when training ends (on_train_end).
     save_full_weights: also put the module's whole state_dict in lightning.ckpt (gathered; stage 3
       one unit at a time), for tools that read a plain Lightning checkpoint. Off: the sharded
       zerofast/ folder holds the weights, and zerofast.checkpoint.export makes a safetensors file.
@@ -70,6 +73,7 @@ class ZeroStrategyMixin:
         units=None,
         comm=None,
         shard_size: int | None = None,
+        offload=None,
         save_full_weights: bool = False,
         save_async: bool = False,
         **ddp_arguments: Any,
@@ -79,7 +83,7 @@ class ZeroStrategyMixin:
         if unknown:
             raise TypeError(
                 f"ZeroStrategy: unexpected argument {unknown[0]!r}: ZeroStrategy takes stage, "
-                f"mixed_precision, units, comm, shard_size, save_full_weights, save_async and DDPStrategy's "
+                f"mixed_precision, units, comm, shard_size, offload, save_full_weights, save_async and DDPStrategy's "
                 f"{', '.join(sorted(allowed))} (the model is never wrapped in DDP, so DDP's own "
                 f"arguments do not apply)"
             )
@@ -93,6 +97,7 @@ class ZeroStrategyMixin:
             mixed_precision=mixed_precision,
             comm=comm,
             units=units,
+            offload=offload,
         )
         if shard_size is not None and not (
             isinstance(shard_size, int) and not isinstance(shard_size, bool) and shard_size >= 1
@@ -104,7 +109,9 @@ class ZeroStrategyMixin:
             raise TypeError(f"ZeroStrategy: save_async must be a bool; got {save_async!r}")
         self.save_async = save_async
         self.zero_stage = stage
-        self.zero_options = dict(mixed_precision=mixed_precision, units=units, comm=comm, shard_size=shard_size)
+        self.zero_options = dict(
+            mixed_precision=mixed_precision, units=units, comm=comm, shard_size=shard_size, offload=offload
+        )
         self.save_full_weights = save_full_weights
         self.zero: ZeroAdam | None = None
         self._restored_zero = False  # load_checkpoint loaded the sharded state: nothing left for Lightning
@@ -265,6 +272,13 @@ class ZeroStrategyMixin:
             return
         with self.zero.no_sync():
             yield
+
+    def on_train_end(self) -> None:
+        """The fit loop's normal end, on every rank: with OffloadPolicy(delayed_update=True) the last
+        step's update, still in flight, is applied, so that fit() returns the trained module."""
+        if self.zero is not None:
+            self.zero.flush()  # nothing to do without a delayed update
+        super().on_train_end()
 
     def teardown(self) -> None:
         if self.zero is None:

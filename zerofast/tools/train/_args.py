@@ -137,6 +137,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--shard-size must be at least 1; got {args.shard_size}")
     if args.max_grad_norm is not None and not args.max_grad_norm > 0:
         p.error(f"--max-grad-norm must be positive; got {args.max_grad_norm}")
+    args.offload_default = args.offload == "disk"  # the job chose the folder: it removes it once empty
     if args.offload is not None:
         args.offload = _resolve_offload(p, args.offload, args.save_dir)
         if args.replica_groups:

@@ -5,6 +5,8 @@ over to torchft's replica groups)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import logging
 import os
 import sys
@@ -28,11 +30,13 @@ log = logging.getLogger("zerofast.train")
 
 
 def exit_on_fault(error: BaseException) -> None:
-    """A collective failed (a rank died or is stuck) or the ranks are out of step: print the one
-    line that says where, and leave at once. os._exit, because an orderly interpreter exit can block
+    """A collective failed (a rank died or is stuck), the ranks are out of step, or --offload's files
+    failed: print the one line that says where (with the error's notes: an offloaded step applied on
+    no rank says so in one), and leave at once. os._exit, because an orderly interpreter exit can block
     on the process group's threads while a peer is stuck; torchrun then ends (or restarts) the rest."""
     newline = "\n" if Progress.line_open else ""  # not glued to the progress bar's line
-    sys.stderr.write(f"{newline}zerofast.train rank {os.environ.get('RANK', '?')}: {error}\n")
+    notes = "".join(f" {note}" for note in getattr(error, "__notes__", ()))
+    sys.stderr.write(f"{newline}zerofast.train rank {os.environ.get('RANK', '?')}: {error}{notes}\n")
     sys.stderr.flush()
     os._exit(1)
 
@@ -62,7 +66,7 @@ def _worker(args: argparse.Namespace) -> None:
             args.stage,
             args.partition,
             f", sharded in groups of {args.shard_size}" if args.shard_size not in (None, world) else "",
-            _offload_words(args.offload),
+            f", optimizer state {_where(args.offload)}" if args.offload else "",
         )
     losses, times, measured, comm, numel = run("zero", args, device, args.steps, progress=True)
     everyone: list = [None] * world
@@ -103,23 +107,21 @@ def _worker(args: argparse.Namespace) -> None:
             dist.all_gather_object(per_rank, m)
             rows[label] = per_rank
         if rank == 0:
-            precision = (args.mixed_precision or "fp32") + (
-                f", its optimizer state {_offload_words(args.offload)[len(', optimizer state ') :]}"
-                if args.offload
-                else ""
-            )
+            precision = args.mixed_precision or "fp32"
+            if args.offload:  # the bars count the optimizer state that stays with the parameters
+                precision += ", its state in host memory" if args.offload == "host" else ", its state on disk"
             plot(args.plot, rows, numel, precision)
             log.info("wrote %s", args.plot)
+    if args.offload_default:  # --offload disk: the folder the job chose goes once no rank's files are in it
+        gc.collect()  # each optimizer removes its own folder when collected
+        with contextlib.suppress(OSError):  # not empty yet: the rank that empties it removes it
+            os.rmdir(args.offload[len("disk:") :])
     dist.destroy_process_group()
 
 
-def _offload_words(offload: str | None) -> str:
-    """--offload in the job's first line: where the optimizer state lives."""
-    if offload is None:
-        return ""
-    if offload == "host":
-        return ", optimizer state in host memory"
-    return f", optimizer state on disk under {offload[len('disk:') :]}"
+def _where(offload: str) -> str:
+    """Where --offload (resolved: "host" or "disk:PATH") puts the optimizer state, in words."""
+    return "in host memory" if offload == "host" else f"on disk under {offload[len('disk:') :]}"
 
 
 def main(argv=None) -> int:

@@ -71,6 +71,8 @@ def _offload_report(args, measured_all) -> None:
                 f"{r:4d} files {format_bytes(o.disk_bytes)}, window {format_bytes(o.window_bytes)}, {io_cost(o)} "
                 f"({o.io_wait_seconds * 1e3:.1f} of {o.phase3_seconds * 1e3:.1f} ms waiting for I/O)"
             )
+    elif not any(o.host_bytes for o in offloads):
+        print(f"optimizer state {where} (--offload host): on the CPU it is there already, in the optimizer column")
     else:
         held = ", ".join(format_bytes(o.host_bytes) for o in offloads)
-        print(f"optimizer state {where} (--offload host), per rank held apart from the parameters: {held}")
+        print(f"optimizer state {where} (--offload host; not in the optimizer column), per rank: {held}")
