@@ -416,6 +416,26 @@ def _construction_errors(rank, world, root):
     return out
 
 
+def _one_rank_cannot_place(rank, world, root):
+    blocker = os.path.join(root, "a-file")
+    if rank == 1:
+        open(blocker, "w").close()
+    dist.barrier()
+    path = f"{blocker}/state" if rank == 1 else os.path.join(root, "fine")
+    try:
+        ZeroAdam(_nested(), offload=f"disk:{path}")
+    except OffloadError as e:
+        return str(e), os.listdir(os.path.join(root, "fine")) if rank == 0 else None
+    return None
+
+
+def test_a_rank_that_cannot_place_its_state_is_named_on_every_rank(root):
+    (zero, left), (one, _) = run_ranks(_one_rank_cannot_place, 2, args=(root,))
+    assert "cannot be created or written" in one and "a-file/state" in one, one
+    assert "rank 1 could not place its optimizer state" in zero and "no rank built its optimizer" in zero, zero
+    assert left == [], "rank 0's files are removed with its optimizer"
+
+
 def test_bad_input_is_named_at_construction(root):
     for field, value, words in [
         ("state", "nvme", "state must be None, 'host' or 'disk'; got 'nvme'"),

@@ -218,7 +218,7 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
     if plan.separate_master:  # see [Note: mixed precision]; before stage 3 lays out the frozen parameters
         hooks += in_precision(model, plan.param_dtype)
     layouts = plan_layouts(model, plan, topology.shard_size, rule.partition_costs)
-    shard = ShardState(layouts.layout, topology.shard_rank, names, params, plan)
+    shard = _shard_state(layouts.layout, topology, names, params, plan)
     comm = BucketComm(
         topology.shard_group,
         layouts.layout,
@@ -276,6 +276,31 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
     # read, the step's gathers finished before a gathered block.
     parts.module = ShardedModule(model, units, hooks, settle=parts.quiesce, before_block=gather.wait)
     return parts
+
+
+def _shard_state(layout: Layout, topology: Topology, names, params, plan: Plan) -> ShardState:
+    """This rank's ShardState. With the state on disk, every rank first learns whether every other
+    could place its files (one small all_reduce), so that a rank's full or unwritable disk is named on
+    every rank at construction rather than surfacing later as a dead peer."""
+    if plan.offload.state != "disk":
+        return ShardState(layout, topology.shard_rank, names, params, plan)
+    shard, error = None, None
+    try:
+        shard = ShardState(layout, topology.shard_rank, names, params, plan)
+    except OffloadError as e:
+        error = e
+    flag = torch.tensor([0 if error is None else topology.rank + 1], dtype=torch.int64, device=params[0].device)
+    dist.all_reduce(flag, dist.ReduceOp.MAX, group=topology.group)
+    failed = int(flag.item()) - 1
+    if error is not None:
+        raise error
+    if failed >= 0:
+        shard.store.close()  # its files go now, not when the traceback lets go of it
+        raise OffloadError(
+            f"ZeroAdam: rank {failed} could not place its optimizer state under OffloadPolicy(path="
+            f"{plan.offload.path!r}) (see that rank's error); no rank built its optimizer"
+        )
+    return shard
 
 
 def _gather_group(topology: Topology) -> dist.ProcessGroup:
