@@ -267,6 +267,8 @@ class OffloadPolicy:
       write-behind; at least 3 chunks of one element of every state kind each).
     io_threads: "disk": threads reading and writing the files.
     pin_memory: "host" on a GPU: the state in page-locked memory (so its copies run asynchronously).
+    direct_io: "disk": read and write the moments and the master with O_DIRECT where the filesystem
+      allows it (not tmpfs), bypassing the page cache; False: always through the page cache.
     delayed_update: ZeRO-Offload's one-step-delayed update (DPU), a different algorithm, never the
       default: step t's update runs on a thread while step t+1's forward and backward run, so each
       gradient is computed with parameters one update behind (AdamW applied one step late: [Note:
@@ -281,6 +283,7 @@ class OffloadPolicy:
     window_mb: float = 64.0
     io_threads: int = 2
     pin_memory: bool = True
+    direct_io: bool = True
     delayed_update: bool = False
 
     def __post_init__(self):
@@ -305,6 +308,7 @@ class OffloadPolicy:
         if not (isinstance(t, int) and not isinstance(t, bool) and t >= 1):
             raise ValueError(f"OffloadPolicy: io_threads must be an integer >= 1; got {t!r}")
         _check_bool("OffloadPolicy", "pin_memory", self.pin_memory)
+        _check_bool("OffloadPolicy", "direct_io", self.direct_io)
         _check_bool("OffloadPolicy", "delayed_update", self.delayed_update)
         if self.delayed_update and self.state is None:
             raise ValueError("OffloadPolicy: delayed_update=True needs state='host' or 'disk'; got state=None")

@@ -53,7 +53,7 @@ from ..config import (
     unit_policy,
 )
 from ..layout import ALIGN
-from ..offload import is_offloaded, state_specs, window_layout
+from ..offload import file_bytes, is_offloaded, state_specs, window_layout
 from ..quant import num_blocks
 from ..topology import check_shard_size
 
@@ -248,7 +248,7 @@ def offloaded_state(shard: int, plan) -> tuple[int, int, int]:
         return state, 0, 0
     block = plan.state_block if plan.quantized_state else 1
     _, window = window_layout(specs, shard, int(plan.offload.window_mb * 2**20), block)
-    return window, 2 * state, window
+    return window, 2 * file_bytes(specs), window
 
 
 def frozen_model_bytes(model_or_param_count, world: int, param_dtype: torch.dtype, units=None) -> int:

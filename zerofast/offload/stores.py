@@ -31,6 +31,7 @@ __all__ = [
     "StateSpec",
     "is_offloaded",
     "state_specs",
+    "file_bytes",
     "window_layout",
 ]
 
@@ -96,17 +97,42 @@ def state_specs(shard: int, master: bool, state_bits: int, state_block: int) -> 
     ]
 
 
+PAGE = 4096  # direct I/O's unit: buffers, file offsets and lengths are multiples of it
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
 def window_layout(specs: list[StateSpec], shard: int, window_bytes: int, block: int) -> tuple[int, int]:
     """DiskState's (chunk elements, window bytes): a chunk is a third of `window_bytes` of state,
-    rounded down to a multiple of lcm(block, 1024) elements (a chunk starts at an 8-bit block boundary
-    and a page of every file), at least one such multiple, at most the shard rounded up to one; the
-    window is three chunks of every kind of state."""
+    less a page per slot, rounded down to a multiple of lcm(block, 4096) elements (a chunk starts at
+    an 8-bit block boundary and at a page of every elementwise file, for direct I/O), at least one
+    such multiple, at most the shard rounded up to one; the window is three slots of a chunk of every
+    kind of state, each rounded up to a page."""
     live = [s for s in specs if s.numel]
     per_element = sum(s.dtype.itemsize / s.per for s in live) or 1.0
-    align = math.lcm(block, 1024)
-    whole = max(align, -(-shard // align) * align)
-    chunk = min(whole, max(align, int(window_bytes / (3 * per_element)) // align * align))
-    return chunk, 3 * sum(s.range(0, chunk).stop * s.dtype.itemsize for s in live)
+    align = math.lcm(block, PAGE)
+    whole = max(align, _round_up(shard, align))
+    budget = window_bytes - 3 * len(live) * PAGE  # what rounding each slot up to a page may add
+    chunk = min(whole, max(align, int(budget / (3 * per_element)) // align * align))
+    return chunk, 3 * sum(_slot_bytes(s, chunk) for s in live)
+
+
+def _slot_bytes(s: StateSpec, chunk: int) -> int:
+    return _round_up(s.range(0, chunk).stop * s.dtype.itemsize, PAGE)
+
+
+def file_bytes(specs: list[StateSpec]) -> int:
+    """Bytes of one generation of DiskState's files: each kind's, rounded up to a page."""
+    return sum(_round_up(s.nbytes, PAGE) for s in specs if s.numel)
+
+
+def _aligned(nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised buffer of nbytes (a multiple of the dtype's size) starting at a page boundary."""
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    skip = -raw.data_ptr() % PAGE
+    return raw[skip : skip + nbytes].view(dtype)
 
 
 def _views_of(specs: list[StateSpec], tensors: Views, lo: int, hi: int, base: int = 0) -> Views:
@@ -155,17 +181,27 @@ class DiskState:
 
     placement = "disk"
 
-    def __init__(self, specs: list[StateSpec], shard: int, root: str, window_bytes: int, io_threads: int, align: int):
+    def __init__(
+        self,
+        specs: list[StateSpec],
+        shard: int,
+        root: str,
+        window_bytes: int,
+        io_threads: int,
+        align: int,
+        direct_io: bool = True,
+    ):
         self.empty = {s.name: torch.zeros(0, dtype=s.dtype) for s in specs if not s.numel}
         self.specs, self.shard, self.root = [s for s in specs if s.numel], shard, root
         self.chunk, self.window_bytes = window_layout(specs, shard, window_bytes, align)
         self.folder, self._lock = _make_folder(root)
-        self._fds: dict[tuple[int, str], int] = {}
+        self._fds: dict[tuple[int, str], int] = {}  # buffered: the mappings, the master's first values
+        self._direct: dict[tuple[int, str], int] = {}  # O_DIRECT, where the filesystem allows: the window's I/O
         self._pool = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="zerofast-offload-io")
         # Closed when the optimizer is collected or at exit (weakref.finalize runs at exit too): its I/O
-        # threads joined, its files closed and removed ([Note: clean exit] in csrc/work_keeper.cpp).
-        self._finalizer = weakref.finalize(self, _close, self._fds, self.folder, self._lock, self._pool)
-        need = 2 * sum(s.nbytes for s in self.specs)
+        # threads told to end, its files closed and removed ([Note: clean exit] in csrc/work_keeper.cpp).
+        self._finalizer = weakref.finalize(self, _close, self._fds, self._direct, self.folder, self._lock, self._pool)
+        need = 2 * file_bytes(self.specs)
         free = shutil.disk_usage(self.folder).free
         if need > free:
             self.close()
@@ -178,18 +214,38 @@ class DiskState:
                 for s in self.specs:
                     path = self._path(g, s)
                     fd = self._fds[(g, s.name)] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-                    _preallocate(fd, s.nbytes)
+                    _preallocate(fd, _round_up(s.nbytes, PAGE))
         except OSError as e:
             self.close()
             raise OffloadError(
                 f"OffloadPolicy(path={root!r}): could not create the state's files in {self.folder}: {e}"
             ) from e
+        self.direct_io = direct_io and self._open_direct()
         self.gen = 0
         self._mmaps: list[mmap.mmap] = []
         self._maps = [self._map(0), self._map(1)]
         self._slots: list[Views] | None = None  # the window, allocated at the first step
         self.stats = OffloadStats()
         self.fail_write: Callable[[str, int], None] | None = None  # a test's fault: (file, chunk) -> raise
+
+    def _open_direct(self) -> bool:
+        """O_DIRECT descriptors for the files whose chunks are whole pages (the moments and the master;
+        8-bit state's small scale files stay buffered); False where the filesystem refuses direct I/O
+        (tmpfs, some network filesystems): then every file is read and written through the page cache."""
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag:
+            return False
+        try:
+            for g in (0, 1):
+                for s in self.specs:
+                    if _slot_bytes(s, self.chunk) == s.range(0, self.chunk).stop * s.dtype.itemsize:
+                        self._direct[(g, s.name)] = os.open(self._path(g, s), os.O_RDWR | flag)
+        except OSError:
+            for fd in self._direct.values():
+                os.close(fd)
+            self._direct.clear()
+            return False
+        return bool(self._direct)
 
     def _path(self, g: int, s: StateSpec) -> str:
         return os.path.join(self.folder, f"{s.name}.{g}")
@@ -228,7 +284,7 @@ class DiskState:
 
     @property
     def disk_bytes(self) -> int:
-        return 2 * sum(s.nbytes for s in self.specs)
+        return 2 * file_bytes(self.specs)
 
     def commit(self) -> None:
         """Every rank wrote its next generation: it is the state now."""
@@ -250,7 +306,7 @@ class DiskState:
                 lo = end
         if self._slots is None:
             self._slots = [
-                {s.name: torch.empty(s.range(0, self.chunk).stop, dtype=s.dtype) for s in self.specs} for _ in range(3)
+                {s.name: _aligned(_slot_bytes(s, self.chunk), s.dtype) for s in self.specs} for _ in range(3)
             ]
         src, dst = self.gen, 1 - self.gen
         pending: dict[tuple[str, int], list[cf.Future]] = {}
@@ -301,12 +357,18 @@ class DiskState:
 
     def _io(self, kind: str, g: int, s: StateSpec, buf: torch.Tensor, lo: int, hi: int, k: int) -> int:
         r = s.range(lo, hi)
-        view = memoryview(buf[: r.stop - r.start].view(torch.uint8).numpy()).cast("B")
-        offset, done, fd = r.start * s.dtype.itemsize, 0, self._fds[(g, s.name)]
+        nbytes = (r.stop - r.start) * s.dtype.itemsize
+        fd = self._direct.get((g, s.name))
+        if fd is None:
+            fd = self._fds[(g, s.name)]
+        else:  # whole pages: the last chunk's tail reads and writes the file's padding
+            nbytes = _round_up(nbytes, PAGE)
+        view = memoryview(buf.view(torch.uint8)[:nbytes].numpy()).cast("B")
+        offset, done = r.start * s.dtype.itemsize, 0
         try:
             if kind == "write" and self.fail_write is not None:
                 self.fail_write(self._path(g, s), k)
-            while done < len(view):
+            while done < nbytes:
                 if kind == "read":
                     n = os.preadv(fd, [view[done:]], offset + done)
                 else:
@@ -317,9 +379,9 @@ class DiskState:
         except OSError as e:
             raise OffloadError(
                 f"OffloadPolicy(path={self.root!r}): the {kind} of chunk {k} of {self._path(g, s)} "
-                f"({len(view)} bytes at byte {offset}) failed: {e}"
+                f"({nbytes} bytes at byte {offset}) failed: {e}"
             ) from e
-        return done
+        return (r.stop - r.start) * s.dtype.itemsize
 
     def close(self) -> None:
         """Close the files, remove the folder and stop the I/O threads (idempotent)."""
@@ -390,11 +452,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _close(fds: dict, folder: str, lock: int, pool: cf.ThreadPoolExecutor) -> None:
-    pool.shutdown(wait=True)
-    for fd in fds.values():
+def _close(fds: dict, direct: dict, folder: str, lock: int, pool: cf.ThreadPoolExecutor) -> None:
+    # Without waiting: this may run from the garbage collector in any thread, one of the pool's own
+    # included (a join there never returns), and a collected store's pool has no work left to wait for
+    # (concurrent.futures joins idle workers at the interpreter's exit).
+    pool.shutdown(wait=False)
+    for fd in [*fds.values(), *direct.values()]:
         os.close(fd)
     fds.clear()
+    direct.clear()
     shutil.rmtree(folder, ignore_errors=True)
     try:
         os.close(lock)

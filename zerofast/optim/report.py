@@ -90,6 +90,7 @@ class OffloadReport:
     phase3_seconds: float  # the last step's phase 3 through the store
     delayed_update: bool = False  # OffloadPolicy(delayed_update=True): parameters one update behind
     delayed_bytes: int = 0  # host memory of the delayed update in flight: its gradient and parameter copies
+    direct_io: bool = False  # disk: the window's reads and writes bypass the page cache (O_DIRECT)
 
     @property
     def io_bandwidth(self) -> float:
@@ -131,6 +132,7 @@ def offload_report(shard) -> OffloadReport:
         phase3_seconds=stats.seconds,
         delayed_update=shard.plan.offload.delayed_update,
         delayed_bytes=shard.delayed_bytes,
+        direct_io=getattr(store, "direct_io", False),
     )
 
 

@@ -572,4 +572,5 @@ def _store(specs: list[StateSpec], shard: int, plan: Plan, device: torch.device)
         int(policy.window_mb * 2**20),
         policy.io_threads,
         plan.state_block if plan.quantized_state else 1,
+        policy.direct_io,
     )
