@@ -60,11 +60,11 @@ class Events:
             return [e for e in self.items if e["g"] == g and e["r"] == r and e["event"] == kind and e["at"] > after]
 
 
-def _launch(group, port, lighthouse, gates, stage, events, fault="none"):
+def _launch(group, port, lighthouse, gates, stage, events, fault="none", offload="none"):
     procs = [
         subprocess.Popen(
             [sys.executable, os.path.join(HERE, "jobs", "ft_job.py"), str(group), str(r), str(port), lighthouse, gates]
-            + [str(stage), str(STEPS), fault if r == 1 or fault == "relaunch" else "none"],
+            + [str(stage), str(STEPS), fault if r == 1 or fault == "relaunch" else "none", offload],
             cwd=ROOT,
             env=ENV,
             stdout=subprocess.PIPE,
@@ -77,8 +77,10 @@ def _launch(group, port, lighthouse, gates, stage, events, fault="none"):
     return procs
 
 
-@pytest.mark.parametrize("stage,loss", [(3, "sigkill"), (2, "exit_in_backward")])
-def test_a_lost_group_leaves_the_other_training_and_heals_when_relaunched(tmp_path, stage, loss):
+@pytest.mark.parametrize("stage,loss,offload", [(3, "sigkill", "none"), (2, "exit_in_backward", "disk")])
+def test_a_lost_group_leaves_the_other_training_and_heals_when_relaunched(tmp_path, stage, loss, offload):
+    """offload "disk": every rank's optimizer state in its own files (OffloadPolicy), which the healed
+    group receives its peer's state into."""
     gates = str(tmp_path)
     lighthouse = LighthouseServer(
         bind="[::]:0", min_replicas=1, join_timeout_ms=3000, quorum_tick_ms=50, heartbeat_timeout_ms=1000
@@ -87,8 +89,8 @@ def test_a_lost_group_leaves_the_other_training_and_heals_when_relaunched(tmp_pa
     try:
         addr = lighthouse.address()
         fault = f"exit_in_backward:{LOSE_AT}" if loss == "exit_in_backward" else "none"
-        g0 = _launch(0, free_port(), addr, gates, stage, events)
-        g1 = _launch(1, free_port(), addr, gates, stage, events, fault)
+        g0 = _launch(0, free_port(), addr, gates, stage, events, offload=offload)
+        g1 = _launch(1, free_port(), addr, gates, stage, events, fault, offload)
         procs += g0 + g1
         for g in (0, 1):
             for r in range(K):
@@ -104,7 +106,7 @@ def test_a_lost_group_leaves_the_other_training_and_heals_when_relaunched(tmp_pa
         alone = events.wait(lambda e: e["g"] == 0 and e["event"] == "commit" and e["participants"] == 1, "alone")
         print(f"lost -> the survivor's first step alone: {alone['at'] - t_lost:.2f} s")
         t_relaunch = time.time()
-        g1b = _launch(1, free_port(), addr, gates, stage, events, "relaunch")
+        g1b = _launch(1, free_port(), addr, gates, stage, events, "relaunch", offload)
         procs += g1b
         for r in range(K):
             events.wait(lambda e, r=r: (e["g"], e["r"], e["event"]) == (0, r, "parked"), "group 0 parked")

@@ -37,7 +37,9 @@ K = 2  # ranks per replica group
 RELAUNCH_AT = 5  # group 0 waits for the relaunched group before this step (or the first after it trained alone)
 
 
-def main(group: int, rank: int, port: int, lighthouse: str, gates: str, stage: int, steps: int, fault: str) -> None:
+def main(
+    group: int, rank: int, port: int, lighthouse: str, gates: str, stage: int, steps: int, fault: str, offload: str
+) -> None:
     def log(event, **kw):
         print(json.dumps({"g": group, "r": rank, "event": event, "at": time.time(), **kw}), flush=True)
 
@@ -54,7 +56,9 @@ def main(group: int, rank: int, port: int, lighthouse: str, gates: str, stage: i
     log("started", pid=os.getpid())
     gate("start" if fault != "relaunch" else "rejoin")
     model = make_gpt("tiny")
-    opt = ZeroAdam(model, stage=stage, process_group=replicas, **HYPER)
+    # offload "disk": the state in files of this rank's own (a healed group receives it into them)
+    where = f"disk:{os.path.join(gates, f'state-g{group}-r{rank}')}" if offload == "disk" else None
+    opt = ZeroAdam(model, stage=stage, process_group=replicas, offload=where, **HYPER)
     opt.zero_grad()  # the first quorum: a relaunched group heals here (the loop's first zero_grad is then a no-op)
     log("built", step=replicas.step, where=opt.checkpoint_view.steps_taken())
     exit_at = int(fault.split(":")[1]) if fault.startswith("exit_in_backward:") else None
@@ -96,4 +100,14 @@ def main(group: int, rank: int, port: int, lighthouse: str, gates: str, stage: i
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    main(int(a[0]), int(a[1]), int(a[2]), a[3], a[4], int(a[5]), int(a[6]), a[7] if len(a) > 7 else "none")
+    main(
+        int(a[0]),
+        int(a[1]),
+        int(a[2]),
+        a[3],
+        a[4],
+        int(a[5]),
+        int(a[6]),
+        a[7] if len(a) > 7 else "none",
+        a[8] if len(a) > 8 else "none",
+    )
