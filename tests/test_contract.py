@@ -123,14 +123,15 @@ def test_estimator_command_line(capsys):
         assert "--params" in capsys.readouterr().err, bad
 
 
-def test_zero_adam_takes_at_most_twelve_keywords_and_the_policies():
+def test_zero_adam_takes_at_most_thirteen_keywords_and_the_policies():
     """The options most people set are plain keywords; the rest travel in the policies (hybrid
-    sharding's shard_size in CommPolicy; its DeviceMesh form as process_group)."""
+    sharding's shard_size in CommPolicy; its DeviceMesh form as process_group). The 13th is offload
+    (an OffloadPolicy, or its shortcuts), which issue #42 allowed."""
     import inspect
 
     params = inspect.signature(ZeroAdam.__init__).parameters
     named = [n for n, p in params.items() if n not in ("self", "model") and p.kind is not p.VAR_KEYWORD]
-    assert len(named) <= 12, named
+    assert len(named) <= 13, named
     assert {
         "stage",
         "lr",
@@ -143,6 +144,7 @@ def test_zero_adam_takes_at_most_twelve_keywords_and_the_policies():
         "units",
         "comm",
         "process_group",
+        "offload",
     } <= set(named)
 
 

@@ -102,7 +102,7 @@ def test_gpu_check_dry_run_goes_through_every_step(tmp_path):
     # Collection found the CUDA tests of each named file (not an empty selection).
     for name, files in (
         ("kernel-tests", ["tests/test_fused_adam.py", "tests/test_quant_state.py"]),
-        ("engine-tests", ["tests/test_cuda_engine.py"]),
+        ("engine-tests", ["tests/test_cuda_engine.py", "tests/test_cuda_offload.py"]),
         ("rank-tests", ["tests/test_cuda_ranks.py"]),
     ):
         counts = rows[name][1].split(", ")
