@@ -135,7 +135,8 @@ def _bitwise_cases(rank, world, root, cases):
     out = {}
     for case in cases:
         _, stage, precision, bits, clip, comm = case
-        (a, oa), (b, ob) = _pair(stage, precision, bits, clip, OffloadPolicy("disk", root, window_mb=WINDOW_MB), **comm)
+        disk = OffloadPolicy("disk", root, window_mb=WINDOW_MB, direct_io=True)  # the page cache: below
+        (a, oa), (b, ob) = _pair(stage, precision, bits, clip, disk, **comm)
         for model, opt in ((a, oa), (b, ob)):
             _train(model, opt, rank, 0, STEPS)
         report = ob.report()
@@ -186,7 +187,7 @@ def _through_the_page_cache(rank, world, roots):
 
 
 def test_without_direct_io_the_step_is_the_same(root):
-    """direct_io=False reads and writes through the page cache: the same state, bitwise."""
+    """direct_io=False (the default) reads and writes through the page cache: the same state, bitwise."""
     out = run_ranks(_through_the_page_cache, 1, args=([(root, False)],))[0]
     assert out == [([], False)], out
 

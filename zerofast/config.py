@@ -268,7 +268,8 @@ class OffloadPolicy:
     io_threads: "disk": threads reading and writing the files.
     pin_memory: "host" on a GPU: the state in page-locked memory (so its copies run asynchronously).
     direct_io: "disk": read and write the moments and the master with O_DIRECT where the filesystem
-      allows it (not tmpfs), bypassing the page cache; False: always through the page cache.
+      allows it, bypassing the page cache (True); through the page cache (False, the default: faster
+      in every case measured, the large state's cold reads included: docs/benchmarks.md#offload).
     delayed_update: ZeRO-Offload's one-step-delayed update (DPU), a different algorithm, never the
       default: step t's update runs on a thread while step t+1's forward and backward run, so each
       gradient is computed with parameters one update behind (AdamW applied one step late: [Note:
@@ -283,7 +284,7 @@ class OffloadPolicy:
     window_mb: float = 64.0
     io_threads: int = 2
     pin_memory: bool = True
-    direct_io: bool = True
+    direct_io: bool = False
     delayed_update: bool = False
 
     def __post_init__(self):

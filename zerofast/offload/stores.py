@@ -189,7 +189,7 @@ class DiskState:
         window_bytes: int,
         io_threads: int,
         align: int,
-        direct_io: bool = True,
+        direct_io: bool = False,
     ):
         self.empty = {s.name: torch.zeros(0, dtype=s.dtype) for s in specs if not s.numel}
         self.specs, self.shard, self.root = [s for s in specs if s.numel], shard, root
