@@ -295,7 +295,7 @@ class DiskState:
         chunk k+1 read, chunk k stepped, chunk k-1 written, at once. Raises OffloadError (after every
         I/O in flight ended) if a read or write failed; generation g is untouched either way."""
         start = time.perf_counter()
-        self.stats = stats = OffloadStats()
+        stats = OffloadStats()  # the last step's stay in self.stats until this one ends (delayed: on a thread)
         chunks = [(lo, min(lo + self.chunk, self.shard)) for lo in range(0, self.shard, self.chunk)]
         work: list[list[Segment]] = [[] for _ in chunks]
         for lo, hi, payload in segments:
@@ -348,6 +348,7 @@ class DiskState:
             raise
         finally:
             stats.seconds = time.perf_counter() - start
+            self.stats = stats
 
     def _read(self, g: int, s: StateSpec, buf: torch.Tensor, lo: int, hi: int, k: int) -> int:
         return self._io("read", g, s, buf, lo, hi, k)
