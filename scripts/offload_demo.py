@@ -20,9 +20,9 @@ own half GiB. One fixed batch per rank, so the loss falls within a few steps.
 Printed: each step's loss and time (and phase 3's, the pass over the files), the state's bytes on
 disk (one generation, and both: the files' total, as the report gives it and as the filesystem
 holds it), the process's peak resident memory (VmHWM from /proc/self/status): the whole run's, and
-the training's alone (VmHWM restarted through /proc/self/clear_refs once ZeroAdam is built, since
-building it holds the model's parameters, their flat copy and the gradient shard at once), and the
-ratios of the state on disk to both. The process asks glibc to serve blocks of 1 MiB and more by
+the training's alone (VmHWM restarted through /proc/self/clear_refs once ZeroAdam is built; at
+stage 2 building holds no more than training: a parameter's own storage is freed as it moves into
+the flat buffers, and the gradient shard is allocated after that), and the ratios of the state on disk to both. The process asks glibc to serve blocks of 1 MiB and more by
 mmap (--mmap-threshold-mb; see mmap_threshold()), so that what backward frees goes back to the
 system. With --compare, after those figures are taken, the same model is trained again with its
 state in memory and the losses are compared (they are bitwise the same: the offloaded step runs the

@@ -9,6 +9,7 @@ See [Note: offload schedule] and [Note: the all-or-none offloaded step] in __ini
 from __future__ import annotations
 
 import concurrent.futures as cf
+import ctypes
 import fcntl
 import math
 import mmap
@@ -270,8 +271,8 @@ class DiskState:
         """Write `values` (flat, this kind's dtype) at element `offset` of the live generation, through
         the files rather than the mapping (so the pages do not stay resident)."""
         s = next(s for s in self.specs if s.name == name)
-        buf = values.detach().to("cpu", s.dtype).contiguous()
-        view, done = memoryview(buf.view(torch.uint8).numpy()).cast("B"), 0
+        buf = values.detach().to("cpu", s.dtype).contiguous()  # may be the caller's own storage
+        view, done = _bytes_of(buf, buf.numel() * s.dtype.itemsize), 0
         while done < len(view):
             done += os.pwrite(self._fds[(self.gen, name)], view[done:], offset * s.dtype.itemsize + done)
 
@@ -364,7 +365,7 @@ class DiskState:
             fd = self._fds[(g, s.name)]
         else:  # whole pages: the last chunk's tail reads and writes the file's padding
             nbytes = _round_up(nbytes, PAGE)
-        view = memoryview(buf.view(torch.uint8)[:nbytes].numpy()).cast("B")
+        view = _bytes_of(buf, nbytes)
         offset, done = r.start * s.dtype.itemsize, 0
         try:
             if kind == "write" and self.fail_write is not None:
@@ -387,6 +388,14 @@ class DiskState:
     def close(self) -> None:
         """Close the files, remove the folder and stop the I/O threads (idempotent)."""
         self._finalizer()
+
+
+def _bytes_of(t: torch.Tensor, nbytes: int) -> memoryview:
+    """The first `nbytes` of a contiguous CPU tensor's memory, for os.pwrite/preadv; valid while `t`
+    lives. Not through numpy(): that marks the storage not resizable for good, and stage 3 releases
+    (resizes to 0) the parameter buffers a master is first written from."""
+    assert t.is_contiguous() and t.device.type == "cpu" and nbytes <= t.numel() * t.element_size()
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
 
 
 def _preallocate(fd: int, nbytes: int) -> None:

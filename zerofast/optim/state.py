@@ -54,12 +54,6 @@ class ShardState:
         mixed = plan.separate_master
         shard = layout.shard_numel(rank)
         self.param_buffers = [torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buckets]
-        # Stage 1 with gradient views: the full gradients, one flat bucket each, reduced in place.
-        self.grad_buckets = (
-            [torch.zeros(b.numel, dtype=reduce_dtype, device=device) for b in layout.buckets] if grad_views else []
-        )
-        # 1D, this rank's reduced gradients (empty with grad_views: they stay in grad_buckets).
-        self.grad_shard = torch.zeros(0 if grad_views else shard, dtype=reduce_dtype, device=device)
         # Stage 3's parameter shard, in the parameters' dtype, which the next forward gathers
         # (stages 1 and 2 update the owned range of the parameter buffers in place instead).
         self.param_shard = torch.zeros(shard if plan.params_sharded else 0, dtype=dtype, device=device)
@@ -87,15 +81,30 @@ class ShardState:
         self._delayed: _Delayed | None = None  # the delayed update in flight ([Note: the delayed update])
         self.pieces: list[Piece] = layout.pieces(rank)
         self.steps = [0] * len(params)  # per parameter, as torch.optim keeps it
-        originals = [p.detach() for p in params]
+        # The master starts from the values as given: a parameter already in the buffers' dtype is
+        # read back from its slot, so that its own storage is freed as it is rebound (building holds
+        # the model's parameters once, not twice); one in another dtype (fp32 given, bf16 buffers)
+        # is kept until its master is written.
+        originals = [p.detach() if self.master_apart and p.dtype != dtype else None for p in params]
         bind_views(params, layout, self.param_buffers)
         with torch.no_grad():
             for pc in self.pieces if self.master_apart else []:
-                src = originals[pc.param].reshape(-1)[pc.param_offset : pc.param_offset + pc.numel]
+                if originals[pc.param] is None:
+                    src = self.param_buffers[pc.bucket].narrow(0, pc.bucket_offset, pc.numel)
+                else:
+                    src = originals[pc.param].reshape(-1)[pc.param_offset : pc.param_offset + pc.numel]
                 if isinstance(self.store, DiskState):  # through the files: no page of the state stays resident
                     self.store.write("master", pc.state_offset, src)
                 else:
                     self.master[pc.state_offset : pc.state_offset + pc.numel].copy_(src)
+        del originals
+        # The gradient buffers come last, once the parameters' own storage is freed (above).
+        # Stage 1 with gradient views: the full gradients, one flat bucket each, reduced in place.
+        self.grad_buckets = (
+            [torch.zeros(b.numel, dtype=reduce_dtype, device=device) for b in layout.buckets] if grad_views else []
+        )
+        # 1D, this rank's reduced gradients (empty with grad_views: they stay in grad_buckets).
+        self.grad_shard = torch.zeros(0 if grad_views else shard, dtype=reduce_dtype, device=device)
 
     # --- phase 3 --------------------------------------------------------------------------------
 
