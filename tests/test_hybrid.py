@@ -26,7 +26,7 @@ from probes import full_master
 from tolerances import HYPER, fp32_tol, max_abs_diff, norm_rel_tol
 from training import rank_batch, zero_options
 
-from zerofast import CommPolicy, ZeroAdam
+from zerofast import CommPolicy, ZeroAdam, shard_frozen
 from zerofast import checkpoint as ck
 from zerofast.optim.grads import AgreementLayout
 
@@ -289,11 +289,26 @@ def _mesh_and_errors(rank, world):
             comm=CommPolicy(shard_size=2),
         ),
         lambda: dict(process_group="2x2"),
+        lambda: dict(process_group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))),
     ):
         try:
             ZeroAdam(Nested(), stage=2, **options())
             errors.append(None)
         except (ValueError, TypeError) as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    # A tensor-parallel model (DTensor parameters): named before any collective, by ZeroAdam and
+    # shard_frozen alike (issue #43 builds the support).
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for build in (lambda m: ZeroAdam(m, stage=2, **HYPER), shard_frozen):
+        tp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+        parallelize_module(
+            tp, init_device_mesh("cpu", (4,), mesh_dim_names=("tp",)), {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        )
+        try:
+            build(tp)
+            errors.append(None)
+        except ValueError as e:
             errors.append(f"{type(e).__name__}: {e}")
     dist.barrier()
     return out, errors, subgroup_stats
@@ -322,7 +337,11 @@ def test_a_mesh_equals_shard_size_and_bad_input_is_named_on_every_rank():
         "a DeviceMesh as process_group must be 2-D with mesh_dim_names=('replicate', 'shard')",
         "pass it without CommPolicy.shard_size (got shard_size=2)",
         "TypeError: ZeroAdam: process_group must be a torch.distributed ProcessGroup, a 2-D DeviceMesh",
+        "mesh_dim_names=('dp', 'tp'); a tensor-parallel dimension ('tp') is not supported yet",
+        "ZeroAdam: parameter '0.weight' is a DTensor (placements (Shard(dim=0),) on a 1-D DeviceMesh",
+        "shard_frozen: parameter '0.weight' is a DTensor (placements (Shard(dim=0),)",
     ]
+    assert all(len(errors) == len(expected) for _, errors, _ in results)
     for _, errors, _ in results:  # every rank raises the same error
         for got, want in zip(errors, expected):
             assert got is not None and want in got, (got, want)

@@ -5,13 +5,41 @@ with rank 0's values (broadcast), and in low precision the model converted and i
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from .topology import broadcast_from_rank0
 
-__all__ = ["join_ranks", "check_same_across_ranks", "in_precision", "cast_unmanaged", "InputCast"]
+__all__ = [
+    "check_plain_parameters",
+    "join_ranks",
+    "check_same_across_ranks",
+    "in_precision",
+    "cast_unmanaged",
+    "InputCast",
+]
+
+
+def check_plain_parameters(model: nn.Module, who: str) -> None:
+    """Every parameter a plain tensor: a DTensor parameter (tensor parallelism, parallelize_module)
+    is a named error before any collective, on every rank alike (each rank holds the same kind of
+    model), instead of a failure deep in the first broadcast. DTensor is looked up only where its
+    module was imported (importing it costs about a second): no DTensor exists otherwise."""
+    tensor = sys.modules.get("torch.distributed.tensor")
+    if tensor is None:
+        return
+    for name, p in model.named_parameters():
+        if isinstance(p, tensor.DTensor):
+            mesh = p.device_mesh
+            raise ValueError(
+                f"{who}: parameter {name!r} is a DTensor (placements {tuple(p.placements)} on a "
+                f"{mesh.ndim}-D DeviceMesh with mesh_dim_names={mesh.mesh_dim_names}); zerofast shards plain "
+                f"tensors across data-parallel ranks and does not yet take tensor-parallel models "
+                f"(parallelize_module's DTensor parameters, issue #43); the model without parallelize_module trains as usual"
+            )
 
 
 def join_ranks(model: nn.Module, group: dist.ProcessGroup, who: str) -> None:

@@ -190,6 +190,11 @@ def mesh_groups(mesh, who: str = "ZeroAdam") -> tuple[int, int]:
             f"{who}: a DeviceMesh as process_group must be 2-D with mesh_dim_names=('replicate', 'shard') (replicate across the "
             f"outer dim, shard within the inner one, as FSDP2's HSDP); got a {mesh.ndim}-D mesh of shape "
             f"{tuple(mesh.shape)} with mesh_dim_names={mesh.mesh_dim_names}"
+            + (
+                "; a tensor-parallel dimension ('tp') is not supported yet"
+                if "tp" in (mesh.mesh_dim_names or ())
+                else ""
+            )
         )
     return mesh.size(0), mesh.size(1)
 

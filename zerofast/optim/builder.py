@@ -25,7 +25,7 @@ from ..checkpoint.view import CheckpointView, Facts, ScalerState, ShardedPart
 from ..comm import BucketComm
 from ..config import Plan
 from ..layout import Layout
-from ..model_setup import in_precision, join_ranks
+from ..model_setup import check_plain_parameters, in_precision, join_ranks
 from ..offload import OffloadError
 from ..stage3.frozen import FrozenShard, frozen_part
 from ..stage3.module import ShardedModule
@@ -184,6 +184,7 @@ def trainable_params(model: nn.Module, who: str) -> list[tuple[str, nn.Parameter
     """The model's trainable (name, parameter) pairs, in model order (a tied parameter once)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"{who}: model must be an nn.Module; got {type(model).__name__}")
+    check_plain_parameters(model, who)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError(f"{who}: the model has no trainable parameters")

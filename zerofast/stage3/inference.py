@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..config import precision_policy, unit_policy
-from ..model_setup import in_precision, join_ranks
+from ..model_setup import check_plain_parameters, in_precision, join_ranks
 from ..topology import ReplicaSource, check_process_group, data_parallel_group, second_group
 from .frozen import FrozenShard, frozen_part, inference_plan
 from .module import ShardedModule
@@ -93,6 +93,7 @@ def shard_frozen(
         raise ValueError(
             f"{WHO}: this {type(model).__name__} is sharded already (shard_frozen was called on it before)"
         )
+    check_plain_parameters(model, WHO)
     if isinstance(process_group, ReplicaSource):
         raise TypeError(
             f"{WHO}: process_group must be a ProcessGroup, a DeviceMesh or None; got {type(process_group).__name__} "
