@@ -658,3 +658,132 @@ def test_offload_window_sweep(benchmark, record_ratios):
     record_ratios(
         f"offload: window, threads and direct I/O, {results[0][3] / 2e9:.2f} GB per generation, one process", lines
     )
+
+
+# --- host offload from a GPU (the GPU check) --------------------------------------------------------
+
+# What the GPU check runs: one rank on cuda:0 (gloo world 1), a GPT of HOST_LAYERS blocks of width
+# 1024 (12.6M parameters each; ZEROFAST_BENCH_OFFLOAD_HOST_LAYERS, default 16: 201M parameters),
+# bf16 mixed precision, batch 4 x 256.
+HOST_LAYERS = int(os.environ.get("ZEROFAST_BENCH_OFFLOAD_HOST_LAYERS", 16))
+HOST_CASES = [
+    "device",  # ZeroAdam, the state on the GPU
+    "host",  # ZeroAdam, OffloadPolicy("host"): the state in pinned host memory, the fused CPU kernel
+    "torch-cpu",  # FSDP2's CPU offload's step: fp32 params on the CPU, torch.optim.AdamW (its CPU default)
+    "torch-cpu-fused",  # the same with AdamW(fused=True)
+]
+HOST_ROUNDS, HOST_STEPS = 4, 2
+
+
+def build_host(case, device, rank, world):
+    """One rank: `case` on `device` ("cuda" in the GPU check; "cpu" runs the same code for a look on a
+    machine without one). A step is forward + backward + the optimizer; info() gives every step's
+    optimizer seconds (opt.step(); torch-cpu: the gradients' copy to the host, AdamW's step and the
+    parameters' copy back, what FSDP2's CPU offload does) and the offload's phase 3."""
+    import torch
+
+    from zerofast import ZeroAdam
+    from zerofast.tools.models import make_gpt, random_batch
+
+    torch.set_num_threads(os.cpu_count() or 1)  # the CPU steps (both kinds) get the machine's cores
+    model = make_gpt("small", n_embd=LARGE_EMBD, n_head=16, n_layer=HOST_LAYERS, block_size=256).to(device)
+    records = []
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    if case in ("device", "host"):
+        opt = ZeroAdam(model, stage=2, mixed_precision="bf16", offload=case if case == "host" else None, **HYPER)
+
+        def update():
+            opt.step()
+            opt.zero_grad()
+
+        def offload_info():
+            off = opt.report().offload
+            return {"phase3": off.phase3_seconds} if off is not None else {}
+    else:
+        # The fp32 master on the CPU (as FSDP2's CPUOffloadPolicy keeps the sharded parameters), the
+        # model computing in bf16 on the device.
+        master = [p.detach().to("cpu", torch.float32).requires_grad_() for p in model.parameters()]
+        model.to(torch.bfloat16)
+        opt = torch.optim.AdamW(master, fused=case == "torch-cpu-fused", **HYPER)
+
+        def update():
+            for m, p in zip(master, model.parameters()):
+                m.grad = p.grad.to("cpu", torch.float32)
+                p.grad = None
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                for m, p in zip(master, model.parameters()):
+                    p.copy_(m)
+
+        def offload_info():
+            return {}
+
+    def step():
+        x, y = random_batch(model.cfg, 4, 256, seed=len(records))
+        _, loss = model(x.to(device), y.to(device))
+        loss.backward()
+        sync()
+        t = time.perf_counter()
+        update()
+        sync()
+        records.append({"step": time.perf_counter() - t, **offload_info()})
+
+    step.info = lambda: records
+    return step
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU (the GPU check runs it)")
+def test_offload_host_from_gpu(benchmark, record_ratios):
+    pools = {}
+
+    def run():
+        for case in HOST_CASES:
+            pools[case] = RankPool(functools.partial(build_host, case, "cuda"), world=1, timeout=900)
+        for pool in pools.values():
+            pool.step()  # warm-up: the buckets, the kernels
+        times = {case: [] for case in pools}
+        order = list(pools)
+        for _ in range(HOST_ROUNDS):
+            for case in order:
+                for _ in range(HOST_STEPS):
+                    t = time.perf_counter()
+                    pools[case].step()
+                    times[case].append(time.perf_counter() - t)
+            order.append(order.pop(0))
+        return times, {case: pool.info()[0][1:] for case, pool in pools.items()}
+
+    try:
+        times, records = benchmark.pedantic(run, rounds=1, iterations=1)
+    finally:
+        for pool in pools.values():
+            pool.close()
+    params = 12 * LARGE_EMBD**2 * HOST_LAYERS
+    lines = [f"{'case':18s} {'step ms':>8s} {'x device':>8s} {'optimizer ms':>12s} {'x host':>7s} {'phase 3 ms':>10s}"]
+    step = {case: statistics.median(ts) for case, ts in times.items()}
+    optim = {case: _median(rec, "step") for case, rec in records.items()}
+    for case in times:
+        phase3 = _median(records[case], "phase3")
+        lines.append(
+            f"{case:18s} {1e3 * step[case]:8.1f} {step[case] / step['device']:7.2f}x {1e3 * optim[case]:12.1f} "
+            f"{optim[case] / optim['host']:6.2f}x {1e3 * phase3 if phase3 else 0:10.1f}"
+        )
+    lines.append(
+        f"one rank on cuda:0, GPT {params / 1e6:.0f}M params (~{HOST_LAYERS} blocks x 1024), bf16, batch 4 x 256; "
+        f"medians over {HOST_ROUNDS} rounds x {HOST_STEPS} steps; optimizer: the update alone (torch-cpu: "
+        "gradients to the host, AdamW on the CPU, parameters back)"
+    )
+    record_ratios(
+        "offload: host from a GPU (ZeroAdam's host offload against the state on the GPU and torch on the CPU)", lines
+    )
+    benchmark.extra_info.update({f"{case} ms": 1e3 * m for case, m in step.items()})

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared run on a GPU machine with no network and a preinstalled CUDA torch (Python 3.12,
 # pytest, ninja; numpy and pytest-benchmark used where present; no .venv needed): preflight, build,
-# the named CUDA test files each under a timeout, the fused-Adam benchmark, compute-sanitizer's
+# the named CUDA test files each under a timeout, the fused-Adam and host-offload benchmarks, compute-sanitizer's
 # memcheck over the kernel tests if time remains, and a summary table. Fits 8 minutes on one H200
 # (GPU_CHECK_BUDGET_S).
 #
@@ -44,7 +44,7 @@ ENGINE_TESTS="tests/test_cuda_engine.py tests/test_cuda_offload.py" # the engine
 RANK_TESTS="tests/test_cuda_ranks.py"
 
 # Steps that only measure or look further: running out of time there is reported, not a failure.
-OPTIONAL_STEPS=" profile benchmark memcheck "
+OPTIONAL_STEPS=" profile benchmark offload-benchmark memcheck "
 
 # The one skip a run on one GPU may show: the two-GPU test of RANK_TESTS,
 # test_stage3_reduces_and_gathers_on_two_gpus_neither_hang_nor_drift. pytest's -rs summary names a
@@ -357,6 +357,18 @@ benchmark_steps() {
     record benchmark SKIP 0 "$(left) s left"
   else
     step benchmark 90 "$PY" "${bench_args[@]}" && grep -A10 "zerofast summary" "$LOGDIR/benchmark.log"
+  fi
+
+  echo "== host offload benchmark (ZeroAdam's state in pinned host memory against it on the GPU and torch's AdamW on the CPU)"
+  local offload_args=(-m pytest -q -p no:cacheprovider benchmarks/bench_offload.py -k host_from_gpu --benchmark-only)
+  if [ $HAVE_BENCH -eq 0 ]; then
+    record offload-benchmark SKIP 0 "pytest-benchmark absent"
+  elif [ $DRY -eq 1 ]; then
+    step offload-benchmark-args 120 "$PY" "${offload_args[@]}" --collect-only
+  elif [ "$(left)" -lt 120 ]; then
+    record offload-benchmark SKIP 0 "$(left) s left"
+  else
+    step offload-benchmark 150 "$PY" "${offload_args[@]}" && grep -A8 "host from a GPU" "$LOGDIR/offload-benchmark.log"
   fi
 
   echo "== compute-sanitizer memcheck over the kernel tests"

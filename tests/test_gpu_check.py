@@ -99,6 +99,7 @@ def test_gpu_check_dry_run_goes_through_every_step(tmp_path):
         log = tmp_path / "logs" / (name + ".log")
         assert rows[name][0] == "PASS", f"{name}:\n{summary}\n{log.read_text() if log.exists() else ''}"
     assert "memcheck" in rows and ("benchmark-args" in rows or rows["benchmark"][0] == "SKIP"), summary
+    assert "offload-benchmark-args" in rows or rows["offload-benchmark"][0] == "SKIP", summary
     # Collection found the CUDA tests of each named file (not an empty selection).
     for name, files in (
         ("kernel-tests", ["tests/test_fused_adam.py", "tests/test_quant_state.py"]),
