@@ -289,15 +289,15 @@ def _mesh_and_errors(rank, world):
             comm=CommPolicy(shard_size=2),
         ),
         lambda: dict(process_group="2x2"),
-        lambda: dict(process_group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))),
+        lambda: dict(process_group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))),
     ):
         try:
             ZeroAdam(Nested(), stage=2, **options())
             errors.append(None)
         except (ValueError, TypeError) as e:
             errors.append(f"{type(e).__name__}: {e}")
-    # A tensor-parallel model (DTensor parameters): named before any collective, by ZeroAdam and
-    # shard_frozen alike (issue #43 builds the support).
+    # A tensor-parallel model (DTensor parameters) without a mesh that names its "tp" dim: named
+    # before any collective, by ZeroAdam and shard_frozen alike (tests/test_tensor_parallel.py: with one).
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     for build in (lambda m: ZeroAdam(m, stage=2, **HYPER), shard_frozen):
@@ -333,11 +333,12 @@ def test_a_mesh_equals_shard_size_and_bad_input_is_named_on_every_rank():
         "shard_size must be None or an integer >= 1; got 0",
         "shard_size=8 must divide the number of ranks, 4",
         "shard_size must be None or an integer >= 1; got 2.0",
-        "a DeviceMesh as process_group must be 2-D with mesh_dim_names=('replicate', 'shard')",
-        "a DeviceMesh as process_group must be 2-D with mesh_dim_names=('replicate', 'shard')",
+        "a DeviceMesh as process_group must have mesh_dim_names ('replicate', 'shard') (hybrid sharding",
+        "a 2-D mesh of shape (2, 2) with mesh_dim_names=('shard', 'replicate')",
         "pass it without CommPolicy.shard_size (got shard_size=2)",
         "TypeError: ZeroAdam: process_group must be a torch.distributed ProcessGroup, a 2-D DeviceMesh",
-        "mesh_dim_names=('dp', 'tp'); a tensor-parallel dimension ('tp') is not supported yet",
+        "('dp', 'tp') or ('replicate', 'dp', 'tp') (tensor parallelism; 'shard' may stand for 'dp'); got a 2-D "
+        "mesh of shape (2, 2) with mesh_dim_names=('tp', 'dp')",
         "ZeroAdam: parameter '0.weight' is a DTensor (placements (Shard(dim=0),) on a 1-D DeviceMesh",
         "shard_frozen: parameter '0.weight' is a DTensor (placements (Shard(dim=0),)",
     ]

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .tensor_parallel import is_dtensor, set_local
 from .topology import broadcast_from_rank0
 
 __all__ = [
@@ -23,29 +24,36 @@ __all__ = [
 ]
 
 
-def check_plain_parameters(model: nn.Module, who: str) -> None:
-    """Every parameter a plain tensor: a DTensor parameter (tensor parallelism, parallelize_module)
-    is a named error before any collective, on every rank alike (each rank holds the same kind of
-    model), instead of a failure deep in the first broadcast. DTensor is looked up only where its
-    module was imported (importing it costs about a second): no DTensor exists otherwise."""
+def check_plain_parameters(model: nn.Module, who: str, tensor_parallel: bool = False) -> None:
+    """Every parameter a plain tensor, unless tensor_parallel (a process_group mesh with a "tp" dim:
+    [Note: tensor parallelism] in zerofast/tensor_parallel.py): a DTensor parameter otherwise is a
+    named error before any collective, on every rank alike (each rank holds the same kind of model),
+    instead of a failure deep in the first broadcast. DTensor is looked up only where its module was
+    imported (importing it costs about a second): no DTensor exists otherwise."""
     tensor = sys.modules.get("torch.distributed.tensor")
-    if tensor is None:
+    if tensor is None or tensor_parallel:
         return
     for name, p in model.named_parameters():
         if isinstance(p, tensor.DTensor):
             mesh = p.device_mesh
+            how = (
+                "ZeroAdam takes it with process_group=a DeviceMesh whose mesh_dim_names are ('dp', 'tp') or "
+                "('replicate', 'dp', 'tp'), the model parallelized over mesh['tp']"
+                if who == "ZeroAdam"
+                else f"{who} does not take tensor-parallel models (parallelize_module's DTensor parameters)"
+                + (": Newton-Schulz runs on whole matrices" if who == "ZeroMuon" else "")
+            )
             raise ValueError(
                 f"{who}: parameter {name!r} is a DTensor (placements {tuple(p.placements)} on a "
-                f"{mesh.ndim}-D DeviceMesh with mesh_dim_names={mesh.mesh_dim_names}); zerofast shards plain "
-                f"tensors across data-parallel ranks and does not yet take tensor-parallel models "
-                f"(parallelize_module's DTensor parameters, issue #43); the model without parallelize_module trains as usual"
+                f"{mesh.ndim}-D DeviceMesh with mesh_dim_names={mesh.mesh_dim_names}); {how}"
             )
 
 
-def join_ranks(model: nn.Module, group: dist.ProcessGroup, who: str) -> None:
-    """The same model on every rank of `group`, with rank 0's values. Collective."""
+def join_ranks(model: nn.Module, group: dist.ProcessGroup, who: str, tp_group=None) -> None:
+    """The same model on every rank of `group`, with rank 0's values (with tensor parallelism: global
+    rank 0's, broadcast_from_rank0). Collective."""
     check_same_across_ranks(model, group, who)
-    broadcast_from_rank0(model, group)
+    broadcast_from_rank0(model, group, tp_group)
 
 
 def check_same_across_ranks(model: nn.Module, group, who: str = "ZeroAdam") -> None:
@@ -93,7 +101,7 @@ def cast_unmanaged(model: nn.Module, dtype: torch.dtype) -> None:
     with torch.no_grad():
         for p in model.parameters():
             if not p.requires_grad and p.is_floating_point():
-                p.data = p.data.to(dtype)
+                set_local(p, (p._local_tensor if is_dtensor(p) else p.data).to(dtype))
         for mod in model.modules():
             for name, buf in mod.named_buffers(recurse=False):
                 if buf.is_floating_point():

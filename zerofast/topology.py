@@ -137,6 +137,10 @@ class Topology:
     replicas: int
     # How the replicas take each step together: fixed (the default), or plugged in by the caller.
     replication: Replication = None  # type: ignore[assignment]  # None: StaticReplication(replicas)
+    # Tensor parallelism: the ranks that hold the other parts of this rank's DTensor parameters, with
+    # the same data ([Note: tensor parallelism] in zerofast/tensor_parallel.py); None: none.
+    tp_group: dist.ProcessGroup | None = None
+    tp_size: int = 1
 
     def __post_init__(self):
         if self.replication is None:
@@ -179,24 +183,53 @@ def _global(group: dist.ProcessGroup, r: int) -> int:
     return r if group is dist.group.WORLD else dist.get_global_rank(group, r)
 
 
-def mesh_groups(mesh, who: str = "ZeroAdam") -> tuple[int, int]:
-    """A DeviceMesh as ZeroAdam takes it: 2-D, dims named ("replicate", "shard"). Returns its (replicas, shard size)."""
+# The meshes ZeroAdam takes as process_group, by mesh_dim_names: hybrid sharding's (FSDP2's HSDP), and
+# with tensor parallelism the data-parallel dims beside a "tp" dim ([Note: tensor parallelism] in
+# zerofast/tensor_parallel.py). "dp" and "shard" name the same thing: the ranks that shard the state.
+MESH_LAYOUTS = (
+    ("replicate", "shard"),
+    ("dp", "tp"),
+    ("shard", "tp"),
+    ("replicate", "dp", "tp"),
+    ("replicate", "shard", "tp"),
+)
+
+
+@dataclass(frozen=True)
+class MeshDims:
+    """A DeviceMesh's dims as ZeroAdam reads them: which name replicates (None: none), which shards,
+    which is tensor parallel (None: none)."""
+
+    replicate: str | None
+    shard: str
+    tp: str | None
+
+
+def mesh_dims(mesh, who: str = "ZeroAdam") -> MeshDims:
+    """A DeviceMesh as ZeroAdam takes it (MESH_LAYOUTS), or an error naming the mesh it got."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"{who}: the mesh must be a torch.distributed.device_mesh.DeviceMesh; got {type(mesh).__name__}"
         )
-    if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != ("replicate", "shard"):
+    names = tuple(mesh.mesh_dim_names or ())
+    if names not in MESH_LAYOUTS:
         raise ValueError(
-            f"{who}: a DeviceMesh as process_group must be 2-D with mesh_dim_names=('replicate', 'shard') (replicate across the "
-            f"outer dim, shard within the inner one, as FSDP2's HSDP); got a {mesh.ndim}-D mesh of shape "
-            f"{tuple(mesh.shape)} with mesh_dim_names={mesh.mesh_dim_names}"
-            + (
-                "; a tensor-parallel dimension ('tp') is not supported yet"
-                if "tp" in (mesh.mesh_dim_names or ())
-                else ""
-            )
+            f"{who}: a DeviceMesh as process_group must have mesh_dim_names ('replicate', 'shard') (hybrid "
+            f"sharding, as FSDP2's HSDP), ('dp', 'tp') or ('replicate', 'dp', 'tp') (tensor parallelism; "
+            f"'shard' may stand for 'dp'); got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)} with "
+            f"mesh_dim_names={mesh.mesh_dim_names}"
         )
-    return mesh.size(0), mesh.size(1)
+    replicate = "replicate" if names[0] == "replicate" else None
+    return MeshDims(replicate, "shard" if "shard" in names else "dp", "tp" if "tp" in names else None)
+
+
+def mesh_groups(mesh, who: str = "ZeroAdam") -> tuple[int, int]:
+    """A DeviceMesh as ZeroAdam takes it. Returns its (replicas, shard size): the data-parallel ranks'
+    arrangement (a "tp" dim is not data parallel)."""
+    dims = mesh_dims(mesh, who)
+    return (mesh.size(mesh.mesh_dim_names.index(dims.replicate)) if dims.replicate else 1), mesh.size(
+        mesh.mesh_dim_names.index(dims.shard)
+    )
 
 
 def resolve_topology(group: dist.ProcessGroup, shard_size: int, timeout: timedelta | None, mesh=None) -> Topology:
@@ -205,7 +238,10 @@ def resolve_topology(group: dist.ProcessGroup, shard_size: int, timeout: timedel
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if mesh is not None:
         replicas, k = mesh_groups(mesh)
-        shard_group, replicate_group = mesh.get_group("shard"), mesh.get_group("replicate")
+        dims = mesh_dims(mesh)
+        shard_group = mesh.get_group(dims.shard)
+        replicate_group = mesh.get_group(dims.replicate) if dims.replicate else None
+        tp_group = mesh.get_group(dims.tp) if dims.tp else None
         return Topology(
             group,
             rank,
@@ -215,6 +251,8 @@ def resolve_topology(group: dist.ProcessGroup, shard_size: int, timeout: timedel
             k,
             replicate_group if replicas > 1 else None,
             replicas,
+            tp_group=tp_group,
+            tp_size=mesh.size(mesh.mesh_dim_names.index(dims.tp)) if dims.tp else 1,
         )
     if shard_size == world:
         return Topology(group, rank, world, group, rank, world, None, 1)
@@ -269,18 +307,45 @@ def data_parallel_group(process_group, shard_size):
             f"dim); pass it without CommPolicy.shard_size (got shard_size={shard_size!r})"
         )
     _replicas, k = mesh_groups(mesh)
-    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    dims = mesh_dims(mesh)
+    ranks = mesh.mesh
+    if dims.tp:  # the data-parallel ranks are those at this rank's coordinate on "tp"
+        ranks = ranks.select(mesh.ndim - 1, mesh.get_local_rank(dims.tp))
+        if ranks.ndim == 1:
+            return mesh.get_group(dims.shard), k, mesh
+    ranks = [int(r) for r in ranks.flatten().tolist()]
     if sorted(ranks) == list(range(dist.get_world_size())):
         return dist.group.WORLD, k, mesh
     return compat.new_group(ranks), k, mesh
 
 
-def broadcast_from_rank0(model: nn.Module, group) -> None:
-    """Every parameter and buffer of `model` as `group`'s first rank holds it, on every rank of it."""
+def broadcast_from_rank0(model: nn.Module, group, tp_group=None) -> None:
+    """Every parameter and buffer of `model` as `group`'s first rank holds it, on every rank of it.
+    With tensor parallelism (tp_group), a DTensor's local tensor over `group` (each "tp" coordinate
+    has its own data-parallel group), then whatever is replicated across "tp" (plain tensors, DTensors
+    placed Replicate) from the tp group's first rank: every rank then holds global rank 0's."""
     src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+    tensors = list(model.parameters()) + list(model.buffers())
     with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
-            dist.broadcast(t.data, src=src, group=group)
+        for t in tensors:
+            dist.broadcast(_local(t), src=src, group=group)
+        if tp_group is None:
+            return
+        tp_src = dist.get_global_rank(tp_group, 0)
+        for t in tensors:
+            if _replicated_across_tp(t):
+                dist.broadcast(_local(t), src=tp_src, group=tp_group)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What a collective over some ranks takes of a tensor: a DTensor's local tensor, another's .data."""
+    local = getattr(t, "_local_tensor", None)
+    return local if local is not None else t.data
+
+
+def _replicated_across_tp(t: torch.Tensor) -> bool:
+    placements = getattr(t, "placements", None)
+    return placements is None or all(p.is_replicate() for p in placements)
 
 
 def group_timeout(group: dist.ProcessGroup) -> timedelta | None:

@@ -218,6 +218,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The training state as zerofast.checkpoint reads and writes it (zerofast/checkpoint/view.py):
         the parameters by name, what state each holds, live views of this rank's pieces, the step
         counts, the loss scale."""
+        if self._parts.topology.tp_group is not None:  # [Note: tensor parallelism] in zerofast/tensor_parallel.py
+            raise NotImplementedError(
+                f"{type(self).__name__}: checkpoints of a tensor-parallel model (a process_group mesh with a 'tp' "
+                "dim) are not supported yet: its state is laid out over each rank's local tensors, which a "
+                "checkpoint would name as whole parameters. opt.model.state_dict() holds the DTensor weights"
+            )
         return self._view
 
     def named_full_tensors(self, peft: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..checkpoint.view import CheckpointView, Facts, ScalerState, ShardedPart
 from ..comm import BucketComm
@@ -31,6 +32,7 @@ from ..stage3.frozen import FrozenShard, frozen_part
 from ..stage3.module import ShardedModule
 from ..stage3.runtime import UnitBuffers, UnitTracker
 from ..stage3.units import UnitPlan, hook_needs
+from ..tensor_parallel import TensorParallel
 from ..topology import (
     ReplicaSource,
     Topology,
@@ -180,11 +182,12 @@ class Parts:
         self.grads.remove()
 
 
-def trainable_params(model: nn.Module, who: str) -> list[tuple[str, nn.Parameter]]:
-    """The model's trainable (name, parameter) pairs, in model order (a tied parameter once)."""
+def trainable_params(model: nn.Module, who: str, process_group=None) -> list[tuple[str, nn.Parameter]]:
+    """The model's trainable (name, parameter) pairs, in model order (a tied parameter once). DTensor
+    parameters only with a process_group mesh that has a "tp" dim ([Note: tensor parallelism])."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"{who}: model must be an nn.Module; got {type(model).__name__}")
-    check_plain_parameters(model, who)
+    check_plain_parameters(model, who, tensor_parallel=has_tp_dim(process_group))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError(f"{who}: the model has no trainable parameters")
@@ -197,13 +200,16 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
     check_process_group(process_group)
     source = process_group if isinstance(process_group, ReplicaSource) else None
     group, shard_size, mesh = data_parallel_group(source.group if source else process_group, plan.shard_size)
-    named = trainable_params(model, "ZeroAdam")
-    names, params = [n for n, _ in named], [p for _, p in named]
-    join_ranks(model, group, "ZeroAdam")
+    named = trainable_params(model, "ZeroAdam", process_group)
     # A replica source's own Topology checks the plan against what its Replication supports.
     topology = (
         source.topology(group, plan) if source else resolve_topology(group, shard_size, group_timeout(group), mesh)
     )
+    join_ranks(model, group, "ZeroAdam", topology.tp_group)
+    tp = _tensor_parallel(named, topology, plan)
+    names = [n for n, _ in named]
+    # The parameters as the core shards them: plain tensors ([Note: tensor parallelism]).
+    params = tp.standins if tp is not None else [p for _, p in named]
     if plan.offload.delayed_update and topology.replication.changes_membership:
         raise ValueError(
             "ZeroAdam: OffloadPolicy(delayed_update=True) cannot run on replicas whose membership changes "
@@ -211,6 +217,7 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
             "update still in flight elsewhere; use the delayed update with fixed replicas"
         )
     group_index = {id(p): g for g, grp in enumerate(rule.groups) for p in grp["params"]}
+    group_of = [group_index[id(p)] for _, p in named]
     # Which of the model's parameters were trainable: the layout is built over them, so a change of
     # requires_grad later is an error at the next step (checks.check_trainable_unchanged).
     trainable_at_build = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
@@ -218,8 +225,10 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
     hooks = []
     if plan.separate_master:  # see [Note: mixed precision]; before stage 3 lays out the frozen parameters
         hooks += in_precision(model, plan.param_dtype)
-    layouts = plan_layouts(model, plan, topology.shard_size, rule.partition_costs)
+    layouts = plan_layouts(model, plan, topology.shard_size, rule.partition_costs, list(zip(names, params)))
     shard = _shard_state(layouts.layout, topology, names, params, plan)
+    if tp is not None:
+        tp.relink()
     comm = BucketComm(
         topology.shard_group,
         layouts.layout,
@@ -248,8 +257,7 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
     if plan.params_sharded:
         frozen, frozen_comm = _frozen_part(layouts, topology, plan, comm)
         units = _shard_params(model, layouts, topology, shard, comm, frozen, frozen_comm)
-    grads = GradReducer(params, names, layouts.layout, comm, shard, plan, scaler=scaler, gather=gather)
-    group_of = [group_index[id(p)] for p in params]
+    grads = GradReducer(params, names, layouts.layout, comm, shard, plan, scaler=scaler, gather=gather, tp=tp)
     parts = Parts(
         model=model,
         plan=plan,
@@ -277,6 +285,24 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
     # read, the step's gathers finished before a gathered block.
     parts.module = ShardedModule(model, units, hooks, settle=parts.quiesce, before_block=gather.wait)
     return parts
+
+
+def has_tp_dim(process_group) -> bool:
+    """Whether process_group is a DeviceMesh with a "tp" dim (tensor parallelism)."""
+    return isinstance(process_group, DeviceMesh) and "tp" in (process_group.mesh_dim_names or ())
+
+
+def _tensor_parallel(named, topology: Topology, plan: Plan) -> TensorParallel | None:
+    """The model's DTensor parameters and their stand-ins, where the mesh has a "tp" dim
+    ([Note: tensor parallelism] in zerofast/tensor_parallel.py); what it cannot serve yet is named."""
+    if topology.tp_group is None:
+        return None
+    if plan.params_sharded:
+        raise ValueError(
+            "ZeroAdam: stage=3 with tensor parallelism (a process_group mesh with a 'tp' dim) is not supported "
+            "yet; stages 1 and 2 are"
+        )
+    return TensorParallel(named, topology.tp_group, topology.tp_size, "ZeroAdam")
 
 
 def _shard_state(layout: Layout, topology: Topology, names, params, plan: Plan) -> ShardState:

@@ -28,11 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from .. import _ops
 from ..comm import BucketComm, OutOfStepError
 from ..config import Plan
 from ..layout import Layout
+from ..tensor_parallel import TensorParallel
 from . import host_reads
 from .agreement import Agreed, AgreementLayout  # noqa: F401  ([Note: the step's agreement])
 from .gather import ParamGather
@@ -106,8 +108,10 @@ class GradReducer:
         *,
         scaler: LossScaler,
         gather: ParamGather,
+        tp: TensorParallel | None = None,
     ):
         self.params, self.names, self.layout, self.comm = params, names, layout, comm
+        self.tp = tp  # tensor parallelism: [Note: tensor parallelism] in zerofast/tensor_parallel.py
         self.plan = plan
         self.shard = shard  # where the reduces leave this rank's owned gradients
         # Stage 1: each parameter's slot in the persistent buckets, which .grad is pointed at
@@ -134,6 +138,10 @@ class GradReducer:
             _Callback(me, "_on_error"),
             _Callback(me, "_before_launch") if comm.check else None,
         )
+        if tp is not None:  # a DTensor's gradient reaches the path through its stand-in, in Python
+            tp.install_grad_hooks(_Callback(me, "_on_grad"))
+            owned = [g.numel() for g in shard.owned_grads()]
+            self._norm_runs = tp.norm_runs(layout, shard.rank, owned)
         self.begin_step()
 
     # --- the step's phase -----------------------------------------------------------------------
@@ -338,10 +346,10 @@ class GradReducer:
         if self.phase is StepPhase.PREPARED:  # clip_grad_norm_() or clip_grad_value_() ran it
             if need_norm and self._prepared.norm is None:  # clip_grad_value_(): the norm of the clamped gradient
                 sumsq = torch.zeros(1, dtype=torch.float32, device=self.shard.grad_shard.device)
-                sumsq[0] = sum(
-                    torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in self.shard.owned_grads()
-                )
+                sumsq[0] = self._sumsq(self.shard.owned_grads())
                 self.comm.all_reduce_sum(sumsq)
+                if self.tp is not None:
+                    dist.all_reduce(sumsq, dist.ReduceOp.SUM, group=self.tp.tp_group)
                 self._prepared.norm = sumsq[0].sqrt() / (world_size * self.scaler.scale)
             return self._prepared
         failure = None
@@ -404,8 +412,10 @@ class GradReducer:
                 for g in owned:
                     _ops.nonfinite_check_(g, stats[0:1])
             if need_norm:  # padding is zero, and each element sits in exactly one rank's shard
-                stats[1] = sum(torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in owned)
+                stats[1] = self._sumsq(owned)
             self.comm.all_reduce_sum(stats)
+            if self.tp is not None:  # each rank of a "tp" group holds other elements, or counts none twice
+                dist.all_reduce(stats, dist.ReduceOp.SUM, group=self.tp.tp_group)
             sumsq = stats[1] if need_norm else None  # stays on the device: [Note: host syncs]
             if self.scaler.enabled:
                 found_inf = host_reads.to_float(stats[0:1], "found_inf") > 0
@@ -415,6 +425,15 @@ class GradReducer:
         self._prepared = Prepared(agreed.used, found_inf, norm, 1.0)
         self._enter(StepPhase.PREPARED)
         return self._prepared
+
+    def _sumsq(self, owned: list[torch.Tensor]) -> torch.Tensor:
+        """The sum of squares of this rank's owned gradients, each element of the model counted on one
+        rank only (with tensor parallelism, what is replicated across "tp" on its rank 0)."""
+        if self.tp is None:
+            return sum(torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in owned)
+        parts = [owned[t].narrow(0, lo, n) for t, lo, n in self._norm_runs]
+        zero = torch.zeros((), dtype=torch.float32, device=owned[0].device)
+        return sum((torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in parts), zero)
 
     # [Note: global gradient clipping]
     # The global norm is that of the averaged, unscaled gradient: each rank computes the squared
@@ -448,6 +467,8 @@ class GradReducer:
 
     def remove(self) -> None:
         self.path.remove_hooks()
+        if self.tp is not None:
+            self.tp.remove_hooks()
 
 
 class _Callback:

@@ -32,11 +32,14 @@ class Layouts:
     frozen_bucket_of: list[int | None] | None
 
 
-def plan_layouts(model: nn.Module, plan: Plan, world: int, costs: list[int] | None = None) -> Layouts:
+def plan_layouts(model: nn.Module, plan: Plan, world: int, costs: list[int] | None = None, named=None) -> Layouts:
     """The layouts ZeroAdam(model, ...) with `plan` builds when `world` ranks share the state.
     costs: per trainable parameter, its step cost for partition "greedy" (ZeroMuon's
-    Newton-Schulz FLOPs: zerofast.partition.greedy_by_cost); None: greedy by elements."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    Newton-Schulz FLOPs: zerofast.partition.greedy_by_cost); None: greedy by elements. named: the
+    trainable (name, tensor) pairs as the core shards them (tensor parallelism: the stand-ins of
+    DTensor parameters); None: the model's."""
+    if named is None:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     names, params = [n for n, _ in named], [p for _, p in named]
     numels = [p.numel() for p in params]
     reduce_size = torch.empty(0, dtype=plan.reduce_dtype).element_size()

@@ -100,7 +100,7 @@ class ZeroAdam(ZeroOptimizer):
         **moved,
     ):
         reject_moved("ZeroAdam", moved)
-        named = trainable_params(model, "ZeroAdam")
+        named = trainable_params(model, "ZeroAdam", process_group)
         plan = resolve_plan(
             stage,
             adamw=adamw,

@@ -1,0 +1,214 @@
+"""ZeroAdam over a tensor-parallel model ([Note: tensor parallelism] in zerofast/tensor_parallel.py):
+TitanLlama under torchtitan's plan on a (dp 2, tp 2) mesh of 4 gloo ranks, against single-process
+AdamW on the global batch (the dp ranks' batches together; the tp ranks of a group see the same)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from harness import run_ranks
+from models import TitanLlama, titan_loss, titan_plan
+from tolerances import HYPER, fp32_tol, lp_param_tol, max_abs_diff, norm_rel_tol
+
+from zerofast import ZeroAdam
+
+DP, TP, ROWS, SEQ, STEPS = 2, 2, 2, 8, 3
+
+
+def _batch(step: int, dp_rank: int | None = None) -> torch.Tensor:
+    """Step `step`'s global batch of token ids (DP * ROWS rows), or dp rank `dp_rank`'s rows of it."""
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, TitanLlama().vocab, (DP * ROWS, SEQ), generator=g)
+    return ids if dp_rank is None else ids[dp_rank * ROWS : (dp_rank + 1) * ROWS]
+
+
+def _full(model) -> dict[str, torch.Tensor]:
+    """Every parameter whole (a DTensor gathered over "tp"), as float32."""
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def _full_master(opt, model) -> dict[str, torch.Tensor]:
+    """The fp32 master, whole: each data-parallel rank's pieces of the local tensors (its stand-ins'),
+    gathered over the data-parallel ranks, then each DTensor's local master gathered over "tp"."""
+    from torch.distributed.tensor import DTensor
+
+    from zerofast.optim.zero_adam import parts_of
+
+    parts = parts_of(opt)
+    mine = [(pc.param, pc.param_offset, parts.shard.piece_view(pc, "master").clone()) for pc in parts.shard.pieces]
+    everyone: list = [None] * parts.topology.world
+    dist.all_gather_object(everyone, mine, group=parts.topology.group)
+    flat = [torch.full((t.numel(),), float("nan")) for t in parts.params]
+    for pieces in everyone:
+        for i, offset, values in pieces:
+            flat[i][offset : offset + values.numel()] = values
+    out = {}
+    for (name, p), local, standin in zip(model.named_parameters(), flat, parts.params):
+        local = local.view(standin.shape)
+        if isinstance(p, DTensor):
+            local = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False).full_tensor()
+        out[name] = local
+    return out
+
+
+def _oracle(steps: int, max_norm: float | None) -> tuple[dict[str, torch.Tensor], list[float], dict]:
+    """AdamW on one process over the global batch (clip_grad_norm_ at max_norm, when given): the
+    parameters, each step's norm, and the parameters again (fp32: they are the master)."""
+    model = TitanLlama()
+    opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+    norms = []
+    for step in range(steps):
+        titan_loss(model, _batch(step)).backward()
+        if max_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        opt.zero_grad()
+    return _full(model), norms, _full(model)
+
+
+def _tp_oracle(tp_mesh, sp: bool, max_norm: float | None, dtype) -> tuple[dict, list[float], dict]:
+    """The low-precision oracle, run on each "tp" group: torch.optim.AdamW over the same tensor-parallel
+    model as a PyTorch user writes mixed precision with DTensors: the model converted, an fp32 master
+    (DTensors) that AdamW steps and that is copied back rounded, each dp rank's rows given their own
+    backward on the global batch and the gradients, in the parameters' placements, summed in fp32.
+    Its forward rounds exactly as ZeroAdam's run (the same tensor-parallel split; a single process's
+    bf16 matmuls round otherwise, by more than the step's own rounding), so what differs is only the
+    reduce's and the step's rounding."""
+    model = titan_plan(TitanLlama(), tp_mesh, sequence_parallel=sp)
+    master = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    model.to(dtype)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(master, foreach=False, **HYPER)
+    norms = []
+    for step in range(STEPS):
+        total = None
+        for r in range(DP):
+            grads = torch.autograd.grad(titan_loss(model, _batch(step, r)), params)
+            grads = [g.redistribute(p.device_mesh, p.placements).float() for g, p in zip(grads, params)]
+            total = grads if total is None else [t + g for t, g in zip(total, grads)]
+        for m, t in zip(master, total):
+            m.grad = t / DP
+        if max_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(master, max_norm).full_tensor()))
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for p, m in zip(params, master):
+                p.copy_(m)
+    names = [n for n, _ in model.named_parameters()]
+    return _full(model), norms, {n: m.detach().full_tensor() for n, m in zip(names, master)}
+
+
+# (stage, sequence parallel, max_norm, dtype, mesh, micro-batches): mesh "dp" is (dp 2, tp 2);
+# "hybrid" is (replicate 2, dp 1, tp 2), hybrid sharding's replicas around tensor parallelism;
+# micro-batches 2: each rank's rows one at a time, all but the last inside no_sync() (stage 1 keeps
+# the gradients in its buckets, stage 2 reduces each into the shard).
+MESHES = {"dp": ((DP, TP), ("dp", "tp")), "hybrid": ((DP, 1, TP), ("replicate", "dp", "tp"))}
+CONFIGS = [
+    (1, True, None, torch.float32, "dp", 1),
+    (2, True, 0.05, torch.float32, "dp", 1),
+    (2, False, None, torch.float32, "dp", 1),
+    (1, False, 0.05, torch.float32, "dp", 1),
+    (2, True, 0.05, torch.bfloat16, "dp", 1),
+    (1, True, None, torch.bfloat16, "dp", 1),
+    (2, True, 0.05, torch.float32, "hybrid", 1),
+    (1, True, 0.05, torch.float32, "dp", 2),
+    (2, True, None, torch.float32, "dp", 2),
+]
+
+
+def _train(rank, world, configs):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zerofast import MixedPrecisionPolicy
+
+    out = []
+    for stage, sp, max_norm, dtype, mesh_kind, micro in configs:
+        shape, names = MESHES[mesh_kind]
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        dp_rank = dist.get_rank(dist.group.WORLD) // TP  # the mesh is row-major, "tp" innermost
+        model = titan_plan(TitanLlama(), mesh["tp"], sequence_parallel=sp)
+        mixed = None if dtype == torch.float32 else MixedPrecisionPolicy(dtype, reduce_dtype=torch.float32)
+        opt = ZeroAdam(model, stage=stage, process_group=mesh, mixed_precision=mixed, **HYPER)
+        norms = []
+        for step in range(STEPS):
+            rows = _batch(step, dp_rank)
+            for m in range(micro):
+                with opt.no_sync() if m < micro - 1 else contextlib.nullcontext():
+                    (titan_loss(model, rows[m * ROWS // micro : (m + 1) * ROWS // micro]) / micro).backward()
+            if max_norm is not None:
+                norms.append(float(opt.clip_grad_norm_(max_norm)))
+            opt.step()
+            opt.zero_grad()
+        got = (_full(model), norms, _full_master(opt, model))
+        out.append((got, None if dtype == torch.float32 else _tp_oracle(mesh["tp"], sp, max_norm, dtype)))
+    dist.barrier()
+    return out
+
+
+def test_tp2_dp2_equals_adamw_on_the_global_batch():
+    results = run_ranks(_train, DP * TP, (CONFIGS,), timeout=300)
+    oracles = {c[2]: _oracle(STEPS, c[2]) for c in CONFIGS if c[3] == torch.float32}
+    numel = sum(p.numel() for p in TitanLlama().parameters())
+    for rank, runs in enumerate(results):
+        for config, ((params, norms, master), tp_oracle) in zip(CONFIGS, runs):
+            want, want_norms, want_master = tp_oracle or oracles[config[2]]
+            # fp32: 16 ulps a step (tolerances.py); bf16 against the oracle whose gradients are the
+            # same: the master within the step's rounding, the parameters its rounding to bf16, one
+            # ulp of bf16 at the largest parameter where two masters round to neighbours.
+            tol = fp32_tol(STEPS) if tp_oracle is None else lp_param_tol(config[3], STEPS, want)
+            assert max_abs_diff(master, want_master) <= fp32_tol(STEPS), (rank, config)
+            assert max_abs_diff(params, want) <= tol, (rank, config)
+            for got, w in zip(norms, want_norms):
+                assert abs(got - w) <= norm_rel_tol(numel) * w, (rank, config, got, w)
+
+
+def _refused(rank, world):
+    """What the configuration cannot serve, each a named error on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import zerofast.checkpoint as ckpt
+    from zerofast import ZeroMuon
+
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    errors = []
+
+    def attempt(fn):
+        try:
+            fn()
+            errors.append(None)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            errors.append(f"{type(e).__name__}: {e}")
+
+    attempt(lambda: ZeroAdam(titan_plan(TitanLlama(), mesh["tp"]), stage=3, process_group=mesh, **HYPER))
+    attempt(lambda: ZeroMuon(titan_plan(TitanLlama(), mesh["tp"]), process_group=mesh, lr=0.02))
+    # The model parallelized over every rank, the optimizer told "tp" is 2 of them.
+    whole = init_device_mesh("cpu", (DP * TP,), mesh_dim_names=("tp",))
+    attempt(lambda: ZeroAdam(titan_plan(TitanLlama(), whole), stage=2, process_group=mesh, **HYPER))
+    opt = ZeroAdam(titan_plan(TitanLlama(), mesh["tp"]), stage=2, process_group=mesh, **HYPER)
+    attempt(lambda: opt.state_dict())
+    attempt(lambda: ckpt.save(f"/tmp/zerofast-tp-refused-{rank}", opt.model, opt))
+    dist.barrier()
+    return errors
+
+
+def test_what_tensor_parallelism_cannot_serve_yet_is_named():
+    expected = [
+        "ValueError: ZeroAdam: stage=3 with tensor parallelism (a process_group mesh with a 'tp' dim) is not supported",
+        "ValueError: ZeroMuon: parameter 'tok_embeddings.weight' is a DTensor (placements (Shard(dim=0),) on a 1-D "
+        "DeviceMesh with mesh_dim_names=('tp',)); ZeroMuon does not take tensor-parallel models",
+        "ValueError: ZeroAdam: parameter 'tok_embeddings.weight' is a DTensor on a 1-D DeviceMesh over ranks "
+        "[0, 1, 2, 3] (mesh_dim_names=('tp',)); with tensor parallelism every DTensor parameter must live on the "
+        "process_group mesh's 'tp' dim",
+        "NotImplementedError: ZeroAdam: checkpoints of a tensor-parallel model",
+        "NotImplementedError: ZeroAdam: checkpoints of a tensor-parallel model",
+    ]
+    for errors in run_ranks(_refused, DP * TP):
+        assert len(errors) == len(expected)
+        for got, want in zip(errors, expected):
+            assert got is not None and got.startswith(want), (got, want)
