@@ -98,11 +98,12 @@ OLDEST_BUILT  := $(OLDEST_VENV)/.zerofast-built
 # The kernels, stages 1-3 against single-process AdamW with a checkpoint resumed (the CUDA-ranks
 # file's CPU rehearsal), checkpoints read without running code (DCP's metadata), saved in the
 # background (the writer's own group: torch<=2.13's group names) and written through DCP's
-# checkpointable protocol (ChunkedTensor) in the format older checkpoints have, clean exits, and the GPU check's
+# checkpointable protocol (ChunkedTensor) in the format older checkpoints have, clean exits, tensor
+# parallelism (it relinks DTensors through their _local_tensor and swap_tensors), and the GPU check's
 # dry run (its preflight, the collection of the CUDA tests) on the GPU machine's torch.
 OLDEST_TESTS  := tests/test_fused_adam.py tests/test_quant_state.py tests/test_cuda_ranks.py \
                  tests/test_checkpoint_safe.py tests/test_checkpoint_async.py tests/test_checkpoint_format.py \
-                 tests/test_exit.py \
+                 tests/test_exit.py tests/test_tensor_parallel.py \
                  tests/test_gpu_check.py::test_gpu_check_dry_run_goes_through_every_step
 
 $(OLDEST_PY):

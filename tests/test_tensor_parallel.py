@@ -1,6 +1,9 @@
 """ZeroAdam over a tensor-parallel model ([Note: tensor parallelism] in zerofast/tensor_parallel.py):
 TitanLlama under torchtitan's plan on a (dp 2, tp 2) mesh of 4 gloo ranks, against single-process
-AdamW on the global batch (the dp ranks' batches together; the tp ranks of a group see the same)."""
+AdamW on the global batch (the dp ranks' batches together; the tp ranks of a group see the same).
+Each test runs in fresh processes: DTensor caches its sharding decisions with the mesh they were
+made on, whose process groups a pooled rank destroys between jobs (tests/harness.py _drop_groups);
+a later job's mesh of the same shape then hits that cache and names a destroyed group."""
 
 from __future__ import annotations
 
@@ -146,13 +149,18 @@ def _train(rank, world, configs):
             opt.step()
             opt.zero_grad()
         got = (_full(model), norms, _full_master(opt, model))
+        # The model's whole tensors as a consolidated save reads them (rank 1 takes part, keeps none).
+        saved = opt.full_state_dict(keep=rank != 1)
+        sent = dict(opt.named_full_tensors())
+        assert saved is None if rank == 1 else all(torch.equal(saved[n].float(), t) for n, t in got[0].items())
+        assert all(torch.equal(sent[n].float(), t) for n, t in got[0].items())
         out.append((got, None if dtype == torch.float32 else _tp_oracle(mesh["tp"], sp, max_norm, dtype)))
     dist.barrier()
     return out
 
 
 def test_tp2_dp2_equals_adamw_on_the_global_batch():
-    results = run_ranks(_train, DP * TP, (CONFIGS,), timeout=300)
+    results = run_ranks(_train, DP * TP, (CONFIGS,), timeout=300, fresh=True)
     oracles = {c[2]: _oracle(STEPS, c[2]) for c in CONFIGS if c[3] == torch.float32}
     numel = sum(p.numel() for p in TitanLlama().parameters())
     for rank, runs in enumerate(results):
@@ -193,8 +201,19 @@ def _refused(rank, world):
     opt = ZeroAdam(titan_plan(TitanLlama(), mesh["tp"]), stage=2, process_group=mesh, **HYPER)
     attempt(lambda: opt.state_dict())
     attempt(lambda: ckpt.save(f"/tmp/zerofast-tp-refused-{rank}", opt.model, opt))
+    # A step that one rank cannot apply (its lr made invalid, on global rank 1 only): every rank of
+    # the model, across "tp" too, applies nothing, or the tp ranks' halves of a layer would diverge.
+    before = _full(opt.model)
+    titan_loss(opt.model, _batch(0, mesh.get_local_rank("dp"))).backward()
+    if rank == 1:
+        opt.param_groups[0]["lr"] = -1.0
+    try:
+        opt.step()
+        failed = None
+    except Exception as e:  # noqa: BLE001  (whichever error: that every rank raised is the point)
+        failed = type(e).__name__
     dist.barrier()
-    return errors
+    return errors, failed, max_abs_diff(_full(opt.model), before)
 
 
 def test_what_tensor_parallelism_cannot_serve_yet_is_named():
@@ -208,7 +227,11 @@ def test_what_tensor_parallelism_cannot_serve_yet_is_named():
         "NotImplementedError: ZeroAdam: checkpoints of a tensor-parallel model",
         "NotImplementedError: ZeroAdam: checkpoints of a tensor-parallel model",
     ]
-    for errors in run_ranks(_refused, DP * TP):
+    results = run_ranks(_refused, DP * TP, fresh=True)
+    failed = ["StepNotAppliedError", "ValueError", "StepNotAppliedError", "StepNotAppliedError"]
+    assert [f for _, f, _ in results] == failed, results  # rank 1's own error; every other rank's too
+    assert all(moved == 0 for _, _, moved in results), results
+    for errors, _, _ in results:
         assert len(errors) == len(expected)
         for got, want in zip(errors, expected):
             assert got is not None and got.startswith(want), (got, want)

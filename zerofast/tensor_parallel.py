@@ -50,13 +50,27 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["TensorParallel", "is_dtensor"]
+__all__ = ["TensorParallel", "has_storage", "is_dtensor", "set_local", "whole_copy"]
 
 
 def is_dtensor(t) -> bool:
     """Whether `t` is a DTensor, without importing DTensor's module where nothing did (about a second)."""
     tensor = sys.modules.get("torch.distributed.tensor")
     return tensor is not None and isinstance(t, tensor.DTensor)
+
+
+def whole_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t`, whole: a DTensor gathered over its mesh (a collective: every rank of the mesh
+    calls it, in the same order), any other tensor cloned."""
+    if is_dtensor(t):
+        return t.detach().full_tensor().clone()  # a Replicate DTensor's full_tensor() is its local tensor
+    return t.detach().clone()
+
+
+def has_storage(t: torch.Tensor) -> bool:
+    """Whether `t`'s values exist now (stage 3 frees a parameter's storage between uses)."""
+    t = t._local_tensor if is_dtensor(t) else t
+    return t.numel() == 0 or t.untyped_storage().nbytes() > 0
 
 
 def set_local(p: nn.Parameter, local: torch.Tensor) -> None:

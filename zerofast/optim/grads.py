@@ -371,6 +371,8 @@ class GradReducer:
             )
             # torchft's replica groups: each group's own collectives and failure ([Note: replica groups on torchft]).
             self.comm.all_reduce_max(flags, (message.counter("reduces"), message.counter("gathers"), message.failed))
+            if self.tp is not None:
+                self._agree_over_tp(flags, message)
             agreed = message.read(host_reads.to_list(flags, "agreement"))  # [Note: host syncs]
             if not (agreed.same("steps") and agreed.same("micro_batches")):
                 steps, micro = agreed.ranges["steps"], agreed.ranges["micro_batches"]
@@ -425,6 +427,18 @@ class GradReducer:
         self._prepared = Prepared(agreed.used, found_inf, norm, 1.0)
         self._enter(StepPhase.PREPARED)
         return self._prepared
+
+    def _agree_over_tp(self, flags: torch.Tensor, message: AgreementLayout) -> None:
+        """With tensor parallelism, the agreement of the data-parallel group joined over "tp": which
+        parameters got a gradient, the step and micro-batch counts, and a failure, so that every rank
+        of the model applies the step or none does. The collectives' hashes stay per data-parallel
+        group: its layout follows its local shapes, which differ between "tp" ranks where a dim does
+        not split evenly."""
+        index = [*range(message.params), *range(message.counter("steps").start, message.counter("micro_batches").stop)]
+        index = torch.tensor([*index, message.failed], device=flags.device)
+        joined = flags[index]
+        dist.all_reduce(joined, dist.ReduceOp.MAX, group=self.tp.tp_group)
+        flags[index] = joined
 
     def _sumsq(self, owned: list[torch.Tensor]) -> torch.Tensor:
         """The sum of squares of this rank's owned gradients, each element of the model counted on one

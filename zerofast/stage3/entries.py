@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from ..tensor_parallel import whole_copy
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -22,5 +24,5 @@ class Entry:
 
 
 def copy_of(t: torch.Tensor) -> Entry:
-    """The entry that hands out a copy of `t`."""
-    return Entry((t,), lambda: t.detach().clone())
+    """The entry that hands out a copy of `t` (a DTensor's whole: [Note: tensor parallelism])."""
+    return Entry((t,), lambda: whole_copy(t))

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn as nn
 
+from ..tensor_parallel import has_storage, is_dtensor, whole_copy
 from . import weights
 from .runtime import UnitTracker
 
@@ -80,9 +81,11 @@ class ShardedModule:
         def take_present() -> None:
             """Copy every entry whose storage exists now (stage 3: the unit gathered at the moment)."""
             for key, t in entries.items():
-                if key not in out and (t.numel() == 0 or t.untyped_storage().nbytes() > 0):
-                    if keep and id(t) not in copies:
-                        copies[id(t)] = t.detach().to(device, copy=True)
+                if key not in out and has_storage(t):
+                    # A DTensor is gathered on every rank alike, once (its "tp" ranks take part in it).
+                    if id(t) not in copies and (keep or is_dtensor(t)):
+                        whole = whole_copy(t).to(device) if is_dtensor(t) else t.detach().to(device, copy=True)
+                        copies[id(t)] = whole if keep else None
                     out[key] = copies.get(id(t))
 
         units = self.units

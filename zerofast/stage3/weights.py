@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 
+from ..tensor_parallel import has_storage
 from .entries import Entry, copy_of
 from .extensions import weight_view
 
@@ -36,7 +37,7 @@ def entries_for(model: nn.Module, peft: str | None, who: str) -> list[tuple[str,
 
 
 def _has_storage(t: torch.Tensor) -> bool:
-    return t.numel() == 0 or t.untyped_storage().nbytes() > 0
+    return has_storage(t)
 
 
 def named_full_tensors(
