@@ -1,6 +1,7 @@
 """A small GPT (token + position embeddings, pre-norm blocks, tied output head) for demos, tests
 and benchmarks. Its input embedding and output head share one weight, so a tied parameter is always
-exercised."""
+exercised. TitanLlama: a Llama shaped as torchtitan's, with torchtitan's tensor-parallel plan
+(titan_plan), for tensor parallelism's tests, benchmark and the main job's --tp."""
 
 from __future__ import annotations
 
@@ -110,3 +111,130 @@ def random_batch(cfg: GPTConfig, batch: int, seq: int, seed: int) -> tuple[torch
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
     return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+class _RMSNorm(nn.Module):
+    """torchtitan's RMSNorm (in Python, so SequenceParallel runs it on DTensors)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class _Attention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, s, _ = x.shape  # -1 heads: the local heads under ColwiseParallel
+        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class _FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int):
+        super().__init__()
+        self.attention_norm, self.attention = _RMSNorm(dim), _Attention(dim, heads)
+        self.ffn_norm, self.feed_forward = _RMSNorm(dim), _FeedForward(dim, hidden)
+
+    def forward(self, x):
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class TitanLlama(nn.Module):
+    """A Llama shaped as torchtitan's (tok_embeddings, layers[i].attention.wq..wo, feed_forward.w1..w3,
+    attention_norm / ffn_norm, norm, output), the model whose tensor-parallel plan torchtitan
+    publishes (titan_plan). Norm weights start away from 1 so that their gradients matter."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16, heads: int = 4, hidden: int = 32, layers: int = 2):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(_Block(dim, heads, hidden) for _ in range(layers))
+        self.norm = _RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * (0.1 if name.endswith("norm.weight") else 0.2))
+                if name.endswith("norm.weight"):
+                    p.add_(1.0)
+        self.vocab = vocab
+
+    def forward(self, ids):
+        h = self.tok_embeddings(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def titan_loss(model, ids) -> torch.Tensor:
+    """Next-token cross entropy of TitanLlama over a batch of token ids (a float32 loss)."""
+    logits = model(ids)
+    if hasattr(logits, "full_tensor"):
+        logits = logits.full_tensor()
+    return F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1)
+    )
+
+
+def titan_plan(model: TitanLlama, tp_mesh, sequence_parallel: bool = True) -> TitanLlama:
+    """torchtitan's Llama plan over tp_mesh: the embedding Rowwise, q/k/v and w1/w3 Colwise, wo and w2
+    Rowwise, the output Colwise (gathered), and with sequence_parallel the norms SequenceParallel
+    (their weights Replicate DTensors with Partial gradients); without it the norms stay plain."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    sp = sequence_parallel
+    top = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()),
+        "output": ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate()),
+    }
+    if sp:
+        top["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, top)
+    for block in model.layers:
+        plan = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()),
+        }
+        if sp:
+            plan.update(
+                {
+                    "attention_norm": SequenceParallel(),
+                    "ffn_norm": SequenceParallel(),
+                    "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                    "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                }
+            )
+        parallelize_module(block, tp_mesh, plan)
+    return model
