@@ -153,4 +153,3 @@ def tiny_llama(**config):
             **config,
         )
     )
-

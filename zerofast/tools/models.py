@@ -191,9 +191,7 @@ def titan_loss(model, ids) -> torch.Tensor:
     logits = model(ids)
     if hasattr(logits, "full_tensor"):
         logits = logits.full_tensor()
-    return F.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1)
-    )
+    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1))
 
 
 def titan_plan(model: TitanLlama, tp_mesh, sequence_parallel: bool = True) -> TitanLlama:
