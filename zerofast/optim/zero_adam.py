@@ -70,7 +70,10 @@ class ZeroAdam(ZeroOptimizer):
     comm: a CommPolicy: partition, hybrid sharding's shard_size, bucket size, buffers in flight,
       overlap, accumulation, and the collectives' debug check (None: CommPolicy()'s defaults).
     process_group: the data-parallel ranks (None: the whole world), or a 2-D DeviceMesh with
-      mesh_dim_names ("replicate", "shard") as FSDP2's HSDP takes it: hybrid sharding by its groups.
+      mesh_dim_names ("replicate", "shard") as FSDP2's HSDP takes it: hybrid sharding by its groups;
+      or, for a model parallelized over mesh["tp"] (DTensor parameters), a mesh ("dp", "tp") or
+      ("replicate", "dp", "tp"): ZeRO over the data-parallel dims, stages 1 and 2 ([Note: tensor
+      parallelism] in zerofast/tensor_parallel.py).
     offload: where the optimizer state lives: None (with the parameters), an OffloadPolicy, or its
       shortcuts "host" (pinned host memory, stepped by the fused CPU kernel) and "disk:PATH" (files
       under PATH streamed through a bounded window): [Note: offload schedule] in zerofast/offload.
