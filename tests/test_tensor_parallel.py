@@ -129,6 +129,9 @@ def _train(rank, world, configs):
     from torch.distributed.device_mesh import init_device_mesh
 
     from zerofast import MixedPrecisionPolicy
+    from zerofast.estimate import estimate_memory
+    from zerofast.layout import ALIGN
+    from zerofast.optim.zero_adam import parts_of
 
     out = []
     for stage, sp, max_norm, dtype, mesh_kind, micro in configs:
@@ -149,6 +152,14 @@ def _train(rank, world, configs):
             opt.step()
             opt.zero_grad()
         got = (_full(model), norms, _full_master(opt, model))
+        # The estimator with tp: each rank's local tensors, sharded over the data-parallel ranks; the
+        # measured bytes exceed it by the buckets' padding at most (ALIGN * dp elements a bucket).
+        est = estimate_memory(model, world, stage, mixed, tp=TP, shard_size=shape[-2])  # the "dp" dim
+        mem, buckets = opt.report().memory, len(parts_of(opt).layout.buckets)
+        pad = ALIGN * shape[-2] * buckets
+        p_bytes, o_bytes = dtype.itemsize, 8 + (4 if dtype != torch.float32 else 0)
+        assert 0 <= mem.params + mem.param_padding - est.params <= pad * p_bytes, (mem, est)
+        assert 0 <= mem.optimizer + mem.master_copy - est.optimizer <= pad * o_bytes, (mem, est)
         # The model's whole tensors as a consolidated save reads them (rank 1 takes part, keeps none).
         saved = opt.full_state_dict(keep=rank != 1)
         sent = dict(opt.named_full_tensors())

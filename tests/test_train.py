@@ -200,9 +200,34 @@ def test_train_command_loss_goes_down():
     assert "= 1.00 Φ (formula: Φ/K = Φ/1" in line, line
 
 
+def test_train_command_with_tensor_parallelism():
+    """--tp 2 on 4 ranks: the tiny Llama under torchtitan's plan, ZeroAdam over the ("dp", "tp") mesh
+    (the library's exactness: tests/test_tensor_parallel.py); the job trains, reports each rank's
+    bytes against the estimate with tp, and its data-parallel traffic against 2Φ of a tp rank's part."""
+    out = _run(
+        "zerofast.train", "--nproc", "4", "--tp", "2", "--model", "tiny", "--steps", "10", "--stage", "2",
+        "--batch", "4", "--lr", "1e-2", "--max-grad-norm", "1.0",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout + out.stderr
+    assert "tensor parallel over 2 ranks (tp 2 x dp 2)" in text, text
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) over 10 steps", text).groups())
+    assert last < first - 0.1, text
+    line = next(t for t in text.splitlines() if t.startswith("communication per step, shard"))
+    assert "(formula: 2Φ" in line and "on each of 2 tensor-parallel ranks" in line, line
+    moved = float(re.search(r"= ([\d.]+) Φ", line).group(1))
+    assert 2.0 <= moved < 2.1, line  # the reduce and the gather of one tp rank's part, plus padding
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
+        (
+            ["--nproc", "4", "--tp", "3"],
+            "--tp must be at least 1 and divide the ranks (4) and the small Llama's 8 heads; got 3",
+        ),
+        (["--nproc", "2", "--tp", "2", "--stage", "3"], "stage 3 under tensor parallelism is not supported yet"),
+        (["--nproc", "2", "--tp", "2", "--stage", "2", "--save-dir", "d"], "--save-dir is not available with --tp yet"),
         (["--stage", "4"], "--stage must be 1, 2 or 3; got 4"),
         (["--steps", "-3"], "--steps must be 0 or more; got -3"),
         (["--model", "huge"], "--model must be one of tiny, small; got 'huge'"),

@@ -94,6 +94,11 @@ _MOVED = {
 }
 
 
+def _local_numel(p: torch.Tensor) -> int:
+    """A parameter's elements on this rank: a DTensor's local tensor's, another's own."""
+    return getattr(p, "_local_tensor", p).numel()
+
+
 def estimate_memory(
     model_or_param_count,
     world: int,
@@ -106,6 +111,7 @@ def estimate_memory(
     offload=None,
     device="cuda",
     rank=None,
+    tp=1,
     **moved,
 ) -> MemoryEstimate:
     """Per-rank bytes of parameters, gradients and optimizer state for DDP (stage 0) or a ZeRO stage,
@@ -125,7 +131,12 @@ def estimate_memory(
     (not on a CPU model: the state is in host memory already). Offloaded, `optimizer` is 0 and
     `placement`, host_bytes, disk_bytes and window_bytes say where the state is, as report().offload
     does after a step (stages 1-3; DDP has no offload). rank: whose shard they count, for a module
-    (shards differ by their padding; None: the largest); a count's shards are all ceil(Φ/K)."""
+    (shards differ by their padding; None: the largest); a count's shards are all ceil(Φ/K).
+    tp: the tensor-parallel degree ([Note: tensor parallelism] in zerofast/tensor_parallel.py): each
+    rank holds 1/tp of every split parameter, and ZeRO shards that across the world/tp data-parallel
+    ranks (shard_size counts those). A module parallelized over "tp" is counted by its DTensors'
+    local tensors, exactly; a count is divided by tp (the few weights replicated across "tp", such as
+    norms under SequenceParallel, counted as split: a count cannot tell them apart)."""
     for name in moved:
         if name in _MOVED:
             raise TypeError(f"estimate_memory: the keyword {name}= is now {_MOVED[name]}")
@@ -146,6 +157,20 @@ def estimate_memory(
         )
     if not (isinstance(world, int) and not isinstance(world, bool) and world >= 1):
         raise ValueError(f"estimate_memory: world must be an integer >= 1; got {world!r}")
+    if not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 and world % tp == 0):
+        raise ValueError(f"estimate_memory: tp must be an integer >= 1 that divides world ({world}); got {tp!r}")
+    if tp > 1:
+        if stage == 3:
+            raise ValueError("estimate_memory: stage 3 under tensor parallelism (tp > 1) is not supported yet")
+        if isinstance(model_or_param_count, nn.Module):
+            numel = sum(_local_numel(p) for p in model_or_param_count.parameters() if p.requires_grad)
+            frozen = sum(_local_numel(p) for p in model_or_param_count.parameters() if not p.requires_grad)
+            model_or_param_count = numel  # the layouts below are the local tensors'
+        else:
+            numel = -(-numel // tp)
+        world //= tp
+        if rank is not None:
+            rank //= tp
     check_stage(stage, "estimate_memory", stages=(0, 1, 2, 3))
     shards = check_shard_size(shard_size, world, "estimate_memory", comm)
     device_type = _device_type(device)

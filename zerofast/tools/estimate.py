@@ -172,7 +172,14 @@ def main(argv=None) -> int:
         required=True,
         help="trainable parameters (Φ): 7000000, 7e9, 7.5B, 350M, 1.2T, 125K",
     )
-    p.add_argument("--world", type=int, required=True, help="data-parallel ranks (N)")
+    p.add_argument("--world", type=int, required=True, help="data-parallel ranks (N); with --tp, every rank")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree: each rank holds 1/tp of the model and ZeRO shards it over world/tp "
+        "ranks (stages 0-2; the activations' traffic on the tp links is not modelled yet)",
+    )
     p.add_argument("--stage", type=int, default=None, help="one stage (0 = DDP, 1, 2, 3); default: all")
     p.add_argument(
         "--shard-size",
@@ -321,6 +328,14 @@ def main(argv=None) -> int:
             .replace("CommPolicy: bucket_mb", "--bucket-mb")
             .replace("CommPolicy: bucket_buffers", "--bucket-buffers")
         )
+    if args.tp < 1 or args.world % args.tp:
+        p.error(f"--tp must be at least 1 and divide --world ({args.world}); got {args.tp}")
+    if args.tp > 1 and args.stage == 3:
+        p.error("--tp: stage 3 under tensor parallelism is not supported yet (stages 0-2 are)")
+    if args.tp > 1 and (args.time or args.offload is not None or args.shard_size is not None):
+        p.error(
+            "--tp applies to the memory table of flat ZeRO; --time, --offload and --shard-size with it are not modelled yet"
+        )
     if args.time:
         if args.stage == 0:
             p.error("--time models ZeRO stages 1-3; got --stage 0")
@@ -330,7 +345,7 @@ def main(argv=None) -> int:
             p.error("--time models the update on the device; --offload's CPU update and disk I/O are not modelled")
         print(_time_table(args, p))
         return 0
-    stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
+    stages = [args.stage] if args.stage is not None else ([0, 1, 2, 3] if args.tp == 1 else [0, 1, 2])
     rows = []
     for s in stages:
         # Stage 3 takes no bucket size (its buckets are its units): in the table of every stage the
@@ -348,11 +363,14 @@ def main(argv=None) -> int:
                     frozen_models=args.frozen_models,
                     offload=offload if s > 0 else None,  # DDP keeps its state with the parameters
                     device=args.device,
+                    tp=args.tp,
                 )
             )
         except ValueError as e:
             p.error(str(e))
     k = f", sharded over K = {args.shard_size} (x{args.world // args.shard_size} replicas)" if args.shard_size else ""
+    if args.tp > 1:
+        k += f", tensor parallel: tp {args.tp} x dp {args.world // args.tp} (each rank 1/{args.tp} of Φ)"
     state = ", 8-bit Adam state" if args.state_bits == 8 else ""
     frozen = f", {len(args.frozen_models)} model(s) sharded for inference only" if args.frozen_models else ""
     where, columns = _offload_words(args)
@@ -367,13 +385,13 @@ def main(argv=None) -> int:
         print(f"\nCommunication per step ({args.backend}, {args.gpus_per_node} GPUs per node; a count: no padding)")
         print(
             _link_table(
-                args.params,
-                args.world,
+                -(-args.params // args.tp),  # the data-parallel links move one tp rank's part
+                args.world // args.tp,
                 stages,
                 args.shard_size,
                 _PRECISIONS[args.precision],
                 args.backend,
-                args.gpus_per_node,
+                max(1, args.gpus_per_node // args.tp),  # a node's dp ranks: tp innermost
                 offload,
             )
         )

@@ -160,6 +160,13 @@ class _Block(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+# The main job's Llama sizes (--tp), named as the GPT's: "tiny" for tests, "small" (~7M parameters).
+LLAMA_CONFIGS = {
+    "tiny": dict(vocab=256, dim=16, heads=4, hidden=32, layers=2),
+    "small": dict(vocab=256, dim=256, heads=8, hidden=768, layers=8),
+}
+
+
 class TitanLlama(nn.Module):
     """A Llama shaped as torchtitan's (tok_embeddings, layers[i].attention.wq..wo, feed_forward.w1..w3,
     attention_norm / ffn_norm, norm, output), the model whose tensor-parallel plan torchtitan

@@ -98,6 +98,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "timeout): a stuck rank ends the job after this, a dead one at once",
     )
     p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tensor parallelism: train a Llama shaped as torchtitan's under its plan over N ranks (the "
+        "innermost of a ('dp', 'tp') mesh), ZeroAdam sharding across the rest; stages 1 and 2",
+    )
+    p.add_argument(
         "--max-restarts",
         type=int,
         default=0,
@@ -137,6 +145,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--shard-size must be at least 1; got {args.shard_size}")
     if args.max_grad_norm is not None and not args.max_grad_norm > 0:
         p.error(f"--max-grad-norm must be positive; got {args.max_grad_norm}")
+    if args.tp is not None:
+        _check_tp(p, args)
     args.offload_default = args.offload == "disk"  # the job chose the folder: it removes it once empty
     if args.offload is not None:
         args.offload = _resolve_offload(p, args.offload, args.save_dir)
@@ -157,6 +167,31 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error("--plot needs matplotlib (pip install matplotlib)")
     replica_demo.check_arguments(p, args)
     return args
+
+
+def _check_tp(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--tp N: N divides the ranks and the Llama's heads; what the tensor-parallel run cannot do yet
+    (docs/many-machines.md#tensor-parallelism) is named here rather than in a rank."""
+    from ..models import LLAMA_CONFIGS
+
+    heads = LLAMA_CONFIGS[args.model]["heads"]
+    if args.tp < 1 or args.nproc % args.tp or heads % args.tp:
+        p.error(
+            f"--tp must be at least 1 and divide the ranks ({args.nproc}) and the {args.model} Llama's "
+            f"{heads} heads; got {args.tp}"
+        )
+    if args.stage == 3:
+        p.error("--tp trains with stages 1 and 2; stage 3 under tensor parallelism is not supported yet")
+    for flag, given in (
+        ("--save-dir", args.save_dir),
+        ("--compare", args.compare),
+        ("--plot", args.plot),
+        ("--shard-size", args.shard_size),
+        ("--offload", args.offload),
+        ("--replica-groups", args.replica_groups),
+    ):
+        if given:
+            p.error(f"{flag} is not available with --tp yet (docs/many-machines.md#tensor-parallelism)")
 
 
 def _resolve_offload(p: argparse.ArgumentParser, value: str, save_dir: str | None) -> str:

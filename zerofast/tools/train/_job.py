@@ -58,8 +58,9 @@ def _worker(args: argparse.Namespace) -> None:
     if rank == 0:
         n = sum(p.numel() for p in _model(args).parameters())
         log.info(
-            "training a %s GPT (%.2fM parameters) on %d ranks (%s): ZeroAdam stage %d, %s partition%s%s",
+            "training a %s %s (%.2fM parameters) on %d ranks (%s): ZeroAdam stage %d, %s partition%s%s%s",
             args.model,
+            "Llama" if args.tp else "GPT",
             n / 1e6,
             world,
             backend,
@@ -67,6 +68,7 @@ def _worker(args: argparse.Namespace) -> None:
             args.partition,
             f", sharded in groups of {args.shard_size}" if args.shard_size not in (None, world) else "",
             f", optimizer state {_where(args.offload)}" if args.offload else "",
+            f", tensor parallel over {args.tp} ranks (tp {args.tp} x dp {world // args.tp})" if args.tp else "",
         )
     losses, times, measured, comm, numel = run("zero", args, device, args.steps, progress=True)
     everyone: list = [None] * world

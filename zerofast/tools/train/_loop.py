@@ -21,16 +21,29 @@ from ...optim.base import ZeroOptimizer
 from ...optim.zero_adam import ZeroAdam
 from ...reference import ReferenceZero
 from ..data import corpus_tokens, text_batch
-from ..models import make_gpt
+from ..models import LLAMA_CONFIGS, TitanLlama, make_gpt, titan_loss, titan_plan
 from ..quantities import format_bytes
 from ._progress import Progress
 
 log = logging.getLogger("zerofast.train")
 
+TP_SEQ = 64  # --tp: the Llama's sequence length (it has no position table to bound it)
+
 
 def _model(args):
-    """The GPT of the chosen size, over byte tokens (vocabulary 256) of the shipped text."""
+    """The GPT of the chosen size, over byte tokens (vocabulary 256) of the shipped text; with --tp the
+    Llama of that size (LLAMA_CONFIGS), not yet parallelized (_tp_mesh, then titan_plan)."""
+    if getattr(args, "tp", None):
+        return TitanLlama(**LLAMA_CONFIGS[args.model])
     return make_gpt(args.model, vocab_size=256)
+
+
+def _tp_mesh(args, device):
+    """--tp N: the ("dp", "tp") mesh over every rank, "tp" innermost (a machine's consecutive ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    return init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
 
 
 def _device(backend: str) -> torch.device:
@@ -41,8 +54,9 @@ def _device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _make_optimizer(kind: str, model, args, stage: int):
-    """kind: "zero" (ZeroAdam at `stage`), "ddp", or "reference" (the reference stage `stage`)."""
+def _make_optimizer(kind: str, model, args, stage: int, mesh=None):
+    """kind: "zero" (ZeroAdam at `stage`), "ddp", or "reference" (the reference stage `stage`); mesh:
+    --tp's, the model already parallelized over its "tp" dim."""
     if kind == "ddp":
         wrapped = DDP(model)
         return wrapped, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
@@ -57,6 +71,7 @@ def _make_optimizer(kind: str, model, args, stage: int):
         max_grad_norm=args.max_grad_norm,
         comm=CommPolicy(partition=args.partition, shard_size=args.shard_size),
         offload=args.offload,
+        process_group=mesh,
     )
 
 
@@ -107,9 +122,14 @@ def run(kind: str, args, device, steps: int, progress: bool, stage: int | None =
     seconds per step, measured bytes, comm."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _model(args).to(device)
-    module, opt = _make_optimizer(kind, model, args, args.stage if stage is None else stage)
+    mesh = _tp_mesh(args, device) if getattr(args, "tp", None) else None
+    if mesh is not None:
+        model = titan_plan(model, mesh["tp"])
+    module, opt = _make_optimizer(kind, model, args, args.stage if stage is None else stage, mesh)
     tokens = corpus_tokens()
-    seq = model.cfg.block_size
+    seq = TP_SEQ if mesh is not None else model.cfg.block_size
+    # The data's rank: a "tp" group's ranks read the same batch ([Note: tensor parallelism]).
+    data_rank, data_world = (mesh.get_local_rank("dp"), mesh.size(0)) if mesh is not None else (rank, world)
     losses, times, measured = [], [], {}
     checkpoints = kind == "zero" and args.save_dir is not None
     start = _resume(args, model, opt, rank) if checkpoints and _resuming(args) else 0
@@ -123,9 +143,12 @@ def run(kind: str, args, device, steps: int, progress: bool, stage: int | None =
             f"holds {format_bytes(largest.bytes)}\n"
         )
     for step in range(start, steps):
-        x, y = text_batch(tokens, args.batch, seq, seed=step * world + rank)  # the data position is the step
+        x, y = text_batch(tokens, args.batch, seq, seed=step * data_world + data_rank)  # the data position is the step
         t0 = time.perf_counter()
-        _, loss = module(x.to(device), y.to(device))
+        if mesh is not None:
+            loss = titan_loss(module, x.to(device))
+        else:
+            _, loss = module(x.to(device), y.to(device))
         if isinstance(opt, ZeroOptimizer):
             opt.backward(loss)  # scales the loss under fp16
         else:
@@ -143,7 +166,9 @@ def run(kind: str, args, device, steps: int, progress: bool, stage: int | None =
         except RuntimeError as e:
             raise _job_fault("the loss average", step + 1, args, e) from e
         losses.append(mean_loss.item() / world)
-        bar.update(step, losses[-1], args.batch * seq * world / times[-1], _offloaded(opt) if bar.enabled else None)
+        bar.update(
+            step, losses[-1], args.batch * seq * data_world / times[-1], _offloaded(opt) if bar.enabled else None
+        )
         if checkpoints and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps):
             try:
                 written = save(
@@ -159,7 +184,7 @@ def run(kind: str, args, device, steps: int, progress: bool, stage: int | None =
             if step + 1 == steps and args.save_async:
                 written.wait()  # the last one: complete before the job reports and exits
     comm = opt.report().comm if isinstance(opt, ZeroOptimizer) else {}
-    numel = sum(p.numel() for p in model.parameters())
+    numel = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the whole tensor's
     if isinstance(opt, ZeroOptimizer):
         opt.remove_hooks()
     return losses, times, measured, comm, numel

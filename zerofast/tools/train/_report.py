@@ -16,9 +16,11 @@ def _median(xs):
 
 
 def report(args, measured_all, comm, numel, world) -> None:
-    est = estimate_memory(numel, world, args.stage, _precision(args), shard_size=args.shard_size)
+    tp = getattr(args, "tp", None) or 1  # --tp: each rank holds 1/tp of the model, ZeRO over world/tp
+    est = estimate_memory(numel, world, args.stage, _precision(args), shard_size=args.shard_size, tp=tp)
     p_bytes = 2 if args.mixed_precision else 4
-    phi = p_bytes * numel
+    phi = p_bytes * -(-numel // tp)
+    world //= tp
     moments = "8" if args.state_bits == 32 else "2 + scales"
     table = f"2 + 2 + 4 + {moments}" if args.mixed_precision else f"4 + 4 + {moments}"
     print(
@@ -49,7 +51,8 @@ def report(args, measured_all, comm, numel, world) -> None:
         )
         print(
             f"communication per step, {group} ({where}): {moved:,d} bytes = {moved / phi:.2f} Φ (formula: "
-            f"{formula} = {f_bytes:,d}; Φ = {phi:,d} bytes of {args.mixed_precision or 'fp32'} parameters)  "
+            f"{formula} = {f_bytes:,d}; Φ = {phi:,d} bytes of {args.mixed_precision or 'fp32'} parameters"
+            f"{f' on each of {tp} tensor-parallel ranks' if tp > 1 else ''})  "
             f"by collective: {mine}"
         )
 
