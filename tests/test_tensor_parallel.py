@@ -210,8 +210,17 @@ def _refused(rank, world):
     whole = init_device_mesh("cpu", (DP * TP,), mesh_dim_names=("tp",))
     attempt(lambda: ZeroAdam(titan_plan(TitanLlama(), whole), stage=2, process_group=mesh, **HYPER))
     opt = ZeroAdam(titan_plan(TitanLlama(), mesh["tp"]), stage=2, process_group=mesh, **HYPER)
-    attempt(lambda: opt.state_dict())
-    attempt(lambda: ckpt.save(f"/tmp/zerofast-tp-refused-{rank}", opt.model, opt))
+    from zerofast import MixedPrecisionPolicy
+
+    eight = ZeroAdam(
+        titan_plan(TitanLlama(), mesh["tp"]),
+        stage=2,
+        process_group=mesh,
+        mixed_precision=MixedPrecisionPolicy(state_bits=8, state_block=32),
+        **HYPER,
+    )
+    attempt(lambda: eight.state_dict())
+    attempt(lambda: ckpt.save(f"/tmp/zerofast-tp-refused-{rank}", eight.model, eight))
     # A step that one rank cannot apply (its lr made invalid, on global rank 1 only): every rank of
     # the model, across "tp" too, applies nothing, or the tp ranks' halves of a layer would diverge.
     before = _full(opt.model)
@@ -235,8 +244,8 @@ def test_what_tensor_parallelism_cannot_serve_yet_is_named():
         "ValueError: ZeroAdam: parameter 'tok_embeddings.weight' is a DTensor on a 1-D DeviceMesh over ranks "
         "[0, 1, 2, 3] (mesh_dim_names=('tp',)); with tensor parallelism every DTensor parameter must live on the "
         "process_group mesh's 'tp' dim",
-        "NotImplementedError: ZeroAdam: checkpoints of a tensor-parallel model",
-        "NotImplementedError: ZeroAdam: checkpoints of a tensor-parallel model",
+        "NotImplementedError: ZeroAdam: checkpoints of a tensor-parallel model with 8-bit optimizer state",
+        "NotImplementedError: ZeroAdam: checkpoints of a tensor-parallel model with 8-bit optimizer state",
     ]
     results = run_ranks(_refused, DP * TP, fresh=True)
     failed = ["StepNotAppliedError", "ValueError", "StepNotAppliedError", "StepNotAppliedError"]
@@ -246,3 +255,78 @@ def test_what_tensor_parallelism_cannot_serve_yet_is_named():
         assert len(errors) == len(expected)
         for got, want in zip(errors, expected):
             assert got is not None and got.startswith(want), (got, want)
+
+
+def _rows(step: int, dp_rank: int, dp: int) -> torch.Tensor:
+    """Step `step`'s global batch split into `dp` equal parts: part `dp_rank`."""
+    ids = _batch(step)
+    n = ids.size(0) // dp
+    return ids[dp_rank * n : (dp_rank + 1) * n]
+
+
+def _checkpoints(rank, world, root):
+    """A TP x ZeRO checkpoint loaded into another tp degree and into plain ZeroAdam, and a plain one
+    loaded back into TP: each continues as the run that saved it does."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import zerofast.checkpoint as ckpt
+
+    def tp_run(shape, stage):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+        model = titan_plan(TitanLlama(), mesh["tp"])
+        return model, ZeroAdam(model, stage=stage, process_group=mesh, **HYPER), mesh.get_local_rank("dp"), shape[0]
+
+    def step(model, opt, s, dp_rank, dp):
+        titan_loss(model, _rows(s, dp_rank, dp)).backward()
+        opt.step()
+        opt.zero_grad()
+        return _full(model)
+
+    saved, plain_saved = f"{root}/tp", f"{root}/plain"
+    model, opt, dp_rank, dp = tp_run((2, 2), 2)  # the run that saves, and goes on
+    for s in range(2):
+        step(model, opt, s, dp_rank, dp)
+    ckpt.save(saved, model, opt)
+    want = [step(model, opt, s, dp_rank, dp) for s in (2, 3)]
+    model, opt, dp_rank, dp = tp_run((1, 4), 1)  # tp 4, stage 1
+    ckpt.load(saved, model, opt)
+    tp4 = step(model, opt, 2, dp_rank, dp)
+    plain_model = TitanLlama()  # plain ZeroAdam on the 4 ranks
+    plain = ZeroAdam(plain_model, stage=2, **HYPER)
+    ckpt.load(saved, plain_model, plain)
+    flat = step(plain_model, plain, 2, rank, world)
+    ckpt.save(plain_saved, plain_model, plain)
+    model, opt, dp_rank, dp = tp_run((2, 2), 2)  # and back into tp 2 x dp 2
+    ckpt.load(plain_saved, model, opt)
+    back = step(model, opt, 3, dp_rank, dp)
+    dist.barrier()
+    return want, tp4, flat, back
+
+
+def test_a_tp_checkpoint_loads_into_another_tp_degree_plain_zero_adam_and_one_process(tmp_path):
+    """Saved at tp 2 x dp 2 after two steps; the third step after loading it at tp 4 x dp 1 (stage 1),
+    into plain ZeroAdam on 4 ranks, and into torch.optim.AdamW in one process (to_torch), and the
+    fourth after the plain run's checkpoint loads back into tp 2 x dp 2: each equals the saving run's
+    (fp32_tol: the same state, the step's rounding; the reduction order differs)."""
+    import zerofast.checkpoint as ckpt
+
+    results = run_ranks(_checkpoints, DP * TP, (str(tmp_path),), timeout=300, fresh=True)
+    model_sd, optim_sd = ckpt.to_torch(str(tmp_path / "tp"))
+    model = TitanLlama()
+    model.load_state_dict(model_sd)
+    adamw = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+    adamw.load_state_dict(optim_sd)
+    titan_loss(model, _batch(2)).backward()
+    adamw.step()
+    one_process = _full(model)
+    for rank, (want, tp4, flat, back) in enumerate(results):
+        assert max_abs_diff(want[0], results[0][0][0]) == 0, rank  # every rank saw the same whole model
+        moved = max_abs_diff(want[1], want[0])
+        for name, got, w in (
+            ("tp4", tp4, want[0]),
+            ("plain", flat, want[0]),
+            ("one process", one_process, want[0]),
+            ("back", back, want[1]),
+        ):
+            assert max_abs_diff(got, w) <= fp32_tol(1), (rank, name, max_abs_diff(got, w))
+        assert moved > 100 * fp32_tol(1), moved  # the compared step moves the parameters: the test can fail

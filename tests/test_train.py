@@ -227,7 +227,7 @@ def test_train_command_with_tensor_parallelism():
             "--tp must be at least 1 and divide the ranks (4) and the small Llama's 8 heads; got 3",
         ),
         (["--nproc", "2", "--tp", "2", "--stage", "3"], "stage 3 under tensor parallelism is not supported yet"),
-        (["--nproc", "2", "--tp", "2", "--stage", "2", "--save-dir", "d"], "--save-dir is not available with --tp yet"),
+        (["--nproc", "2", "--tp", "2", "--stage", "2", "--compare"], "--compare is not available with --tp yet"),
         (["--stage", "4"], "--stage must be 1, 2 or 3; got 4"),
         (["--steps", "-3"], "--steps must be 0 or more; got -3"),
         (["--model", "huge"], "--model must be one of tiny, small; got 'huge'"),

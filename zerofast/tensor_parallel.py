@@ -36,9 +36,14 @@ ranks of one "tp" group hold the parts of one layer and see the same data.
   across "tp" from "tp" rank 0 (zerofast/topology.py broadcast_from_rank0): every rank holds global
   rank 0's replicated weights, which SequenceParallel assumes (it builds DTensors with
   from_local(run_check=False)).
-Not served yet, each a named error at construction: stage 3, ZeroMuon, checkpoints (the view names
-parameters by their local tensors), DTensors on another mesh or with placements other than one
-Shard or Replicate.
+- Checkpoints name each DTensor parameter by its whole shape: each rank's pieces of its local
+  tensor are cut into boxes of the local tensor ([Note: flat slices as chunks] in
+  zerofast/checkpoint/dcp.py) and shifted by where the local tensor sits in the whole
+  (local_geometry); a replicated parameter's "tp" ranks describe the same boxes, which DCP writes
+  once. So a checkpoint of (dp, tp) loads into another tp degree, another dp size, plain ZeroAdam
+  or one process, and back.
+Not served yet, each a named error: stage 3, ZeroMuon, checkpoints with 8-bit state (its blocks are
+the local tensor's), DTensors on another mesh or with placements other than one Shard or Replicate.
 """
 
 from __future__ import annotations
@@ -112,6 +117,32 @@ class TensorParallel:
             self.replicated.append(p.placements[0].is_replicate())
         self.dtensor_indices = [i for i, p in enumerate(self.params) if is_dtensor(p)]
         self._hooks: list = []
+
+    def local_geometry(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]] | None, ...]:
+        """Per parameter, where its local tensor sits in the whole one: (local shape, offsets), or None
+        for a plain parameter (the whole). A Shard(d) parameter's "tp" rank r holds torch.chunk's
+        r-th chunk of dim d (chunks of ceil(n / tp) rows, the last ones shorter or empty)."""
+        out = []
+        for p, standin in zip(self.params, self.standins):
+            if not is_dtensor(p):
+                out.append(None)
+                continue
+            offsets = [0] * p.ndim
+            placement = p.placements[0]
+            if placement.is_shard():
+                d = placement.dim % p.ndim
+                offsets[d] = min(p.shape[d], self.tp_rank * -(-p.shape[d] // self.tp_size))
+            out.append((tuple(standin.shape), tuple(offsets)))
+        return tuple(out)
+
+    def local_part(self, index: int, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of parameter `index`'s whole tensor (a plain parameter's: all of it)."""
+        geometry = self.local_geometry()[index]
+        if geometry is None:
+            return whole
+        for d, (size, offset) in enumerate(zip(*geometry)):
+            whole = whole.narrow(d, offset, size)
+        return whole
 
     def relink(self) -> None:
         """After the core bound the stand-ins to their slots: each DTensor reads its stand-in's storage."""

@@ -141,6 +141,9 @@ class Topology:
     # the same data ([Note: tensor parallelism] in zerofast/tensor_parallel.py); None: none.
     tp_group: dist.ProcessGroup | None = None
     tp_size: int = 1
+    # Tensor parallelism: every rank of the mesh (data parallel x "tp"), which a checkpoint is saved
+    # and loaded by (each holds other parts of the model); None: `group` is every rank of the model.
+    model_group: dist.ProcessGroup | None = None
 
     def __post_init__(self):
         if self.replication is None:
@@ -232,6 +235,14 @@ def mesh_groups(mesh, who: str = "ZeroAdam") -> tuple[int, int]:
     )
 
 
+def _mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """A group of every rank of `mesh` (the world where it covers it). Every rank of it calls it."""
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    if sorted(ranks) == list(range(dist.get_world_size())):
+        return dist.group.WORLD
+    return compat.new_group(sorted(ranks))
+
+
 def resolve_topology(group: dist.ProcessGroup, shard_size: int, timeout: timedelta | None, mesh=None) -> Topology:
     """The groups of `group`'s ranks for shard_size (already checked: check_shard_size), or those of
     `mesh`. Every rank of `group` calls it (new_group is collective)."""
@@ -253,6 +264,7 @@ def resolve_topology(group: dist.ProcessGroup, shard_size: int, timeout: timedel
             replicas,
             tp_group=tp_group,
             tp_size=mesh.size(mesh.mesh_dim_names.index(dims.tp)) if dims.tp else 1,
+            model_group=_mesh_group(mesh) if dims.tp else None,
         )
     if shard_size == world:
         return Topology(group, rank, world, group, rank, world, None, 1)

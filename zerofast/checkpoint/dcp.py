@@ -128,7 +128,14 @@ class _Chunks:
         self.scale_shapes = [(num_blocks(_numel(s), self.block),) if self.block else () for s in self.shapes]
         self.scale_mine: list[list[tuple]] = [[] for _ in self.shapes]
         for pc in part.layout.pieces(view.facts.shard_rank):
-            for offsets, sizes, start in boxes(self.shapes[pc.param], pc.param_offset, pc.param_offset + pc.numel):
+            # A DTensor parameter's pieces are of its local tensor: boxes of that, shifted to where it
+            # sits in the whole ([Note: tensor parallelism] in zerofast/tensor_parallel.py).
+            geometry = part.local_geometry[pc.param] if part.local_geometry is not None else None
+            local, shift = (
+                geometry if geometry is not None else (self.shapes[pc.param], (0,) * len(self.shapes[pc.param]))
+            )
+            for offsets, sizes, start in boxes(local, pc.param_offset, pc.param_offset + pc.numel):
+                offsets = tuple(o + s for o, s in zip(offsets, shift))
                 self.mine[pc.param].append((pc, offsets, sizes, start))
             if self.block:
                 blocks = block_slice(pc.param_offset, pc.numel, self.block)

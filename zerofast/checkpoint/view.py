@@ -78,6 +78,10 @@ class ShardedPart:
     # 0: fp32 state; else 8-bit state in blocks of this many elements of each parameter, every piece
     # starting at a block boundary ([Note: quantized state] in zerofast/quant.py).
     state_block: int = 0
+    # Tensor parallelism: per parameter, (the local tensor's shape, its offsets in the whole tensor)
+    # of a DTensor parameter, or None for a plain one, whose pieces are of the whole; None: no
+    # DTensor at all ([Note: tensor parallelism] in zerofast/tensor_parallel.py).
+    local_geometry: tuple | None = None
 
     @functools.cached_property
     def _index_of(self) -> dict[int, int]:

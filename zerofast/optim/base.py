@@ -218,11 +218,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The training state as zerofast.checkpoint reads and writes it (zerofast/checkpoint/view.py):
         the parameters by name, what state each holds, live views of this rank's pieces, the step
         counts, the loss scale."""
-        if self._parts.topology.tp_group is not None:  # [Note: tensor parallelism] in zerofast/tensor_parallel.py
+        if self._parts.topology.tp_group is not None and self.plan.quantized_state:
             raise NotImplementedError(
-                f"{type(self).__name__}: checkpoints of a tensor-parallel model (a process_group mesh with a 'tp' "
-                "dim) are not supported yet: its state is laid out over each rank's local tensors, which a "
-                "checkpoint would name as whole parameters. opt.model.state_dict() holds the DTensor weights"
+                f"{type(self).__name__}: checkpoints of a tensor-parallel model with 8-bit optimizer state are "
+                "not supported yet: its blocks are those of each rank's local tensor, not of the whole parameter "
+                "([Note: tensor parallelism] in zerofast/tensor_parallel.py)"
             )
         return self._view
 

@@ -380,8 +380,15 @@ def checkpoint_view(parts: Parts, param_groups: list[dict]) -> CheckpointView:
     """The parts as zerofast.checkpoint reads and writes them (zerofast/checkpoint/view.py);
     param_groups: the front's own list (torch.optim's), which a load updates in place."""
     plan, topo, shard, rule = parts.plan, parts.topology, parts.shard, parts.rule
+    tp = parts.grads.tp  # the checkpoint names a DTensor parameter, whole ([Note: tensor parallelism])
+    load_pieces = shard.load_pieces
+    if tp is not None:
+
+        def load_pieces(kind, full, load=shard.load_pieces):
+            load(kind, {i: tp.local_part(i, t) for i, t in full.items()})
+
     trainable = ShardedPart(
-        params=tuple(zip(parts.names, parts.params)),
+        params=tuple(zip(parts.names, tp.params if tp is not None else parts.params)),
         kinds=tuple(rule.state_kinds(i) for i in range(len(parts.params))),
         layout=parts.layout,
         pieces=tuple(shard.pieces),
@@ -389,16 +396,23 @@ def checkpoint_view(parts: Parts, param_groups: list[dict]) -> CheckpointView:
         device=shard.device,
         piece_view=shard.piece_view,
         write_piece=shard.write_piece,
-        load_pieces=shard.load_pieces,
+        load_pieces=load_pieces,
         buffer_of=storage_of,
         state_block=plan.state_block if plan.quantized_state else 0,
+        local_geometry=tp.local_geometry() if tp is not None else None,
     )
     return CheckpointView(
         model=parts.model,
-        facts=Facts(
-            topo.rank,
-            topo.world,
-            topo.group,
+        facts=Facts(  # with tensor parallelism every rank of the mesh saves and loads together
+            *(
+                (topo.rank, topo.world, topo.group)
+                if topo.model_group is None
+                else (
+                    dist.get_rank(topo.model_group),
+                    dist.get_world_size(topo.model_group),
+                    topo.model_group,
+                )
+            ),
             plan.stage,
             plan.partition,
             plan.mixed_precision or "fp32",

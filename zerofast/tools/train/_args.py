@@ -183,7 +183,6 @@ def _check_tp(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.stage == 3:
         p.error("--tp trains with stages 1 and 2; stage 3 under tensor parallelism is not supported yet")
     for flag, given in (
-        ("--save-dir", args.save_dir),
         ("--compare", args.compare),
         ("--plot", args.plot),
         ("--shard-size", args.shard_size),

@@ -47,7 +47,7 @@ def report(args, measured_all, comm, numel, world) -> None:
         where = (
             ("within each group of K ranks" if group == "shard" else "across machines, between the replicas")
             if k != world
-            else "between all ranks"
+            else ("between the data-parallel ranks of each tp rank" if tp > 1 else "between all ranks")
         )
         print(
             f"communication per step, {group} ({where}): {moved:,d} bytes = {moved / phi:.2f} Φ (formula: "
