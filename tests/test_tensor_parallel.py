@@ -330,3 +330,62 @@ def test_a_tp_checkpoint_loads_into_another_tp_degree_plain_zero_adam_and_one_pr
         ):
             assert max_abs_diff(got, w) <= fp32_tol(1), (rank, name, max_abs_diff(got, w))
         assert moved > 100 * fp32_tol(1), moved  # the compared step moves the parameters: the test can fail
+
+
+def _hf_plan(model, tp_mesh):
+    """A tensor-parallel plan for Hugging Face's Llama (its module names): q/k/v and gate/up Colwise,
+    o and down Rowwise, the embedding Rowwise and the head Colwise, both gathered; norms plain."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+    for i in range(len(model.model.layers)):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+    return parallelize_module(model, tp_mesh, plan)
+
+
+def _hf_loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _hf(rank, world):
+    from models import tiny_llama
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    model = _hf_plan(tiny_llama(), mesh["tp"])
+    opt = ZeroAdam(model, stage=2, process_group=mesh, max_grad_norm=0.05, **HYPER)
+    for step in range(STEPS):
+        _hf_loss(model, _batch(step, mesh.get_local_rank("dp"))).backward()
+        opt.step()
+        opt.zero_grad()
+    out = _full(model)
+    dist.barrier()
+    return out
+
+
+def test_a_hugging_face_llama_under_a_tp_plan_equals_adamw():
+    """Not our own model: Hugging Face's Llama built from its config (its attention reshapes to the
+    local heads, its rotary buffers and norms stay plain), tp 2 x dp 2, stage 2, clipped, against
+    single-process AdamW with torch's clip_grad_norm_ on the global batch (fp32_tol)."""
+    from models import tiny_llama
+
+    results = run_ranks(_hf, DP * TP, timeout=300, fresh=True)
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+    for step in range(STEPS):
+        _hf_loss(model, _batch(step)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+    want = _full(model)
+    initial = _full(tiny_llama())
+    for rank, got in enumerate(results):
+        assert max_abs_diff(got, want) <= fp32_tol(STEPS), (rank, max_abs_diff(got, want))
+    assert max_abs_diff(want, initial) > 100 * fp32_tol(STEPS)  # it trained: the comparison can fail
