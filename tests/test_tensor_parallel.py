@@ -51,7 +51,8 @@ def _full_master(opt, model) -> dict[str, torch.Tensor]:
         for i, offset, values in pieces:
             flat[i][offset : offset + values.numel()] = values
     out = {}
-    for (name, p), local, standin in zip(model.named_parameters(), flat, parts.params):
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for (name, p), local, standin in zip(trainable, flat, parts.params):
         local = local.view(standin.shape)
         if isinstance(p, DTensor):
             local = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False).full_tensor()
@@ -59,19 +60,33 @@ def _full_master(opt, model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _oracle(steps: int, max_norm: float | None) -> tuple[dict[str, torch.Tensor], list[float], dict]:
+# Frozen in the configurations that say so: the embedding (a Rowwise DTensor, Shard(0)) and one norm
+# (a Replicate DTensor under SequenceParallel): stage 3 shards them without state.
+FROZEN = ("tok_embeddings.", "layers.0.attention_norm.")
+
+
+def _freeze(model, frozen: bool):
+    for name, p in model.named_parameters():
+        if frozen and name.startswith(FROZEN):
+            p.requires_grad_(False)
+    return model
+
+
+def _oracle(steps: int, max_norm: float | None, frozen: bool = False) -> tuple[dict, list[float], dict]:
     """AdamW on one process over the global batch (clip_grad_norm_ at max_norm, when given): the
-    parameters, each step's norm, and the parameters again (fp32: they are the master)."""
-    model = TitanLlama()
-    opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+    parameters, each step's norm, and the trainable ones (fp32: they are the master)."""
+    model = _freeze(TitanLlama(), frozen)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, foreach=False, **HYPER)
     norms = []
     for step in range(steps):
         titan_loss(model, _batch(step)).backward()
         if max_norm is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+            norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, max_norm)))
         opt.step()
         opt.zero_grad()
-    return _full(model), norms, _full(model)
+    params = _full(model)
+    return params, norms, {n: t for n, t in params.items() if not (frozen and n.startswith(FROZEN))}
 
 
 def _tp_oracle(tp_mesh, sp: bool, max_norm: float | None, dtype) -> tuple[dict, list[float], dict]:
@@ -107,21 +122,28 @@ def _tp_oracle(tp_mesh, sp: bool, max_norm: float | None, dtype) -> tuple[dict, 
     return _full(model), norms, {n: m.detach().full_tensor() for n, m in zip(names, master)}
 
 
-# (stage, sequence parallel, max_norm, dtype, mesh, micro-batches): mesh "dp" is (dp 2, tp 2);
+# (stage, sequence parallel, max_norm, dtype, mesh, micro-batches, frozen): mesh "dp" is (dp 2, tp 2);
 # "hybrid" is (replicate 2, dp 1, tp 2), hybrid sharding's replicas around tensor parallelism;
 # micro-batches 2: each rank's rows one at a time, all but the last inside no_sync() (stage 1 keeps
-# the gradients in its buckets, stage 2 reduces each into the shard).
+# the gradients in its buckets, stages 2 and 3 reduce each into the shard); frozen: FROZEN's
+# parameters do not train. Stage 3 gathers each unit across "dp" only, its parameters left DTensors.
 MESHES = {"dp": ((DP, TP), ("dp", "tp")), "hybrid": ((DP, 1, TP), ("replicate", "dp", "tp"))}
 CONFIGS = [
-    (1, True, None, torch.float32, "dp", 1),
-    (2, True, 0.05, torch.float32, "dp", 1),
-    (2, False, None, torch.float32, "dp", 1),
-    (1, False, 0.05, torch.float32, "dp", 1),
-    (2, True, 0.05, torch.bfloat16, "dp", 1),
-    (1, True, None, torch.bfloat16, "dp", 1),
-    (2, True, 0.05, torch.float32, "hybrid", 1),
-    (1, True, 0.05, torch.float32, "dp", 2),
-    (2, True, None, torch.float32, "dp", 2),
+    (1, True, None, torch.float32, "dp", 1, False),
+    (2, True, 0.05, torch.float32, "dp", 1, False),
+    (2, False, None, torch.float32, "dp", 1, False),
+    (1, False, 0.05, torch.float32, "dp", 1, False),
+    (2, True, 0.05, torch.bfloat16, "dp", 1, False),
+    (1, True, None, torch.bfloat16, "dp", 1, False),
+    (2, True, 0.05, torch.float32, "hybrid", 1, False),
+    (1, True, 0.05, torch.float32, "dp", 2, False),
+    (2, True, None, torch.float32, "dp", 2, False),
+    (3, True, 0.05, torch.float32, "dp", 1, False),
+    (3, False, None, torch.float32, "dp", 2, False),
+    (3, True, 0.05, torch.bfloat16, "dp", 1, False),
+    (3, True, 0.05, torch.float32, "hybrid", 1, False),
+    (3, True, 0.05, torch.float32, "dp", 1, True),
+    (2, True, None, torch.float32, "dp", 1, True),
 ]
 
 
@@ -134,11 +156,11 @@ def _train(rank, world, configs):
     from zerofast.optim.zero_adam import parts_of
 
     out = []
-    for stage, sp, max_norm, dtype, mesh_kind, micro in configs:
+    for stage, sp, max_norm, dtype, mesh_kind, micro, frozen in configs:
         shape, names = MESHES[mesh_kind]
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         dp_rank = dist.get_rank(dist.group.WORLD) // TP  # the mesh is row-major, "tp" innermost
-        model = titan_plan(TitanLlama(), mesh["tp"], sequence_parallel=sp)
+        model = _freeze(titan_plan(TitanLlama(), mesh["tp"], sequence_parallel=sp), frozen)
         mixed = None if dtype == torch.float32 else MixedPrecisionPolicy(dtype, reduce_dtype=torch.float32)
         opt = ZeroAdam(model, stage=stage, process_group=mesh, mixed_precision=mixed, **HYPER)
         norms = []
@@ -151,14 +173,21 @@ def _train(rank, world, configs):
                 norms.append(float(opt.clip_grad_norm_(max_norm)))
             opt.step()
             opt.zero_grad()
-        got = (_full(model), norms, _full_master(opt, model))
+        with opt.gathered_params():  # stage 3: every unit gathered (across "dp"; DTensors on "tp")
+            whole = _full(model)
+        got = (whole, norms, _full_master(opt, model))
         # The estimator with tp: each rank's local tensors, sharded over the data-parallel ranks; the
         # measured bytes exceed it by the buckets' padding at most (ALIGN * dp elements a bucket).
         est = estimate_memory(model, world, stage, mixed, tp=TP, shard_size=shape[-2])  # the "dp" dim
-        mem, buckets = opt.report().memory, len(parts_of(opt).layout.buckets)
-        pad = ALIGN * shape[-2] * buckets
+        mem, parts = opt.report().memory, parts_of(opt)
+        pad = ALIGN * shape[-2] * len(parts.layout.buckets)
+        frozen_pad = ALIGN * shape[-2] * len(parts.frozen.layout.buckets) if parts.frozen is not None else 0
         p_bytes, o_bytes = dtype.itemsize, 8 + (4 if dtype != torch.float32 else 0)
-        assert 0 <= mem.params + mem.param_padding - est.params <= pad * p_bytes, (mem, est)
+        # Frozen parameters: stage 3's shard of them, or (stages 1 and 2) the model's own local tensors.
+        local = [p._local_tensor if hasattr(p, "_local_tensor") else p for p in model.parameters()]
+        whole_frozen = sum(t.numel() for t, p in zip(local, model.parameters()) if not p.requires_grad) * p_bytes
+        held = mem.params + mem.param_padding + (mem.frozen_params if stage == 3 else whole_frozen)
+        assert 0 <= held - est.params <= (pad + frozen_pad) * p_bytes, (mem, est)
         assert 0 <= mem.optimizer + mem.master_copy - est.optimizer <= pad * o_bytes, (mem, est)
         # The model's whole tensors as a consolidated save reads them (rank 1 takes part, keeps none).
         saved = opt.full_state_dict(keep=rank != 1)
@@ -172,11 +201,11 @@ def _train(rank, world, configs):
 
 def test_tp2_dp2_equals_adamw_on_the_global_batch():
     results = run_ranks(_train, DP * TP, (CONFIGS,), timeout=300, fresh=True)
-    oracles = {c[2]: _oracle(STEPS, c[2]) for c in CONFIGS if c[3] == torch.float32}
+    oracles = {(c[2], c[6]): _oracle(STEPS, c[2], c[6]) for c in CONFIGS if c[3] == torch.float32}
     numel = sum(p.numel() for p in TitanLlama().parameters())
     for rank, runs in enumerate(results):
         for config, ((params, norms, master), tp_oracle) in zip(CONFIGS, runs):
-            want, want_norms, want_master = tp_oracle or oracles[config[2]]
+            want, want_norms, want_master = tp_oracle or oracles[config[2], config[6]]
             # fp32: 16 ulps a step (tolerances.py); bf16 against the oracle whose gradients are the
             # same: the master within the step's rounding, the parameters its rounding to bf16, one
             # ulp of bf16 at the largest parameter where two masters round to neighbours.
@@ -204,7 +233,6 @@ def _refused(rank, world):
         except (ValueError, TypeError, NotImplementedError) as e:
             errors.append(f"{type(e).__name__}: {e}")
 
-    attempt(lambda: ZeroAdam(titan_plan(TitanLlama(), mesh["tp"]), stage=3, process_group=mesh, **HYPER))
     attempt(lambda: ZeroMuon(titan_plan(TitanLlama(), mesh["tp"]), process_group=mesh, lr=0.02))
     # The model parallelized over every rank, the optimizer told "tp" is 2 of them.
     whole = init_device_mesh("cpu", (DP * TP,), mesh_dim_names=("tp",))
@@ -238,7 +266,6 @@ def _refused(rank, world):
 
 def test_what_tensor_parallelism_cannot_serve_yet_is_named():
     expected = [
-        "ValueError: ZeroAdam: stage=3 with tensor parallelism (a process_group mesh with a 'tp' dim) is not supported",
         "ValueError: ZeroMuon: parameter 'tok_embeddings.weight' is a DTensor (placements (Shard(dim=0),) on a 1-D "
         "DeviceMesh with mesh_dim_names=('tp',)); ZeroMuon does not take tensor-parallel models",
         "ValueError: ZeroAdam: parameter 'tok_embeddings.weight' is a DTensor on a 1-D DeviceMesh over ranks "
@@ -271,16 +298,17 @@ def _checkpoints(rank, world, root):
 
     import zerofast.checkpoint as ckpt
 
-    def tp_run(shape, stage):
+    def tp_run(shape, stage, frozen=False):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
-        model = titan_plan(TitanLlama(), mesh["tp"])
+        model = _freeze(titan_plan(TitanLlama(), mesh["tp"]), frozen)
         return model, ZeroAdam(model, stage=stage, process_group=mesh, **HYPER), mesh.get_local_rank("dp"), shape[0]
 
     def step(model, opt, s, dp_rank, dp):
         titan_loss(model, _rows(s, dp_rank, dp)).backward()
         opt.step()
         opt.zero_grad()
-        return _full(model)
+        with opt.gathered_params():
+            return _full(model)
 
     saved, plain_saved = f"{root}/tp", f"{root}/plain"
     model, opt, dp_rank, dp = tp_run((2, 2), 2)  # the run that saves, and goes on
@@ -299,14 +327,25 @@ def _checkpoints(rank, world, root):
     model, opt, dp_rank, dp = tp_run((2, 2), 2)  # and back into tp 2 x dp 2
     ckpt.load(plain_saved, model, opt)
     back = step(model, opt, 3, dp_rank, dp)
+    # Stage 3 with frozen DTensors (sharded, no state; [Note: frozen parameters in stage 3]): saved
+    # at tp 2 x dp 2, loaded at tp 4 x dp 1.
+    model, opt, dp_rank, dp = tp_run((2, 2), 3, frozen=True)
+    for s in range(2):
+        step(model, opt, s, dp_rank, dp)
+    ckpt.save(f"{root}/stage3", model, opt)
+    want3 = [step(model, opt, s, dp_rank, dp) for s in (2,)]
+    model, opt, dp_rank, dp = tp_run((1, 4), 3, frozen=True)
+    ckpt.load(f"{root}/stage3", model, opt)
+    got3 = step(model, opt, 2, dp_rank, dp)
     dist.barrier()
-    return want, tp4, flat, back
+    return want, tp4, flat, back, want3[0], got3
 
 
 def test_a_tp_checkpoint_loads_into_another_tp_degree_plain_zero_adam_and_one_process(tmp_path):
     """Saved at tp 2 x dp 2 after two steps; the third step after loading it at tp 4 x dp 1 (stage 1),
     into plain ZeroAdam on 4 ranks, and into torch.optim.AdamW in one process (to_torch), and the
-    fourth after the plain run's checkpoint loads back into tp 2 x dp 2: each equals the saving run's
+    fourth after the plain run's checkpoint loads back into tp 2 x dp 2; and a stage-3 run with frozen
+    DTensors saved at tp 2 x dp 2, its third step after loading at tp 4: each equals the saving run's
     (fp32_tol: the same state, the step's rounding; the reduction order differs)."""
     import zerofast.checkpoint as ckpt
 
@@ -319,7 +358,7 @@ def test_a_tp_checkpoint_loads_into_another_tp_degree_plain_zero_adam_and_one_pr
     titan_loss(model, _batch(2)).backward()
     adamw.step()
     one_process = _full(model)
-    for rank, (want, tp4, flat, back) in enumerate(results):
+    for rank, (want, tp4, flat, back, want3, got3) in enumerate(results):
         assert max_abs_diff(want[0], results[0][0][0]) == 0, rank  # every rank saw the same whole model
         moved = max_abs_diff(want[1], want[0])
         for name, got, w in (
@@ -327,6 +366,7 @@ def test_a_tp_checkpoint_loads_into_another_tp_degree_plain_zero_adam_and_one_pr
             ("plain", flat, want[0]),
             ("one process", one_process, want[0]),
             ("back", back, want[1]),
+            ("stage 3 at tp 4", got3, want3),
         ):
             assert max_abs_diff(got, w) <= fp32_tol(1), (rank, name, max_abs_diff(got, w))
         assert moved > 100 * fp32_tol(1), moved  # the compared step moves the parameters: the test can fail

@@ -100,7 +100,16 @@ class TensorParallel:
     """The DTensor parameters of a model trained over a mesh with a "tp" dim, and their stand-ins
     ([Note: tensor parallelism])."""
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]], tp_group: dist.ProcessGroup, tp_size: int, who: str):
+    def __init__(
+        self,
+        named: list[tuple[str, nn.Parameter]],
+        tp_group: dist.ProcessGroup,
+        tp_size: int,
+        who: str,
+        frozen_named: list[tuple[str, nn.Parameter]] = (),
+    ):
+        """named: the trainable parameters, in the optimizer's order; frozen_named: the model's frozen
+        ones (their DTensors are checked as the trainable ones are)."""
         self.tp_group, self.tp_size = tp_group, tp_size
         self.tp_rank = dist.get_rank(tp_group)
         tp_ranks = dist.get_process_group_ranks(tp_group)
@@ -116,28 +125,53 @@ class TensorParallel:
             self.standins.append(p._local_tensor.detach().requires_grad_(p.requires_grad))
             self.replicated.append(p.placements[0].is_replicate())
         self.dtensor_indices = [i for i, p in enumerate(self.params) if is_dtensor(p)]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        # Stage 3's frozen DTensors, which it shards too ([Note: frozen parameters in stage 3]): their
+        # stand-ins are made when the layouts ask for them (standin_of), after mixed precision has
+        # converted them, and relinked with the trainable ones.
+        self.frozen: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._frozen_index: dict[int, int] = {}
+        for name, p in frozen_named:
+            if is_dtensor(p):
+                _check_dtensor(name, p, tp_ranks, who)
         self._hooks: list = []
+
+    def standin_of(self, p: nn.Parameter) -> torch.Tensor:
+        """The tensor the core shards for the model's parameter `p`: a trainable parameter's stand-in;
+        a frozen DTensor's, made on the first ask (stage 3 shards it); any other plain parameter itself."""
+        if id(p) in self._index:
+            return self.standins[self._index[id(p)]]
+        if not is_dtensor(p):
+            return p
+        if id(p) not in self._frozen_index:
+            self._frozen_index[id(p)] = len(self.frozen)
+            self.frozen.append((p, p._local_tensor.detach()))
+        return self.frozen[self._frozen_index[id(p)]][1]
 
     def local_geometry(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]] | None, ...]:
         """Per parameter, where its local tensor sits in the whole one: (local shape, offsets), or None
         for a plain parameter (the whole). A Shard(d) parameter's "tp" rank r holds torch.chunk's
         r-th chunk of dim d (chunks of ceil(n / tp) rows, the last ones shorter or empty)."""
-        out = []
-        for p, standin in zip(self.params, self.standins):
-            if not is_dtensor(p):
-                out.append(None)
-                continue
-            offsets = [0] * p.ndim
-            placement = p.placements[0]
-            if placement.is_shard():
-                d = placement.dim % p.ndim
-                offsets[d] = min(p.shape[d], self.tp_rank * -(-p.shape[d] // self.tp_size))
-            out.append((tuple(standin.shape), tuple(offsets)))
-        return tuple(out)
+        return tuple(self.geometry(p) for p in self.params)
+
+    def geometry(self, p: nn.Parameter) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """Where the model's parameter `p`'s local tensor sits in the whole one (local_geometry's)."""
+        if not is_dtensor(p):
+            return None
+        offsets = [0] * p.ndim
+        placement = p.placements[0]
+        if placement.is_shard():
+            d = placement.dim % p.ndim
+            offsets[d] = min(p.shape[d], self.tp_rank * -(-p.shape[d] // self.tp_size))
+        return tuple(p._local_tensor.shape), tuple(offsets)
 
     def local_part(self, index: int, whole: torch.Tensor) -> torch.Tensor:
         """This rank's part of parameter `index`'s whole tensor (a plain parameter's: all of it)."""
-        geometry = self.local_geometry()[index]
+        return self.narrow(self.params[index], whole)
+
+    def narrow(self, p: nn.Parameter, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the model's parameter `p`'s whole tensor (a plain parameter's: all of it)."""
+        geometry = self.geometry(p)
         if geometry is None:
             return whole
         for d, (size, offset) in enumerate(zip(*geometry)):
@@ -149,6 +183,8 @@ class TensorParallel:
         with torch.no_grad():
             for i in self.dtensor_indices:
                 set_local(self.params[i], self.standins[i].detach())
+            for p, standin in self.frozen:
+                set_local(p, standin.detach())
 
     def install_grad_hooks(self, on_grad: Callable[[int], None]) -> None:
         """A post-accumulate hook per DTensor parameter: its gradient, in the parameter's placements,

@@ -160,8 +160,6 @@ def estimate_memory(
     if not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 and world % tp == 0):
         raise ValueError(f"estimate_memory: tp must be an integer >= 1 that divides world ({world}); got {tp!r}")
     if tp > 1:
-        if stage == 3:
-            raise ValueError("estimate_memory: stage 3 under tensor parallelism (tp > 1) is not supported yet")
         if isinstance(model_or_param_count, nn.Module):
             numel = sum(_local_numel(p) for p in model_or_param_count.parameters() if p.requires_grad)
             frozen = sum(_local_numel(p) for p in model_or_param_count.parameters() if not p.requires_grad)

@@ -206,7 +206,7 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
         source.topology(group, plan) if source else resolve_topology(group, shard_size, group_timeout(group), mesh)
     )
     join_ranks(model, group, "ZeroAdam", topology.tp_group)
-    tp = _tensor_parallel(named, topology, plan)
+    tp = _tensor_parallel(model, named, topology)
     names = [n for n, _ in named]
     # The parameters as the core shards them: plain tensors ([Note: tensor parallelism]).
     params = tp.standins if tp is not None else [p for _, p in named]
@@ -225,7 +225,14 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
     hooks = []
     if plan.separate_master:  # see [Note: mixed precision]; before stage 3 lays out the frozen parameters
         hooks += in_precision(model, plan.param_dtype)
-    layouts = plan_layouts(model, plan, topology.shard_size, rule.partition_costs, list(zip(names, params)))
+    layouts = plan_layouts(
+        model,
+        plan,
+        topology.shard_size,
+        rule.partition_costs,
+        list(zip(names, params)),
+        tp.standin_of if tp is not None else None,
+    )
     shard = _shard_state(layouts.layout, topology, names, params, plan)
     if tp is not None:
         tp.relink()
@@ -255,7 +262,9 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
         hooks += gather.register_waits(model, params)
     frozen = frozen_comm = units = None
     if plan.params_sharded:
-        frozen, frozen_comm = _frozen_part(layouts, topology, plan, comm)
+        frozen, frozen_comm = _frozen_part(layouts, topology, plan, comm, tp)
+        if tp is not None:
+            tp.relink()  # the frozen DTensors too, before their storage is released
         units = _shard_params(model, layouts, topology, shard, comm, frozen, frozen_comm)
     grads = GradReducer(params, names, layouts.layout, comm, shard, plan, scaler=scaler, gather=gather, tp=tp)
     parts = Parts(
@@ -292,17 +301,13 @@ def has_tp_dim(process_group) -> bool:
     return isinstance(process_group, DeviceMesh) and "tp" in (process_group.mesh_dim_names or ())
 
 
-def _tensor_parallel(named, topology: Topology, plan: Plan) -> TensorParallel | None:
+def _tensor_parallel(model: nn.Module, named, topology: Topology) -> TensorParallel | None:
     """The model's DTensor parameters and their stand-ins, where the mesh has a "tp" dim
-    ([Note: tensor parallelism] in zerofast/tensor_parallel.py); what it cannot serve yet is named."""
+    ([Note: tensor parallelism] in zerofast/tensor_parallel.py); a DTensor it cannot serve is named."""
     if topology.tp_group is None:
         return None
-    if plan.params_sharded:
-        raise ValueError(
-            "ZeroAdam: stage=3 with tensor parallelism (a process_group mesh with a 'tp' dim) is not supported "
-            "yet; stages 1 and 2 are"
-        )
-    return TensorParallel(named, topology.tp_group, topology.tp_size, "ZeroAdam")
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    return TensorParallel(named, topology.tp_group, topology.tp_size, "ZeroAdam", frozen)
 
 
 def _shard_state(layout: Layout, topology: Topology, names, params, plan: Plan) -> ShardState:
@@ -336,14 +341,14 @@ def _gather_group(topology: Topology) -> dist.ProcessGroup:
     return second_group(topology.shard_group, topology.group)
 
 
-def _frozen_part(layouts, topology: Topology, plan: Plan, comm: BucketComm):
+def _frozen_part(layouts, topology: Topology, plan: Plan, comm: BucketComm, tp: TensorParallel | None):
     """Stage 3's frozen parameters ([Note: frozen parameters in stage 3]): their FrozenShard and the
     BucketComm that gathers them, on the trainable part's gather group (no reduce, no gradient
-    shard); (None, None) when there are none."""
+    shard); (None, None) when there are none. A frozen DTensor is sharded through its stand-in."""
     if layouts.frozen_layout is None:
         return None, None
     frozen, frozen_comm = frozen_part(
-        layouts.frozen_named,
+        [(n, tp.standin_of(p) if tp is not None else p) for n, p in layouts.frozen_named],
         layouts.frozen_layout,
         layouts.frozen_bucket_of,
         topology.shard_rank,
@@ -449,20 +454,28 @@ def _flat_state(parts: Parts) -> dict[str, torch.Tensor]:
 
 
 def _frozen_view(parts: Parts) -> ShardedPart | None:
-    fz = parts.frozen
+    fz, tp = parts.frozen, parts.grads.tp
     if fz is None:
         return None
+    named = parts.frozen_named  # the model's (DTensors named whole, as the trainable part's)
+    load_pieces = fz.load_pieces
+    if tp is not None:
+
+        def load_pieces(full, load=fz.load_pieces):
+            load({i: tp.narrow(named[i][1], t) for i, t in full.items()})
+
     return ShardedPart(
-        params=tuple(parts.frozen_named),
-        kinds=((),) * len(parts.frozen_named),
+        params=tuple(named),
+        kinds=((),) * len(named),
         layout=fz.layout,
         pieces=tuple(fz.pieces),
         dtype=fz.dtype,
         device=fz.device,
         piece_view=lambda pc, kind: fz.piece_view(pc),  # its values, whatever the kind: it has no state
         write_piece=lambda pc, kind, values: fz.piece_view(pc).copy_(values.reshape(-1)),
-        load_pieces=lambda kind, full: fz.load_pieces(full),
+        load_pieces=lambda kind, full: load_pieces(full),
         buffer_of=lambda kind: "master",
+        local_geometry=tuple(tp.geometry(p) for _, p in named) if tp is not None else None,
     )
 
 

@@ -6,6 +6,7 @@ so the optimizer and the estimator's traffic counts (zerofast/estimate/traffic.p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,14 +33,26 @@ class Layouts:
     frozen_bucket_of: list[int | None] | None
 
 
-def plan_layouts(model: nn.Module, plan: Plan, world: int, costs: list[int] | None = None, named=None) -> Layouts:
+def plan_layouts(
+    model: nn.Module,
+    plan: Plan,
+    world: int,
+    costs: list[int] | None = None,
+    named=None,
+    core_of: Callable[[nn.Parameter], torch.Tensor] | None = None,
+) -> Layouts:
     """The layouts ZeroAdam(model, ...) with `plan` builds when `world` ranks share the state.
     costs: per trainable parameter, its step cost for partition "greedy" (ZeroMuon's
     Newton-Schulz FLOPs: zerofast.partition.greedy_by_cost); None: greedy by elements. named: the
     trainable (name, tensor) pairs as the core shards them (tensor parallelism: the stand-ins of
-    DTensor parameters); None: the model's."""
+    DTensor parameters); None: the model's. core_of: the tensor the core shards for a model
+    parameter (tensor parallelism: TensorParallel.standin_of; None: the parameter itself). Stage 3's
+    units are planned over the model's parameters (its modules hold those) and laid out over what
+    the core shards: the local tensors, for DTensors."""
     if named is None:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if core_of is None:
+        core_of = _itself
     names, params = [n for n, _ in named], [p for _, p in named]
     numels = [p.numel() for p in params]
     reduce_size = torch.empty(0, dtype=plan.reduce_dtype).element_size()
@@ -65,25 +78,31 @@ def plan_layouts(model: nn.Module, plan: Plan, world: int, costs: list[int] | No
         for n, p in model.named_parameters()
         if not p.requires_grad and p.dtype == plan.param_dtype and p.device == device
     ]
-    sharded = {id(p) for p in params} | {id(p) for _, p in frozen_named}
-    unit_params = [p for p in model.parameters() if id(p) in sharded]
+    trainable_index = {id(p): i for i, p in enumerate(params)}
+    sharded = {id(p) for _, p in frozen_named}
+    unit_params = [p for p in model.parameters() if id(p) in sharded or id(core_of(p)) in trainable_index]
+    core = [core_of(p) for p in unit_params]
     unit_plan = find_units(
         model,
         unit_params,
         plan.unit_modules,
         plan.min_unit_bytes,
         torch.empty(0, dtype=plan.param_dtype).element_size(),
+        numels=[c.numel() for c in core],
     )
     # one bucket per unit with trainable parameters, in backward order
-    trainable_index = {id(p): i for i, p in enumerate(params)}
-    parts, _ = split_units(unit_plan.groups, [id(p) in trainable_index for p in unit_params])
-    parts = [[trainable_index[id(unit_params[i])] for i in part] for part in parts]
+    parts, _ = split_units(unit_plan.groups, [id(c) in trainable_index for c in core])
+    parts = [[trainable_index[id(core[i])] for i in part] for part in parts]
     layout, unit_buckets = unit_layout(parts, numels, world, plan.partition, costs, plan.layout_block)
     frozen_layout = frozen_bucket_of = None
     if frozen_named:
         frozen_layout, frozen_bucket_of = frozen_layout_of(
-            unit_plan.groups, unit_params, [p for _, p in frozen_named], world, plan.partition
+            unit_plan.groups, core, [core_of(p) for _, p in frozen_named], world, plan.partition
         )
     return Layouts(
         names, params, layout, unit_plan, unit_params, unit_buckets, frozen_named, frozen_layout, frozen_bucket_of
     )
+
+
+def _itself(p: nn.Parameter) -> torch.Tensor:
+    return p

@@ -146,12 +146,18 @@ def _with_params(modules: list[nn.Module]) -> list[nn.Module]:
 
 
 def find_units(
-    model: nn.Module, params: list[nn.Parameter], units=None, min_unit_bytes: int = 0, element_size: int = 4
+    model: nn.Module,
+    params: list[nn.Parameter],
+    units=None,
+    min_unit_bytes: int = 0,
+    element_size: int = 4,
+    numels: list[int] | None = None,
 ) -> UnitPlan:
     """Group the managed parameters (indices into `params`) into units: the root's rest first, then
     one per unit module in the order given (module order for the policies). With the default
     units (units=None), units of fewer than min_unit_bytes are merged with their neighbours in
-    module order ([Note: merging small units])."""
+    module order ([Note: merging small units]). numels: each parameter's elements as this rank
+    holds them (tensor parallelism: its local tensor's); None: p.numel()."""
     index_of = {id(p): i for i, p in enumerate(params)}
     name_of = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     singles, claimed = [], set()
@@ -161,7 +167,8 @@ def find_units(
             claimed.update(id(params[i]) for i in mine)
             singles.append(([module], [name_of[id(module)]], mine))
     if units is None and min_unit_bytes > 0:
-        singles = _merge_small(singles, min_unit_bytes, [p.numel() * element_size for p in params])
+        numels = numels if numels is not None else [p.numel() for p in params]
+        singles = _merge_small(singles, min_unit_bytes, [n * element_size for n in numels])
     groups = [idx for _, _, idx in singles]
     members = [tuple(mods) for mods, _, _ in singles]
     names = [", ".join(ns) for _, ns, _ in singles]
