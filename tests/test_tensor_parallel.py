@@ -394,30 +394,65 @@ def _hf_loss(model, ids):
     return model(input_ids=ids, labels=ids).loss
 
 
+# Generation after training, per dp rank: (prompt length, max_new_tokens); the tp ranks of a group
+# generate together (their forwards are collectives over "tp"), the dp ranks differently long.
+GENERATE = [(5, 6), (4, 3)]
+
+
+def _prompt(dp_rank: int) -> torch.Tensor:
+    length = GENERATE[dp_rank][0]
+    return torch.randint(1, 32, (2, length), generator=torch.Generator().manual_seed(77 + dp_rank))
+
+
+def _greedy(model, dp_rank: int) -> torch.Tensor:
+    ids = _prompt(dp_rank)
+    new = GENERATE[dp_rank][1]
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
+
+
 def _hf(rank, world):
     from models import tiny_llama
     from torch.distributed.device_mesh import init_device_mesh
 
+    import zerofast.integrations.hf_generation  # noqa: F401  (generate() synced outside the block)
+    from zerofast import UnitPolicy
+
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
-    model = _hf_plan(tiny_llama(), mesh["tp"])
-    opt = ZeroAdam(model, stage=2, process_group=mesh, max_grad_norm=0.05, **HYPER)
+    dp_rank = mesh.get_local_rank("dp")
+    model = _hf_plan(tiny_llama(eos_token_id=None, pad_token_id=0), mesh["tp"])
+    opt = ZeroAdam(model, stage=3, process_group=mesh, max_grad_norm=0.05, units=UnitPolicy(min_unit_mb=0), **HYPER)
     for step in range(STEPS):
-        _hf_loss(model, _batch(step, mesh.get_local_rank("dp"))).backward()
+        _hf_loss(model, _batch(step, dp_rank)).backward()
         opt.step()
         opt.zero_grad()
-    out = _full(model)
+    with opt.gathered_params():
+        out = _full(model)
+        # Gathered across "dp" only: each DTensor holds this tp rank's part ([Note: tensor parallelism]).
+        split = [p for p in model.parameters() if hasattr(p, "placements") and p.placements[0].is_shard()]
+        local = bool(split) and all(p._local_tensor.numel() * TP == p.numel() for p in split)
+    # Generation on stage 3 under TP ([Note: generation on stage 3]): the whole model pinned, each dp
+    # rank its own number of forwards and no gather; then unit by unit, generate() synced.
+    with opt.gathered_params(), torch.inference_mode():
+        before = opt.report().unit_gathers
+        pinned = _greedy(model, dp_rank)
+        gathers_in_block = opt.report().unit_gathers - before
+    with torch.no_grad():
+        streamed = _greedy(model, dp_rank)
     dist.barrier()
-    return out
+    return out, local, pinned, streamed, gathers_in_block
 
 
-def test_a_hugging_face_llama_under_a_tp_plan_equals_adamw():
+def test_a_hugging_face_llama_under_a_tp_plan_equals_adamw_and_generates():
     """Not our own model: Hugging Face's Llama built from its config (its attention reshapes to the
-    local heads, its rotary buffers and norms stay plain), tp 2 x dp 2, stage 2, clipped, against
-    single-process AdamW with torch's clip_grad_norm_ on the global batch (fp32_tol)."""
+    local heads, its rotary buffers and norms stay plain), tp 2 x dp 2, stage 3 (each unit gathered
+    across "dp", its parameters left DTensors on "tp"), clipped, against single-process AdamW with
+    torch's clip_grad_norm_ on the global batch (fp32_tol); then generate() on each dp rank, of its
+    own length, inside gathered_params() (no gather) and unit by unit: the tokens of single-process
+    generate() with the oracle's weights."""
     from models import tiny_llama
 
     results = run_ranks(_hf, DP * TP, timeout=300, fresh=True)
-    model = tiny_llama()
+    model = tiny_llama(eos_token_id=None, pad_token_id=0)
     opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
     for step in range(STEPS):
         _hf_loss(model, _batch(step)).backward()
@@ -426,6 +461,28 @@ def test_a_hugging_face_llama_under_a_tp_plan_equals_adamw():
         opt.zero_grad()
     want = _full(model)
     initial = _full(tiny_llama())
-    for rank, got in enumerate(results):
+    model.eval()
+    tokens = []
+    for dp_rank in range(DP):
+        with torch.no_grad():
+            scores = model.generate(
+                _prompt(dp_rank),
+                attention_mask=torch.ones_like(_prompt(dp_rank)),
+                max_new_tokens=GENERATE[dp_rank][1],
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+        tokens.append(scores.sequences)
+        # Greedy picks the largest logit: the oracle's top two differ by far more than the rounding
+        # that tensor parallelism's split sums add (fp32 ulps of logits of order 1), so the same
+        # tokens are the right answer on any CPU, not a tie broken one way.
+        gaps = [float((s.topk(2).values[:, 0] - s.topk(2).values[:, 1]).min()) for s in scores.scores]
+        assert min(gaps) > 1e-3, gaps
+    for rank, (got, local, pinned, streamed, gathers_in_block) in enumerate(results):
         assert max_abs_diff(got, want) <= fp32_tol(STEPS), (rank, max_abs_diff(got, want))
+        assert local, rank
+        assert torch.equal(pinned, tokens[rank // TP]), (rank, pinned, tokens[rank // TP])
+        assert torch.equal(streamed, tokens[rank // TP]), (rank, streamed, tokens[rank // TP])
+        assert gathers_in_block == 0, rank
     assert max_abs_diff(want, initial) > 100 * fp32_tol(STEPS)  # it trained: the comparison can fail
