@@ -438,8 +438,36 @@ def _hf(rank, world):
         gathers_in_block = opt.report().unit_gathers - before
     with torch.no_grad():
         streamed = _greedy(model, dp_rank)
+    # Whole across "tp" too (gather_tp=True): every parameter's local tensor is the whole one, and the
+    # model still generates; afterwards each is its DTensor part again. named_full_tensors hands out
+    # whole tensors, or with gather_tp=False each rank's part.
+    with opt.gathered_params(gather_tp=True) as m:
+        whole = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in m.named_parameters()}
+        with torch.inference_mode():
+            replicated = _greedy(m, dp_rank)
+    with opt.gathered_params():
+        again = _full(model)
+        parts = {n: p._local_tensor.clone() for n, p in model.named_parameters() if hasattr(p, "_local_tensor")}
+    sent = dict(opt.named_full_tensors())
+    sent_parts = dict(opt.named_full_tensors(gather_tp=False))
+    checks = {
+        "whole inside": all(torch.equal(whole[n], t) for n, t in out.items()),
+        "restored": all(torch.equal(again[n], t) for n, t in out.items()),
+        "sent whole": all(torch.equal(sent[n], t) for n, t in out.items()),
+        "sent parts": all(torch.equal(sent_parts[n], t) for n, t in parts.items()) and len(parts) > 0,
+    }
+    for bad in ("yes", 1):
+        for call in (
+            lambda: opt.gathered_params(gather_tp=bad).__enter__(),
+            lambda: opt.named_full_tensors(gather_tp=bad),
+        ):
+            try:
+                call()
+                checks[f"refused {bad!r}"] = False
+            except TypeError as e:
+                checks[f"refused {bad!r}"] = "gather_tp must be True or False" in str(e)
     dist.barrier()
-    return out, local, pinned, streamed, gathers_in_block
+    return out, local, pinned, streamed, gathers_in_block, replicated, checks
 
 
 def test_a_hugging_face_llama_under_a_tp_plan_equals_adamw_and_generates():
@@ -479,7 +507,9 @@ def test_a_hugging_face_llama_under_a_tp_plan_equals_adamw_and_generates():
         # tokens are the right answer on any CPU, not a tie broken one way.
         gaps = [float((s.topk(2).values[:, 0] - s.topk(2).values[:, 1]).min()) for s in scores.scores]
         assert min(gaps) > 1e-3, gaps
-    for rank, (got, local, pinned, streamed, gathers_in_block) in enumerate(results):
+    for rank, (got, local, pinned, streamed, gathers_in_block, replicated, checks) in enumerate(results):
+        assert all(checks.values()), (rank, checks)
+        assert torch.equal(replicated, tokens[rank // TP]), (rank, replicated, tokens[rank // TP])
         assert max_abs_diff(got, want) <= fp32_tol(STEPS), (rank, max_abs_diff(got, want))
         assert local, rank
         assert torch.equal(pinned, tokens[rank // TP]), (rank, pinned, tokens[rank // TP])

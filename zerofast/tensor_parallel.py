@@ -48,14 +48,15 @@ the local tensor's), DTensors on another mesh or with placements other than one 
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["TensorParallel", "has_storage", "is_dtensor", "set_local", "whole_copy"]
+__all__ = ["TensorParallel", "has_storage", "is_dtensor", "local_copy", "replicated", "set_local", "whole_copy"]
 
 
 def is_dtensor(t) -> bool:
@@ -70,6 +71,38 @@ def whole_copy(t: torch.Tensor) -> torch.Tensor:
     if is_dtensor(t):
         return t.detach().full_tensor().clone()  # a Replicate DTensor's full_tensor() is its local tensor
     return t.detach().clone()
+
+
+def local_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` as this rank holds it: a DTensor's local tensor (no collective), any other cloned."""
+    return (t._local_tensor if is_dtensor(t) else t).detach().clone()
+
+
+@contextlib.contextmanager
+def replicated(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside the block, every DTensor parameter of `model` not already replicated is whole on every
+    rank: a Replicate DTensor of its full tensor (gathered over its mesh: a collective, every rank of
+    the mesh enters) swapped in, the Parameter object kept (torch.utils.swap_tensors), so p.to_local()
+    is the whole tensor and forward still runs (DTensor redistributes around replicated weights).
+    Read-only: the copies do not require grad, and what is written to them is dropped; on exit the
+    parameters are swapped back."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    swapped: list[tuple[nn.Parameter, nn.Parameter]] = []
+    try:
+        with torch.no_grad():
+            for p in model.parameters():
+                if not is_dtensor(p) or all(pl.is_replicate() for pl in p.placements):
+                    continue
+                mesh = p.device_mesh
+                whole = DTensor.from_local(p.full_tensor(), mesh, [Replicate()] * mesh.ndim, run_check=False)
+                copy = nn.Parameter(whole, requires_grad=False)
+                torch.utils.swap_tensors(p, copy)
+                swapped.append((p, copy))
+        yield model
+    finally:
+        for p, original in reversed(swapped):
+            torch.utils.swap_tensors(p, original)
 
 
 def has_storage(t: torch.Tensor) -> bool:

@@ -189,14 +189,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # --- the model, reports, checkpoints ----------------------------------------------------------
 
     @contextlib.contextmanager
-    def gathered_params(self):
+    def gathered_params(self, gather_tp: bool = False):
         """Full, current parameters on every rank inside the block. Stages 1 and 2 always hold
         them, so this costs nothing there (beyond finishing gathers still in flight); stage 3
         gathers every unit on entry (every rank), keeps them gathered through any number of
         forwards inside (generation: no collective per token, so ranks may run different numbers
         of forwards) and re-shards on exit (changes made inside the block are not kept). See
-        [Note: generation on stage 3] in zerofast/stage3/schedule.py."""
-        with self._parts.module.gathered_params():
+        [Note: generation on stage 3] in zerofast/stage3/schedule.py. A tensor-parallel model's
+        parameters stay DTensors on "tp", each rank's part whole (its forward runs as trained);
+        gather_tp=True makes each whole across "tp" too (a Replicate DTensor: p.to_local() is the
+        whole tensor), read-only, for reading the weights or a forward without gradients
+        ([Note: tensor parallelism] in zerofast/tensor_parallel.py)."""
+        with self._parts.module.gathered_params(gather_tp):
             yield self.model
 
     def full_state_dict(self, keep: bool = True, device="cpu") -> dict[str, torch.Tensor] | None:
@@ -226,15 +230,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
             )
         return self._view
 
-    def named_full_tensors(self, peft: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_full_tensors(self, peft: str | None = None, gather_tp: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) for every entry of model.state_dict(), whole and in the model's dtype, one
         at a time, stage 3 gathering one unit at a time: for sending weights to an inference engine
         with no rank holding the whole model (zerofast/stage3/weights.py). Every rank must run it
         to its end (the gathers are collectives). For a PEFT model, peft="merged" gives
         merge_and_unload().state_dict() (what TRL's vLLM sync sends) and peft="adapter"
         get_peft_model_state_dict(), bitwise, the model left as it was ([Note: merged weights unit
-        by unit] in zerofast/integrations/peft_weights.py)."""
-        return self._parts.module.named_full_tensors(peft)
+        by unit] in zerofast/integrations/peft_weights.py). A tensor-parallel model's DTensors are
+        gathered over "tp" too; gather_tp=False hands out each rank's local tensor instead (what an
+        engine with the same tensor-parallel layout loads)."""
+        return self._parts.module.named_full_tensors(peft, gather_tp)
 
     def state_dict(self) -> dict:
         """This rank's part of the training state as a torch.distributed.checkpoint state dict, for

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..tensor_parallel import whole_copy
+from ..tensor_parallel import local_copy, whole_copy
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,7 @@ class Entry:
     modules: tuple[nn.Module, ...] = ()  # whose units to gather together if `needs` span several
 
 
-def copy_of(t: torch.Tensor) -> Entry:
-    """The entry that hands out a copy of `t` (a DTensor's whole: [Note: tensor parallelism])."""
-    return Entry((t,), lambda: whole_copy(t))
+def copy_of(t: torch.Tensor, gather_tp: bool = True) -> Entry:
+    """The entry that hands out a copy of `t`: a DTensor's whole (gather_tp) or this rank's local
+    tensor ([Note: tensor parallelism])."""
+    return Entry((t,), lambda: whole_copy(t) if gather_tp else local_copy(t))

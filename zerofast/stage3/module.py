@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn as nn
 
-from ..tensor_parallel import has_storage, is_dtensor, whole_copy
+from ..tensor_parallel import has_storage, is_dtensor, replicated, whole_copy
 from . import weights
 from .runtime import UnitTracker
 
@@ -45,27 +45,32 @@ class ShardedModule:
             self.units.release_all()
 
     @contextlib.contextmanager
-    def gathered_params(self) -> Iterator[nn.Module]:
+    def gathered_params(self, gather_tp: bool = False) -> Iterator[nn.Module]:
         """Every parameter whole on every rank inside the block. Stage 3 pins every unit: gathered on
         entry (a collective: every rank enters), kept through any number of forwards inside with no
         collective (ranks may run different numbers of them), released on exit (changes made inside
-        are not kept): [Note: generation on stage 3] in zerofast/stage3/schedule.py."""
+        are not kept): [Note: generation on stage 3] in zerofast/stage3/schedule.py. With tensor
+        parallelism the parameters stay DTensors on "tp" (each rank's part whole across the
+        data-parallel ranks); gather_tp=True makes them whole across "tp" too, read-only
+        (zerofast/tensor_parallel.py replicated(): every rank of the mesh enters)."""
+        _check_flag("gathered_params", gather_tp)
         if self._before_block is not None:
             self._before_block()
-        if self.units is None:
+        with contextlib.ExitStack() as stack:
+            if self.units is not None:
+                self.units.pin()
+                stack.callback(self.units.unpin)
+            if gather_tp:
+                stack.enter_context(replicated(self.model))
             yield self.model
-            return
-        self.units.pin()
-        try:
-            yield self.model
-        finally:
-            self.units.unpin()
 
-    def named_full_tensors(self, peft: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_full_tensors(self, peft: str | None = None, gather_tp: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Every state_dict() entry (or another registered view: a PEFT model's merged weights or
         adapter) whole, one unit gathered at a time (zerofast/stage3/weights.py). Every rank runs it
-        to its end (the gathers are collectives)."""
-        entries = weights.entries_for(self.model, peft, "named_full_tensors")
+        to its end (the gathers are collectives). gather_tp=False: each DTensor as this rank holds it
+        (its local tensor, whole across the data-parallel ranks)."""
+        _check_flag("named_full_tensors", gather_tp)
+        entries = weights.entries_for(self.model, peft, "named_full_tensors", gather_tp)
         self._settle()
         return weights.named_full_tensors(self.model, self.units, entries)
 
@@ -110,3 +115,8 @@ class ShardedModule:
         self.hooks = []
         if self.units is not None:
             self.units.remove()
+
+
+def _check_flag(who: str, gather_tp) -> None:
+    if not isinstance(gather_tp, bool):
+        raise TypeError(f"{who}: gather_tp must be True or False; got {gather_tp!r}")

@@ -22,17 +22,21 @@ from .entries import Entry, copy_of
 from .extensions import weight_view
 
 
-def state_dict_entries(model: nn.Module) -> list[tuple[str, Entry]]:
-    """model.state_dict()'s names, each handing out a copy of its tensor."""
-    return [(name, copy_of(t)) for name, t in model.state_dict(keep_vars=True).items()]
+def state_dict_entries(model: nn.Module, gather_tp: bool = True) -> list[tuple[str, Entry]]:
+    """model.state_dict()'s names, each handing out a copy of its tensor (a DTensor's whole, or with
+    gather_tp=False this rank's local tensor)."""
+    return [(name, copy_of(t, gather_tp)) for name, t in model.state_dict(keep_vars=True).items()]
 
 
-def entries_for(model: nn.Module, peft: str | None, who: str) -> list[tuple[str, Entry]]:
+def entries_for(model: nn.Module, peft: str | None, who: str, gather_tp: bool = True) -> list[tuple[str, Entry]]:
     """The entries the weight iterator hands out: state_dict()'s (peft=None), or another view of the
     model registered by an integration ([Note: stage-3 extension points] in extensions.py): a PEFT
-    model's merged weights ("merged") or adapter ("adapter"), zerofast/integrations/peft_weights.py."""
+    model's merged weights ("merged") or adapter ("adapter"), zerofast/integrations/peft_weights.py.
+    gather_tp=False (state_dict's entries only): each DTensor's local tensor, not gathered over "tp"."""
     if peft is None:
-        return state_dict_entries(model)
+        return state_dict_entries(model, gather_tp)
+    if not gather_tp:
+        raise ValueError(f"{who}: gather_tp=False takes state_dict()'s entries (peft=None); got peft={peft!r}")
     return weight_view(peft, who)(model, who)
 
 
