@@ -27,7 +27,7 @@ TITLE = (
     "tensor parallelism: 4 gloo ranks x 1 thread as tp 2 x dp 2, TitanLlama 4.5M params "
     "(dim 256, 4 layers, vocab 2048, SequenceParallel norms), batch 4x64 per dp rank, fp32 AdamW"
 )
-CASES = ["fsdp2+tp", "zerofast stage 1", "zerofast stage 2"]
+CASES = ["fsdp2+tp", "zerofast stage 1", "zerofast stage 2", "zerofast stage 3"]
 
 
 def _local_bytes(t) -> int:

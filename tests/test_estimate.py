@@ -566,25 +566,26 @@ def test_memory_with_tensor_parallelism():
     """tp: each rank holds 1/tp of a count, ZeRO shards it over world/tp ranks (the exact count of a
     parallelized module's local tensors against report(): tests/test_tensor_parallel.py)."""
     phi = 7_000_000
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         assert estimate_memory(phi, 16, stage, "bf16", tp=4) == estimate_memory(phi // 4, 4, stage, "bf16")
     assert estimate_memory(phi, 16, 2, tp=1) == estimate_memory(phi, 16, 2)
     with pytest.raises(ValueError, match=r"tp must be an integer >= 1 that divides world \(16\); got 3"):
         estimate_memory(phi, 16, 2, tp=3)
-    with pytest.raises(ValueError, match="stage 3 under tensor parallelism"):
-        estimate_memory(phi, 16, 3, tp=2)
 
 
 def test_the_command_line_takes_a_tp_degree(capsys):
-    """--tp 4 on 16 ranks, 8 a node: stages 0-2 (stage 3 under tp is not built), each rank 1/4 of Φ,
-    and the data-parallel groups (every 4th rank: tp innermost) cross nodes."""
+    """--tp 4 on 16 ranks, 8 a node: stages 0-3, each rank 1/4 of Φ (each row the library's
+    estimate with tp), and the data-parallel groups (every 4th rank: tp innermost) cross nodes."""
     assert main(["--params", "7B", "--world", "16", "--tp", "4"]) == 0
     out = capsys.readouterr().out
-    assert "tensor parallel: tp 4 x dp 4 (each rank 1/4 of Φ)" in out and "stage 3" not in out, out
+    assert "tensor parallel: tp 4 x dp 4 (each rank 1/4 of Φ)" in out, out
+    from zerofast.tools.estimate import format_table
+
+    rows = [estimate_memory(7 * 10**9, 16, s, "bf16", tp=4) for s in (0, 1, 2, 3)]
+    assert format_table(rows) in out, out
     assert "inter-node" in out and "intra-node" not in out, out
     for argv, message in (
         (["--tp", "3"], "--tp must be at least 1 and divide --world (16); got 3"),
-        (["--tp", "4", "--stage", "3"], "stage 3 under tensor parallelism is not supported yet"),
         (["--tp", "4", "--time"], "--time, --offload and --shard-size with it are not modelled yet"),
     ):
         with pytest.raises(SystemExit):

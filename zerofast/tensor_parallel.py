@@ -42,8 +42,15 @@ ranks of one "tp" group hold the parts of one layer and see the same data.
   (local_geometry); a replicated parameter's "tp" ranks describe the same boxes, which DCP writes
   once. So a checkpoint of (dp, tp) loads into another tp degree, another dp size, plain ZeroAdam
   or one process, and back.
-Not served yet, each a named error: stage 3, ZeroMuon, checkpoints with 8-bit state (its blocks are
-the local tensor's), DTensors on another mesh or with placements other than one Shard or Replicate.
+- Stage 3 plans its units over the model's parameters (its modules hold the DTensors) and lays them
+  out over the stand-ins (zerofast/optim/layouts.py, core_of), sized by the local tensors; a unit
+  gather runs across "dp" only, so during forward and backward each DTensor's local tensor is a view
+  of the gathered unit buffer and the DTensor stays on "tp". Frozen DTensors get stand-ins too,
+  made when the layouts ask for them (after mixed precision has converted them), sharded by
+  FrozenShard and relinked before their storage is released. gathered_params(gather_tp=True) swaps
+  in Replicate DTensors of the whole tensors for the block (replicated() below, read-only).
+Not served yet, each a named error: ZeroMuon, checkpoints with 8-bit state (its blocks are the local
+tensor's), DTensors on another mesh or with placements other than one Shard or Replicate.
 """
 
 from __future__ import annotations

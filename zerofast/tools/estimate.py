@@ -330,8 +330,6 @@ def main(argv=None) -> int:
         )
     if args.tp < 1 or args.world % args.tp:
         p.error(f"--tp must be at least 1 and divide --world ({args.world}); got {args.tp}")
-    if args.tp > 1 and args.stage == 3:
-        p.error("--tp: stage 3 under tensor parallelism is not supported yet (stages 0-2 are)")
     if args.tp > 1 and (args.time or args.offload is not None or args.shard_size is not None):
         p.error(
             "--tp applies to the memory table of flat ZeRO; --time, --offload and --shard-size with it are not modelled yet"
@@ -345,7 +343,7 @@ def main(argv=None) -> int:
             p.error("--time models the update on the device; --offload's CPU update and disk I/O are not modelled")
         print(_time_table(args, p))
         return 0
-    stages = [args.stage] if args.stage is not None else ([0, 1, 2, 3] if args.tp == 1 else [0, 1, 2])
+    stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
     rows = []
     for s in stages:
         # Stage 3 takes no bucket size (its buckets are its units): in the table of every stage the

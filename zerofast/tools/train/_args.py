@@ -103,7 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         metavar="N",
         help="tensor parallelism: train a Llama shaped as torchtitan's under its plan over N ranks (the "
-        "innermost of a ('dp', 'tp') mesh), ZeroAdam sharding across the rest; stages 1 and 2",
+        "innermost of a ('dp', 'tp') mesh), ZeroAdam sharding across the rest (stages 1-3)",
     )
     p.add_argument(
         "--max-restarts",
@@ -180,8 +180,6 @@ def _check_tp(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             f"--tp must be at least 1 and divide the ranks ({args.nproc}) and the {args.model} Llama's "
             f"{heads} heads; got {args.tp}"
         )
-    if args.stage == 3:
-        p.error("--tp trains with stages 1 and 2; stage 3 under tensor parallelism is not supported yet")
     for flag, given in (
         ("--compare", args.compare),
         ("--plot", args.plot),
