@@ -7,6 +7,7 @@ No timing here: the model's check against measured step times is scripts/probe_l
 import dataclasses
 import functools
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -22,13 +23,13 @@ from zerofast import CommPolicy, MixedPrecisionPolicy, OffloadPolicy, UnitPolicy
 from zerofast.collectives import collective_names
 from zerofast.config import resolve_plan
 from zerofast.estimate.memory import estimate_memory
-from zerofast.estimate.timemodel import Cluster, Link, collective_time, link_of, predict
+from zerofast.estimate.timemodel import Cluster, Link, collective_time, link_of, predict, step_time
 from zerofast.estimate.traffic import AGREEMENT_EXTRA, Op, estimate_traffic
 from zerofast.layout import ALIGN
 from zerofast.optim.layouts import plan_layouts
 from zerofast.tools.estimate import main
 from zerofast.tools.models import make_gpt
-from zerofast.tools.quantities import parse_rate, parse_seconds
+from zerofast.tools.quantities import format_bytes, parse_rate, parse_seconds
 
 WORLD = 4
 MODELS = {"nested": Nested, "gpt": lambda: make_gpt("tiny")}
@@ -586,8 +587,56 @@ def test_the_command_line_takes_a_tp_degree(capsys):
     assert "inter-node" in out and "intra-node" not in out, out
     for argv, message in (
         (["--tp", "3"], "--tp must be at least 1 and divide --world (16); got 3"),
-        (["--tp", "4", "--time"], "--time, --offload and --shard-size with it are not modelled yet"),
+        (["--tp", "4", "--offload", "host"], "--offload and --shard-size with it are not modelled yet"),
+        (["--tp", "4", "--time", "--hidden", "4096"], "--time --tp needs the model's --layers and --hidden"),
+        (["--tp", "4", "--layers", "32", "--hidden", "4096"], "--layers and --hidden apply to --time with --tp"),
     ):
         with pytest.raises(SystemExit):
             main(["--params", "7B", "--world", "16", *argv])
         assert message in capsys.readouterr().err, argv
+
+
+def test_step_time_with_tensor_parallelism():
+    """[Note: tensor parallelism in the time model], by its formulas: ZeRO's traffic of a rank's Φ/tp
+    over the world/tp data-parallel ranks (every tp-th rank: across nodes), each layer's four
+    all_reduces of the tp group's tokens x hidden activations on the tp group's link (intra-node when
+    tp divides a node), exposed whole; the same FLOPs per GPU as without tensor parallelism."""
+    from zerofast.estimate.traffic import traffic_ops
+
+    phi, world, tokens, layers, hidden, c = 70 * 10**9, 64, 4096, 80, 8192, Cluster()
+    plain = step_time(phi, world, 2, tokens, cluster=c)
+    assert step_time(phi, world, 2, tokens, cluster=c, tp=1) == plain
+    for tp, link in ((8, c.intra), (16, c.inter)):
+        t = step_time(phi, world, 2, tokens, cluster=c, tp=tp, layers=layers, hidden=hidden)
+        dp_bytes = sum(op.nbytes for op in traffic_ops(-(-phi // tp), world // tp, 2, world // tp, "bf16"))
+        act = 4 * layers * (tokens * tp) * hidden * 2  # bf16 activations, the tp group's tokens
+        tp_time = 2 * collective_time("all_reduce", act // 2, 2 * layers, tp, link)
+        if link is c.intra:
+            assert t.bytes == {"inter-node": dp_bytes, "intra-node": act}, t.bytes
+        else:  # a tp group wider than a node crosses it too
+            assert t.bytes == {"inter-node": dp_bytes + act}, t.bytes
+        assert t.phases["tp"] == pytest.approx(tp_time)
+        assert t.exposed >= tp_time
+        assert t.forward + t.backward == pytest.approx(plain.forward + plain.backward)
+    for kwargs, message in (
+        (dict(tp=8, hidden=8192), "tp > 1 needs the model's layers"),
+        (dict(tp=8, layers=80, hidden=0), "tp > 1 needs the model's hidden"),
+        (dict(tp=3, layers=80, hidden=8192), "tp must be an integer >= 1 that divides world (64); got 3"),
+        (dict(tp=8, layers=80, hidden=8192, shard_size=8), "shard_size (hybrid) and model are not modelled yet"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            step_time(phi, world, 2, tokens, **kwargs)
+
+
+def test_the_time_table_takes_a_tp_degree(capsys):
+    """--time --tp 8 --layers 80 --hidden 8192 on 64 GPUs: one row per stage (no hybrid row: not
+    modelled under tp), each step_time's with tp, the tp links' bytes in the intra-node column."""
+    argv = ["--params", "70B", "--world", "64", "--tp", "8", "--time", "--layers", "80", "--hidden", "8192"]
+    assert main([*argv, "--tokens-per-rank", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "tp 8 x dp 8: ZeRO over the dp ranks (K) on 1/8 of Φ" in out, out
+    rows = [line.split() for line in out.splitlines() if line.startswith("stage ")]
+    assert [r[:3] for r in rows] == [["stage", "1", "8"], ["stage", "2", "8"], ["stage", "3", "8"]], out
+    for row, stage in zip(rows, (1, 2, 3)):
+        t = step_time(70 * 10**9, 64, stage, 4096, cluster=Cluster(), tp=8, layers=80, hidden=8192)
+        assert " ".join(row[3:5]) == format_bytes(t.bytes["intra-node"]), (row, t)

@@ -32,12 +32,32 @@ bandwidth; NCCL's tree algorithms (which cut the latency term to log n at large 
 does not scale as 6 * params * tokens (attention at long sequences).
 With overlap=False every collective is exposed (a machine whose communication and compute share
 the same cores: gloo ranks on a CPU machine).
+
+[Note: tensor parallelism in the time model]
+With tp = N (step_time's tp; zerofast/tensor_parallel.py trains so), a tp group is N consecutive
+ranks, which see the same tokens and each hold 1/N of every split weight:
+  - ZeRO runs over the W/N data-parallel ranks of each tp coordinate, on a rank's ceil(Φ/N)
+    elements: traffic_ops(ceil(Φ/N), W/N, ...). Those ranks are r, r + N, r + 2N, ...: their ring
+    stays on one node only if the whole world does, else it crosses nodes.
+  - Each layer's activations cross the tp group (Megatron's tensor parallelism: Shoeybi et al.
+    2019; with sequence parallelism, Korthikanti et al. 2022): in forward an all_reduce of the
+    attention's and of the MLP's row-parallel output, in backward one of each column-parallel
+    input's gradient, each of tokens x hidden activations in the parameters' dtype, where tokens
+    is the tp group's (N times a GPU's share of the global batch). Sequence parallelism turns each
+    into a reduce_scatter and an all_gather of the same bytes, which the ring prices the same. They
+    sit between a layer's matmuls, so they are exposed whole. Not counted: the embedding's
+    all_reduce and the head's gather of the logits (once per step, not per layer), and
+    communication overlapped inside a layer (async TP).
+  - Their link: intra-node when N divides G (a machine's GPUs), else inter-node.
+  - Compute: a GPU computes 1/N of every matmul of its tp group's tokens: 6 * Φ * tokens per GPU, as
+    without tensor parallelism for the same global batch; the update streams its ZeRO shard of Φ/N.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..config import resolve_plan
 from .traffic import Op, traffic_ops
 
 
@@ -80,10 +100,16 @@ def collective_time(name: str, nbytes: float, calls: int, ranks: int, link: Link
     raise ValueError(f"collective_time: no cost model for the collective {name!r}")
 
 
-def link_of(group: str, world: int, shard_size: int, cluster: Cluster) -> Link:
-    """The link a group's ring is bound by: intra-node if every rank of the group is on one node."""
+def link_of(group: str, world: int, shard_size: int, cluster: Cluster, tp: int = 1) -> Link:
+    """The link a group's ring is bound by: intra-node if every rank of the group is on one node.
+    tp > 1: the ranks of a "tp" group are consecutive, those of the data-parallel ("shard") groups
+    every tp-th ([Note: tensor parallelism in the time model])."""
     g = cluster.gpus_per_node
-    if group == "shard":  # K consecutive ranks, starting at a multiple of K
+    if group == "tp":
+        one_node = tp <= g and g % tp == 0
+    elif group == "shard" and tp > 1:
+        one_node = world <= g
+    elif group == "shard":  # K consecutive ranks, starting at a multiple of K
         one_node = shard_size <= g and g % shard_size == 0
     else:  # ranks r, r + K, r + 2K, ...: on one node only if the whole world is
         one_node = world <= g
@@ -115,22 +141,41 @@ def predict(
     backward: float,
     update: float,
     overlap: bool = True,
+    tp: int = 1,
 ) -> StepTime:
-    """Step time from the step's collectives (traffic_ops) and its compute: [Note: the time model]."""
+    """Step time from the step's collectives (traffic_ops, and tp_ops with tensor parallelism) and its
+    compute: [Note: the time model]. The "tp" group's collectives are exposed whole ([Note: tensor
+    parallelism in the time model]); phases["tp"] holds their seconds."""
     comm: dict[str, float] = {}
     nbytes: dict[str, int] = {}
     phases = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+    tp_time = 0.0
     for op in ops:
-        link = link_of(op.group, world, shard_size, cluster)
+        link = link_of(op.group, world, shard_size, cluster, tp)
         t = collective_time(op.name, op.nbytes, op.calls, op.ranks, link)
         comm[link.name] = comm.get(link.name, 0.0) + t
         nbytes[link.name] = nbytes.get(link.name, 0) + op.nbytes
-        phases[op.phase] += t
+        if op.group == "tp":
+            tp_time += t
+        else:
+            phases[op.phase] += t
     if overlap:
         exposed = max(0.0, phases["forward"] - forward) + max(0.0, phases["backward"] - backward) + phases["step"]
     else:
         exposed = sum(phases.values())
-    return StepTime(forward + backward + update, forward, backward, update, comm, nbytes, exposed, phases)
+    if tp > 1:
+        phases["tp"] = tp_time
+    return StepTime(forward + backward + update, forward, backward, update, comm, nbytes, exposed + tp_time, phases)
+
+
+def tp_ops(layers: int, hidden: int, tokens: int, tp: int, act_bytes: int) -> list[Op]:
+    """The activations' collectives of one step on a tp group of `tp` ranks: per layer two all_reduces
+    of tokens x hidden activations (act_bytes each) in forward and two in backward; tokens: the tp
+    group's ([Note: tensor parallelism in the time model]). None for tp = 1."""
+    if tp <= 1:
+        return []
+    nbytes = 2 * layers * tokens * hidden * act_bytes
+    return [Op("tp", "all_reduce", nbytes, 2 * layers, phase, tp) for phase in ("forward", "backward")]
 
 
 def compute_times(
@@ -156,9 +201,19 @@ def step_time(
     overlap: bool = True,
     model=None,
     comm=None,
+    tp: int = 1,
+    layers: int | None = None,
+    hidden: int | None = None,
 ) -> StepTime:
     """The predicted step of `params` parameters (or of `model`, exactly, when given) on `world`
-    GPUs, `tokens` tokens per GPU per step."""
+    GPUs, `tokens` tokens per GPU per step (the global batch over `world`). tp: the tensor-parallel
+    degree, with the model's `layers` and `hidden` size, whose activations cross the tp links
+    ([Note: tensor parallelism in the time model]); flat ZeRO over the rest, a count of parameters."""
+    if tp != 1:
+        return _tp_step_time(
+            params, world, stage, tokens, shard_size, cluster, mixed_precision, backend, micro_batches, overlap,
+            model, comm, tp, layers, hidden,
+        )  # fmt: skip
     k = world if shard_size is None else shard_size
     ops = traffic_ops(
         model if model is not None else params,
@@ -172,3 +227,34 @@ def step_time(
     )
     fwd, bwd, upd = compute_times(params, tokens, world, k, stage, cluster)
     return predict(ops, world, k, cluster, fwd, bwd, upd, overlap)
+
+
+def _tp_step_time(
+    params, world, stage, tokens, shard_size, cluster, mixed_precision, backend, micro_batches, overlap, model, comm,
+    tp, layers, hidden,
+) -> StepTime:  # fmt: skip
+    """step_time with tensor parallelism: [Note: tensor parallelism in the time model]."""
+    who = "step_time"
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world % tp:
+        raise ValueError(f"{who}: tp must be an integer >= 1 that divides world ({world}); got {tp!r}")
+    for name, value in (("layers", layers), ("hidden", hidden)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"{who}: tp > 1 needs the model's {name} (an integer >= 1: the tp links carry each layer's "
+                f"tokens x hidden activations); got {name}={value!r}"
+            )
+    if shard_size is not None or model is not None:
+        raise ValueError(
+            f"{who}: with tp > 1 the model is a count under flat ZeRO; shard_size (hybrid) and model are not "
+            f"modelled yet; got shard_size={shard_size!r}, model={type(model).__name__ if model is not None else None}"
+        )
+    dp = world // tp
+    local = -(-params // tp)
+    ops = traffic_ops(local, dp, stage, dp, mixed_precision, comm, backend=backend, micro_batches=micro_batches)
+    act_bytes = resolve_plan(stage, mixed_precision=mixed_precision).param_dtype.itemsize  # the activations' dtype
+    ops += tp_ops(layers, hidden, tokens * tp, tp, act_bytes)
+    flops = 6 * params * tokens
+    update = (local / dp if stage >= 1 else local) * cluster.update_bytes / cluster.update_bandwidth
+    return predict(
+        ops, world, dp, cluster, flops / 3 / cluster.flops, 2 * flops / 3 / cluster.flops, update, overlap, tp
+    )

@@ -68,7 +68,7 @@ def _time_table(args, p) -> str:
         tokens = args.tokens_per_rank
     sizes = [args.shard_size] if args.shard_size is not None else [None]
     g = args.gpus_per_node
-    if args.shard_size is None and args.world > g and args.world % g == 0:
+    if args.shard_size is None and args.world > g and args.world % g == 0 and args.tp == 1:
         sizes.append(g)  # flat against hybrid with a node per shard group
     stages = [args.stage] if args.stage is not None else [1, 2, 3]
     head = (
@@ -80,11 +80,18 @@ def _time_table(args, p) -> str:
         f"{args.tflops:g} TFLOP/s, intra {args.intra_bw / 1e9:g} GB/s {args.intra_latency * 1e6:g} us, "
         f"inter {args.inter_bw / 1e9:g} GB/s {args.inter_latency * 1e6:g} us, "
         f"{'overlapped' if args.overlap else 'no overlap'}",
-        head,
     ]
+    if args.tp > 1:
+        lines.append(
+            f"tp {args.tp} x dp {args.world // args.tp}: ZeRO over the dp ranks (K) on 1/{args.tp} of Φ; each of "
+            f"{args.layers} layers all_reduces {args.tp} GPUs' tokens x {args.hidden} activations twice in forward "
+            f"and twice in backward on the tp group's link, exposed"
+        )
+    lines.append(head)
+    tp = {} if args.tp == 1 else {"tp": args.tp, "layers": args.layers, "hidden": args.hidden}
     for s in stages:
         for k in sizes:
-            kk = args.world if k is None else k
+            kk = (args.world if k is None else k) // args.tp
             try:
                 t = step_time(
                     args.params,
@@ -97,9 +104,16 @@ def _time_table(args, p) -> str:
                     args.backend,
                     args.micro_batches,
                     args.overlap,
+                    **tp,
                 )
                 mem = estimate_memory(
-                    args.params, args.world, s, _state_policy(args), shard_size=k, frozen_models=args.frozen_models
+                    args.params,
+                    args.world,
+                    s,
+                    _state_policy(args),
+                    shard_size=k,
+                    frozen_models=args.frozen_models,
+                    tp=args.tp,
                 )
             except ValueError as e:
                 p.error(str(e))
@@ -178,7 +192,7 @@ def main(argv=None) -> int:
         type=int,
         default=1,
         help="tensor-parallel degree: each rank holds 1/tp of the model and ZeRO shards it over world/tp "
-        "ranks (stages 0-2; the activations' traffic on the tp links is not modelled yet)",
+        "ranks; with --time, --layers and --hidden give the activations' traffic on the tp links",
     )
     p.add_argument("--stage", type=int, default=None, help="one stage (0 = DDP, 1, 2, 3); default: all")
     p.add_argument(
@@ -278,6 +292,8 @@ def main(argv=None) -> int:
         default=parse_seconds("10us"),
         help="inter-node latency per hop (default 10us)",
     )
+    t.add_argument("--layers", type=int, default=None, help="--time --tp: the model's transformer layers")
+    t.add_argument("--hidden", type=int, default=None, help="--time --tp: the model's hidden size")
     t.add_argument(
         "--no-overlap",
         dest="overlap",
@@ -330,10 +346,17 @@ def main(argv=None) -> int:
         )
     if args.tp < 1 or args.world % args.tp:
         p.error(f"--tp must be at least 1 and divide --world ({args.world}); got {args.tp}")
-    if args.tp > 1 and (args.time or args.offload is not None or args.shard_size is not None):
-        p.error(
-            "--tp applies to the memory table of flat ZeRO; --time, --offload and --shard-size with it are not modelled yet"
-        )
+    if args.tp > 1 and (args.offload is not None or args.shard_size is not None):
+        p.error("--tp models flat ZeRO on the device; --offload and --shard-size with it are not modelled yet")
+    if args.tp > 1 and args.time:
+        for flag, value in (("--layers", args.layers), ("--hidden", args.hidden)):
+            if value is None or value < 1:
+                p.error(
+                    f"--time --tp needs the model's --layers and --hidden (each layer's tokens x hidden activations "
+                    f"cross the tp links); got {flag} {value}"
+                )
+    elif args.layers is not None or args.hidden is not None:
+        p.error("--layers and --hidden apply to --time with --tp (the tp links' traffic)")
     if args.time:
         if args.stage == 0:
             p.error("--time models ZeRO stages 1-3; got --stage 0")
