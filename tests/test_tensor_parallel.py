@@ -65,17 +65,27 @@ def _full_master(opt, model) -> dict[str, torch.Tensor]:
 FROZEN = ("tok_embeddings.", "layers.0.attention_norm.")
 
 
-def _freeze(model, frozen: bool):
-    for name, p in model.named_parameters():
-        if frozen and name.startswith(FROZEN):
-            p.requires_grad_(False)
+def _variant(model, variant: str | None):
+    """The model as a configuration wants it: "frozen" (FROZEN's parameters frozen), "tied" (the
+    output head's weight is the embedding's: after parallelize_module both are Shard(0) on "tp", so
+    the one DTensor serves both, its gradient the two paths' sum), or as built (None)."""
+    if variant == "frozen":
+        for name, p in model.named_parameters():
+            if name.startswith(FROZEN):
+                p.requires_grad_(False)
+    elif variant == "tied":
+        model.output.weight = model.tok_embeddings.weight
     return model
 
 
-def _oracle(steps: int, max_norm: float | None, frozen: bool = False) -> tuple[dict, list[float], dict]:
+def _frozen(name: str, variant: str | None) -> bool:
+    return variant == "frozen" and name.startswith(FROZEN)
+
+
+def _oracle(steps: int, max_norm: float | None, variant: str | None = None) -> tuple[dict, list[float], dict]:
     """AdamW on one process over the global batch (clip_grad_norm_ at max_norm, when given): the
     parameters, each step's norm, and the trainable ones (fp32: they are the master)."""
-    model = _freeze(TitanLlama(), frozen)
+    model = _variant(TitanLlama(), variant)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, foreach=False, **HYPER)
     norms = []
@@ -86,7 +96,7 @@ def _oracle(steps: int, max_norm: float | None, frozen: bool = False) -> tuple[d
         opt.step()
         opt.zero_grad()
     params = _full(model)
-    return params, norms, {n: t for n, t in params.items() if not (frozen and n.startswith(FROZEN))}
+    return params, norms, {n: t for n, t in params.items() if not _frozen(n, variant)}
 
 
 def _tp_oracle(tp_mesh, sp: bool, max_norm: float | None, dtype) -> tuple[dict, list[float], dict]:
@@ -122,28 +132,30 @@ def _tp_oracle(tp_mesh, sp: bool, max_norm: float | None, dtype) -> tuple[dict, 
     return _full(model), norms, {n: m.detach().full_tensor() for n, m in zip(names, master)}
 
 
-# (stage, sequence parallel, max_norm, dtype, mesh, micro-batches, frozen): mesh "dp" is (dp 2, tp 2);
+# (stage, sequence parallel, max_norm, dtype, mesh, micro-batches, variant): mesh "dp" is (dp 2, tp 2);
 # "hybrid" is (replicate 2, dp 1, tp 2), hybrid sharding's replicas around tensor parallelism;
 # micro-batches 2: each rank's rows one at a time, all but the last inside no_sync() (stage 1 keeps
-# the gradients in its buckets, stages 2 and 3 reduce each into the shard); frozen: FROZEN's
-# parameters do not train. Stage 3 gathers each unit across "dp" only, its parameters left DTensors.
+# the gradients in its buckets, stages 2 and 3 reduce each into the shard); variant "frozen": FROZEN's
+# parameters do not train, "tied": the head's weight is the embedding's (_variant). Stage 3 gathers each unit across "dp" only, its parameters left DTensors.
 MESHES = {"dp": ((DP, TP), ("dp", "tp")), "hybrid": ((DP, 1, TP), ("replicate", "dp", "tp"))}
 CONFIGS = [
-    (1, True, None, torch.float32, "dp", 1, False),
-    (2, True, 0.05, torch.float32, "dp", 1, False),
-    (2, False, None, torch.float32, "dp", 1, False),
-    (1, False, 0.05, torch.float32, "dp", 1, False),
-    (2, True, 0.05, torch.bfloat16, "dp", 1, False),
-    (1, True, None, torch.bfloat16, "dp", 1, False),
-    (2, True, 0.05, torch.float32, "hybrid", 1, False),
-    (1, True, 0.05, torch.float32, "dp", 2, False),
-    (2, True, None, torch.float32, "dp", 2, False),
-    (3, True, 0.05, torch.float32, "dp", 1, False),
-    (3, False, None, torch.float32, "dp", 2, False),
-    (3, True, 0.05, torch.bfloat16, "dp", 1, False),
-    (3, True, 0.05, torch.float32, "hybrid", 1, False),
-    (3, True, 0.05, torch.float32, "dp", 1, True),
-    (2, True, None, torch.float32, "dp", 1, True),
+    (1, True, None, torch.float32, "dp", 1, None),
+    (2, True, 0.05, torch.float32, "dp", 1, None),
+    (2, False, None, torch.float32, "dp", 1, None),
+    (1, False, 0.05, torch.float32, "dp", 1, None),
+    (2, True, 0.05, torch.bfloat16, "dp", 1, None),
+    (1, True, None, torch.bfloat16, "dp", 1, None),
+    (2, True, 0.05, torch.float32, "hybrid", 1, None),
+    (1, True, 0.05, torch.float32, "dp", 2, None),
+    (2, True, None, torch.float32, "dp", 2, None),
+    (3, True, 0.05, torch.float32, "dp", 1, None),
+    (3, False, None, torch.float32, "dp", 2, None),
+    (3, True, 0.05, torch.bfloat16, "dp", 1, None),
+    (3, True, 0.05, torch.float32, "hybrid", 1, None),
+    (3, True, 0.05, torch.float32, "dp", 1, "frozen"),
+    (2, True, None, torch.float32, "dp", 1, "frozen"),
+    (2, True, 0.05, torch.float32, "dp", 1, "tied"),
+    (3, True, 0.05, torch.float32, "dp", 1, "tied"),
 ]
 
 
@@ -156,11 +168,11 @@ def _train(rank, world, configs):
     from zerofast.optim.zero_adam import parts_of
 
     out = []
-    for stage, sp, max_norm, dtype, mesh_kind, micro, frozen in configs:
+    for stage, sp, max_norm, dtype, mesh_kind, micro, variant in configs:
         shape, names = MESHES[mesh_kind]
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         dp_rank = dist.get_rank(dist.group.WORLD) // TP  # the mesh is row-major, "tp" innermost
-        model = _freeze(titan_plan(TitanLlama(), mesh["tp"], sequence_parallel=sp), frozen)
+        model = _variant(titan_plan(TitanLlama(), mesh["tp"], sequence_parallel=sp), variant)
         mixed = None if dtype == torch.float32 else MixedPrecisionPolicy(dtype, reduce_dtype=torch.float32)
         opt = ZeroAdam(model, stage=stage, process_group=mesh, mixed_precision=mixed, **HYPER)
         norms = []
@@ -179,6 +191,11 @@ def _train(rank, world, configs):
         # The estimator with tp: each rank's local tensors, sharded over the data-parallel ranks; the
         # measured bytes exceed it by the buckets' padding at most (ALIGN * dp elements a bucket).
         est = estimate_memory(model, world, stage, mixed, tp=TP, shard_size=shape[-2])  # the "dp" dim
+        # The optimizer's own collectives over "tp" (the agreement joined; the norm's sum when clipping),
+        # counted in the last step's report.
+        comm = opt.report().comm
+        assert comm.get("tp/all_reduce_flags", 0) > 0, comm
+        assert ("tp/all_reduce_stats" in comm) == (max_norm is not None), comm
         mem, parts = opt.report().memory, parts_of(opt)
         pad = ALIGN * shape[-2] * len(parts.layout.buckets)
         frozen_pad = ALIGN * shape[-2] * len(parts.frozen.layout.buckets) if parts.frozen is not None else 0
@@ -298,9 +315,9 @@ def _checkpoints(rank, world, root):
 
     import zerofast.checkpoint as ckpt
 
-    def tp_run(shape, stage, frozen=False):
+    def tp_run(shape, stage, variant=None):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
-        model = _freeze(titan_plan(TitanLlama(), mesh["tp"]), frozen)
+        model = _variant(titan_plan(TitanLlama(), mesh["tp"]), variant)
         return model, ZeroAdam(model, stage=stage, process_group=mesh, **HYPER), mesh.get_local_rank("dp"), shape[0]
 
     def step(model, opt, s, dp_rank, dp):
@@ -329,12 +346,12 @@ def _checkpoints(rank, world, root):
     back = step(model, opt, 3, dp_rank, dp)
     # Stage 3 with frozen DTensors (sharded, no state; [Note: frozen parameters in stage 3]): saved
     # at tp 2 x dp 2, loaded at tp 4 x dp 1.
-    model, opt, dp_rank, dp = tp_run((2, 2), 3, frozen=True)
+    model, opt, dp_rank, dp = tp_run((2, 2), 3, "frozen")
     for s in range(2):
         step(model, opt, s, dp_rank, dp)
     ckpt.save(f"{root}/stage3", model, opt)
     want3 = [step(model, opt, s, dp_rank, dp) for s in (2,)]
-    model, opt, dp_rank, dp = tp_run((1, 4), 3, frozen=True)
+    model, opt, dp_rank, dp = tp_run((1, 4), 3, "frozen")
     ckpt.load(f"{root}/stage3", model, opt)
     got3 = step(model, opt, 2, dp_rank, dp)
     dist.barrier()

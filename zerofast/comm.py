@@ -467,6 +467,14 @@ class BucketComm:
             self.group,
         )
 
+    def all_reduce_tp(self, t: torch.Tensor, op, tp_group: dist.ProcessGroup, kind: str, what: str) -> None:
+        """Tensor parallelism's small all_reduce over "tp" (the norm's and the overflow flag's sum, the
+        agreement joined: [Note: tensor parallelism] in zerofast/tensor_parallel.py), issued as this
+        comm's own (its Work kept: [Note: clean exit] in csrc/work_keeper.cpp; a failure named, with
+        the step and phase) and counted as "tp/all_reduce_<kind>"."""
+        self._agreements[f"tp/all_reduce_{kind}"] += t.numel() * t.element_size()
+        self._collective(what, dist.all_reduce, t, op, tp_group)
+
     def all_reduce_replicas(self, shards: list[torch.Tensor]) -> None:
         """Hybrid sharding with check_collectives: sum this rank's reduced gradient shard over its
         replicas in step(), once per step ([Note: hybrid sharding] in zerofast/topology.py), each

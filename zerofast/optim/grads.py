@@ -349,7 +349,9 @@ class GradReducer:
                 sumsq[0] = self._sumsq(self.shard.owned_grads())
                 self.comm.all_reduce_sum(sumsq)
                 if self.tp is not None:
-                    dist.all_reduce(sumsq, dist.ReduceOp.SUM, group=self.tp.tp_group)
+                    self.comm.all_reduce_tp(
+                        sumsq, dist.ReduceOp.SUM, self.tp.tp_group, "stats", "the gradient norm's sum over tp"
+                    )
                 self._prepared.norm = sumsq[0].sqrt() / (world_size * self.scaler.scale)
             return self._prepared
         failure = None
@@ -417,7 +419,9 @@ class GradReducer:
                 stats[1] = self._sumsq(owned)
             self.comm.all_reduce_sum(stats)
             if self.tp is not None:  # each rank of a "tp" group holds other elements, or counts none twice
-                dist.all_reduce(stats, dist.ReduceOp.SUM, group=self.tp.tp_group)
+                self.comm.all_reduce_tp(
+                    stats, dist.ReduceOp.SUM, self.tp.tp_group, "stats", "the overflow flag's and norm's sum over tp"
+                )
             sumsq = stats[1] if need_norm else None  # stays on the device: [Note: host syncs]
             if self.scaler.enabled:
                 found_inf = host_reads.to_float(stats[0:1], "found_inf") > 0
@@ -437,7 +441,7 @@ class GradReducer:
         index = [*range(message.params), *range(message.counter("steps").start, message.counter("micro_batches").stop)]
         index = torch.tensor([*index, message.failed], device=flags.device)
         joined = flags[index]
-        dist.all_reduce(joined, dist.ReduceOp.MAX, group=self.tp.tp_group)
+        self.comm.all_reduce_tp(joined, dist.ReduceOp.MAX, self.tp.tp_group, "flags", "the step's agreement over tp")
         flags[index] = joined
 
     def _sumsq(self, owned: list[torch.Tensor]) -> torch.Tensor:
