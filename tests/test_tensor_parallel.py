@@ -301,6 +301,95 @@ def test_what_tensor_parallelism_cannot_serve_yet_is_named():
             assert got is not None and got.startswith(want), (got, want)
 
 
+def _state(model, opt) -> dict:
+    """This rank's parameters (each DTensor's local part) and its pieces of the state, bitwise."""
+    with opt.gathered_params():
+        params = {n: getattr(p, "_local_tensor", p).detach().clone() for n, p in model.named_parameters()}
+    view = opt.checkpoint_view
+    return dict(params=params, **{k: view.trainable.state_pieces(k) for k in ("master", "exp_avg", "exp_avg_sq")})
+
+
+def _differs(a: dict, b: dict) -> list[str]:
+    bad = [n for n in a["params"] if not torch.equal(a["params"][n], b["params"][n])]
+    for kind in ("master", "exp_avg", "exp_avg_sq"):
+        if not all(x[:2] == y[:2] and torch.equal(x[2], y[2]) for x, y in zip(a[kind], b[kind])):
+            bad.append(kind)
+    return bad
+
+
+def _offloaded(rank, world, root):
+    """The state on disk under tensor parallelism, stages 2 and 3, against the same run in memory;
+    then one write fails on rank 1 alone (dp 0, tp 1): the step must be applied on no rank, the other
+    "tp" rank of its layer parts included ([Note: the all-or-none offloaded step])."""
+    import errno
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zerofast import OffloadPolicy
+    from zerofast.offload import OffloadError
+    from zerofast.optim.zero_adam import parts_of
+
+    out = {}
+    for stage in (2, 3):
+        mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+        dp_rank = mesh.get_local_rank("dp")
+        runs = []
+        for offload in (None, OffloadPolicy("disk", root, window_mb=0.05)):
+            model = titan_plan(TitanLlama(), mesh["tp"])
+            runs.append((model, ZeroAdam(model, stage=stage, process_group=mesh, offload=offload, **HYPER)))
+
+        def train(model, opt, steps):
+            for s in steps:
+                titan_loss(model, _batch(s, dp_rank)).backward()
+                opt.step()
+                opt.zero_grad()
+
+        for model, opt in runs:
+            train(model, opt, range(STEPS))
+        (a, oa), (b, ob) = runs
+        before = _state(b, ob)
+
+        def full_disk(path, chunk):
+            if rank == 1:
+                raise OSError(errno.ENOSPC, "No space left on device (simulated)", path)
+
+        parts_of(ob).shard.store.fail_write = full_disk
+        try:
+            train(b, ob, [STEPS])
+            raised = None
+        except Exception as e:
+            raised = type(e).__name__, str(e), isinstance(e, OffloadError)
+        parts_of(ob).shard.store.fail_write = None
+        unchanged = _differs(before, _state(b, ob))
+        train(a, oa, [STEPS])
+        train(b, ob, [STEPS])  # the failed step again: the runs are the same
+        out[stage] = dict(
+            same=_differs(_state(a, oa), _state(b, ob)),
+            unchanged=unchanged,
+            raised=raised,
+            state=ob.report().offload.state,
+            shard=parts_of(ob).shard.exp_avg.numel(),
+            tp_flags=ob.report().comm.get("tp/all_reduce_flags", 0),
+        )
+    dist.barrier()
+    return out
+
+
+def test_disk_offload_under_tp_is_the_state_in_memory_and_all_or_none(tmp_path):
+    results = run_ranks(_offloaded, DP * TP, (str(tmp_path),), timeout=300, fresh=True)
+    for rank, out in enumerate(results):
+        for stage, got in out.items():
+            where = (rank, stage)
+            assert got["state"] == "disk" and got["shard"] > 0, (where, got)
+            assert got["same"] == [] and got["unchanged"] == [], (where, got)
+            assert got["tp_flags"] > 0, where
+            kind, message, own = got["raised"]
+            if rank == 1:
+                assert own and "No space left" in message, (where, message)
+            else:  # rank 3 shares rank 1's dp group, rank 0 its "tp" group, rank 2 neither
+                assert kind == "StepNotAppliedError" and "rank 1 could not write" in message, (where, message)
+
+
 def _rows(step: int, dp_rank: int, dp: int) -> torch.Tensor:
     """Step `step`'s global batch split into `dp` equal parts: part `dp_rank`."""
     ids = _batch(step)
@@ -335,6 +424,7 @@ def _checkpoints(rank, world, root):
     want = [step(model, opt, s, dp_rank, dp) for s in (2, 3)]
     model, opt, dp_rank, dp = tp_run((1, 4), 1)  # tp 4, stage 1
     ckpt.load(saved, model, opt)
+    ckpt.save(f"{root}/tp4", model, opt)  # saved again before it steps: the same state, bitwise
     tp4 = step(model, opt, 2, dp_rank, dp)
     plain_model = TitanLlama()  # plain ZeroAdam on the 4 ranks
     plain = ZeroAdam(plain_model, stage=2, **HYPER)
@@ -353,6 +443,7 @@ def _checkpoints(rank, world, root):
     want3 = [step(model, opt, s, dp_rank, dp) for s in (2,)]
     model, opt, dp_rank, dp = tp_run((1, 4), 3, "frozen")
     ckpt.load(f"{root}/stage3", model, opt)
+    ckpt.save(f"{root}/stage3_tp4", model, opt)
     got3 = step(model, opt, 2, dp_rank, dp)
     dist.barrier()
     return want, tp4, flat, back, want3[0], got3
@@ -363,10 +454,18 @@ def test_a_tp_checkpoint_loads_into_another_tp_degree_plain_zero_adam_and_one_pr
     into plain ZeroAdam on 4 ranks, and into torch.optim.AdamW in one process (to_torch), and the
     fourth after the plain run's checkpoint loads back into tp 2 x dp 2; and a stage-3 run with frozen
     DTensors saved at tp 2 x dp 2, its third step after loading at tp 4: each equals the saving run's
-    (fp32_tol: the same state, the step's rounding; the reduction order differs)."""
+    (fp32_tol: the same state, the step's rounding; the reduction order differs). The state itself
+    moves bitwise: each tp-4 run saved again before it steps holds what the tp 2 x dp 2 run saved."""
     import zerofast.checkpoint as ckpt
 
     results = run_ranks(_checkpoints, DP * TP, (str(tmp_path),), timeout=300, fresh=True)
+    # Loading moves the state bitwise: saved again at tp 4 before stepping, it is the saved state.
+    for first, again in (("tp", "tp4"), ("stage3", "stage3_tp4")):
+        (model_a, optim_a), (model_b, optim_b) = (ckpt.to_torch(str(tmp_path / n)) for n in (first, again))
+        assert model_a.keys() == model_b.keys() and all(torch.equal(model_a[k], model_b[k]) for k in model_a), first
+        assert optim_a["state"].keys() == optim_b["state"].keys(), first
+        for i, state in optim_a["state"].items():
+            assert all(torch.equal(v, optim_b["state"][i][k]) for k, v in state.items()), (first, i)
     model_sd, optim_sd = ckpt.to_torch(str(tmp_path / "tp"))
     model = TitanLlama()
     model.load_state_dict(model_sd)

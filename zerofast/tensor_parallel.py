@@ -49,6 +49,10 @@ ranks of one "tp" group hold the parts of one layer and see the same data.
   made when the layouts ask for them (after mixed precision has converted them), sharded by
   FrozenShard and relinked before their storage is released. gathered_params(gather_tp=True) swaps
   in Replicate DTensors of the whole tensors for the block (replicated() below, read-only).
+- The optimizer's own collectives over "tp" (the norm's and the overflow flag's sums, the step's
+  agreement joined, the offloaded write's agreement) go through BucketComm.all_reduce_tp: counted,
+  their Work kept, a failure named. Each rank's offloaded state is its part's; a failed write on one
+  rank is a step applied on no rank of the mesh ([Note: the all-or-none offloaded step]).
 Not served yet, each a named error: ZeroMuon, checkpoints with 8-bit state (its blocks are the local
 tensor's), DTensors on another mesh or with placements other than one Shard or Replicate.
 """

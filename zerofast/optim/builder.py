@@ -114,12 +114,16 @@ class Parts:
     def _settle_offloaded(self, error: BaseException | None, what: str) -> bool:
         """After an offloaded update was written (or failed) on this rank: on disk, the ranks agree
         whether every one wrote it; then it is the state everywhere, or nowhere and this raises."""
-        shard, where = self.shard, self.comm.where
-        failed = -1 if error is None else self.topology.rank
+        shard, where, tp = self.shard, self.comm.where, self.topology.tp_group
+        # With tensor parallelism the ranks agree over "tp" too (a step applied on some of a layer's
+        # parts only would leave the model split across two steps) and name a rank by its global rank.
+        failed = -1 if error is None else (self.topology.rank if tp is None else dist.get_rank())
         if shard.placement == "disk":
             where.phase = "step() (phase 3: the agreement that every rank wrote its offloaded state)"
             flag = torch.tensor([failed + 1], dtype=torch.int64).to(self.comm.device)
             self.comm.all_reduce_max(flag)
+            if tp is not None:
+                self.comm.all_reduce_tp(flag, dist.ReduceOp.MAX, tp, "flags", "the offloaded write's agreement over tp")
             failed = int(flag.item()) - 1
         if failed < 0:
             shard.commit_offloaded()
