@@ -116,8 +116,11 @@ def _tp_oracle(tp_mesh, sp: bool, max_norm: float | None, dtype) -> tuple[dict, 
     for step in range(STEPS):
         total = None
         for r in range(DP):
-            grads = torch.autograd.grad(titan_loss(model, _batch(step, r)), params)
-            grads = [g.redistribute(p.device_mesh, p.placements).float() for g, p in zip(grads, params)]
+            # fp16: the loss scaled as ZeroAdam's run scales it (LossScalePolicy(init_scale=16), no
+            # overflow), the gradients unscaled in fp32: the same rounding in the backward's subnormals.
+            scale = 2.0**4 if dtype == torch.float16 else 1.0
+            grads = torch.autograd.grad(titan_loss(model, _batch(step, r)) * scale, params)
+            grads = [g.redistribute(p.device_mesh, p.placements).float() / scale for g, p in zip(grads, params)]
             total = grads if total is None else [t + g for t, g in zip(total, grads)]
         for m, t in zip(master, total):
             m.grad = t / DP
@@ -145,6 +148,7 @@ CONFIGS = [
     (1, False, 0.05, torch.float32, "dp", 1, None),
     (2, True, 0.05, torch.bfloat16, "dp", 1, None),
     (1, True, None, torch.bfloat16, "dp", 1, None),
+    (2, True, 0.05, torch.float16, "dp", 1, None),
     (2, True, 0.05, torch.float32, "hybrid", 1, None),
     (1, True, 0.05, torch.float32, "dp", 2, None),
     (2, True, None, torch.float32, "dp", 2, None),
@@ -162,7 +166,7 @@ CONFIGS = [
 def _train(rank, world, configs):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from zerofast import MixedPrecisionPolicy
+    from zerofast import LossScalePolicy, MixedPrecisionPolicy
     from zerofast.estimate import estimate_memory
     from zerofast.layout import ALIGN
     from zerofast.optim.zero_adam import parts_of
@@ -173,14 +177,18 @@ def _train(rank, world, configs):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         dp_rank = dist.get_rank(dist.group.WORLD) // TP  # the mesh is row-major, "tp" innermost
         model = _variant(titan_plan(TitanLlama(), mesh["tp"], sequence_parallel=sp), variant)
-        mixed = None if dtype == torch.float32 else MixedPrecisionPolicy(dtype, reduce_dtype=torch.float32)
+        # fp16: a small power-of-two scale, exact on the gradients (no overflow, no subnormals here), so
+        # the oracle's unscaled fp16 gradients are the same values; one that overflows is below.
+        scale = {"loss_scale": LossScalePolicy(init_scale=2.0**4)} if dtype == torch.float16 else {}
+        mixed = None if dtype == torch.float32 else MixedPrecisionPolicy(dtype, reduce_dtype=torch.float32, **scale)
         opt = ZeroAdam(model, stage=stage, process_group=mesh, mixed_precision=mixed, **HYPER)
         norms = []
         for step in range(STEPS):
             rows = _batch(step, dp_rank)
             for m in range(micro):
                 with opt.no_sync() if m < micro - 1 else contextlib.nullcontext():
-                    (titan_loss(model, rows[m * ROWS // micro : (m + 1) * ROWS // micro]) / micro).backward()
+                    loss = titan_loss(model, rows[m * ROWS // micro : (m + 1) * ROWS // micro]) / micro
+                    opt.backward(loss) if dtype == torch.float16 else loss.backward()  # fp16: the loss scaled
             if max_norm is not None:
                 norms.append(float(opt.clip_grad_norm_(max_norm)))
             opt.step()
@@ -231,6 +239,52 @@ def test_tp2_dp2_equals_adamw_on_the_global_batch():
             assert max_abs_diff(params, want) <= tol, (rank, config)
             for got, w in zip(norms, want_norms):
                 assert abs(got - w) <= norm_rel_tol(numel) * w, (rank, config, got, w)
+
+
+def _overflow(rank, world):
+    """fp16 under tensor parallelism, an overflow on one rank's part only: rank 1's gradient of a
+    Colwise weight (its local rows, no collective after it) made infinite in one step. Its dp peer
+    sees it through the reduce, its "tp" peers only through the overflow flag's sum over "tp": every
+    rank must skip that step and halve the scale, or the model's parts drift apart."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zerofast import LossScalePolicy, MixedPrecisionPolicy
+
+    out = {}
+    for stage in (2, 3):
+        mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+        dp_rank = mesh.get_local_rank("dp")
+        model = titan_plan(TitanLlama(), mesh["tp"])
+        mixed = MixedPrecisionPolicy(torch.float16, reduce_dtype=torch.float32, loss_scale=LossScalePolicy(2.0**4))
+        opt = ZeroAdam(model, stage=stage, process_group=mesh, mixed_precision=mixed, **HYPER)
+        weight = dict(model.named_parameters())["layers.1.feed_forward.w1.weight"]
+        states, scales = [], []
+        for step in range(3):
+            hook = weight.register_hook(lambda g: g * float("inf")) if step == 1 and rank == 1 else None
+            opt.backward(titan_loss(model, _batch(step, dp_rank)))
+            if hook is not None:
+                hook.remove()
+            opt.step()
+            opt.zero_grad()
+            with opt.gathered_params():
+                states.append(_full(model))
+            scales.append(opt.loss_scale)
+        out[stage] = (states, scales)
+    dist.barrier()
+    return out
+
+
+def test_an_fp16_overflow_on_one_tp_rank_skips_the_step_on_every_rank():
+    results = run_ranks(_overflow, DP * TP, timeout=300, fresh=True)
+    for stage in (2, 3):
+        first, scales = results[0][stage]
+        assert scales == [2.0**4, 2.0**3, 2.0**3], (stage, scales)  # skipped, halved; then applied
+        assert max_abs_diff(first[1], first[0]) == 0, stage  # the overflowed step changed nothing
+        assert max_abs_diff(first[2], first[1]) > 0, stage  # the next one applies
+        for rank, out in enumerate(results):
+            states, got = out[stage]
+            assert got == scales, (rank, stage, got)
+            assert all(max_abs_diff(a, b) == 0 for a, b in zip(states, first)), (rank, stage)
 
 
 def _refused(rank, world):
