@@ -8,6 +8,7 @@ a later job's mesh of the same shape then hits that cache and names a destroyed 
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -135,44 +136,59 @@ def _tp_oracle(tp_mesh, sp: bool, max_norm: float | None, dtype) -> tuple[dict, 
     return _full(model), norms, {n: m.detach().full_tensor() for n, m in zip(names, master)}
 
 
-# (stage, sequence parallel, max_norm, dtype, mesh, micro-batches, variant): mesh "dp" is (dp 2, tp 2);
-# "hybrid" is (replicate 2, dp 1, tp 2), hybrid sharding's replicas around tensor parallelism;
-# micro-batches 2: each rank's rows one at a time, all but the last inside no_sync() (stage 1 keeps
-# the gradients in its buckets, stages 2 and 3 reduce each into the shard); variant "frozen": FROZEN's
-# parameters do not train, "tied": the head's weight is the embedding's (_variant). Stage 3 gathers each unit across "dp" only, its parameters left DTensors.
+class Config(NamedTuple):
+    """One training run of the 4 ranks. mesh "dp" is (dp 2, tp 2); "hybrid" is (replicate 2, dp 1,
+    tp 2), hybrid sharding's replicas around tensor parallelism. micro 2: each rank's rows one at a
+    time, all but the last inside no_sync() (stage 1 keeps the gradients in its buckets, stages 2 and 3
+    reduce each into the shard). variant "frozen": FROZEN's parameters do not train, "tied": the
+    head's weight is the embedding's (_variant). partition: CommPolicy's ("round_robin", "greedy":
+    whole local tensors to owners, reduced to and broadcast from them). Stage 3 gathers each unit across "dp" only, its parameters left DTensors."""
+
+    stage: int
+    sp: bool = True  # SequenceParallel norms
+    max_norm: float | None = None
+    dtype: torch.dtype = torch.float32
+    mesh: str = "dp"
+    micro: int = 1
+    variant: str | None = None
+    partition: str = "flat"
+
+
 MESHES = {"dp": ((DP, TP), ("dp", "tp")), "hybrid": ((DP, 1, TP), ("replicate", "dp", "tp"))}
 CONFIGS = [
-    (1, True, None, torch.float32, "dp", 1, None),
-    (2, True, 0.05, torch.float32, "dp", 1, None),
-    (2, False, None, torch.float32, "dp", 1, None),
-    (1, False, 0.05, torch.float32, "dp", 1, None),
-    (2, True, 0.05, torch.bfloat16, "dp", 1, None),
-    (1, True, None, torch.bfloat16, "dp", 1, None),
-    (2, True, 0.05, torch.float16, "dp", 1, None),
-    (2, True, 0.05, torch.float32, "hybrid", 1, None),
-    (1, True, 0.05, torch.float32, "dp", 2, None),
-    (2, True, None, torch.float32, "dp", 2, None),
-    (3, True, 0.05, torch.float32, "dp", 1, None),
-    (3, False, None, torch.float32, "dp", 2, None),
-    (3, True, 0.05, torch.bfloat16, "dp", 1, None),
-    (3, True, 0.05, torch.float32, "hybrid", 1, None),
-    (3, True, 0.05, torch.float32, "dp", 1, "frozen"),
-    (2, True, None, torch.float32, "dp", 1, "frozen"),
-    (2, True, 0.05, torch.float32, "dp", 1, "tied"),
-    (3, True, 0.05, torch.float32, "dp", 1, "tied"),
+    Config(1),
+    Config(2, max_norm=0.05),
+    Config(2, sp=False),
+    Config(1, sp=False, max_norm=0.05),
+    Config(2, max_norm=0.05, dtype=torch.bfloat16),
+    Config(1, dtype=torch.bfloat16),
+    Config(2, max_norm=0.05, dtype=torch.float16),
+    Config(2, max_norm=0.05, mesh="hybrid"),
+    Config(1, max_norm=0.05, micro=2),
+    Config(2, micro=2),
+    Config(3, max_norm=0.05),
+    Config(3, sp=False, micro=2),
+    Config(3, max_norm=0.05, dtype=torch.bfloat16),
+    Config(3, max_norm=0.05, mesh="hybrid"),
+    Config(3, max_norm=0.05, variant="frozen"),
+    Config(2, variant="frozen"),
+    Config(2, max_norm=0.05, variant="tied"),
+    Config(3, max_norm=0.05, variant="tied"),
+    Config(1, max_norm=0.05, partition="round_robin"),
+    Config(2, partition="greedy", variant="tied"),
 ]
 
 
 def _train(rank, world, configs):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from zerofast import LossScalePolicy, MixedPrecisionPolicy
+    from zerofast import CommPolicy, LossScalePolicy, MixedPrecisionPolicy
     from zerofast.estimate import estimate_memory
     from zerofast.layout import ALIGN
     from zerofast.optim.zero_adam import parts_of
 
     out = []
-    for stage, sp, max_norm, dtype, mesh_kind, micro, variant in configs:
+    for stage, sp, max_norm, dtype, mesh_kind, micro, variant, partition in configs:
         shape, names = MESHES[mesh_kind]
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         dp_rank = dist.get_rank(dist.group.WORLD) // TP  # the mesh is row-major, "tp" innermost
@@ -181,7 +197,8 @@ def _train(rank, world, configs):
         # the oracle's unscaled fp16 gradients are the same values; one that overflows is below.
         scale = {"loss_scale": LossScalePolicy(init_scale=2.0**4)} if dtype == torch.float16 else {}
         mixed = None if dtype == torch.float32 else MixedPrecisionPolicy(dtype, reduce_dtype=torch.float32, **scale)
-        opt = ZeroAdam(model, stage=stage, process_group=mesh, mixed_precision=mixed, **HYPER)
+        policy = CommPolicy(partition=partition)
+        opt = ZeroAdam(model, stage=stage, process_group=mesh, mixed_precision=mixed, comm=policy, **HYPER)
         norms = []
         for step in range(STEPS):
             rows = _batch(step, dp_rank)
@@ -198,22 +215,25 @@ def _train(rank, world, configs):
         got = (whole, norms, _full_master(opt, model))
         # The estimator with tp: each rank's local tensors, sharded over the data-parallel ranks; the
         # measured bytes exceed it by the buckets' padding at most (ALIGN * dp elements a bucket).
-        est = estimate_memory(model, world, stage, mixed, tp=TP, shard_size=shape[-2])  # the "dp" dim
+        est = estimate_memory(model, world, stage, mixed, policy, tp=TP, shard_size=shape[-2])  # the "dp" dim
         # The optimizer's own collectives over "tp" (the agreement joined; the norm's sum when clipping),
         # counted in the last step's report.
         comm = opt.report().comm
         assert comm.get("tp/all_reduce_flags", 0) > 0, comm
         assert ("tp/all_reduce_stats" in comm) == (max_norm is not None), comm
-        mem, parts = opt.report().memory, parts_of(opt)
-        pad = ALIGN * shape[-2] * len(parts.layout.buckets)
-        frozen_pad = ALIGN * shape[-2] * len(parts.frozen.layout.buckets) if parts.frozen is not None else 0
-        p_bytes, o_bytes = dtype.itemsize, 8 + (4 if dtype != torch.float32 else 0)
-        # Frozen parameters: stage 3's shard of them, or (stages 1 and 2) the model's own local tensors.
-        local = [p._local_tensor if hasattr(p, "_local_tensor") else p for p in model.parameters()]
-        whole_frozen = sum(t.numel() for t, p in zip(local, model.parameters()) if not p.requires_grad) * p_bytes
-        held = mem.params + mem.param_padding + (mem.frozen_params if stage == 3 else whole_frozen)
-        assert 0 <= held - est.params <= (pad + frozen_pad) * p_bytes, (mem, est)
-        assert 0 <= mem.optimizer + mem.master_copy - est.optimizer <= pad * o_bytes, (mem, est)
+        # (The estimate's formula shards evenly, as "flat" does; round_robin and greedy give each rank
+        # whole tensors, an uneven share: not compared.)
+        if partition == "flat":
+            mem, parts = opt.report().memory, parts_of(opt)
+            pad = ALIGN * shape[-2] * len(parts.layout.buckets)
+            frozen_pad = ALIGN * shape[-2] * len(parts.frozen.layout.buckets) if parts.frozen is not None else 0
+            p_bytes, o_bytes = dtype.itemsize, 8 + (4 if dtype != torch.float32 else 0)
+            # Frozen parameters: stage 3's shard of them, or (stages 1 and 2) the model's own local tensors.
+            local = [p._local_tensor if hasattr(p, "_local_tensor") else p for p in model.parameters()]
+            whole_frozen = sum(t.numel() for t, p in zip(local, model.parameters()) if not p.requires_grad) * p_bytes
+            held = mem.params + mem.param_padding + (mem.frozen_params if stage == 3 else whole_frozen)
+            assert 0 <= held - est.params <= (pad + frozen_pad) * p_bytes, (mem, est)
+            assert 0 <= mem.optimizer + mem.master_copy - est.optimizer <= pad * o_bytes, (mem, est)
         # The model's whole tensors as a consolidated save reads them (rank 1 takes part, keeps none).
         saved = opt.full_state_dict(keep=rank != 1)
         sent = dict(opt.named_full_tensors())
@@ -226,15 +246,17 @@ def _train(rank, world, configs):
 
 def test_tp2_dp2_equals_adamw_on_the_global_batch():
     results = run_ranks(_train, DP * TP, (CONFIGS,), timeout=300, fresh=True)
-    oracles = {(c[2], c[6]): _oracle(STEPS, c[2], c[6]) for c in CONFIGS if c[3] == torch.float32}
+    oracles = {
+        (c.max_norm, c.variant): _oracle(STEPS, c.max_norm, c.variant) for c in CONFIGS if c.dtype == torch.float32
+    }
     numel = sum(p.numel() for p in TitanLlama().parameters())
     for rank, runs in enumerate(results):
         for config, ((params, norms, master), tp_oracle) in zip(CONFIGS, runs):
-            want, want_norms, want_master = tp_oracle or oracles[config[2], config[6]]
+            want, want_norms, want_master = tp_oracle or oracles[config.max_norm, config.variant]
             # fp32: 16 ulps a step (tolerances.py); bf16 against the oracle whose gradients are the
             # same: the master within the step's rounding, the parameters its rounding to bf16, one
             # ulp of bf16 at the largest parameter where two masters round to neighbours.
-            tol = fp32_tol(STEPS) if tp_oracle is None else lp_param_tol(config[3], STEPS, want)
+            tol = fp32_tol(STEPS) if tp_oracle is None else lp_param_tol(config.dtype, STEPS, want)
             assert max_abs_diff(master, want_master) <= fp32_tol(STEPS), (rank, config)
             assert max_abs_diff(params, want) <= tol, (rank, config)
             for got, w in zip(norms, want_norms):
