@@ -585,9 +585,24 @@ def test_the_command_line_takes_a_tp_degree(capsys):
     rows = [estimate_memory(7 * 10**9, 16, s, "bf16", tp=4) for s in (0, 1, 2, 3)]
     assert format_table(rows) in out, out
     assert "inter-node" in out and "intra-node" not in out, out
+    # Hybrid sharding over the data-parallel ranks (K counts those) and offload compose with tp: each
+    # row the library's estimate with the same arguments.
+    assert main(["--params", "7B", "--world", "16", "--tp", "4", "--shard-size", "2", "--offload", "host"]) == 0
+    out = capsys.readouterr().out
+    assert "sharded over K = 2 (x2 replicas), tensor parallel: tp 4 x dp 4" in out, out
+    rows = [
+        estimate_memory(7 * 10**9, 16, s, "bf16", shard_size=2, offload="host" if s else None, tp=4)
+        for s in (0, 1, 2, 3)
+    ]
+    assert rows[1].placement == "host" and rows[1].optimizer == 0 < rows[1].host_bytes, rows[1]
+    assert format_table(rows) in out, out
     for argv, message in (
         (["--tp", "3"], "--tp must be at least 1 and divide --world (16); got 3"),
-        (["--tp", "4", "--offload", "host"], "--offload and --shard-size with it are not modelled yet"),
+        (["--tp", "4", "--shard-size", "3"], "--shard-size 3 must divide the data-parallel ranks (--world / --tp = 4)"),
+        (
+            ["--tp", "4", "--shard-size", "2", "--time", "--layers", "32", "--hidden", "4096"],
+            "--shard-size with it is not modelled yet",
+        ),
         (["--tp", "4", "--time", "--hidden", "4096"], "--time --tp needs the model's --layers and --hidden"),
         (["--tp", "4", "--layers", "32", "--hidden", "4096"], "--layers and --hidden apply to --time with --tp"),
     ):

@@ -221,6 +221,30 @@ def test_train_command_with_tensor_parallelism():
     assert 2.0 <= moved < 2.1, line  # the reduce and the one gather of a tp rank's part, plus padding
 
 
+def test_train_command_with_tensor_parallelism_hybrid_sharding_and_the_state_on_disk(tmp_path):
+    """--tp 2 --shard-size 1 --offload disk on 4 ranks: a ("replicate", "dp", "tp") mesh (each tp
+    rank's part unsharded, replicated twice), the state in files (the library's exactness under tp,
+    the disk bitwise the state in memory: tests/test_tensor_parallel.py); the job trains, says where
+    the state lives (the optimizer column 0, estimated so) and its replicas' traffic: Φ/K of a tp
+    rank's part."""
+    out = _run(
+        "zerofast.train", "--nproc", "4", "--tp", "2", "--shard-size", "1", "--model", "tiny", "--steps", "6",
+        "--stage", "2", "--batch", "4", "--lr", "1e-2", "--offload", f"disk:{tmp_path}",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout + out.stderr
+    assert "tensor parallel over 2 ranks (tp 2 x dp 1 x replicate 2)" in text, text
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) over 6 steps", text).groups())
+    assert last < first - 0.1, text
+    assert f"optimizer state on disk under {tmp_path}" in text, text
+    rows = [t.split() for t in text.splitlines() if re.match(r"^ {3}[0-3] +[\d,]+ ", t)]
+    assert len(rows) == 4 and all(r[5] == r[6] == "0" for r in rows), rows  # optimizer, its estimate
+    line = next(t for t in text.splitlines() if t.startswith("communication per step, replicate"))
+    assert "(formula: Φ/K = Φ/1" in line and "on each of 2 tensor-parallel ranks" in line, line
+    moved = float(re.search(r"= ([\d.]+) Φ", line).group(1))
+    assert 1.0 <= moved < 1.1, line  # the replicas' all_reduce of a tp rank's part, plus padding
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -229,6 +253,10 @@ def test_train_command_with_tensor_parallelism():
             "--tp must be at least 1 and divide the ranks (4) and the small Llama's 8 heads; got 3",
         ),
         (["--nproc", "2", "--tp", "2", "--stage", "2", "--compare"], "--compare is not available with --tp yet"),
+        (
+            ["--nproc", "4", "--tp", "2", "--shard-size", "3"],
+            "--shard-size must divide the data-parallel ranks (--nproc / --tp = 2) with --tp; got 3",
+        ),
         (["--stage", "4"], "--stage must be 1, 2 or 3; got 4"),
         (["--steps", "-3"], "--steps must be 0 or more; got -3"),
         (["--model", "huge"], "--model must be one of tiny, small; got 'huge'"),

@@ -200,7 +200,8 @@ def main(argv=None) -> int:
         type=int,
         default=None,
         help="hybrid sharding: the state is sharded over K consecutive ranks and replicated world/K "
-        "times (ZeroAdam's shard_size; default: world, flat ZeRO)",
+        "times (ZeroAdam's shard_size; default: world, flat ZeRO); with --tp K counts the data-parallel "
+        "ranks (the mesh's 'dp' dim) of world/tp",
     )
     p.add_argument(
         "--precision",
@@ -309,6 +310,13 @@ def main(argv=None) -> int:
         p.error(f"--stage must be 0 (DDP), 1, 2 or 3; got {args.stage}")
     if args.shard_size is not None and args.shard_size < 1:
         p.error(f"--shard-size must be at least 1; got {args.shard_size}")
+    if args.tp < 1 or args.world % args.tp:
+        p.error(f"--tp must be at least 1 and divide --world ({args.world}); got {args.tp}")
+    if args.shard_size is not None and args.tp > 1 and (args.world // args.tp) % args.shard_size:
+        p.error(
+            f"--shard-size {args.shard_size} must divide the data-parallel ranks (--world / --tp = "
+            f"{args.world // args.tp}) with --tp"
+        )
     if args.shard_size is not None and (args.shard_size > args.world or args.world % args.shard_size):
         p.error(
             f"--shard-size {args.shard_size} must divide --world {args.world} (the ranks form world/shard_size "
@@ -344,10 +352,8 @@ def main(argv=None) -> int:
             .replace("CommPolicy: bucket_mb", "--bucket-mb")
             .replace("CommPolicy: bucket_buffers", "--bucket-buffers")
         )
-    if args.tp < 1 or args.world % args.tp:
-        p.error(f"--tp must be at least 1 and divide --world ({args.world}); got {args.tp}")
-    if args.tp > 1 and (args.offload is not None or args.shard_size is not None):
-        p.error("--tp models flat ZeRO on the device; --offload and --shard-size with it are not modelled yet")
+    if args.tp > 1 and args.time and args.shard_size is not None:
+        p.error("--time --tp models flat ZeRO over the dp ranks; --shard-size with it is not modelled yet")
     if args.tp > 1 and args.time:
         for flag, value in (("--layers", args.layers), ("--hidden", args.hidden)):
             if value is None or value < 1:
@@ -389,7 +395,8 @@ def main(argv=None) -> int:
             )
         except ValueError as e:
             p.error(str(e))
-    k = f", sharded over K = {args.shard_size} (x{args.world // args.shard_size} replicas)" if args.shard_size else ""
+    dp = args.world // args.tp  # with --tp, --shard-size counts the data-parallel ranks
+    k = f", sharded over K = {args.shard_size} (x{dp // args.shard_size} replicas)" if args.shard_size else ""
     if args.tp > 1:
         k += f", tensor parallel: tp {args.tp} x dp {args.world // args.tp} (each rank 1/{args.tp} of Φ)"
     state = ", 8-bit Adam state" if args.state_bits == 8 else ""

@@ -103,7 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         metavar="N",
         help="tensor parallelism: train a Llama shaped as torchtitan's under its plan over N ranks (the "
-        "innermost of a ('dp', 'tp') mesh), ZeroAdam sharding across the rest (stages 1-3)",
+        "innermost of a ('dp', 'tp') mesh), ZeroAdam sharding across the rest (stages 1-3; with "
+        "--shard-size K a ('replicate', 'dp', 'tp') mesh, K ranks to a shard)",
     )
     p.add_argument(
         "--max-restarts",
@@ -180,11 +181,14 @@ def _check_tp(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             f"--tp must be at least 1 and divide the ranks ({args.nproc}) and the {args.model} Llama's "
             f"{heads} heads; got {args.tp}"
         )
+    dp = args.nproc // args.tp
+    if args.shard_size is not None and dp % args.shard_size:
+        p.error(
+            f"--shard-size must divide the data-parallel ranks (--nproc / --tp = {dp}) with --tp; got {args.shard_size}"
+        )
     for flag, given in (
         ("--compare", args.compare),
         ("--plot", args.plot),
-        ("--shard-size", args.shard_size),
-        ("--offload", args.offload),
         ("--replica-groups", args.replica_groups),
     ):
         if given:

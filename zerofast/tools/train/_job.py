@@ -66,9 +66,11 @@ def _worker(args: argparse.Namespace) -> None:
             backend,
             args.stage,
             args.partition,
-            f", sharded in groups of {args.shard_size}" if args.shard_size not in (None, world) else "",
+            f", sharded in groups of {args.shard_size}"
+            if args.shard_size not in (None, world // (args.tp or 1))
+            else "",
             f", optimizer state {_where(args.offload)}" if args.offload else "",
-            f", tensor parallel over {args.tp} ranks (tp {args.tp} x dp {world // args.tp})" if args.tp else "",
+            f", tensor parallel over {args.tp} ranks ({_tp_mesh_words(args, world)})" if args.tp else "",
         )
     losses, times, measured, comm, numel = run("zero", args, device, args.steps, progress=True)
     everyone: list = [None] * world
@@ -82,7 +84,7 @@ def _worker(args: argparse.Namespace) -> None:
             1e3 * _median(times),
         )
         if all(everyone):
-            report(args, everyone, comm, numel, world)
+            report(args, everyone, comm, numel, world, device.type)
     if args.compare and args.steps > 0:
         results = {kind: run(kind, args, device, args.steps, progress=False) for kind in ("ddp", "reference")}
         if rank == 0:
@@ -141,3 +143,12 @@ def main(argv=None) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     worker(args)
     return 0
+
+
+def _tp_mesh_words(args, world: int) -> str:
+    """--tp's mesh in words: "tp 2 x dp 2", or with --shard-size K below the data-parallel ranks
+    "tp 2 x dp K x replicate R" (zerofast/tools/train/_loop.py _tp_mesh)."""
+    dp = world // args.tp
+    if args.shard_size in (None, dp):
+        return f"tp {args.tp} x dp {dp}"
+    return f"tp {args.tp} x dp {args.shard_size} x replicate {dp // args.shard_size}"

@@ -39,11 +39,15 @@ def _model(args):
 
 
 def _tp_mesh(args, device):
-    """--tp N: the ("dp", "tp") mesh over every rank, "tp" innermost (a machine's consecutive ranks)."""
+    """--tp N: the ("dp", "tp") mesh over every rank, "tp" innermost (a machine's consecutive ranks);
+    with --shard-size K below the data-parallel ranks, ("replicate", "dp", "tp"), "dp" of size K."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    world = dist.get_world_size()
-    return init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+    dp = dist.get_world_size() // args.tp
+    if args.shard_size in (None, dp):
+        return init_device_mesh(device.type, (dp, args.tp), mesh_dim_names=("dp", "tp"))
+    shape = (dp // args.shard_size, args.shard_size, args.tp)
+    return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "dp", "tp"))
 
 
 def _device(backend: str) -> torch.device:
@@ -69,7 +73,8 @@ def _make_optimizer(kind: str, model, args, stage: int, mesh=None):
         weight_decay=0.1,
         mixed_precision=_precision(args),
         max_grad_norm=args.max_grad_norm,
-        comm=CommPolicy(partition=args.partition, shard_size=args.shard_size),
+        # With --tp the mesh's "dp" dim is the shard group (_tp_mesh), which ZeroAdam takes from it.
+        comm=CommPolicy(partition=args.partition, shard_size=None if mesh is not None else args.shard_size),
         offload=args.offload,
         process_group=mesh,
     )
@@ -128,8 +133,9 @@ def run(kind: str, args, device, steps: int, progress: bool, stage: int | None =
     module, opt = _make_optimizer(kind, model, args, args.stage if stage is None else stage, mesh)
     tokens = corpus_tokens()
     seq = TP_SEQ if mesh is not None else model.cfg.block_size
-    # The data's rank: a "tp" group's ranks read the same batch ([Note: tensor parallelism]).
-    data_rank, data_world = (mesh.get_local_rank("dp"), mesh.size(0)) if mesh is not None else (rank, world)
+    # The data's rank: a "tp" group's ranks read the same batch ([Note: tensor parallelism]); "tp" is
+    # innermost, so a rank's place among the data-parallel ranks (replicas included) is rank // tp.
+    data_rank, data_world = (rank // args.tp, world // args.tp) if mesh is not None else (rank, world)
     losses, times, measured = [], [], {}
     checkpoints = kind == "zero" and args.save_dir is not None
     start = _resume(args, model, opt, rank) if checkpoints and _resuming(args) else 0

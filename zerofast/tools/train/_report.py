@@ -15,9 +15,19 @@ def _median(xs):
     return xs[len(xs) // 2] if xs else float("nan")
 
 
-def report(args, measured_all, comm, numel, world) -> None:
+def report(args, measured_all, comm, numel, world, device: str) -> None:
     tp = getattr(args, "tp", None) or 1  # --tp: each rank holds 1/tp of the model, ZeRO over world/tp
-    est = estimate_memory(numel, world, args.stage, _precision(args), shard_size=args.shard_size, tp=tp)
+    # device: the model's device type; offloaded, the optimizer column is what stays on it
+    est = estimate_memory(
+        numel,
+        world,
+        args.stage,
+        _precision(args),
+        shard_size=args.shard_size,
+        offload=args.offload,
+        device=device,
+        tp=tp,
+    )
     p_bytes = 2 if args.mixed_precision else 4
     phi = p_bytes * -(-numel // tp)
     world //= tp
