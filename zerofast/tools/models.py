@@ -201,10 +201,14 @@ def titan_loss(model, ids) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1))
 
 
-def titan_plan(model: TitanLlama, tp_mesh, sequence_parallel: bool = True) -> TitanLlama:
+def titan_plan(
+    model: TitanLlama, tp_mesh, sequence_parallel: bool = True, parallel_embedding: bool = True
+) -> TitanLlama:
     """torchtitan's Llama plan over tp_mesh: the embedding Rowwise, q/k/v and w1/w3 Colwise, wo and w2
     Rowwise, the output Colwise (gathered), and with sequence_parallel the norms SequenceParallel
-    (their weights Replicate DTensors with Partial gradients); without it the norms stay plain."""
+    (their weights Replicate DTensors with Partial gradients); without it the norms stay plain.
+    parallel_embedding=False (without sequence_parallel) leaves the embedding a plain replicated
+    module: what a whole-model torch.compile at stage 3 needs (docs/many-machines.md)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -215,10 +219,16 @@ def titan_plan(model: TitanLlama, tp_mesh, sequence_parallel: bool = True) -> Ti
     )
 
     sp = sequence_parallel
+    if sp and not parallel_embedding:
+        raise ValueError(
+            "titan_plan: sequence_parallel=True shards the embedding's output; it needs parallel_embedding=True"
+        )
     top = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()),
         "output": ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate()),
     }
+    if not parallel_embedding:
+        del top["tok_embeddings"]
     if sp:
         top["norm"] = SequenceParallel()
     parallelize_module(model, tp_mesh, top)
