@@ -267,7 +267,8 @@ def _overflow(rank, world):
     """fp16 under tensor parallelism, an overflow on one rank's part only: rank 1's gradient of a
     Colwise weight (its local rows, no collective after it) made infinite in one step. Its dp peer
     sees it through the reduce, its "tp" peers only through the overflow flag's sum over "tp": every
-    rank must skip that step and halve the scale, or the model's parts drift apart."""
+    rank must skip that step and halve the scale, or the model's parts drift apart. The next step runs
+    under torch.profiler, which shows its zerofast:: ranges as without tensor parallelism."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from zerofast import LossScalePolicy, MixedPrecisionPolicy
@@ -283,29 +284,36 @@ def _overflow(rank, world):
         states, scales = [], []
         for step in range(3):
             hook = weight.register_hook(lambda g: g * float("inf")) if step == 1 and rank == 1 else None
-            opt.backward(titan_loss(model, _batch(step, dp_rank)))
-            if hook is not None:
-                hook.remove()
-            opt.step()
+            # The last step profiled: where it goes, as without tensor parallelism (test_contract.py).
+            profiled = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if step == 2 else None
+            with profiled or contextlib.nullcontext():
+                opt.backward(titan_loss(model, _batch(step, dp_rank)))
+                if hook is not None:
+                    hook.remove()
+                opt.step()
             opt.zero_grad()
             with opt.gathered_params():
                 states.append(_full(model))
             scales.append(opt.loss_scale)
-        out[stage] = (states, scales)
+        names = sorted({e.name for e in profiled.events() if e.name.startswith("zerofast::")})
+        out[stage] = (states, scales, names)
     dist.barrier()
     return out
 
 
-def test_an_fp16_overflow_on_one_tp_rank_skips_the_step_on_every_rank():
+def test_an_fp16_overflow_on_one_tp_rank_skips_the_step_on_every_rank_and_the_profiler_sees_the_step():
     results = run_ranks(_overflow, DP * TP, timeout=300, fresh=True)
+    profiled = {2: {"zerofast::adam", "zerofast::gather", "zerofast::reduce"}}
+    profiled[3] = {"zerofast::adam", "zerofast::reduce", "zerofast::unit_gather"}
     for stage in (2, 3):
-        first, scales = results[0][stage]
+        first, scales, _ = results[0][stage]
         assert scales == [2.0**4, 2.0**3, 2.0**3], (stage, scales)  # skipped, halved; then applied
         assert max_abs_diff(first[1], first[0]) == 0, stage  # the overflowed step changed nothing
         assert max_abs_diff(first[2], first[1]) > 0, stage  # the next one applies
         for rank, out in enumerate(results):
-            states, got = out[stage]
+            states, got, names = out[stage]
             assert got == scales, (rank, stage, got)
+            assert profiled[stage] <= set(names), (rank, stage, names)
             assert all(max_abs_diff(a, b) == 0 for a, b in zip(states, first)), (rank, stage)
 
 
