@@ -21,7 +21,7 @@ from ...optim.grads import StepNotAppliedError
 from .. import replica_demo
 from ._args import parse_args
 from ._launch import _init_process_group, _without_nproc, launch
-from ._loop import _device, _model, run
+from ._loop import _device, _model, run, tp_mesh_layout
 from ._plot import plot
 from ._progress import Progress
 from ._report import _median, report
@@ -146,9 +146,6 @@ def main(argv=None) -> int:
 
 
 def _tp_mesh_words(args, world: int) -> str:
-    """--tp's mesh in words: "tp 2 x dp 2", or with --shard-size K below the data-parallel ranks
-    "tp 2 x dp K x replicate R" (zerofast/tools/train/_loop.py _tp_mesh)."""
-    dp = world // args.tp
-    if args.shard_size in (None, dp):
-        return f"tp {args.tp} x dp {dp}"
-    return f"tp {args.tp} x dp {args.shard_size} x replicate {dp // args.shard_size}"
+    """--tp's mesh in words, innermost first: "tp 2 x dp 2", "tp 2 x dp 1 x replicate 2"."""
+    shape, names = tp_mesh_layout(args, world)
+    return " x ".join(f"{name} {size}" for size, name in reversed(list(zip(shape, names))))

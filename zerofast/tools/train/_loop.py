@@ -38,16 +38,21 @@ def _model(args):
     return make_gpt(args.model, vocab_size=256)
 
 
+def tp_mesh_layout(args, world: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """--tp N's mesh over `world` ranks, its shape and dim names: ("dp", "tp"), "tp" innermost (a
+    machine's consecutive ranks); with --shard-size K below the data-parallel ranks, ("replicate",
+    "dp", "tp"), "dp" of size K."""
+    dp = world // args.tp
+    if args.shard_size in (None, dp):
+        return (dp, args.tp), ("dp", "tp")
+    return (dp // args.shard_size, args.shard_size, args.tp), ("replicate", "dp", "tp")
+
+
 def _tp_mesh(args, device):
-    """--tp N: the ("dp", "tp") mesh over every rank, "tp" innermost (a machine's consecutive ranks);
-    with --shard-size K below the data-parallel ranks, ("replicate", "dp", "tp"), "dp" of size K."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    dp = dist.get_world_size() // args.tp
-    if args.shard_size in (None, dp):
-        return init_device_mesh(device.type, (dp, args.tp), mesh_dim_names=("dp", "tp"))
-    shape = (dp // args.shard_size, args.shard_size, args.tp)
-    return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "dp", "tp"))
+    shape, names = tp_mesh_layout(args, dist.get_world_size())
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)
 
 
 def _device(backend: str) -> torch.device:
