@@ -176,6 +176,8 @@ CONFIGS = [
     Config(3, max_norm=0.05, variant="tied"),
     Config(1, max_norm=0.05, partition="round_robin"),
     Config(2, partition="greedy", variant="tied"),
+    Config(3, max_norm=0.05, partition="round_robin"),
+    Config(3, partition="greedy", variant="frozen"),
 ]
 
 
