@@ -599,10 +599,6 @@ def test_the_command_line_takes_a_tp_degree(capsys):
     for argv, message in (
         (["--tp", "3"], "--tp must be at least 1 and divide --world (16); got 3"),
         (["--tp", "4", "--shard-size", "3"], "--shard-size 3 must divide the data-parallel ranks (--world / --tp = 4)"),
-        (
-            ["--tp", "4", "--shard-size", "2", "--time", "--layers", "32", "--hidden", "4096"],
-            "--shard-size with it is not modelled yet",
-        ),
         (["--tp", "4", "--time", "--hidden", "4096"], "--time --tp needs the model's --layers and --hidden"),
         (["--tp", "4", "--layers", "32", "--hidden", "4096"], "--layers and --hidden apply to --time with --tp"),
     ):
@@ -637,21 +633,42 @@ def test_step_time_with_tensor_parallelism():
         (dict(tp=8, hidden=8192), "tp > 1 needs the model's layers"),
         (dict(tp=8, layers=80, hidden=0), "tp > 1 needs the model's hidden"),
         (dict(tp=3, layers=80, hidden=8192), "tp must be an integer >= 1 that divides world (64); got 3"),
-        (dict(tp=8, layers=80, hidden=8192, shard_size=8), "shard_size (hybrid) and model are not modelled yet"),
+        (dict(tp=8, layers=80, hidden=8192, shard_size=3), "with tp=8 (over its 8 data-parallel ranks): shard_size=3"),
+        (dict(tp=8, layers=80, hidden=8192, model=torch.nn.Linear(2, 2)), "with tp > 1 the model is a count"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             step_time(phi, world, 2, tokens, **kwargs)
+    # Hybrid under tp: tp 4 (a node holds two tp groups), K = 2 dp ranks to a shard: each shard group
+    # is a block of 8 consecutive ranks, one node, so its ring is intra-node like the tp links; the
+    # replicas (every 8th rank) cross nodes.
+    t = step_time(phi, world, 2, tokens, cluster=c, tp=4, layers=layers, hidden=hidden, shard_size=2)
+    ops = traffic_ops(-(-phi // 4), world // 4, 2, 2, "bf16")
+    shard = sum(op.nbytes for op in ops if op.group == "shard")
+    replicate = sum(op.nbytes for op in ops if op.group == "replicate")
+    act = 4 * layers * (tokens * 4) * hidden * 2
+    assert shard > 0 < replicate and t.bytes == {"intra-node": shard + act, "inter-node": replicate}, t.bytes
+    flat = step_time(phi, world, 2, tokens, cluster=c, tp=4, layers=layers, hidden=hidden)
+    assert step_time(phi, world, 2, tokens, cluster=c, tp=4, layers=layers, hidden=hidden, shard_size=16) == flat
 
 
 def test_the_time_table_takes_a_tp_degree(capsys):
-    """--time --tp 8 --layers 80 --hidden 8192 on 64 GPUs: one row per stage (no hybrid row: not
-    modelled under tp), each step_time's with tp, the tp links' bytes in the intra-node column."""
+    """--time --tp 8 --layers 80 --hidden 8192 on 64 GPUs: per stage flat ZeRO over the 8 dp ranks and
+    hybrid with a node per shard group (K = 1 dp rank: a node is one tp group), each step_time's with
+    tp, the intra-node column's bytes the tp links' (and a node's shard group's); --shard-size 1 gives
+    the hybrid rows alone."""
     argv = ["--params", "70B", "--world", "64", "--tp", "8", "--time", "--layers", "80", "--hidden", "8192"]
     assert main([*argv, "--tokens-per-rank", "4096"]) == 0
     out = capsys.readouterr().out
     assert "tp 8 x dp 8: ZeRO over the dp ranks (K) on 1/8 of Φ" in out, out
     rows = [line.split() for line in out.splitlines() if line.startswith("stage ")]
-    assert [r[:3] for r in rows] == [["stage", "1", "8"], ["stage", "2", "8"], ["stage", "3", "8"]], out
-    for row, stage in zip(rows, (1, 2, 3)):
-        t = step_time(70 * 10**9, 64, stage, 4096, cluster=Cluster(), tp=8, layers=80, hidden=8192)
+    assert [r[:3] for r in rows] == [["stage", str(s), k] for s in (1, 2, 3) for k in ("8", "1")], out
+    for row in rows:
+        stage, k = int(row[1]), int(row[2])
+        t = step_time(70 * 10**9, 64, stage, 4096, cluster=Cluster(), tp=8, layers=80, hidden=8192, shard_size=k)
         assert " ".join(row[3:5]) == format_bytes(t.bytes["intra-node"]), (row, t)
+        assert " ".join(row[5:7]) == format_bytes(t.bytes["inter-node"]), (row, t)
+    assert main([*argv, "--tokens-per-rank", "4096", "--shard-size", "1"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[:3] for line in out.splitlines() if line.startswith("stage ")] == [
+        ["stage", str(s), "1"] for s in (1, 2, 3)
+    ], out

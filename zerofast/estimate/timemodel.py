@@ -37,8 +37,11 @@ the same cores: gloo ranks on a CPU machine).
 With tp = N (step_time's tp; zerofast/tensor_parallel.py trains so), a tp group is N consecutive
 ranks, which see the same tokens and each hold 1/N of every split weight:
   - ZeRO runs over the W/N data-parallel ranks of each tp coordinate, on a rank's ceil(Φ/N)
-    elements: traffic_ops(ceil(Φ/N), W/N, ...). Those ranks are r, r + N, r + 2N, ...: their ring
-    stays on one node only if the whole world does, else it crosses nodes.
+    elements: traffic_ops(ceil(Φ/N), W/N, ...). Those ranks are r, r + N, r + 2N, ...: flat, their
+    ring stays on one node only if the whole world does, else it crosses nodes. With hybrid sharding
+    (shard_size K counts data-parallel ranks, as ZeroAdam's mesh dim "dp") a shard group is K of them,
+    within one block of K * N consecutive ranks: on one node when that block divides a node; the
+    replicas, every (K * N)-th rank, cross nodes unless the world fits one.
   - Each layer's activations cross the tp group (Megatron's tensor parallelism: Shoeybi et al.
     2019; with sequence parallelism, Korthikanti et al. 2022): in forward an all_reduce of the
     attention's and of the MLP's row-parallel output, in backward one of each column-parallel
@@ -58,6 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import resolve_plan
+from ..topology import check_shard_size
 from .traffic import Op, traffic_ops
 
 
@@ -103,12 +107,13 @@ def collective_time(name: str, nbytes: float, calls: int, ranks: int, link: Link
 def link_of(group: str, world: int, shard_size: int, cluster: Cluster, tp: int = 1) -> Link:
     """The link a group's ring is bound by: intra-node if every rank of the group is on one node.
     tp > 1: the ranks of a "tp" group are consecutive, those of the data-parallel ("shard") groups
-    every tp-th ([Note: tensor parallelism in the time model])."""
+    every tp-th, shard_size of them ([Note: tensor parallelism in the time model])."""
     g = cluster.gpus_per_node
     if group == "tp":
         one_node = tp <= g and g % tp == 0
-    elif group == "shard" and tp > 1:
-        one_node = world <= g
+    elif group == "shard" and tp > 1:  # K data-parallel ranks in a block of K * tp consecutive ones
+        block = shard_size * tp
+        one_node = world <= g or (block <= g and g % block == 0)
     elif group == "shard":  # K consecutive ranks, starting at a multiple of K
         one_node = shard_size <= g and g % shard_size == 0
     else:  # ranks r, r + K, r + 2K, ...: on one node only if the whole world is
@@ -208,7 +213,8 @@ def step_time(
     """The predicted step of `params` parameters (or of `model`, exactly, when given) on `world`
     GPUs, `tokens` tokens per GPU per step (the global batch over `world`). tp: the tensor-parallel
     degree, with the model's `layers` and `hidden` size, whose activations cross the tp links
-    ([Note: tensor parallelism in the time model]); flat ZeRO over the rest, a count of parameters."""
+    ([Note: tensor parallelism in the time model]); ZeRO over the rest (shard_size: K of the world/tp
+    data-parallel ranks to a shard), a count of parameters."""
     if tp != 1:
         return _tp_step_time(
             params, world, stage, tokens, shard_size, cluster, mixed_precision, backend, micro_batches, overlap,
@@ -243,18 +249,16 @@ def _tp_step_time(
                 f"{who}: tp > 1 needs the model's {name} (an integer >= 1: the tp links carry each layer's "
                 f"tokens x hidden activations); got {name}={value!r}"
             )
-    if shard_size is not None or model is not None:
-        raise ValueError(
-            f"{who}: with tp > 1 the model is a count under flat ZeRO; shard_size (hybrid) and model are not "
-            f"modelled yet; got shard_size={shard_size!r}, model={type(model).__name__ if model is not None else None}"
-        )
+    if model is not None:
+        raise ValueError(f"{who}: with tp > 1 the model is a count of parameters; got model={type(model).__name__}")
     dp = world // tp
+    k = check_shard_size(shard_size, dp, f"{who} with tp={tp} (over its {dp} data-parallel ranks)", comm)
     local = -(-params // tp)
-    ops = traffic_ops(local, dp, stage, dp, mixed_precision, comm, backend=backend, micro_batches=micro_batches)
+    ops = traffic_ops(local, dp, stage, k, mixed_precision, comm, backend=backend, micro_batches=micro_batches)
     act_bytes = resolve_plan(stage, mixed_precision=mixed_precision).param_dtype.itemsize  # the activations' dtype
     ops += tp_ops(layers, hidden, tokens * tp, tp, act_bytes)
     flops = 6 * params * tokens
-    update = (local / dp if stage >= 1 else local) * cluster.update_bytes / cluster.update_bandwidth
+    update = (local / k if stage >= 1 else local) * cluster.update_bytes / cluster.update_bandwidth
     return predict(
-        ops, world, dp, cluster, flops / 3 / cluster.flops, 2 * flops / 3 / cluster.flops, update, overlap, tp
+        ops, world, k, cluster, flops / 3 / cluster.flops, 2 * flops / 3 / cluster.flops, update, overlap, tp
     )

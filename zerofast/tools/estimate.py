@@ -68,8 +68,9 @@ def _time_table(args, p) -> str:
         tokens = args.tokens_per_rank
     sizes = [args.shard_size] if args.shard_size is not None else [None]
     g = args.gpus_per_node
-    if args.shard_size is None and args.world > g and args.world % g == 0 and args.tp == 1:
-        sizes.append(g)  # flat against hybrid with a node per shard group
+    dp, node = args.world // args.tp, g // args.tp  # with --tp, K counts the data-parallel ranks: a node's
+    if args.shard_size is None and args.world > g and g % args.tp == 0 and node >= 1 and dp % node == 0:
+        sizes.append(node)  # flat against hybrid with a node per shard group
     stages = [args.stage] if args.stage is not None else [1, 2, 3]
     head = (
         f"{'':8s} {'K':>5s} {'intra B':>10s} {'inter B':>10s} {'intra t':>9s} {'inter t':>9s} "
@@ -91,7 +92,7 @@ def _time_table(args, p) -> str:
     tp = {} if args.tp == 1 else {"tp": args.tp, "layers": args.layers, "hidden": args.hidden}
     for s in stages:
         for k in sizes:
-            kk = (args.world if k is None else k) // args.tp
+            kk = dp if k is None else k
             try:
                 t = step_time(
                     args.params,
@@ -352,8 +353,6 @@ def main(argv=None) -> int:
             .replace("CommPolicy: bucket_mb", "--bucket-mb")
             .replace("CommPolicy: bucket_buffers", "--bucket-buffers")
         )
-    if args.tp > 1 and args.time and args.shard_size is not None:
-        p.error("--time --tp models flat ZeRO over the dp ranks; --shard-size with it is not modelled yet")
     if args.tp > 1 and args.time:
         for flag, value in (("--layers", args.layers), ("--hidden", args.hidden)):
             if value is None or value < 1:
