@@ -206,19 +206,32 @@ def test_train_command_with_tensor_parallelism():
     each rank's bytes against the estimate with tp, and its data-parallel traffic against a tp rank's
     part: 2Φ, as this tiny model has two units (the root's and its merged blocks'), both carried from
     forward into backward ([Note: forward hands over to backward]): one gather and one reduce."""
+    text = _tp_job("tp 2 x dp 2", "--stage", "3", "--max-grad-norm", "1.0")
+    line, moved = _traffic(text, "shard")
+    assert "(formula: 3Φ" in line, line
+    assert 2.0 <= moved < 2.1, line  # the reduce and the one gather of a tp rank's part, plus padding
+
+
+def _tp_job(mesh: str, *argv: str) -> str:
+    """The main job with --tp 2 on 4 ranks (the tiny Llama, 6 steps, and `argv`): it ends with code 0,
+    says its mesh and lowers the loss; its output."""
     out = _run(
-        "zerofast.train", "--nproc", "4", "--tp", "2", "--model", "tiny", "--steps", "10", "--stage", "3",
-        "--batch", "4", "--lr", "1e-2", "--max-grad-norm", "1.0",
+        "zerofast.train", "--nproc", "4", "--tp", "2", "--model", "tiny", "--steps", "6", "--batch", "4",
+        "--lr", "1e-2", *argv,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout + out.stderr
-    assert "tensor parallel over 2 ranks (tp 2 x dp 2)" in text, text
-    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) over 10 steps", text).groups())
+    assert f"tensor parallel over 2 ranks ({mesh})" in text, text
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) over 6 steps", text).groups())
     assert last < first - 0.1, text
-    line = next(t for t in text.splitlines() if t.startswith("communication per step, shard"))
-    assert "(formula: 3Φ" in line and "on each of 2 tensor-parallel ranks" in line, line
-    moved = float(re.search(r"= ([\d.]+) Φ", line).group(1))
-    assert 2.0 <= moved < 2.1, line  # the reduce and the one gather of a tp rank's part, plus padding
+    return text
+
+
+def _traffic(text: str, group: str) -> tuple[str, float]:
+    """The closing table's line for `group`'s traffic, of a tp rank's part, and its bytes in Φ."""
+    line = next(t for t in text.splitlines() if t.startswith(f"communication per step, {group}"))
+    assert "on each of 2 tensor-parallel ranks" in line, line
+    return line, float(re.search(r"= ([\d.]+) Φ", line).group(1))
 
 
 def test_train_command_with_tensor_parallelism_hybrid_sharding_and_the_state_on_disk(tmp_path):
@@ -227,21 +240,12 @@ def test_train_command_with_tensor_parallelism_hybrid_sharding_and_the_state_on_
     the disk bitwise the state in memory: tests/test_tensor_parallel.py); the job trains, says where
     the state lives (the optimizer column 0, estimated so) and its replicas' traffic: Φ/K of a tp
     rank's part."""
-    out = _run(
-        "zerofast.train", "--nproc", "4", "--tp", "2", "--shard-size", "1", "--model", "tiny", "--steps", "6",
-        "--stage", "2", "--batch", "4", "--lr", "1e-2", "--offload", f"disk:{tmp_path}",
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
-    text = out.stdout + out.stderr
-    assert "tensor parallel over 2 ranks (tp 2 x dp 1 x replicate 2)" in text, text
-    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) over 6 steps", text).groups())
-    assert last < first - 0.1, text
+    text = _tp_job("tp 2 x dp 1 x replicate 2", "--stage", "2", "--shard-size", "1", "--offload", f"disk:{tmp_path}")
     assert f"optimizer state on disk under {tmp_path}" in text, text
     rows = [t.split() for t in text.splitlines() if re.match(r"^ {3}[0-3] +[\d,]+ ", t)]
     assert len(rows) == 4 and all(r[5] == r[6] == "0" for r in rows), rows  # optimizer, its estimate
-    line = next(t for t in text.splitlines() if t.startswith("communication per step, replicate"))
-    assert "(formula: Φ/K = Φ/1" in line and "on each of 2 tensor-parallel ranks" in line, line
-    moved = float(re.search(r"= ([\d.]+) Φ", line).group(1))
+    line, moved = _traffic(text, "replicate")
+    assert "(formula: Φ/K = Φ/1" in line, line
     assert 1.0 <= moved < 1.1, line  # the replicas' all_reduce of a tp rank's part, plus padding
 
 
