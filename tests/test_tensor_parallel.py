@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import NamedTuple
 
+import pytest
 import torch
 import torch.distributed as dist
 from harness import run_ranks
@@ -718,3 +719,10 @@ def test_a_hugging_face_llama_under_a_tp_plan_equals_adamw_and_generates():
         assert torch.equal(streamed, tokens[rank // TP]), (rank, streamed, tokens[rank // TP])
         assert gathers_in_block == 0, rank
     assert max_abs_diff(want, initial) > 100 * fp32_tol(STEPS)  # it trained: the comparison can fail
+
+
+def test_titan_plan_refuses_sequence_parallelism_without_the_parallel_embedding():
+    """parallel_embedding=False leaves the embedding's output whole, which sequence parallelism
+    would take as sharded: a named error before any mesh is touched."""
+    with pytest.raises(ValueError, match="sequence_parallel=True shards the embedding's output"):
+        titan_plan(TitanLlama(), None, sequence_parallel=True, parallel_embedding=False)

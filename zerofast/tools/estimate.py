@@ -69,7 +69,7 @@ def _time_table(args, p) -> str:
     sizes = [args.shard_size] if args.shard_size is not None else [None]
     g = args.gpus_per_node
     dp, node = args.world // args.tp, g // args.tp  # with --tp, K counts the data-parallel ranks: a node's
-    if args.shard_size is None and args.world > g and g % args.tp == 0 and node >= 1 and dp % node == 0:
+    if args.shard_size is None and args.world > g and g % args.tp == 0 and dp % node == 0:
         sizes.append(node)  # flat against hybrid with a node per shard group
     stages = [args.stage] if args.stage is not None else [1, 2, 3]
     head = (
@@ -313,15 +313,12 @@ def main(argv=None) -> int:
         p.error(f"--shard-size must be at least 1; got {args.shard_size}")
     if args.tp < 1 or args.world % args.tp:
         p.error(f"--tp must be at least 1 and divide --world ({args.world}); got {args.tp}")
-    if args.shard_size is not None and args.tp > 1 and (args.world // args.tp) % args.shard_size:
+    dp = args.world // args.tp  # the ranks --shard-size groups: with --tp, the data-parallel ones
+    if args.shard_size is not None and (args.shard_size > dp or dp % args.shard_size):
+        ranks = f"the data-parallel ranks (--world / --tp = {dp}) with --tp" if args.tp > 1 else f"--world {dp}"
         p.error(
-            f"--shard-size {args.shard_size} must divide the data-parallel ranks (--world / --tp = "
-            f"{args.world // args.tp}) with --tp"
-        )
-    if args.shard_size is not None and (args.shard_size > args.world or args.world % args.shard_size):
-        p.error(
-            f"--shard-size {args.shard_size} must divide --world {args.world} (the ranks form world/shard_size "
-            f"groups of shard_size consecutive ranks)"
+            f"--shard-size {args.shard_size} must divide {ranks} (the ranks form groups of shard_size "
+            f"consecutive ranks)"
         )
     if args.precision not in _PRECISIONS:
         p.error(f"--precision must be mixed, bf16, fp16 or fp32; got {args.precision!r}")
@@ -394,10 +391,9 @@ def main(argv=None) -> int:
             )
         except ValueError as e:
             p.error(str(e))
-    dp = args.world // args.tp  # with --tp, --shard-size counts the data-parallel ranks
     k = f", sharded over K = {args.shard_size} (x{dp // args.shard_size} replicas)" if args.shard_size else ""
     if args.tp > 1:
-        k += f", tensor parallel: tp {args.tp} x dp {args.world // args.tp} (each rank 1/{args.tp} of Φ)"
+        k += f", tensor parallel: tp {args.tp} x dp {dp} (each rank 1/{args.tp} of Φ)"
     state = ", 8-bit Adam state" if args.state_bits == 8 else ""
     frozen = f", {len(args.frozen_models)} model(s) sharded for inference only" if args.frozen_models else ""
     where, columns = _offload_words(args)
