@@ -35,7 +35,7 @@ inline void check_fused_adam_args(const at::Tensor& param, const at::Tensor& gra
                                   const at::Tensor& exp_avg_sq, int64_t step,
                                   const std::optional<at::Tensor>& grad_scale_tensor,
                                   const std::optional<at::Tensor>& found_inf,
-                                  const std::optional<at::Tensor>& param_copy) {
+                                  const std::optional<at::Tensor>& param_copy, bool follow_copy) {
   TORCH_CHECK(param.dim() == 1, "fused_adam_: param must be a flat 1-D tensor (use .view(-1)); got shape ",
               param.sizes());
   TORCH_CHECK(param.is_contiguous(), "fused_adam_: param must be contiguous; got stride ", param.strides());
@@ -57,6 +57,7 @@ inline void check_fused_adam_args(const at::Tensor& param, const at::Tensor& gra
                 "fused_adam_: param_copy must be float32, bfloat16 or float16; got ", param_copy->scalar_type());
     check_flat(*param_copy, "param_copy", param);
   }
+  TORCH_CHECK(!follow_copy || param_copy.has_value(), "fused_adam_: follow_copy=True reads param_copy, which is None");
 }
 
 // fused_adam_8bit_: the same parameter, gradient and optional arguments as fused_adam_, and the
@@ -67,7 +68,7 @@ inline void check_fused_adam8_args(const at::Tensor& param, const at::Tensor& gr
                                    const at::Tensor& exp_avg_sq_code, int64_t block, int64_t step,
                                    const std::optional<at::Tensor>& grad_scale_tensor,
                                    const std::optional<at::Tensor>& found_inf,
-                                   const std::optional<at::Tensor>& param_copy) {
+                                   const std::optional<at::Tensor>& param_copy, bool follow_copy) {
   constexpr const char* op = "fused_adam_8bit_";
   TORCH_CHECK(param.dim() == 1 && param.is_contiguous() && param.scalar_type() == at::kFloat, op,
               ": param must be a flat contiguous float32 tensor (the fp32 master copy); got dtype ",
@@ -99,6 +100,7 @@ inline void check_fused_adam8_args(const at::Tensor& param, const at::Tensor& gr
                 ": param_copy must be float32, bfloat16 or float16; got ", param_copy->scalar_type());
     check_flat(*param_copy, "param_copy", param, op);
   }
+  TORCH_CHECK(!follow_copy || param_copy.has_value(), op, ": follow_copy=True reads param_copy, which is None");
 }
 
 inline void check_nonfinite_args(const at::Tensor& grad, const at::Tensor& found_inf) {

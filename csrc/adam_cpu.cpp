@@ -118,9 +118,10 @@ void fused_adam_cpu(const at::Tensor& param, const at::Tensor& grad, const at::T
                     const at::Tensor& exp_avg_sq, double lr, double beta1, double beta2, double eps,
                     double weight_decay, int64_t step, bool adamw, double grad_scale,
                     const std::optional<at::Tensor>& grad_scale_tensor, const std::optional<at::Tensor>& found_inf,
-                    const std::optional<at::Tensor>& param_copy) {
-  check_fused_adam_args(param, grad, exp_avg, exp_avg_sq, step, grad_scale_tensor, found_inf, param_copy);
+                    const std::optional<at::Tensor>& param_copy, bool follow_copy) {
+  check_fused_adam_args(param, grad, exp_avg, exp_avg_sq, step, grad_scale_tensor, found_inf, param_copy, follow_copy);
   AdamScalars s = make_adam_scalars(lr, beta1, beta2, eps, weight_decay, step, adamw, grad_scale);
+  s.follow_copy = follow_copy;
   // In float, as the CUDA kernel multiplies the device value in: the same bits on both devices.
   if (grad_scale_tensor) s.grad_scale *= grad_scale_tensor->item<float>();
   const IsaKernels k = kernels_for(selected_isa());
@@ -178,10 +179,11 @@ void fused_adam_8bit_cpu(const at::Tensor& param, const at::Tensor& grad, const 
                          const at::Tensor& exp_avg_sq_code, int64_t block, double lr, double beta1, double beta2,
                          double eps, double weight_decay, int64_t step, bool adamw, double grad_scale,
                          const std::optional<at::Tensor>& grad_scale_tensor, const std::optional<at::Tensor>& found_inf,
-                         const std::optional<at::Tensor>& param_copy) {
+                         const std::optional<at::Tensor>& param_copy, bool follow_copy) {
   check_fused_adam8_args(param, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, exp_avg_code,
-                         exp_avg_sq_code, block, step, grad_scale_tensor, found_inf, param_copy);
+                         exp_avg_sq_code, block, step, grad_scale_tensor, found_inf, param_copy, follow_copy);
   AdamScalars s = make_adam_scalars(lr, beta1, beta2, eps, weight_decay, step, adamw, grad_scale);
+  s.follow_copy = follow_copy;
   if (grad_scale_tensor) s.grad_scale *= grad_scale_tensor->item<float>();  // as fused_adam_cpu
   const IsaKernels k = kernels_for(selected_isa());
   if (found_inf.has_value()) {

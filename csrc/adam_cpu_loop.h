@@ -43,7 +43,17 @@ C10_ALWAYS_INLINE void store(Bf16* out, float x) {
 
 struct NoCopy {};
 
-template <typename G, typename C>
+// The master element p, or the copy's value where the copy is no longer p's rounding: [Note: the
+// master follows the copy] in adam_math.h.
+template <typename C>
+C10_ALWAYS_INLINE float followed(float p, C copy) {
+  C rounded;
+  store(&rounded, p);
+  const float written = to_float(copy);
+  return to_float(rounded) == written ? p : written;
+}
+
+template <typename G, typename C, bool Follow>
 void adam_typed(const AdamPointers& ptr, const AdamScalars& scalars, int64_t begin, int64_t end) {
   // A local copy: stores through the float pointers below cannot alias it, so its fields stay in
   // registers instead of being reloaded every iteration.
@@ -56,6 +66,7 @@ void adam_typed(const AdamPointers& ptr, const AdamScalars& scalars, int64_t beg
 #pragma omp simd
   for (int64_t i = begin; i < end; ++i) {
     float p = param[i];
+    if constexpr (Follow) p = followed(p, copy[i]);
     float m = exp_avg[i];
     float v = exp_avg_sq[i];
     adam_update(p, to_float(grad[i]), m, v, s);
@@ -72,13 +83,16 @@ template <typename G>
 void adam_for_grad(const AdamPointers& ptr, const AdamScalars& s, int64_t begin, int64_t end) {
   switch (ptr.copy_type) {
     case Storage::kNone:
-      return adam_typed<G, NoCopy>(ptr, s, begin, end);
+      return adam_typed<G, NoCopy, false>(ptr, s, begin, end);
     case Storage::kFloat:
-      return adam_typed<G, float>(ptr, s, begin, end);
+      return s.follow_copy ? adam_typed<G, float, true>(ptr, s, begin, end)
+                           : adam_typed<G, float, false>(ptr, s, begin, end);
     case Storage::kBFloat16:
-      return adam_typed<G, Bf16>(ptr, s, begin, end);
+      return s.follow_copy ? adam_typed<G, Bf16, true>(ptr, s, begin, end)
+                           : adam_typed<G, Bf16, false>(ptr, s, begin, end);
     case Storage::kHalf:
-      return adam_typed<G, F16>(ptr, s, begin, end);
+      return s.follow_copy ? adam_typed<G, F16, true>(ptr, s, begin, end)
+                           : adam_typed<G, F16, false>(ptr, s, begin, end);
   }
 }
 
@@ -179,7 +193,11 @@ C10_NOINLINE void adam8_math(float* __restrict param, const G* __restrict grad, 
                              int64_t n) {
   const AdamScalars s = scalars;  // a local copy, as in adam_typed
   for (int64_t i = 0; i < n; ++i) {
-    const AdamElement e = adam_moments(param[i], to_float(grad[i]), exp_avg[i], exp_avg_sq[i], s);
+    float master = param[i];
+    if constexpr (!std::is_same_v<C, NoCopy>) {
+      if (s.follow_copy) master = followed(master, copy[i]);
+    }
+    const AdamElement e = adam_moments(master, to_float(grad[i]), exp_avg[i], exp_avg_sq[i], s);
     const float p = adam_param(e, s);
     param[i] = p;
     exp_avg[i] = e.exp_avg;

@@ -28,6 +28,15 @@ C10_DEVICE C10_ALWAYS_INLINE void store(__half* out, float x) { *out = __float2h
 
 struct NoCopy {};
 
+// [Note: the master follows the copy] in adam_math.h.
+template <typename C>
+C10_DEVICE C10_ALWAYS_INLINE float followed(float p, C copy) {
+  C rounded;
+  store(&rounded, p);
+  const float written = to_float(copy);
+  return to_float(rounded) == written ? p : written;
+}
+
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {
   T val[N];
@@ -41,6 +50,13 @@ C10_DEVICE C10_ALWAYS_INLINE void update_group(float* param, const G* grad, floa
   Pack<float, N> m = *reinterpret_cast<const Pack<float, N>*>(exp_avg + i);
   Pack<float, N> v = *reinterpret_cast<const Pack<float, N>*>(exp_avg_sq + i);
   Pack<G, N> g = *reinterpret_cast<const Pack<G, N>*>(grad + i);
+  if constexpr (!std::is_same_v<C, NoCopy>) {
+    if (s.follow_copy) {
+      const Pack<C, N> c = *reinterpret_cast<const Pack<C, N>*>(copy + i);
+#pragma unroll
+      for (int k = 0; k < N; ++k) p.val[k] = followed(p.val[k], c.val[k]);
+    }
+  }
 #pragma unroll
   for (int k = 0; k < N; ++k) adam_update(p.val[k], to_float(g.val[k]), m.val[k], v.val[k], s);
   *reinterpret_cast<Pack<float, N>*>(param + i) = p;
@@ -144,11 +160,12 @@ void fused_adam_cuda(const at::Tensor& param, const at::Tensor& grad, const at::
                      const at::Tensor& exp_avg_sq, double lr, double beta1, double beta2, double eps,
                      double weight_decay, int64_t step, bool adamw, double grad_scale,
                      const std::optional<at::Tensor>& grad_scale_tensor, const std::optional<at::Tensor>& found_inf,
-                     const std::optional<at::Tensor>& param_copy) {
-  check_fused_adam_args(param, grad, exp_avg, exp_avg_sq, step, grad_scale_tensor, found_inf, param_copy);
+                     const std::optional<at::Tensor>& param_copy, bool follow_copy) {
+  check_fused_adam_args(param, grad, exp_avg, exp_avg_sq, step, grad_scale_tensor, found_inf, param_copy, follow_copy);
   if (param.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(param.device());
-  const AdamScalars s = make_adam_scalars(lr, beta1, beta2, eps, weight_decay, step, adamw, grad_scale);
+  AdamScalars s = make_adam_scalars(lr, beta1, beta2, eps, weight_decay, step, adamw, grad_scale);
+  s.follow_copy = follow_copy;
   const float* scale_ptr = grad_scale_tensor ? grad_scale_tensor->data_ptr<float>() : nullptr;
   float* found_ptr = found_inf ? found_inf->data_ptr<float>() : nullptr;
   switch (grad.scalar_type()) {
@@ -186,6 +203,17 @@ C10_DEVICE C10_ALWAYS_INLINE float warp_max(float x) {
   return x;
 }
 
+// The master element the 8-bit step starts from (both of its passes read it alike): [Note: the
+// master follows the copy].
+template <typename C>
+C10_DEVICE C10_ALWAYS_INLINE float master_of(float p, const C* copy, int64_t i, const AdamScalars& s) {
+  if constexpr (std::is_same_v<C, NoCopy>) {
+    return p;
+  } else {
+    return s.follow_copy ? followed(p, copy[i]) : p;
+  }
+}
+
 template <typename G, typename C>
 __global__ void adam8_kernel(Adam8Args a, const G* grad, C* copy, AdamScalars s, const float* grad_scale_tensor,
                              const float* found_inf) {
@@ -212,7 +240,8 @@ __global__ void adam8_kernel(Adam8Args a, const G* grad, C* copy, AdamScalars s,
     const float old_avg = a.exp_avg_scale[blk], old_avg_sq = a.exp_avg_sq_scale[blk];
     float max_avg = 0.0f, max_avg_sq = 0.0f;
     for (int64_t i = lo + lane; i < hi; i += kWarp) {
-      const AdamElement e = adam_moments(a.param[i], to_float(grad[i]), dequantize(a.exp_avg[i], old_avg, code_avg),
+      const AdamElement e = adam_moments(master_of(a.param[i], copy, i, s), to_float(grad[i]),
+                                         dequantize(a.exp_avg[i], old_avg, code_avg),
                                          dequantize(a.exp_avg_sq[i], old_avg_sq, code_avg_sq), s);
       max_avg = fmaxf(max_avg, scale_magnitude(e.exp_avg));
       max_avg_sq = fmaxf(max_avg_sq, scale_magnitude(e.exp_avg_sq));
@@ -220,7 +249,8 @@ __global__ void adam8_kernel(Adam8Args a, const G* grad, C* copy, AdamScalars s,
     max_avg = warp_max(max_avg);
     max_avg_sq = warp_max(max_avg_sq);
     for (int64_t i = lo + lane; i < hi; i += kWarp) {
-      const AdamElement e = adam_moments(a.param[i], to_float(grad[i]), dequantize(a.exp_avg[i], old_avg, code_avg),
+      const AdamElement e = adam_moments(master_of(a.param[i], copy, i, s), to_float(grad[i]),
+                                         dequantize(a.exp_avg[i], old_avg, code_avg),
                                          dequantize(a.exp_avg_sq[i], old_avg_sq, code_avg_sq), s);
       const float p = adam_param(e, s);
       a.param[i] = p;
@@ -273,12 +303,14 @@ void fused_adam_8bit_cuda(const at::Tensor& param, const at::Tensor& grad, const
                           const at::Tensor& exp_avg_sq_code, int64_t block, double lr, double beta1, double beta2,
                           double eps, double weight_decay, int64_t step, bool adamw, double grad_scale,
                           const std::optional<at::Tensor>& grad_scale_tensor,
-                          const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& param_copy) {
+                          const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& param_copy,
+                          bool follow_copy) {
   check_fused_adam8_args(param, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, exp_avg_code,
-                         exp_avg_sq_code, block, step, grad_scale_tensor, found_inf, param_copy);
+                         exp_avg_sq_code, block, step, grad_scale_tensor, found_inf, param_copy, follow_copy);
   if (param.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(param.device());
-  const AdamScalars s = make_adam_scalars(lr, beta1, beta2, eps, weight_decay, step, adamw, grad_scale);
+  AdamScalars s = make_adam_scalars(lr, beta1, beta2, eps, weight_decay, step, adamw, grad_scale);
+  s.follow_copy = follow_copy;
   const Adam8Args a{param.data_ptr<float>(),
                     exp_avg.data_ptr<uint8_t>(),
                     exp_avg_sq.data_ptr<uint8_t>(),

@@ -45,7 +45,17 @@ struct AdamScalars {
   float eps;                    // added to the corrected sqrt(v)
   float neg_step_size;          // -lr / (1 - beta1^step)
   float grad_scale;             // every gradient value is multiplied by this first
+  bool follow_copy;             // [Note: the master follows the copy]: param_copy is read first
 };
+
+// [Note: the master follows the copy]
+// The low-precision parameters the model holds (param_copy) are the fp32 master's rounding after
+// every step; a user may write them between steps (nn.init, load_state_dict, p.copy_(...)), and the
+// master, which the next step starts from, would undo that. With follow_copy the copy is read first:
+// an element whose copy differs from the master's rounding takes the copy's value (its fp32) as its
+// master before the update, so the step starts from what the model holds. One more read of the copy,
+// in the same pass (ZeroAdam's stages 1 and 2: zerofast/optim/state.py). Each driver writes the test
+// with its own conversions (the copy type's rounding, then back to float), which round as store() does.
 
 // Build the scalars on the host, in double, as torch does (see [Note: matching torch.optim.AdamW]).
 inline AdamScalars make_adam_scalars(double lr, double beta1, double beta2, double eps, double weight_decay,
@@ -62,6 +72,7 @@ inline AdamScalars make_adam_scalars(double lr, double beta1, double beta2, doub
   s.eps = static_cast<float>(eps);
   s.neg_step_size = static_cast<float>(-(lr / bias_correction1));
   s.grad_scale = static_cast<float>(grad_scale);
+  s.follow_copy = false;
   return s;
 }
 

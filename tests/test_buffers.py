@@ -179,8 +179,11 @@ def _stage1(rank, world, precision):
     for step in range(steps):
         _, loss = model(*rank_batch(model, step, rank))
         opt.backward(loss)
-        # Every .grad lives in its bucket slot: no second copy of the gradients.
-        inside.append(all(any(lo <= p.grad.data_ptr() < hi for lo, hi in buckets) for p in model.parameters()))
+        # Every .grad lives in its bucket slot: no second copy of the gradients. (Read past the guard:
+        # between backward and step() .grad reads as the reduced gradient, a ShardedGrad.)
+        with torch._C.DisableTorchFunctionSubclass():
+            grads = [p.grad for p in model.parameters()]
+        inside.append(all(any(lo <= g.data_ptr() < hi for lo, hi in buckets) for g in grads))
         opt.step()
         after_step.append(all(p.grad is None for p in model.parameters()))
         # Alternately: .grad dropped (the next backward's fresh gradient is copied into its slot

@@ -329,3 +329,31 @@ def test_generate_that_no_integration_syncs_raises_at_once_on_every_rank():
         assert "_Looping.generate() on a ZeRO stage-3 model across 2 ranks" in r["error"]
         assert "gathered_params()" in r["error"]
         assert r["in_block"] and r["restored"]
+
+
+def _synced_by_the_caller(rank, world):
+    """Hugging Face's generate(synced_gpus=True), transformers' own way for ZeRO-3, with no zerofast
+    integration imported: the call keeps the ranks' forwards matched, so the guard lets it through
+    (each rank its own length, equal to the unsharded model's); without synced_gpus it raises."""
+    import sys
+
+    imported = "zerofast.integrations.hf_generation" in sys.modules
+    model = tiny_llama()
+    oracle = copy.deepcopy(model)
+    opt = ZeroAdam(model, stage=3, units=UnitPolicy(min_unit_mb=0), **HYPER)
+    ids = prompt(rank, 0, 4)
+    with torch.no_grad():
+        equal = torch.equal(greedy(model, ids, 2 + 2 * rank, synced_gpus=True), greedy(oracle, ids, 2 + 2 * rank))
+        try:
+            greedy(model, ids, 2)
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+    return imported, equal, error, opt.report().unit_gathers > 0
+
+
+def test_generate_with_synced_gpus_works_without_the_integration():
+    for imported, equal, error, gathered in run_ranks(_synced_by_the_caller, 2, fresh=True, timeout=180):
+        assert not imported, "a fresh process must not have imported zerofast.integrations.hf_generation"
+        assert equal and gathered
+        assert error is not None and "synced_gpus=True" in error and "gathered_params()" in error

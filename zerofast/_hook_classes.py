@@ -6,12 +6,16 @@ zerofast hooked the modules would run without the hooks. Moving each hooked modu
 its class (same name, module and qualified name, made once per class, as FSDP2's fully_shard and
 torch.nn.utils.parametrize do) makes those frames fail their guards, so Dynamo traces again and
 meets the hooks. See [Note: code compiled before stage 3] in zerofast/stage3/runtime.py; stage 3's
-unit hooks and stages 1-2's overlapped-gather waits both use it.
+unit hooks and stages 1-2's overlapped-gather waits both use it. The subclass also carries
+zerofast/guard/modules.py's ModuleGuard (conversions, state dicts and replaced parameters checked):
+every module holding a managed parameter is moved to it, at every stage.
 """
 
 from __future__ import annotations
 
 import torch.nn as nn
+
+from .guard.modules import ModuleGuard
 
 
 def own_classes(modules) -> dict[nn.Module, type]:
@@ -25,7 +29,7 @@ def own_classes(modules) -> dict[nn.Module, type]:
         if sub is None:
             sub = _HOOKED_CLASSES[cls] = type(
                 cls.__name__,
-                (cls,),
+                (ModuleGuard, cls),
                 {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__},
             )
             _HOOKED_SUBCLASSES.add(sub)

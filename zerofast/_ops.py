@@ -48,6 +48,7 @@ def fused_adam_(
     grad_scale: float | torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     param_copy: torch.Tensor | None = None,
+    follow_copy: bool = False,
 ) -> None:
     """One Adam (adamw=False) or AdamW (adamw=True) step on flat fp32 state, in one pass.
 
@@ -60,10 +61,13 @@ def fused_adam_(
       then nothing is updated. A value already non-zero (set by an earlier call) also skips the update.
     param_copy: float32, bfloat16 or float16 tensor of the same numel that receives the updated
       parameter, cast, in the same pass.
+    follow_copy: param_copy is read first: an element whose copy differs from param's rounding (it
+      was written since the last step) takes the copy's value as its param before the update
+      ([Note: the master follows the copy] in csrc/adam_math.h). Needs param_copy.
     """
     state = {"grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     hyper = (lr, beta1, beta2, eps, weight_decay, step, adamw)
-    kw = _step_kwargs("fused_adam_", param, state, *hyper, grad_scale, found_inf, param_copy)
+    kw = _step_kwargs("fused_adam_", param, state, *hyper, grad_scale, found_inf, param_copy, follow_copy)
     torch.ops.zerofast.fused_adam_(param, *state.values(), **kw)
 
 
@@ -88,6 +92,7 @@ def fused_adam_8bit_(
     grad_scale: float | torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     param_copy: torch.Tensor | None = None,
+    follow_copy: bool = False,
 ) -> None:
     """fused_adam_'s step with 8-bit moments, in one pass ([Note: quantized state] in zerofast/quant.py).
 
@@ -106,20 +111,23 @@ def fused_adam_8bit_(
         "exp_avg_sq_code": exp_avg_sq_code,
     }
     hyper = (lr, beta1, beta2, eps, weight_decay, step, adamw)
-    kw = _step_kwargs("fused_adam_8bit_", param, state, *hyper, grad_scale, found_inf, param_copy)
+    kw = _step_kwargs("fused_adam_8bit_", param, state, *hyper, grad_scale, found_inf, param_copy, follow_copy)
     torch.ops.zerofast.fused_adam_8bit_(param, *state.values(), block=int(block), **kw)
 
 
 def _step_kwargs(
-    op, param, state, lr, beta1, beta2, eps, weight_decay, step, adamw, grad_scale, found_inf, param_copy
+    op, param, state, lr, beta1, beta2, eps, weight_decay, step, adamw, grad_scale, found_inf, param_copy, follow_copy
 ) -> dict:
     """The keyword arguments both fused steps pass their op alike: the hyperparameters as the op's
     types, grad_scale split into its float and tensor parts, found_inf and param_copy; once every
-    tensor (`state`: the op's positional tensors after param) was checked to be on param's device.
+    tensor (`state`: the op's positional tensors after param) was checked to be on param's device, and
+    follow_copy to come with a param_copy.
     The dispatcher routes on the "highest" device among the tensors (a meta or CUDA tensor among CPU
     ones would reach another kernel), so mixed devices are caught here, before dispatch."""
     scale_value, scale_tensor = _split_grad_scale(grad_scale)
     _check_devices(op, param, {**state, "grad_scale": scale_tensor, "found_inf": found_inf, "param_copy": param_copy})
+    if follow_copy and param_copy is None:
+        raise ValueError(f"{op}: follow_copy=True reads param_copy, which is None")
     return dict(
         lr=float(lr),
         beta1=float(beta1),
@@ -132,6 +140,7 @@ def _step_kwargs(
         grad_scale_tensor=scale_tensor,
         found_inf=found_inf,
         param_copy=param_copy,
+        follow_copy=bool(follow_copy),
     )
 
 

@@ -8,6 +8,7 @@ See zerofast/optim/zero_adam.py for a step's phases and the parts that run them.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -36,7 +37,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Where every front's constructor ends (ZeroMuon's too): the builder wires the parts from
         the plan and the front's update rule; then torch.optim's own fields, over the rule's groups."""
         self.model, self.plan = model, plan
-        self._parts: Parts = build(model, plan, process_group, rule)
+        self._parts: Parts = build(model, plan, process_group, rule, type(self).__name__)
+        if (
+            self._parts.grads.window is not None
+        ):  # weakly: the model's hooks reach the window ([Note: the model stays a torch model])
+            self._parts.grads.window.prepare = weakref.WeakMethod(self._prepare_grads)
         super().__init__(rule.groups, rule.defaults)
         self._constructed = True  # add_param_group after this is an error
         self._view = checkpoint_view(self._parts, self.param_groups)
@@ -155,9 +160,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         failure here applies nothing anywhere ([Note: the step's agreement] in zerofast/optim/grads.py):
         the hyper-parameters as a scheduler or user code may have left them, and which parameters
         are trainable."""
+        parts = self._parts
         for g, group in enumerate(self.param_groups):
-            self._parts.rule.check_group(g, group)
-        checks.check_trainable_unchanged(self._parts.trainable_at_build)
+            parts.rule.check_group(g, group)
+        checks.check_trainable_unchanged(parts.trainable_at_build)
+        if not self.plan.params_sharded:
+            who = f"{type(self).__name__}(stage={self.plan.stage})"
+            checks.check_params_in_place(parts.names, parts.params, parts.layout, parts.shard.param_buffers, who)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients' global norm to max_norm, as torch.nn.utils.clip_grad_norm_ on the
@@ -169,6 +178,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grads, world = self._parts.grads, self._parts.topology.divisor()
         prep = grads.prepare_to_clip("clip_grad_norm_", "max_norm", max_norm, True, world, self._check_update)
         return grads.clip(prep, float(max_norm))
+
+    def _prepare_grads(self):
+        """Phase 2 for the gradient window (torch.nn.utils.clip_grad_norm_ on the model's
+        parameters: zerofast/optim/grad_view.py), as clip_grad_norm_() runs it."""
+        grads, world = self._parts.grads, self._parts.topology.divisor()
+        return grads.prepare_to_clip("clip_grad_norm_", "max_norm", 1.0, False, world, self._check_update)
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every element of the step's gradient to [-clip_value, clip_value], as

@@ -22,9 +22,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._hook_classes import own_classes, restore_classes
 from ..checkpoint.view import CheckpointView, Facts, ScalerState, ShardedPart
 from ..comm import BucketComm
 from ..config import Plan
+from ..guard.modules import holders
+from ..guard.params import forget, manage
 from ..layout import Layout
 from ..model_setup import check_plain_parameters, in_precision, join_ranks
 from ..offload import OffloadError
@@ -44,6 +47,7 @@ from ..topology import (
 )
 from . import checks
 from .gather import ParamGather
+from .grad_view import GradWindow
 from .grads import GradReducer, StepNotAppliedError
 from .layouts import plan_layouts
 from .precision import LossScaler
@@ -79,6 +83,8 @@ class Parts:
     frozen_named: list[tuple[str, nn.Parameter]]  # stage 3: the frozen parameters it shards
     frozen: FrozenShard | None  # and their buffers and shard ([Note: frozen parameters in stage 3])
     frozen_comm: BucketComm | None  # and their gathers (no reduce)
+    slots: list = None  # type: ignore[assignment]  # every managed parameter's ([Note: the model stays a torch model])
+    module_classes: dict = None  # type: ignore[assignment]  # the modules moved to their guarded class, and their own
     module: ShardedModule = None  # type: ignore[assignment]  # the model side: gathers, whole tensors, hooks
     decided: bool = False  # torchft: this step's commit decision was taken ([Note: replica groups on torchft])
 
@@ -91,6 +97,12 @@ class Parts:
             self.units.release_all()
         if flush:  # step() flushes after its phase 2 instead: [Note: the delayed update]
             self.flush()  # once no unit is gathered
+
+    def quiesce_state(self) -> None:
+        """quiesce(), and the fp32 master taking what was written into the model since the last step
+        (ShardState.follow_params): the state at rest as a checkpoint reads it."""
+        self.quiesce()
+        self.shard.follow_params()
 
     def apply(self, used: list[bool], param_groups: list[dict], grad_scale) -> None:
         """Phase 3: the rule's update over the shard. With the state on disk, every data-parallel rank
@@ -184,6 +196,8 @@ class Parts:
     def remove_hooks(self) -> None:
         self.module.remove_hooks()
         self.grads.remove()
+        forget(self.slots)  # the parameters, then the modules, back in their own classes
+        restore_classes(self.module_classes)
 
 
 def trainable_params(model: nn.Module, who: str, process_group=None) -> list[tuple[str, nn.Parameter]]:
@@ -198,9 +212,10 @@ def trainable_params(model: nn.Module, who: str, process_group=None) -> list[tup
     return named
 
 
-def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Parts:
+def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule, front: str = "ZeroAdam") -> Parts:
     """Wire the parts for `model` under `plan` across `process_group` (None: the world; or a 2-D
-    DeviceMesh), with the front's update `rule`. Collective: every rank calls it."""
+    DeviceMesh), with the front's update `rule` (`front`: its name, for messages). Collective: every
+    rank calls it."""
     check_process_group(process_group)
     source = process_group if isinstance(process_group, ReplicaSource) else None
     group, shard_size, mesh = data_parallel_group(source.group if source else process_group, plan.shard_size)
@@ -262,6 +277,11 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
     )
     scaler = LossScaler(plan.loss_scale)
     gather = ParamGather(comm, layouts.layout, shard.param_buffers)
+    # [Note: the model stays a torch model] in zerofast/guard/__init__.py; DTensor parameters are not guarded.
+    who = f"{front}(stage={plan.stage})"
+    slots = manage(list(zip(names, params)), who) if tp is None else []
+    frozen_slots = manage(layouts.frozen_named, who, part=1) if tp is None and plan.params_sharded else []
+    module_classes = own_classes(holders(model, [s.param for s in slots + frozen_slots])) if slots else {}
     if plan.overlap_param_gather:
         hooks += gather.register_waits(model, params)
     frozen = frozen_comm = units = None
@@ -270,7 +290,11 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
         if tp is not None:
             tp.relink()  # the frozen DTensors too, before their storage is released
         units = _shard_params(model, layouts, topology, shard, comm, frozen, frozen_comm)
+        units.buffers.guard([slots, frozen_slots])
     grads = GradReducer(params, names, layouts.layout, comm, shard, plan, scaler=scaler, gather=gather, tp=tp)
+    if slots:
+        grads.window = GradWindow(who, shard, comm, scaler, topology.divisor)
+        grads.window.attach(slots)
     parts = Parts(
         model=model,
         plan=plan,
@@ -293,6 +317,8 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
         frozen_named=layouts.frozen_named,
         frozen=frozen,
         frozen_comm=frozen_comm,
+        slots=slots + frozen_slots,
+        module_classes=module_classes,
     )
     # The model side (zerofast/stage3/module.py), as shard_frozen's: at rest before whole tensors are
     # read, the step's gathers finished before a gathered block.
@@ -377,6 +403,8 @@ def _shard_params(model, layouts, topology: Topology, shard: ShardState, comm, f
         comm,
         layouts.unit_buckets,
         frozen.unit_part(frozen_comm) if frozen is not None else None,
+        follow=shard.follow_shard,
+        before_write=shard.check_writable,
     )
     buffers.shard_out()
     return UnitTracker(model, hook_needs(model, layouts.unit_params, layouts.unit_plan), buffers)
@@ -436,7 +464,7 @@ def checkpoint_view(parts: Parts, param_groups: list[dict]) -> CheckpointView:
         set_step_counts=shard.set_step_counts,
         loss_scaler_state=lambda: _scaler_state(parts.scaler),
         load_loss_scaler_state=lambda state: _load_scaler_state(parts.scaler, state),
-        quiesce=parts.quiesce,
+        quiesce=parts.quiesce_state,
         sync_params_from_master=parts.sync_params_from_master,
         flat_state=lambda: _flat_state(parts),
         steps_taken=lambda: parts.comm.where.step,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..errors import ModelConversionError
 from .update import check_hyper
 
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -85,4 +86,21 @@ def check_trainable_unchanged(trainable_at_build: list[tuple[str, nn.Parameter, 
                 f"ZeroAdam was built; its buffers and optimizer state are laid out over the parameters "
                 f"trainable at construction, so {effect}. "
                 f"Set requires_grad before building ZeroAdam (or build a new one)"
+            )
+
+
+def check_params_in_place(names: list[str], params: list, layout, buffers: list[torch.Tensor], who: str) -> None:
+    """Stages 1 and 2: every trainable parameter still a view of its slot in the flat buffers. A
+    parameter given other storage after the optimizer was built (p.data = t, set_(), swap_tensors)
+    would no longer receive the step's updates; its values would be ignored ([Note: the model stays a
+    torch model] in zerofast/guard/__init__.py). Checked before the step's agreement, so every rank
+    raises and nothing is applied."""
+    for name, p, slot in zip(names, params, layout.slots):
+        buf = buffers[slot.bucket]
+        if p.data_ptr() != buf.data_ptr() + slot.offset * buf.element_size():
+            raise ModelConversionError(
+                f"{who}: {name} no longer views the optimizer's buffer: its storage was replaced after the "
+                "optimizer was built (p.data = t, p.set_(...) or torch.utils.swap_tensors), so the step would "
+                f"neither read its values nor update it. Write new values into it instead (with torch.no_grad(): "
+                f"{name}.copy_(t)), or build the optimizer after the model is final"
             )

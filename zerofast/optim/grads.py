@@ -120,6 +120,9 @@ class GradReducer:
         self.overlap = plan.overlap
         self.accumulates_locally = plan.accumulates_locally  # under no_sync: .grad accumulates
         self.scaler, self.gather = scaler, gather
+        # What .grad reads as between the last backward and step() (zerofast/optim/grad_view.py);
+        # None where parameters are not guarded (tensor parallelism's DTensors).
+        self.window = None
         # Every gradient through Python: fp16 (each gradient checks its backward was scaled), the
         # overlapped gather (each checks its bucket's gather was waited for), check_collectives
         # (each launch is described first). See [Note: the gradient path] in csrc/grad_path.cpp.
@@ -150,6 +153,8 @@ class GradReducer:
         """A new step. Stage 1 with gradient views: the reduce has consumed .grad (its owned range
         now holds the sum over ranks, the rest is no gradient of this step), so .grad is dropped, as
         stages 2 and 3 drop it in backward; the buckets stay for the next backward."""
+        if self.window is not None:
+            self.window.close_window()
         if self.views is not None:
             for p in self.params:
                 p.grad = None
@@ -197,6 +202,8 @@ class GradReducer:
     def _backward_starts(self) -> None:
         """Queue the backward's end, and enter the phase its gradients put the step in."""
         self.path.in_backward = True
+        if self.window is not None:
+            self.window.close_window()
         self.comm.where.phase = "backward"
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if self.phase is StepPhase.IDLE:
@@ -246,6 +253,8 @@ class GradReducer:
         self.comm.where.phase = "after backward"
         if self.phase is StepPhase.NO_SYNC_REDUCING:
             self._end_micro_batch()
+        elif self.phase is StepPhase.REDUCING and self.window is not None:
+            self.window.open_window()  # the step's gradients: .grad is the reduced one now
 
     def _end_micro_batch(self) -> None:
         """End of a backward inside no_sync() (stages 2 and 3, reducing every micro-batch): launch
@@ -292,6 +301,8 @@ class GradReducer:
                 "gradients are already being reduced across ranks and would still be "
                 "applied; call step() first (or zero_grad() only at the start of an iteration)"
             )
+        if self.window is not None:
+            self.window.close_window()
         self.path.begin_step()  # locally accumulated gradients are dropped: no slot holds one now
         self.micro_batches = 0  # micro-batches accumulated only locally are dropped with their gradients
         self.comm.where.micro_batch = 0

@@ -66,7 +66,7 @@ from ..layout import Piece
 from ..partition import newton_schulz_flops
 from .base import ZeroOptimizer
 from .builder import trainable_params
-from .state import ShardState
+from .state import ShardState, follow
 from .update import check_hyper
 
 __all__ = ["ZeroMuon", "zeropower_via_newtonschulz", "muon_update_", "adjust_lr", "newton_schulz_calls"]
@@ -183,6 +183,8 @@ class MuonShard:
             if grad.dtype != torch.float32 or isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
                 grad = grad.to(torch.float32) * grad_scale
             master, copy = shard.master_and_copy(pc.bucket, pc.bucket_offset, state)
+            if copy is not None and shard.follows_params:  # what the model holds, if written since
+                follow(master, copy)
             quantized = shard.plan.quantized_state  # 8-bit: an fp32 copy in flight ([Note: Muon's 8-bit momentum])
             read = shard.dequantized if quantized else shard.piece_view
             momentum = read(pc, "momentum_buffer")

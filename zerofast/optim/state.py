@@ -21,6 +21,7 @@ import torch
 
 from .. import _ops
 from ..config import Plan
+from ..errors import ShardedParameterError
 from ..layout import Layout, Piece, bind_views
 from ..offload import DiskState, HostState, StateSpec, is_offloaded, state_specs
 from ..quant import block_slice, code_of, dequantize, dynamic_code, num_blocks, quantize, scale_kind, thresholds
@@ -64,6 +65,11 @@ class ShardState:
         policy = plan.offload
         self.offloaded = is_offloaded(policy.state, policy.delayed_update, device.type)
         self.master_apart = mixed or self.offloaded
+        # Stages 1 and 2: the parameters the model holds are written by users too (nn.init,
+        # load_state_dict); the master follows them in the step's kernel ([Note: the master follows
+        # the copy] in csrc/adam_math.h) and in follow_params(). Stage 3's writes reach the master
+        # directly (follow_shard: [Note: the model stays a torch model] in zerofast/guard/__init__.py).
+        self.follows_params = self.master_apart and not plan.params_sharded
         specs = state_specs(shard, self.master_apart, plan.state_bits, plan.state_block)
         self.store = _store(specs, shard, plan, device) if self.offloaded else None
         if self.store is None:
@@ -79,6 +85,10 @@ class ShardState:
         )
         self._pending_used: list[bool] | None = None  # an offloaded step written, not yet committed
         self._delayed: _Delayed | None = None  # the delayed update in flight ([Note: the delayed update])
+        # The delayed update at stages 1 and 2: what zerofast last wrote into the owned parameters
+        # (host, the parameters' dtype), against which apply_delayed() finds the model's writes.
+        delayed_follows = self.follows_params and policy.delayed_update
+        self._applied = torch.zeros(shard, dtype=dtype) if delayed_follows else None
         self.pieces: list[Piece] = layout.pieces(rank)
         self.steps = [0] * len(params)  # per parameter, as torch.optim keeps it
         # The master starts from the values as given: a parameter already in the buffers' dtype is
@@ -98,6 +108,7 @@ class ShardState:
                 else:
                     self.master[pc.state_offset : pc.state_offset + pc.numel].copy_(src)
         del originals
+        self._note_applied()
         # The gradient buffers come last, once the parameters' own storage is freed (above).
         # Stage 1 with gradient views: the full gradients, one flat bucket each, reduced in place.
         self.grad_buckets = (
@@ -125,7 +136,11 @@ class ShardState:
         for run in self.runs(used, group_of):
             state = slice(run.state_lo, run.state_lo + run.numel)
             master, copy = self.master_and_copy(run.bucket, run.bucket_lo, state)
-            hyper = dict(self._hyper(run, param_groups, adamw, grad_scale), param_copy=copy)
+            hyper = dict(
+                self._hyper(run, param_groups, adamw, grad_scale),
+                param_copy=copy,
+                follow_copy=self.follows_params and copy is not None,
+            )
             grad = self.grad_range(run.bucket, run.bucket_lo, state)
             if self.plan.quantized_state:
                 _ops.fused_adam_8bit_(
@@ -163,6 +178,8 @@ class ShardState:
             (run.state_lo, run.state_lo + run.numel, (run, self._hyper(run, param_groups, adamw, grad_scale)))
             for run in runs
         ]
+        if delayed:  # what the model was given since the last update was applied, before the thread reads the master
+            self._follow_writes(())
         grads = self._grad_snapshot(runs) if delayed else None
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -176,16 +193,21 @@ class ShardState:
                 grad = grads[run.state_lo][lo - run.state_lo : hi - run.state_lo]
             dest = self.master_and_copy(run.bucket, at, slice(lo, hi))[1]
             direct = dest.device.type == "cpu" and not delayed
-            copy = dest if direct else torch.empty(hi - lo, dtype=dest.dtype)
+            # The kernel reads what the model holds and follows it; the delayed update follows at
+            # apply_delayed() instead (the model may be written while its thread runs).
+            follow = self.follows_params and not delayed
+            if direct:
+                copy = dest
+            else:
+                copy = dest.to("cpu", copy=True) if follow else torch.empty(hi - lo, dtype=dest.dtype)
+            kw = dict(param_copy=copy, follow_copy=follow, **hyper)
             if self.plan.quantized_state:
                 moments = (views["exp_avg"], views["exp_avg_sq"], views["exp_avg_scale"], views["exp_avg_sq_scale"])
-                _ops.fused_adam_8bit_(
-                    views["master"], grad, *moments, *self.codes, block=self.plan.state_block, param_copy=copy, **hyper
-                )
+                _ops.fused_adam_8bit_(views["master"], grad, *moments, *self.codes, block=self.plan.state_block, **kw)
             else:
-                _ops.fused_adam_(views["master"], grad, views["exp_avg"], views["exp_avg_sq"], param_copy=copy, **hyper)
+                _ops.fused_adam_(views["master"], grad, views["exp_avg"], views["exp_avg_sq"], **kw)
             if delayed:
-                staged.append((dest, copy))
+                staged.append((dest, copy, lo))
             elif not direct:
                 dest.copy_(copy)
 
@@ -224,10 +246,42 @@ class ShardState:
         return self._delayed.wait()
 
     def apply_delayed(self) -> None:
-        """The delayed update written by every rank: the parameters take its values."""
-        for dest, copy in self._delayed.staged:
+        """The delayed update written by every rank: the parameters take its values, except where the
+        model was written since the last update was applied: there the write wins, and the master
+        takes it (the thread could not read the model while it ran)."""
+        staged = self._delayed.staged
+        self._follow_writes(staged)
+        for dest, copy, _ in staged:
             dest.copy_(copy)
         self._delayed = None
+        self._note_applied()
+
+    def _follow_writes(self, staged) -> None:
+        """The delayed update's follow_params(): what the model holds against what zerofast last wrote
+        into it (self._applied); a changed element was written by the user, and the staged values
+        (the update in flight, which the write wins over) and the master take it."""
+        if self._applied is None:
+            return
+        with torch.no_grad():
+            for dest, copy, lo in staged:
+                held = dest.to("cpu")
+                copy.copy_(torch.where(held != self._applied[lo : lo + copy.numel()], held, copy))
+            for pc in self.pieces:
+                state = slice(pc.state_offset, pc.state_offset + pc.numel)
+                master, held = self.master_and_copy(pc.bucket, pc.bucket_offset, state)
+                held = held.to("cpu")
+                changed = held != self._applied[state]
+                if bool(changed.any()):
+                    master.copy_(torch.where(changed.to(master.device), held.to(master.device, master.dtype), master))
+                    self._applied[state].copy_(held)
+
+    def _note_applied(self) -> None:
+        """The delayed update: remember what the model's owned parameters hold now (zerofast wrote it)."""
+        if self._applied is None:
+            return
+        for pc in self.pieces:
+            state = slice(pc.state_offset, pc.state_offset + pc.numel)
+            self._applied[state].copy_(self.master_and_copy(pc.bucket, pc.bucket_offset, state)[1])
 
     def drop_delayed(self) -> None:
         self._delayed = None
@@ -452,6 +506,37 @@ class ShardState:
                 if copy is None:
                     return
                 copy.copy_(master)
+        self._note_applied()
+
+    def follow_params(self) -> None:
+        """Stages 1 and 2 with a master of its own: before the state is read whole (a checkpoint), the
+        master takes every element the model holds that is no longer its rounding (written since the
+        last step: [Note: the master follows the copy] in csrc/adam_math.h, which the step's kernel
+        does for the ranges it updates). The delayed update's writes are taken when it is applied."""
+        if not self.follows_params or self._applied is not None:
+            return
+        for pc in self.pieces:
+            state = slice(pc.state_offset, pc.state_offset + pc.numel)
+            follow(*self.master_and_copy(pc.bucket, pc.bucket_offset, state))
+
+    def check_writable(self) -> None:
+        """Stage 3: a write to a parameter outside a step needs the state at rest (raises while the
+        delayed update is in flight: its thread writes the master)."""
+        if self.update_in_flight:
+            raise ShardedParameterError(
+                "a parameter was written while the delayed update of the last step is in flight "
+                "(OffloadPolicy(delayed_update=True)): its thread writes the fp32 master. Call opt.flush() on "
+                "every rank first, then write"
+            )
+
+    def follow_shard(self, lo: int, numel: int) -> None:
+        """Stage 3: this rank's parameter shard [lo, lo + numel) was written outside a step (a write to
+        a released parameter, or inside gathered_params()): the master follows it, as follow() does
+        (an element that is still the master's rounding keeps its master). In fp32 without offload the
+        shard is the master."""
+        self.check_writable()
+        if self.master_apart:
+            follow(self.master[lo : lo + numel], self.param_shard[lo : lo + numel])
 
     # [Note: block tails]
     # A parameter whose size is not a multiple of the block ends inside its last block; the rest of
@@ -542,6 +627,17 @@ _SCALE_KINDS = tuple(scale_kind(k) for k in ("exp_avg", "exp_avg_sq", "momentum_
 def storage_of(kind: str) -> str:
     """The shard buffer that holds state `kind` ([Note: Muon's momentum in exp_avg's slot])."""
     return _STORAGE.get(kind, kind)
+
+
+def follow(master: torch.Tensor, held: torch.Tensor) -> None:
+    """The master takes each element the model holds (`held`, the parameter's range) that is no longer
+    the master's rounding: [Note: the master follows the copy] in csrc/adam_math.h, for the callers
+    outside the Adam kernel (a checkpoint's follow_params, Muon's matrices)."""
+    with torch.no_grad():
+        held = held.to(master.device)
+        changed = held != master.to(held.dtype)
+        if bool(changed.any()):
+            master.copy_(torch.where(changed, held.to(master.dtype), master))
 
 
 def _check_kind(where: str, kind: str) -> None:

@@ -16,7 +16,9 @@ integrations import what they need).
 
 A module with a generate() method that no host claims is guarded instead: generate() on it unit by
 unit, across ranks, raises at once and names what to do (import the library's integration, or
-generate inside gathered_params()), rather than leaving a rank that stops early waiting in a gather.
+generate inside gathered_params()), rather than leaving a rank that stops early waiting in a gather;
+unless the call itself keeps the ranks' forwards matched: Hugging Face's generate(synced_gpus=True)
+(transformers' own way for ZeRO-3) runs forwards on every rank until all have finished.
 """
 
 from __future__ import annotations
@@ -110,14 +112,15 @@ class _GuardedGenerate:
 
     def __call__(self, *args, **kwargs):
         tracker = self._tracker()
-        if tracker is not None and tracker.gather_world > 1 and not tracker.pinned:
+        synced = kwargs.get("synced_gpus") is True  # the ranks' forwards kept matched by the call itself
+        if tracker is not None and tracker.gather_world > 1 and not tracker.pinned and not synced:
             raise RuntimeError(
                 f"{type(self.module).__name__}.generate() on a ZeRO stage-3 model across {tracker.gather_world} "
                 "ranks: each forward gathers parameters with every rank, so a rank that stops generating "
                 "first would leave the others waiting, and no integration makes this generate() sync "
-                "the ranks. For a Hugging Face model, `import zerofast.integrations.hf_generation` "
-                "(it sets synced_gpus); or generate inside `with opt.gathered_params():` (no "
-                "collective per token)"
+                "the ranks. For a Hugging Face model, pass synced_gpus=True or `import "
+                "zerofast.integrations.hf_generation` (it sets synced_gpus); or generate inside "
+                "`with opt.gathered_params():` (no collective per token)"
             )
         return self._generate(*args, **kwargs)
 

@@ -35,7 +35,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .._hook_classes import own_classes, restore_classes
 from ..config import precision_policy, unit_policy
+from ..guard.modules import holders
+from ..guard.params import forget, manage
 from ..model_setup import check_plain_parameters, in_precision, join_ranks
 from ..topology import ReplicaSource, check_process_group, data_parallel_group, second_group
 from .frozen import FrozenShard, frozen_part, inference_plan
@@ -52,9 +55,12 @@ class ShardedFrozenModel(ShardedModule):
     and the whole-model access a ZeroAdam gives (gathered_params(), named_full_tensors(),
     full_state_dict(): the same handle, zerofast/stage3/module.py)."""
 
-    def __init__(self, model: nn.Module, units: UnitTracker, frozen: FrozenShard, hooks: list):
+    def __init__(
+        self, model: nn.Module, units: UnitTracker, frozen: FrozenShard, hooks: list, slots: list, module_classes: dict
+    ):
         super().__init__(model, units, hooks)
         self._frozen = frozen
+        self._slots, self._module_classes = slots, module_classes  # [Note: the model stays a torch model]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -74,6 +80,9 @@ class ShardedFrozenModel(ShardedModule):
         """Take every hook off the model (its parameters stay views of released unit buffers: the
         model is unusable afterwards; for tearing down)."""
         super().remove_hooks()
+        forget(self._slots)
+        restore_classes(self._module_classes)
+        self._slots, self._module_classes = [], {}
         _SHARDED.pop(self.model, None)
 
 
@@ -113,8 +122,12 @@ def shard_frozen(
     frozen, comm = frozen_part(named, layout, bucket_of, rank, group, second_group(group, group), params[0].dtype)
     buffers = UnitBuffers(frozen.buffers, frozen.shard, frozen.layout, rank, comm, frozen.bucket_of)
     buffers.shard_out()
+    # [Note: the model stays a torch model] in zerofast/guard/__init__.py
+    slots = manage(named, WHO)
+    module_classes = own_classes(holders(model, params))
+    buffers.guard([slots])
     tracker = UnitTracker(model, hook_needs(model, params, plan), buffers)
-    handle = ShardedFrozenModel(model, tracker, frozen, hooks)
+    handle = ShardedFrozenModel(model, tracker, frozen, hooks, slots, module_classes)
     _SHARDED[model] = handle
     return handle
 

@@ -70,6 +70,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .._hook_classes import own_classes, restore_classes
+from ..guard.params import ParamSlot, ParamState
 from ..layout import Layout
 from .extensions import attach_hosts, detach_hosts
 from .schedule import Action, CallRef, Schedule, UnitOp, UnitState
@@ -82,13 +83,16 @@ class UnitPart:
     """One kind of parameter storage of the units (trainable or frozen: [Note: frozen parameters in
     stage 3]): its flat buffers (one per bucket; the model's parameters are views of them), this
     rank's shard, the layout addressing both, the BucketComm that gathers its buckets, and which
-    bucket holds each unit's part (None: the unit has no parameter of this kind)."""
+    bucket holds each unit's part (None: the unit has no parameter of this kind). `follow`: called
+    after this rank's shard [offset, offset + numel) was written outside a step: the fp32 master
+    follows (the trainable part; None for the frozen one)."""
 
     buffers: list[torch.Tensor]
     shard: torch.Tensor
     layout: Layout
     comm: object
     bucket_of: list[int | None]
+    follow: Callable[[int, int], None] | None = None
 
 
 class UnitBuffers:
@@ -99,7 +103,12 @@ class UnitBuffers:
     with their unit ([Note: frozen parameters in stage 3]); then unit_buckets maps each unit to its
     trainable bucket (None: the unit is frozen only). A model sharded for inference only has a
     frozen part alone, given as the first ([Note: models sharded for inference only] in
-    inference.py)."""
+    inference.py).
+
+    It is also the Shards of the parameters' slots (zerofast/guard/params.py, given by guard()):
+    each slot's parameter is moved to its guarded class when its unit is released and back when
+    its gather is waited for, and a write to a released parameter reaches this rank's pieces of the
+    shard ([Note: the model stays a torch model] in zerofast/guard/__init__.py)."""
 
     def __init__(
         self,
@@ -110,17 +119,40 @@ class UnitBuffers:
         comm,
         unit_buckets: list[int | None] | None = None,
         frozen: UnitPart | None = None,
+        follow: Callable[[int, int], None] | None = None,
+        before_write: Callable[[], None] | None = None,
     ):
+        """follow: the trainable part's UnitPart.follow; before_write: raises if the shard may not be
+        written now (the delayed update in flight)."""
         self.buffers = buffers  # per bucket, 1D; the model's parameters are views of them
         self.shard = shard  # 1D, layout.shard_numel(rank): this rank's owned ranges
         self.layout, self.rank, self.comm = layout, rank, comm
         if unit_buckets is None:
             unit_buckets = [len(buffers) - 1 - u for u in range(len(buffers))]
         self.num_units = len(unit_buckets)
-        self.parts = [UnitPart(buffers, shard, layout, comm, list(unit_buckets))]
+        self.parts = [UnitPart(buffers, shard, layout, comm, list(unit_buckets), follow)]
         if frozen is not None:
             self.parts.append(frozen)
         self._offsets = [part.layout.shard_offsets(rank) for part in self.parts]
+        self.world = layout.world  # the ranks the shards are spread over (guard.params.Shards)
+        self._before_write = before_write
+        # Per part, per bucket: the slots of its parameters (empty until guard()), and how many tensors
+        # shared its storage when gathered_params() began (keep_writes: a view that escaped).
+        self._slots: list[list[list[ParamSlot]]] = [[[] for _ in part.buffers] for part in self.parts]
+        self._pieces: list[dict[int, list[tuple[int, int, int]]]] = [{} for _ in self.parts]
+        self._uses_at_pin: list[list[int | None]] = [[None] * len(part.buffers) for part in self.parts]
+
+    def guard(self, slots: list[list[ParamSlot]]) -> None:
+        """Take the parameters' slots, per part (each slot's index: its parameter's in that part's
+        layout), as their Shards: from now on a released unit's parameters are guarded."""
+        for k, (part, part_slots) in enumerate(zip(self.parts, slots)):
+            for slot in part_slots:
+                slot.shards = self
+                self._slots[k][part.layout.slots[slot.index].bucket].append(slot)
+            for pc in part.layout.pieces(self.rank):
+                self._pieces[k].setdefault(pc.param, []).append((pc.param_offset, pc.state_offset, pc.numel))
+        for u in range(self.num_units):
+            self._set_state(u, ParamState.WHOLE if self._gathered(u) else ParamState.SHARDED)
 
     def bucket(self, unit: int) -> int | None:
         """The trainable bucket of unit `unit` (None: it holds frozen parameters only)."""
@@ -150,11 +182,86 @@ class UnitBuffers:
         for part in self.parts:
             if part.bucket_of[unit] is not None:
                 part.comm.gather_wait(part.bucket_of[unit])
+        self._set_state(unit, ParamState.WHOLE)
 
     def release(self, unit: int) -> None:
         for part in self.parts:
             if part.bucket_of[unit] is not None:
                 part.buffers[part.bucket_of[unit]].untyped_storage().resize_(0)
+        self._set_state(unit, ParamState.SHARDED)
+
+    def _set_state(self, unit: int, state: ParamState) -> None:
+        for k, part in enumerate(self.parts):
+            b = part.bucket_of[unit]
+            for slot in self._slots[k][b] if b is not None else ():
+                slot.set_state(state)
+
+    def _gathered(self, unit: int) -> bool:
+        return any(
+            part.buffers[part.bucket_of[unit]].untyped_storage().nbytes() > 0
+            for part in self.parts
+            if part.bucket_of[unit] is not None
+        )
+
+    # --- guard.params.Shards ------------------------------------------------------------------------
+
+    def pieces(self, slot: ParamSlot) -> list[tuple[int, torch.Tensor]]:
+        if self._before_write is not None:
+            self._before_write()
+        shard = self.parts[slot.part].shard
+        return [(at, shard[lo : lo + n]) for at, lo, n in self._pieces[slot.part].get(slot.index, ())]
+
+    def written(self, slot: ParamSlot, pieces) -> None:
+        follow = self.parts[slot.part].follow
+        for _, lo, n in self._pieces[slot.part].get(slot.index, ()) if follow is not None else ():
+            follow(lo, n)
+
+    def note_pinned(self) -> None:
+        """gathered_params() has gathered every unit: count who shares each buffer's storage now (where
+        every parameter has a slot to rebind: not tensor parallelism's stand-ins)."""
+        if not all(
+            self._slots[k][b] or not part.layout.buckets[b].params
+            for k, part in enumerate(self.parts)
+            for b in range(len(part.buffers))
+        ):
+            return
+        for k, part in enumerate(self.parts):
+            self._uses_at_pin[k] = [_storage_uses(b) if b.untyped_storage().nbytes() else None for b in part.buffers]
+
+    def keep_writes(self, unit: int) -> None:
+        """Before a gathered unit is released at the end of gathered_params(): what was written into
+        its parameters there (this rank's owned ranges that differ from the shard) becomes the shard,
+        and the master follows; and if more tensors share the buffer's storage than when the block
+        began (a view taken inside it, or autograd's saved tensors of a forward with gradients), the
+        buffer gets a storage of its own, so that the release leaves the old one, whole, to them
+        instead of freeing it under them."""
+        for k, (part, offsets) in enumerate(zip(self.parts, self._offsets)):
+            b = part.bucket_of[unit]
+            if b is None or part.buffers[b].untyped_storage().nbytes() == 0:
+                continue
+            lo, hi = part.layout.owned_range(b, self.rank)
+            new, kept = part.buffers[b][lo:hi], part.shard[offsets[b] : offsets[b] + hi - lo]
+            changed = new != kept
+            if bool(changed.any()):
+                kept.copy_(new)
+                if part.follow is not None:
+                    part.follow(offsets[b], hi - lo)
+            at_pin = self._uses_at_pin[k][b]
+            if at_pin is not None and _storage_uses(part.buffers[b]) > at_pin:
+                self._own_storage(k, b)
+            self._uses_at_pin[k][b] = None
+
+    def _own_storage(self, k: int, b: int) -> None:
+        """Bucket b of part k gets a new buffer (released), its parameters views of it; the old storage
+        stays with whatever else holds it."""
+        part = self.parts[k]
+        new = torch.empty_like(part.buffers[b])  # allocated for the views to be made, then released
+        with torch.no_grad():
+            for slot in self._slots[k][b]:
+                s = part.layout.slots[slot.index]
+                slot.param.data = new.narrow(0, s.offset, s.numel).view(slot.param.shape)
+        new.untyped_storage().resize_(0)
+        part.buffers[b] = new
 
     def materialized_bytes(self, first: int = 0) -> int:
         """Bytes of the parts from `first` on (1: the frozen part) that exist now: their gathered
@@ -163,6 +270,12 @@ class UnitBuffers:
             sum(b.untyped_storage().nbytes() for b in part.buffers) + part.shard.numel() * part.shard.element_size()
             for part in self.parts[first:]
         )
+
+
+def _storage_uses(t: torch.Tensor) -> int:
+    """How many tensors share t's storage (the storage object this call makes counted out)."""
+    storage = t.untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata) - 1
 
 
 # --- the hooks ---------------------------------------------------------------------------------------
@@ -227,8 +340,14 @@ class UnitTracker:
         """Gather every unit and keep it gathered through any forwards until unpin(): [Note:
         generation on stage 3] in schedule.py."""
         self._carry_out(self.schedule.pin())
+        self.buffers.note_pinned()
 
     def unpin(self) -> None:
+        """End the pin: what was written into the parameters inside is kept (UnitBuffers.keep_writes),
+        then every unit no running call holds is released."""
+        for unit, state in enumerate(self.schedule.state):
+            if state is UnitState.GATHERED:
+                self.buffers.keep_writes(unit)
         self._carry_out(self.schedule.unpin())
 
     @property
