@@ -267,6 +267,11 @@ def test_errors_are_exported():
     assert {"CollectiveError", "OutOfStepError", "StepNotAppliedError", "GradientError", "CommPolicy"} <= set(
         zerofast.__all__
     )
+    from zerofast import errors
+
+    for name in ("ShardedParameterError", "ShardedGradientError", "ModelConversionError"):
+        assert getattr(zerofast, name) is getattr(errors, name) and name in zerofast.__all__
+        assert issubclass(getattr(errors, name), RuntimeError)
 
 
 def test_estimator_command_line_rejects_what_zero_adam_rejects(capsys):

@@ -106,27 +106,58 @@ def test_a_dropped_optimizer_is_freed_and_leaves_no_hooks():
         assert all(out), (rank, out)
 
 
-def _gather_in_flight(rank, world):
+def _gather_in_flight(rank, world, guarded):
     """overlap_param_gather: `sometimes` runs only in even steps; in step 1 the loss reads its weight
-    outside its module, while its bucket's gather (started by step 0's step()) may be in flight."""
+    outside its module, while its bucket's gather (started by step 0's step()) may be in flight. The
+    read waits for the gather (the parameter is guarded while it is in flight); with the guard taken
+    off (as a read from compiled code that holds the parameter from before would slip past it), the
+    gradient path's check names it."""
+    from zerofast.guard.params import ParamState
+
     model = Quirky()
     opt = ZeroAdam(model, **zero_options(2, overlap_param_gather=True, bucket_mb=0.001), **HYPER)
     model(*rank_batch(model, 0, rank), 0, rank).backward()
     opt.step()
     opt.zero_grad()
+    if not guarded:
+        for slot in parts_of(opt).slots:
+            slot.state, slot.wait = ParamState.WHOLE, None
+            slot.refresh()
     loss = model(*rank_batch(model, 1, rank), 1, rank) + 0.1 * model.sometimes.weight.square().sum()
     try:
         loss.backward()
     except RuntimeError as e:
         return str(e)
-    return None
+    opt.step()
+    with opt.gathered_params():
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _read_outside_its_module(rank, world):
+    """The same two steps with the gather not overlapped: what the read must give."""
+    model = Quirky()
+    opt = ZeroAdam(model, **zero_options(2, bucket_mb=0.001), **HYPER)
+    model(*rank_batch(model, 0, rank), 0, rank).backward()
+    opt.step()
+    opt.zero_grad()
+    (model(*rank_batch(model, 1, rank), 1, rank) + 0.1 * model.sometimes.weight.square().sum()).backward()
+    opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_a_read_while_the_overlapped_gather_is_in_flight_waits_for_it():
+    for got, want in zip(run_ranks(_gather_in_flight, 2, args=(True,)), run_ranks(_read_outside_its_module, 2)):
+        assert max_abs_diff(got, want) == 0.0
 
 
 def test_the_overlapped_gathers_check_still_runs_for_every_gradient():
     # Each gradient must reach Python's check, not only the first of the backward (which the
     # compiled path would otherwise leave to Python alone).
-    for rank, msg in enumerate(run_ranks(_gather_in_flight, 2)):
-        assert msg is not None and "sometimes.weight was used while its gather was still in flight" in msg, (rank, msg)
+    for rank, msg in enumerate(run_ranks(_gather_in_flight, 2, args=(False,))):
+        assert isinstance(msg, str) and "sometimes.weight was used while its gather was still in flight" in msg, (
+            rank,
+            msg,
+        )
 
 
 # --- typed errors: a gradient the path cannot take ------------------------------------------------------

@@ -370,3 +370,60 @@ def test_a_write_after_building_is_the_same_write_before_it():
                 assert torch.equal(whole_a[k], whole_b[k]), f"rank {rank} {name}: {k} differs"
             for (n, o, a), (_, _, b) in zip(master_a[0], master_b[0]):
                 assert torch.equal(a, b), f"rank {rank} {name}: master of {n} at {o} differs"
+
+
+# --- a model not our own, and the calls that stay errors ---------------------------------------------
+
+
+def _hf_init_and_more(rank, world, stage):
+    """A Hugging Face Llama (from its config, a padding row in its embedding, tied head) initialized by
+    its own _init_weights after ZeroAdam was built (transformers' init.normal_, init.zeros_ of
+    weight[padding_idx]): the plain model's values, bitwise. Then what stays an error at this stage."""
+    import copy
+
+    from models import tiny_llama
+
+    from zerofast import ZeroAdam
+    from zerofast.errors import ModelConversionError, ShardedParameterError
+
+    model, plain = (
+        tiny_llama(pad_token_id=0, tie_word_embeddings=True),
+        tiny_llama(pad_token_id=0, tie_word_embeddings=True),
+    )
+    opt = ZeroAdam(model, stage=stage, **HYPER)
+    for m in (model, plain):
+        torch.manual_seed(3)
+        m.apply(m._init_weights)
+    out = {"init": {k: v.float() for k, v in opt.full_state_dict().items()}}
+    out["plain"] = {k: v.detach().float().clone() for k, v in plain.state_dict().items()}
+    out["num_parameters"] = (model.num_parameters(), plain.num_parameters())
+    errors = out["errors"] = {}
+    weight = model.model.layers[0].mlp.up_proj.weight
+    if stage == 3:
+        _expect(errors, "t_", ShardedParameterError, lambda: weight.t_())
+        _expect(errors, "deepcopy", ShardedParameterError, lambda: copy.deepcopy(model))
+        with torch.no_grad():
+            weight[1] = 0.5  # __setitem__ on the released parameter: kept
+        out["row"] = opt.full_state_dict()["model.layers.0.mlp.up_proj.weight"][1]
+    else:  # new storage for a parameter: the next step refuses it on every rank, nothing applied
+        with torch.no_grad():
+            weight.data = torch.zeros_like(weight)
+        x = torch.randint(1, 32, (2, 6))
+        model(input_ids=x, labels=x).loss.backward()
+        _expect(errors, "rebound", ModelConversionError, opt.step)
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_hugging_face_models_own_init_after_building_and_what_stays_an_error(stage):
+    for out in run_ranks(_hf_init_and_more, WORLD, args=(stage,), timeout=180):
+        assert max_abs_diff(out["init"], out["plain"]) == 0
+        assert out["num_parameters"][0] == out["num_parameters"][1]
+        errors = out["errors"]
+        if stage == 3:
+            assert errors["t_"].startswith("ShardedParameterError") and "gathered_params()" in errors["t_"]
+            assert errors["deepcopy"].startswith("ShardedParameterError")
+            assert torch.equal(out["row"], torch.full((32,), 0.5))
+        else:
+            assert errors["rebound"].startswith("ModelConversionError")
+            assert "model.layers.0.mlp.up_proj.weight no longer views the optimizer's buffer" in errors["rebound"]

@@ -5,7 +5,8 @@ ZeroOptimizer (their shared front: isinstance(opt, ZeroOptimizer) holds for both
 shard_frozen (a reference or reward model sharded for inference only, a ShardedFrozenModel) and their policies (MixedPrecisionPolicy,
 LossScalePolicy, CommPolicy, UnitPolicy, OffloadPolicy: zerofast/config.py), the errors it raises
 (CollectiveError, OutOfStepError, StepNotAppliedError, OffloadError,
-GradientError), estimate_memory (the paper's memory table), estimate_traffic (report().comm without a run),
+GradientError; ShardedParameterError, ShardedGradientError and ModelConversionError when the model
+is used in a way its sharding cannot serve: docs/your-model.md), estimate_memory (the paper's memory table), estimate_traffic (report().comm without a run),
 fused_adam_ (the compiled fused Adam/AdamW step), fused_adam_8bit_ (the same with 8-bit moments),
 nonfinite_check_ (its overflow check alone),
 has_cuda_kernels, cpu_isa; the reference stages in zerofast.reference (the correctness oracle);
@@ -30,6 +31,7 @@ from .compat import check_torch as _check_torch
 _check_torch(_torch.__version__)
 
 from .config import CommPolicy, LossScalePolicy, MixedPrecisionPolicy, OffloadPolicy, UnitPolicy  # noqa: E402
+from .errors import ModelConversionError, ShardedGradientError, ShardedParameterError  # noqa: E402
 from .estimate import estimate_memory, estimate_traffic  # noqa: E402
 
 # name -> the module that defines it, imported when the name is first read (PEP 562).
@@ -67,6 +69,9 @@ __all__ = [
     "OutOfStepError",
     "StepNotAppliedError",
     "GradientError",
+    "ShardedParameterError",
+    "ShardedGradientError",
+    "ModelConversionError",
     "estimate_memory",
     "estimate_traffic",
     "fused_adam_",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,6 +36,10 @@ class ParamState(enum.Enum):
     SHARDED = "sharded"
     """Stage 3 between uses: its unit buffer holds no storage; this rank's shard is all there is.
     The parameter is in its guarded class."""
+    GATHERING = "gathering"
+    """Stages 1 and 2 with CommPolicy(overlap_param_gather=True): the step's gather of its bucket is in
+    flight. The parameter is in its guarded class; any call but a metadata read waits for the gather
+    first (ParamSlot.wait), so a read sees the updated values and a write is not overwritten."""
 
 
 class Shards(Protocol):
@@ -75,12 +80,13 @@ class ParamSlot:
     part: int = 0  # stage 3: which part of the unit buffers (0: trainable, 1: frozen)
     shards: Shards | None = None  # stage 3: its shards (None: whole on every rank)
     grads: GradView | None = None  # a trainable parameter's gradient window
+    wait: Callable[[], None] | None = None  # GATHERING: waits for its bucket's gather (the parameter then WHOLE)
     state: ParamState = ParamState.WHOLE
 
     def refresh(self) -> None:
         """The parameter in the class its state asks for: guarded while sharded or while its gradient
         window is open, its own otherwise."""
-        guard = self.state is ParamState.SHARDED or (self.grads is not None and self.grads.open)
+        guard = self.state is not ParamState.WHOLE or (self.grads is not None and self.grads.open)
         self.param.__class__ = self.guarded if guard else self.plain
 
     def set_state(self, state: ParamState) -> None:
@@ -332,6 +338,9 @@ def _dispatch(func, args, kwargs):
         if slot.grads is not None and slot.grads.open:
             return slot.grads.grad(slot) if name == "grad.__get__" else slot.grads.set_grad(slot, args[1])
         return _plain(func, args, kwargs)
+    for _, _, slot, _ in found:
+        if slot.state is ParamState.GATHERING:  # the step's gather lands first
+            slot.wait()
     if not any(slot.state is ParamState.SHARDED for _, _, slot, _ in found):
         return _whole(func, flat, spec, found)  # every value is here: the call runs on them
     index, target, slot, ops = next(f for f in found if f[2].state is ParamState.SHARDED)
@@ -398,6 +407,9 @@ def _standin(view: ParamView) -> torch.Tensor:
 def _view_of(slot: ParamSlot, ops: tuple, target, func, flat, spec, index: int):
     """If the call, run on a meta tensor of the parameter's shape, gives a view of it, the ParamView of
     that view (nothing read); else None (the call reads values)."""
+    name = _name(func)
+    if name.endswith("_") and not name.endswith("__"):  # in place (t_, unsqueeze_): it would change the parameter
+        return None
     op = (func, [_HERE if i == index else x for i, x in enumerate(flat)], spec)
     try:
         meta, base = _meta_of(slot)

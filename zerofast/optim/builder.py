@@ -284,6 +284,7 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule, front: 
     module_classes = own_classes(holders(model, [s.param for s in slots + frozen_slots])) if slots else {}
     if plan.overlap_param_gather:
         hooks += gather.register_waits(model, params)
+        gather.guard_in_flight(slots)
     frozen = frozen_comm = units = None
     if plan.params_sharded:
         frozen, frozen_comm = _frozen_part(layouts, topology, plan, comm, tp)

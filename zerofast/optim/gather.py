@@ -6,16 +6,19 @@ model's parameters are views of, buckets in forward order.
 As Megatron-LM's overlap_param_gather: step() starts the gathers (the last bucket first, since it
 holds the first layers) and returns; a forward pre-hook on every module that holds managed
 parameters directly waits for their buckets, so the gather of later layers runs while earlier
-layers compute. The contract: a parameter is read only inside the forward of a module that holds it
-(module.parameters(recurse=False)). A parameter read elsewhere (in a loss function, say) may be read
-while its gather is still in flight; that is caught when its gradient arrives, as an error naming
-it, when the parameter's bucket has not been waited for by then (zerofast/optim/grads.py). The check is
-best-effort: if another module of the same bucket ran its pre-hook in between, the flag is cleared
-and the early read goes unnoticed. opt.gathered_params() (and the next step()) wait for everything.
+layers compute. A parameter used anywhere else (in a loss function, say; written between steps) is
+in its guarded class while its gather is in flight (ParamState.GATHERING in zerofast/guard/params.py),
+and any call on it waits for its bucket first, so it reads the updated values and a write is not
+overwritten. What escapes that (a read inside compiled code that holds the parameter from before)
+is caught when its gradient arrives, as an error naming it, when the parameter's bucket has not
+been waited for by then (zerofast/optim/grads.py), best-effort: if another module of the same bucket
+ran its pre-hook in between, the flag is cleared. opt.gathered_params() (and the next step()) wait
+for everything.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 
 import torch
@@ -23,6 +26,7 @@ import torch.nn as nn
 
 from .._hook_classes import own_classes, restore_classes
 from ..comm import BucketComm
+from ..guard.params import ParamSlot, ParamState
 from ..layout import Layout
 
 
@@ -30,17 +34,31 @@ class ParamGather:
     def __init__(self, comm: BucketComm, layout: Layout, param_buffers: list[torch.Tensor]):
         self.comm, self.layout, self.param_buffers = comm, layout, param_buffers
         self.pending = [False] * len(layout.buckets)  # per bucket: a gather started, not yet waited for
+        self._slots: list[list[ParamSlot]] = [[] for _ in layout.buckets]  # guard_in_flight()'s, per bucket
+
+    def guard_in_flight(self, slots: list[ParamSlot]) -> None:
+        """With the overlapped gather: while a bucket's gather is in flight its parameters are
+        GATHERING (zerofast/guard/params.py), so a call on one outside its module's forward (a read in
+        the loss, a write between steps) waits for the gather instead of racing it."""
+        for slot in slots:
+            b = self.layout.slots[slot.index].bucket
+            self._slots[b].append(slot)
+            slot.wait = functools.partial(self.wait, (b,))
 
     def start(self) -> None:
         for b in reversed(range(len(self.pending))):  # forward order: first layers first
             self.comm.gather_start(b, self.param_buffers[b])
             self.pending[b] = True
+            for slot in self._slots[b]:
+                slot.set_state(ParamState.GATHERING)
 
     def wait(self, buckets: Iterable[int] | None = None) -> None:
         for b in range(len(self.pending)) if buckets is None else buckets:
             if self.pending[b]:
                 self.comm.gather_wait(b)
                 self.pending[b] = False
+                for slot in self._slots[b]:
+                    slot.set_state(ParamState.WHOLE)
 
     def register_waits(self, model: nn.Module, params: list[nn.Parameter]) -> list:
         """A forward pre-hook per module holding managed parameters directly, waiting for their
