@@ -427,3 +427,51 @@ def test_a_hugging_face_models_own_init_after_building_and_what_stays_an_error(s
         else:
             assert errors["rebound"].startswith("ModelConversionError")
             assert "model.layers.0.mlp.up_proj.weight no longer views the optimizer's buffer" in errors["rebound"]
+
+
+def _frozen_model_calls(rank, world):
+    """A reference model sharded for inference only (shard_frozen), then given new weights the way a
+    user loads them (load_state_dict of whole tensors, strict as torch's): its forward equals the
+    plain model's with those weights; its values read outside a forward are a named error."""
+    from models import tiny_llama
+
+    from zerofast import shard_frozen
+    from zerofast.errors import ShardedParameterError
+
+    model, plain = tiny_llama(), tiny_llama()
+    shard_frozen(model)
+    new = _new_values(plain)
+    plain.load_state_dict(new)
+    missing = model.load_state_dict({k: v for k, v in new.items() if "norm" not in k}, strict=False)
+    model.load_state_dict(new)
+    x = torch.randint(1, 32, (2, 6))
+    with torch.no_grad():
+        equal = torch.equal(model(input_ids=x).logits, plain(input_ids=x).logits)
+    try:
+        model.model.norm.weight.max()
+        error = None
+    except ShardedParameterError as e:
+        error = str(e)
+    try:
+        model.load_state_dict({"model.norm.weight": new["model.norm.weight"]})  # strict: the rest is missing
+        strict = None
+    except RuntimeError as e:
+        strict = str(e)
+    return equal, sorted(missing.missing_keys), error, strict
+
+
+def test_a_model_sharded_for_inference_loads_new_weights():
+    for equal, missing, error, strict in run_ranks(_frozen_model_calls, WORLD, timeout=120):
+        assert equal
+        assert missing and all("norm" in k for k in missing)
+        assert error is not None and "shard_frozen" in error and "gathered_params()" in error
+        assert strict is not None and "Missing key(s) in state_dict" in strict
+
+
+def test_same_device_says_whether_a_move_moves():
+    from zerofast.guard.params import same_device
+
+    assert same_device(torch.device("cpu:0"), torch.device("cpu"))
+    assert not same_device(torch.device("cuda:0"), torch.device("cpu"))
+    assert same_device(torch.device("cuda:1"), torch.device("cuda:1"))
+    assert not same_device(torch.device("cuda:1"), torch.device("cuda:0"))
