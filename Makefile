@@ -103,7 +103,7 @@ OLDEST_BUILT  := $(OLDEST_VENV)/.zerofast-built
 # dry run (its preflight, the collection of the CUDA tests) on the GPU machine's torch.
 OLDEST_TESTS  := tests/test_fused_adam.py tests/test_quant_state.py tests/test_cuda_ranks.py \
                  tests/test_checkpoint_safe.py tests/test_checkpoint_async.py tests/test_checkpoint_format.py \
-                 tests/test_exit.py tests/test_tensor_parallel.py::test_tp2_dp2_equals_adamw_on_the_global_batch \
+                 tests/test_exit.py tests/test_torch_model.py tests/test_tensor_parallel.py::test_tp2_dp2_equals_adamw_on_the_global_batch \
                  tests/test_gpu_check.py::test_gpu_check_dry_run_goes_through_every_step
 
 $(OLDEST_PY):

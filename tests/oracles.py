@@ -158,7 +158,8 @@ def single_process_mixed(
 def opcheck_adam_op(op, args, n: int, device, **kw) -> None:
     """torch.library.opcheck of a fused Adam op (fused_adam_, fused_adam_8bit_) twice, on fresh
     tensors from args() each time: its optional tensors absent, then present (found_inf, an fp16
-    param_copy, a grad_scale tensor); kw: the op's own keyword arguments and overrides."""
+    param_copy, a grad_scale tensor), then with follow_copy reading that copy; kw: the op's own keyword
+    arguments and overrides."""
     kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=1, adamw=True, grad_scale=1.0) | kw
     kw.update(grad_scale_tensor=None, found_inf=None, param_copy=None)
     torch.library.opcheck(op, args(), kw)
@@ -167,4 +168,6 @@ def opcheck_adam_op(op, args, n: int, device, **kw) -> None:
         param_copy=torch.empty(n, device=device).half(),
         grad_scale_tensor=torch.ones(1, device=device),
     )
+    torch.library.opcheck(op, args(), kw)
+    kw.update(found_inf=None, param_copy=torch.randn(n, device=device).half(), follow_copy=True)
     torch.library.opcheck(op, args(), kw)

@@ -144,6 +144,59 @@ def test_param_copy(device, copy_dtype):
     assert torch.equal(copy[finite], param.to(copy_dtype)[finite])
 
 
+# --- follow_copy: the master takes what was written into the copy --------------------------------
+
+
+def _check_follow_copy(device, copy_dtype, quantized):
+    """An element whose copy was written (no longer the master's rounding) steps from the copy's value;
+    every other from its master: bitwise the same step on a master where those elements were set."""
+    from zerofast.quant import dynamic_code, num_blocks
+
+    n, block = 3001, 256
+    g = torch.Generator().manual_seed(3)
+    master = torch.randn(n, generator=g).to(device)
+    grad = torch.randn(n, generator=g).to(device)
+    copy = master.to(copy_dtype)
+    written = torch.arange(n, device=device) % 5 == 0
+    copy[written] = (torch.randn(n, generator=g).to(device) * 3).to(copy_dtype)[written]
+    # The oracle: the master set to the written values first; their rounding is then the copy again.
+    expected = torch.where(written, copy.float(), master) if copy_dtype != torch.float32 else copy.clone()
+
+    def step(param, param_copy, follow):
+        kw = dict(weight_decay=0.1, step=3, param_copy=param_copy, follow_copy=follow, **HYPER)
+        if quantized:
+            q = [torch.zeros(n, dtype=torch.uint8, device=device) for _ in range(2)]
+            scales = [torch.zeros(num_blocks(n, block), device=device) for _ in range(2)]
+            codes = [dynamic_code(True).to(device), dynamic_code(False).to(device)]
+            zerofast.fused_adam_8bit_(param, grad, *q, *scales, *codes, block=block, **kw)
+        else:
+            zerofast.fused_adam_(param, grad, torch.zeros(n, device=device), torch.zeros(n, device=device), **kw)
+
+    ref_copy = expected.to(copy_dtype)
+    step(expected, ref_copy, False)
+    step(master, copy, True)
+    assert torch.equal(master, expected)
+    assert torch.equal(copy, ref_copy)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("copy_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32-state", "8bit-state"])
+def test_follow_copy(device, copy_dtype, quantized):
+    _check_follow_copy(device, copy_dtype, quantized)
+
+
+def test_follow_copy_every_isa(monkeypatch):
+    for isa in ("portable", "avx2", "avx512"):
+        monkeypatch.setenv("ZEROFAST_CPU_ISA", isa)
+        try:
+            zerofast.cpu_isa()
+        except RuntimeError:
+            continue
+        for quantized in (False, True):
+            _check_follow_copy("cpu", torch.bfloat16, quantized)
+
+
 # --- found_inf ----------------------------------------------------------------------------------
 
 
@@ -350,12 +403,13 @@ def _call(param, grad=None, exp_avg=None, exp_avg_sq=None, **kw):
             "param_copy must be float32, bfloat16 or float16; got Char",
         ),
         (lambda: _call(torch.zeros(4), grad_scale="2"), "grad_scale must be a float or a 1-element tensor; got '2'"),
+        (lambda: _call(torch.zeros(4), follow_copy=True), "follow_copy=True reads param_copy, which is None"),
         (lambda: _call(torch.zeros(4), step=1.5), "step must be a whole number counting from 1; got 1.5"),
         (lambda: _call(torch.zeros(4), grad=torch.zeros(4, device="meta")), "grad is on meta but param is on cpu"),
     ],
 )
 def test_bad_input_is_named(call, message):
-    with pytest.raises((RuntimeError, TypeError), match=message):
+    with pytest.raises((RuntimeError, TypeError, ValueError), match=message):
         call()
 
 

@@ -475,3 +475,35 @@ def test_same_device_says_whether_a_move_moves():
     assert not same_device(torch.device("cuda:0"), torch.device("cpu"))
     assert same_device(torch.device("cuda:1"), torch.device("cuda:1"))
     assert not same_device(torch.device("cuda:1"), torch.device("cuda:0"))
+
+
+def _compiled_and_profiled(rank, world):
+    """What we add under torch.compile and the profiler: a compiled read of a released stage-3
+    parameter raises the eager named error (metadata compiles); torch's clip_grad_norm_ under the
+    profiler gives the eager norm."""
+    from zerofast import ZeroAdam
+    from zerofast.errors import ShardedParameterError
+
+    model = make_gpt("tiny")
+    opt = ZeroAdam(model, stage=3, **HYPER)
+    out = {"shape": torch.compile(lambda: model.ln_f.weight.shape[0] * 2)()}
+    try:
+        torch.compile(lambda: model.ln_f.weight.sum())()
+        out["read"] = "no error"
+    except ShardedParameterError as e:
+        out["read"] = str(e)
+    model_loss(model, *rank_batch(model, 0, rank)).backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        out["profiled norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf))
+    out["norm"] = float(opt.clip_grad_norm_(math.inf))
+    opt.step()
+    return out
+
+
+def test_under_torch_compile_and_the_profiler():
+    for out in run_ranks(_compiled_and_profiled, WORLD, timeout=180):
+        assert out["shape"] == 32
+        assert "ln_f.weight was read (sum())" in out["read"] and "gathered_params()" in out["read"]
+        # The same reduced gradient: the sums differ only in order (per tensor, then over tensors).
+        numel = sum(p.numel() for p in make_gpt("tiny").parameters())
+        assert math.isclose(out["profiled norm"], out["norm"], rel_tol=norm_rel_tol(numel))

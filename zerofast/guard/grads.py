@@ -55,6 +55,8 @@ class ShardedGrad(torch.Tensor):
 
     @staticmethod
     def __new__(cls, shards: GradShards, index: int, name: str, like: torch.Tensor):
+        if _HANDLE[0] is _handle:  # eager under torch.compile: [Note: guarded tensors under torch.compile]
+            _HANDLE[0] = torch.compiler.disable(_handle)
         with torch._C.DisableTorchFunctionSubclass():
             shape, dtype, device = like.shape, like.dtype, like.device
         t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
@@ -69,26 +71,33 @@ class ShardedGrad(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name == "__get__":
-            name = getattr(func.__self__, "__name__", "")
-        if name in _META:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        if name == "__repr__":
-            return args[0].__repr__()
-        if name in _NORMS:
-            return _norm(name, args, kwargs)
-        if name in _SCALES:
-            return _scale(name, args, kwargs)
-        if name in _CLAMPS:
-            return _clamp(name, args, kwargs)
-        raise ShardedGradientError(_message(_first(args), f"{name or func!r}()"))
+        return _HANDLE[0](func, args, kwargs or {})
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         raise ShardedGradientError(_message(_first(args), str(func)))
+
+
+def _handle(func, args, kwargs):
+    """What a call on ShardedGrads does (see the module's docstring)."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        name = getattr(func.__self__, "__name__", "")
+    if name in _META:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    if name == "__repr__":
+        return args[0].__repr__()
+    if name in _NORMS:
+        return _norm(name, args, kwargs)
+    if name in _SCALES:
+        return _scale(name, args, kwargs)
+    if name in _CLAMPS:
+        return _clamp(name, args, kwargs)
+    raise ShardedGradientError(_message(_first(args), f"{name or func!r}()"))
+
+
+_HANDLE = [_handle]  # run eagerly under torch.compile once a ShardedGrad exists
 
 
 def _first(args) -> ShardedGrad | None:

@@ -100,6 +100,17 @@ class ParamSlot:
 _SLOTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
+def _eager(dispatch):
+    """[Note: guarded tensors under torch.compile]
+    A call on a guarded tensor is decided in Python, eagerly, never traced into a graph: Dynamo would
+    inline __torch_function__ (tracing _dispatch with fake tensors, the meta probes included) and
+    compile what should raise. Disabled, Dynamo breaks the graph at the call and runs it: a read at
+    rest raises ShardedParameterError from compiled code as from eager code. Forward and backward
+    never meet it (their parameters are in their own classes then). Wrapped when the first parameter
+    is managed (torch.compiler.disable imports Dynamo, which `import zerofast` does not)."""
+    _DISPATCH[0] = torch.compiler.disable(dispatch)
+
+
 def manage(
     named: list[tuple[str, nn.Parameter]],
     who: str,
@@ -109,6 +120,8 @@ def manage(
     part: int = 0,
 ) -> list[ParamSlot]:
     """A slot for each parameter (index: its position in `named`); the caller keeps them."""
+    if _DISPATCH[0] is _dispatch:
+        _eager(_dispatch)
     slots = []
     for i, (name, p) in enumerate(named):
         plain = _own_class(type(p))
@@ -139,7 +152,7 @@ class _Guarded:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return _dispatch(func, args, kwargs or {})
+        return _DISPATCH[0](func, args, kwargs or {})
 
     def __repr__(self) -> str:
         slot = _SLOTS.get(id(self))
@@ -213,7 +226,7 @@ class ParamView(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return _dispatch(func, args, kwargs or {})
+        return _DISPATCH[0](func, args, kwargs or {})
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -265,12 +278,10 @@ def _through(ops: tuple, whole: torch.Tensor) -> torch.Tensor:
 
 # --- what a call on a guarded tensor does -------------------------------------------------------------
 
-_META_GETTERS = frozenset(
-    "shape dtype device requires_grad is_leaf grad_fn _grad_fn ndim layout names name is_cuda is_cpu is_meta "
-    "is_mps is_xpu is_xla is_mtia is_maia is_ipu is_vulkan is_sparse is_sparse_csr is_quantized is_mkldnn "
-    "is_nested itemsize nbytes _version output_nr _base _cdata _backward_hooks _post_accumulate_grad_hooks "
-    "retains_grad _python_dispatch _grad".split()
-)
+# The attributes that are not metadata: the values (data), the gradient (grad), and views (T, real, ...,
+# which a meta tensor turns into a ParamView); every other attribute torch has (shape, dtype, device,
+# requires_grad, is_leaf, grad_fn, names, nbytes, and what torch.compile reads of a tensor) passes.
+_VALUE_GETTERS = frozenset("data grad T mT H mH real imag".split())
 _META_SETTERS = frozenset(("requires_grad.__set__",))
 _META_METHODS = frozenset(
     "size dim ndimension numel nelement element_size stride is_contiguous is_floating_point is_complex "
@@ -300,6 +311,9 @@ _OVERWRITES = frozenset(
 _CONVERSIONS = frozenset("to cpu cuda xpu mps float double half bfloat16 type".split())
 
 
+_DISPATCH = [None]  # _dispatch, once managed run eagerly under torch.compile: _eager()
+
+
 def _name(func) -> str:
     """The name a call goes by: a method's or function's, or "attr.__get__" / "attr.__set__"."""
     name = getattr(func, "__name__", "")
@@ -322,7 +336,8 @@ def _dispatch(func, args, kwargs):
     name = _name(func)
     head = name.split(".", 1)[0]
     first = args[0] if args else None
-    if name in _META_METHODS or name in _META_SETTERS or (name.endswith(".__get__") and head in _META_GETTERS):
+    getter = name.endswith(".__get__") and head not in _VALUE_GETTERS  # any other attribute is metadata
+    if name in _META_METHODS or name in _META_SETTERS or getter:
         return _view_meta(first, func, args, kwargs) if isinstance(first, ParamView) else _plain(func, args, kwargs)
     flat, spec = tree_flatten((args, kwargs))
     found = []  # (position, tensor, slot, ops) of every guarded tensor among the arguments
@@ -368,6 +383,9 @@ def _dispatch(func, args, kwargs):
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
     reads = bool(w_ops) or not (head in _OVERWRITES or init)
     return _write(w_slot, w_ops, written, func, flat, spec, reads)
+
+
+_DISPATCH[0] = _dispatch
 
 
 def _written(func, head: str, index: int, kwargs, found) -> torch.Tensor | None:
