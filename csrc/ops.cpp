@@ -141,11 +141,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   comm_error.attr("__doc__") =
       "A collective of the compiled engine, or the wait for one, failed (c10d's error, "
       "with its message); zerofast.comm turns it into CollectiveError";
-  auto& gradient_error = py::register_exception<zerofast::GradientError>(m, "GradientError", PyExc_RuntimeError);
-  gradient_error.attr("__doc__") =
-      "A gradient ZeroAdam cannot take (sparse, or of another dtype, device or shape than "
-      "its parameter, or a second one before step()), named by its parameter";
-  zerofast::gradient_error_type = gradient_error.ptr();
+  // GradientError is public: its class is zerofast.errors' (every public error in one home), which
+  // this module raises for the C++ GradientError, and names as its own attribute too.
+  py::object gradient_error = py::module_::import("zerofast.errors").attr("GradientError");
+  m.attr("GradientError") = gradient_error;
+  zerofast::gradient_error_type = gradient_error.release().ptr();  // kept for the module's lifetime
+  py::register_exception_translator([](std::exception_ptr thrown) {
+    try {
+      if (thrown) std::rethrow_exception(thrown);
+    } catch (const zerofast::GradientError& e) {
+      py::set_error(zerofast::gradient_error_type, e.what());
+    }
+  });
 
   using zerofast::BucketComm;
   using zerofast::BucketCommOptions;

@@ -29,7 +29,7 @@ namespace zerofast {
 //    neither its issuer nor its backend), and released then, on our thread: at the next issue, after
 //    each wait (release_kept_works), or at exit. No backend thread ever drops the last reference to
 //    a Work of ours. Python's own collectives (zerofast/comm.py) are kept the same way.
-// 3. drain_kept_works(), from Python's atexit (zerofast/comm.py; atexit runs before finalization):
+// 3. drain_kept_works(), from Python's atexit (zerofast/exit_drain.py; atexit runs before finalization):
 //    what is still in flight (an overlapped parameter gather, stage 3's prefetch, a reduce of a
 //    backward whose step never came) is waited for, at most a few seconds in all (the peers are
 //    finishing the same step; a peer that died or is stuck must not hold this exit for a process
@@ -38,7 +38,7 @@ namespace zerofast {
 //    good: the keeper is never destroyed, so the last reference is never the backend's, and what a
 //    live optimizer drops at finalization is not the last one either (and torch skips Python's
 //    decrefs once finalization has begun).
-// 4. Then, still in atexit (backend_threads_settled in zerofast/comm.py): the Works zerofast did
+// 4. Then, still in atexit (backend_threads_settled in zerofast/exit_drain.py): the Works zerofast did
 //    not issue. torch's object collectives (DCP's plans and barriers in a save, all_gather_object in
 //    the main job's report, a user's own all_reduce) are waited for by their issuer, but gloo's
 //    worker drops its reference a moment after completing each, and a tensor whose Python object

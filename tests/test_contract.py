@@ -269,9 +269,22 @@ def test_errors_are_exported():
     )
     from zerofast import errors
 
-    for name in ("ShardedParameterError", "ShardedGradientError", "ModelConversionError"):
-        assert getattr(zerofast, name) is getattr(errors, name) and name in zerofast.__all__
-        assert issubclass(getattr(errors, name), RuntimeError)
+    # One home: every error class a user catches is zerofast.errors', the same class wherever it is
+    # raised (the compiled core's GradientError too), and the core's are exported from zerofast.
+    for name in errors.__all__:
+        assert getattr(errors, name).__module__ == "zerofast.errors", name
+    core = set(errors.__all__) - {"GenerationSyncError", "IncompatibleHostError", "LayoutMismatchError"}
+    for name in core:
+        assert getattr(zerofast, name) is getattr(errors, name) and name in zerofast.__all__, name
+    from zerofast.integrations.hf_generation import GenerationSyncError
+    from zerofast.integrations.hosts import IncompatibleHostError
+    from zerofast.offload import OffloadError
+
+    assert (GenerationSyncError, IncompatibleHostError, OffloadError) == (
+        errors.GenerationSyncError,
+        errors.IncompatibleHostError,
+        errors.OffloadError,
+    )
 
 
 def test_estimator_command_line_rejects_what_zero_adam_rejects(capsys):

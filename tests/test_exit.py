@@ -130,7 +130,7 @@ def test_the_exit_waits_while_a_backend_thread_is_runnable():
     import threading
     import time
 
-    from zerofast import comm
+    from zerofast import exit_drain
 
     named, stop = threading.Event(), threading.Event()
     block = bytes(1 << 24)  # about 20-50 ms of sha256 per round, without the GIL
@@ -146,10 +146,10 @@ def test_the_exit_waits_while_a_backend_thread_is_runnable():
     try:
         assert named.wait(30)
         began = time.monotonic()
-        assert not comm.backend_threads_settled(0.3), "a runnable worker thread was taken for settled"
+        assert not exit_drain.backend_threads_settled(0.3), "a runnable worker thread was taken for settled"
         assert time.monotonic() - began >= 0.3
         threading.Timer(0.3, stop.set).start()
-        assert comm.backend_threads_settled(60)
+        assert exit_drain.backend_threads_settled(60)
         assert stop.is_set(), "settled before the worker thread stopped running"
     finally:
         stop.set()

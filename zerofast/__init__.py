@@ -31,7 +31,16 @@ from .compat import check_torch as _check_torch
 _check_torch(_torch.__version__)
 
 from .config import CommPolicy, LossScalePolicy, MixedPrecisionPolicy, OffloadPolicy, UnitPolicy  # noqa: E402
-from .errors import ModelConversionError, ShardedGradientError, ShardedParameterError  # noqa: E402
+from .errors import (  # noqa: E402
+    CollectiveError,
+    GradientError,
+    ModelConversionError,
+    OffloadError,
+    OutOfStepError,
+    ShardedGradientError,
+    ShardedParameterError,
+    StepNotAppliedError,
+)
 from .estimate import estimate_memory, estimate_traffic  # noqa: E402
 
 # name -> the module that defines it, imported when the name is first read (PEP 562).
@@ -41,11 +50,6 @@ _LAZY = {
     "ZeroOptimizer": "zerofast.optim.base",
     "shard_frozen": "zerofast.stage3.inference",
     "ShardedFrozenModel": "zerofast.stage3.inference",
-    "CollectiveError": "zerofast.comm",
-    "OutOfStepError": "zerofast.comm",
-    "GradientError": "zerofast.comm",
-    "StepNotAppliedError": "zerofast.optim.grads",
-    "OffloadError": "zerofast.offload",
     "fused_adam_": "zerofast._ops",
     "fused_adam_8bit_": "zerofast._ops",
     "nonfinite_check_": "zerofast._ops",

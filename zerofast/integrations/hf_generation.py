@@ -22,15 +22,12 @@ import torch.nn as nn
 import transformers
 from transformers.generation.utils import GenerationMixin
 
+from ..errors import GenerationSyncError
 from ..stage3.extensions import register_model_host
 
 WRITTEN_AGAINST = "5.24.0"
 _HOOKED = "_extract_generation_mode_kwargs"
 _EXPECTED = ("self", "custom_generate", "kwargs", "synced_gpus", "assistant_model", "streamer")
-
-
-class GenerationSyncError(RuntimeError):
-    """generate() was asked not to sync the ranks on a model whose forwards gather collectively."""
 
 
 def _check_host() -> None:

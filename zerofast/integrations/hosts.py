@@ -33,6 +33,8 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from ..errors import IncompatibleHostError
+
 __all__ = [
     "ALLOW_UNTESTED",
     "Calls",
@@ -48,11 +50,6 @@ __all__ = [
 
 ALLOW_UNTESTED = "ZEROFAST_ALLOW_UNTESTED_HOSTS"  # =1: a host version outside the range warns instead
 _MISSING = object()
-
-
-class IncompatibleHostError(ImportError):
-    """The installed framework lacks, or has changed, what an integration overrides, reads or calls
-    (or is a version outside the range the integration supports)."""
 
 
 class UntestedHostWarning(UserWarning):

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import OffloadError
+
 __all__ = [
     "DiskState",
     "HostState",
@@ -39,10 +41,6 @@ __all__ = [
 Views = dict[str, torch.Tensor]
 Step = Callable[[object, int, int, Views], None]  # (payload, lo, hi, the state of [lo, hi))
 Segment = tuple[int, int, object]  # [lo, hi) of the shard and what the step needs to update it
-
-
-class OffloadError(RuntimeError):
-    """The offloaded state could not be placed, read or written: names the path and what failed."""
 
 
 @dataclass(frozen=True)

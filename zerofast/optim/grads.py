@@ -31,8 +31,9 @@ import torch
 import torch.distributed as dist
 
 from .. import _ops
-from ..comm import BucketComm, OutOfStepError
+from ..comm import BucketComm
 from ..config import Plan
+from ..errors import OutOfStepError, StepNotAppliedError  # noqa: F401  (StepNotAppliedError: raised here, re-exported)
 from ..layout import Layout
 from ..tensor_parallel import TensorParallel
 from . import host_reads
@@ -40,10 +41,6 @@ from .agreement import Agreed, AgreementLayout  # noqa: F401  ([Note: the step's
 from .gather import ParamGather
 from .precision import LossScaler
 from .state import ShardState
-
-
-class StepNotAppliedError(RuntimeError):
-    """step() applied nothing on any rank, because some rank failed before the update."""
 
 
 class StepPhase(enum.Enum):

@@ -10,10 +10,7 @@ import torch
 import torch.distributed as dist
 from torchft.checkpointing.transport import CheckpointTransport
 
-
-class LayoutMismatchError(RuntimeError):
-    """A replica group's state cannot be healed from its peer: they shard it differently."""
-
+from ...errors import LayoutMismatchError
 
 _DTYPES = {
     str(d): d

@@ -1,0 +1,68 @@
+"""The drain at the interpreter's exit: every collective of ours still in flight waited for (bounded)
+and released, then c10d's worker threads given the moment they need to drop the Works they
+completed, so that a process that trained ends cleanly ([Note: clean exit] in
+csrc/work_keeper.cpp). Registered with atexit when the compiled core is first used (zerofast/comm.py
+imports this module)."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import time
+
+from . import _C
+
+# How long the exit waits for collectives still in flight, in all: the peers are finishing the same
+# step; one that died or is stuck must not hold this rank's exit for a process group's timeout.
+_EXIT_WAIT_S = 10.0
+# How long it waits for c10d's worker threads to put down the Works they completed, and their names
+# (torch names ProcessGroupGloo's worker threads so).
+_SETTLE_S = 1.0
+_BACKEND_THREADS = ("pt_gloo_runloop",)
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    """At the interpreter's exit, before finalization (atexit runs first; the checkpoint writer's
+    thread is joined before it): every collective of ours still in flight is waited for (_EXIT_WAIT_S
+    in all) and released on this thread, then c10d's worker threads are given the moment they need
+    to drop the Works they completed, ours or not ([Note: clean exit] in csrc/work_keeper.cpp). A
+    collective that failed or is still running is said on stderr; the exit status stays the
+    program's."""
+    report = _C.drain_kept_works(_EXIT_WAIT_S)
+    for error in report.errors:
+        first = error.strip().splitlines()[0] if error.strip() else "(no message)"
+        print(f"zerofast: a collective still in flight at exit failed: {first}", file=sys.stderr)
+    backend_threads_settled(_SETTLE_S)
+
+
+def _thread_stat(tid: str) -> tuple[str, str]:
+    """(name, scheduler state) of one of this process's threads; ("", "") once it has ended."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return "", ""
+    name = stat[stat.index("(") + 1 : stat.rindex(")")]
+    return name, stat[stat.rindex(")") + 2 :].split(" ", 1)[0]
+
+
+def backend_threads_settled(limit_s: float) -> bool:
+    """Whether, within limit_s, none of c10d's worker threads is runnable (Linux's state R: running,
+    or preempted before it could drop the Work it just completed), seen twice in a row with the GIL
+    let go in between (so that one waiting for the GIL has had it). Elsewhere than Linux, True at
+    once. [Note: clean exit] in csrc/work_keeper.cpp says why."""
+    try:
+        tids = [t for t in os.listdir("/proc/self/task") if _thread_stat(t)[0] in _BACKEND_THREADS]
+    except OSError:
+        return True
+    deadline = time.monotonic() + limit_s
+    idle = 0
+    while idle < 2:
+        busy = any(_thread_stat(t)[1] == "R" for t in tids)
+        idle = 0 if busy else idle + 1
+        if busy and time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)  # lets go of the GIL
+    return True
