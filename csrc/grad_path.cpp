@@ -125,13 +125,14 @@ void GradPath::on_hook(int64_t index) {
 void GradPath::check_grad(int64_t index, const at::Tensor& grad) const {
   const at::Tensor& param = options_.params[index];
   const std::string& name = options_.names[index];
-  auto fail = [&](const std::string& problem) { throw GradientError("ZeroAdam: " + name + " got " + problem); };
+  auto fail = [&](const std::string& problem) { throw GradientError(options_.who + ": " + name + " got " + problem); };
   if (!grad.defined()) {
     fail("no gradient: its .grad is None after backward accumulated into it (did a hook set it to None?)");
   }
   if (grad.layout() != at::kStrided) {
     std::ostringstream s;
-    s << "a sparse gradient (layout " << grad.layout() << "); ZeroAdam reduces dense gradients only: build "
+    s << "a sparse gradient (layout " << grad.layout() << "); " << options_.who
+      << " reduces dense gradients only: build "
       << "the module with sparse=False (nn.Embedding(..., sparse=False), nn.EmbeddingBag(..., sparse=False))";
     fail(s.str());
   }
@@ -184,7 +185,7 @@ void GradPath::take(int64_t index) {
     return;
   }
   if (slot_[index] == Slot::kFilled) {
-    throw GradientError("ZeroAdam: " + options_.names[index] +
+    throw GradientError(options_.who + ": " + options_.names[index] +
                         " got a second gradient before step(); call opt.step() after each backward, or run "
                         "the earlier backwards of an accumulated step inside `with opt.no_sync():`");
   }

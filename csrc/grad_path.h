@@ -34,8 +34,9 @@ struct GradPathOptions {
   // Stage 1's slot views, shaped as the parameters ([Note: grads as bucket views] in buckets.cpp);
   // empty: gradients are copied into the bucket.
   std::vector<at::Tensor> views;
-  bool drop_grad = false;  // stages 2 and 3: drop .grad once it is in the bucket
-  bool overlap = true;     // launch complete buckets during backward
+  bool drop_grad = false;        // stages 2 and 3: drop .grad once it is in the bucket
+  bool overlap = true;           // launch complete buckets during backward
+  std::string who = "ZeroAdam";  // the optimizer, as its errors name it (ZeroAdam, ZeroMuon)
 };
 
 // Where the hook hands over what it does not do itself. Each is called on the thread the hook runs

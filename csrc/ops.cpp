@@ -253,17 +253,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](BucketComm& comm, std::vector<at::Tensor> params, std::vector<std::string> names,
                        std::vector<int64_t> bucket, std::vector<int64_t> offset, std::vector<int64_t> bucket_params,
                        std::vector<at::Tensor> views, bool drop_grad, bool overlap, py::object on_grad,
-                       py::object on_error, py::object before_launch) {
+                       py::object on_error, py::object before_launch, std::string who) {
              zerofast::GradPathOptions options{
-                 std::move(params),        std::move(names), std::move(bucket), std::move(offset),
-                 std::move(bucket_params), std::move(views), drop_grad,         overlap};
+                 std::move(params), std::move(names), std::move(bucket), std::move(offset), std::move(bucket_params),
+                 std::move(views),  drop_grad,        overlap,           std::move(who)};
              return std::make_unique<GradPath>(
                  comm, std::move(options),
                  zerofast::python_callbacks(std::move(on_grad), std::move(on_error), std::move(before_launch)));
            }),
            py::arg("comm"), py::arg("params"), py::arg("names"), py::arg("bucket"), py::arg("offset"),
            py::arg("bucket_params"), py::arg("views"), py::arg("drop_grad"), py::arg("overlap"), py::arg("on_grad"),
-           py::arg("on_error"), py::arg("before_launch"), py::keep_alive<1, 2>())  // the BucketComm outlives the path
+           py::arg("on_error"), py::arg("before_launch"), py::arg("who") = "ZeroAdam",
+           py::keep_alive<1, 2>())  // the BucketComm outlives the path
       // May wait for a reduce (add_grad, launches): without the GIL, as BucketComm's own methods.
       .def("take", &GradPath::take, py::arg("index"), py::call_guard<py::gil_scoped_release>())
       .def("launch_ready", &GradPath::launch_ready, py::call_guard<py::gil_scoped_release>())

@@ -529,6 +529,10 @@ def _bad_inputs(rank, world):
         "name_not_in_model": lambda m: dict(muon_params=["nope.weight"]),
         "adjust": lambda m: dict(adjust_lr_fn="sqrt"),
         "balance": lambda m: dict(balance="flops"),
+        # The configuration's own errors name the optimizer being built.
+        "stage": lambda m: dict(stage=4),
+        "units": lambda m: dict(stage=2, units=[m.up]),
+        "adamw_lr": lambda m: dict(adamw_lr=-1.0),
     }
     for key, kw in cases.items():
         model = Awkward()
@@ -554,6 +558,8 @@ def test_bad_input_names_argument_and_value():
     assert "adjust_lr_fn" in errors["adjust"] and "'sqrt'" in errors["adjust"]
     assert "balance" in errors["balance"] and "'flops'" in errors["balance"]
     assert errors["callable"] == ["gate.weight"]
+    for key in ("stage", "units", "adamw_lr"):
+        assert errors[key].startswith("ZeroMuon"), (key, errors[key])
 
 
 def _hybrid(rank, world):

@@ -223,11 +223,13 @@ class BucketComm:
             f"{timeout}). Backend: {first}"
         )
 
-    def grad_path(self, params, names, layout: Layout, views, grads_sharded, overlap, on_grad, on_error, before_launch):
+    def grad_path(
+        self, params, names, layout: Layout, views, grads_sharded, overlap, on_grad, on_error, before_launch, who
+    ):
         """The compiled gradient path over this comm's buckets ([Note: the gradient path] in
         csrc/grad_path.cpp): each parameter's slot (bucket, offset), the buckets' sizes, stage 1's
-        bucket views, and the reducer's callbacks (on_grad for a gradient Python handles, on_error
-        for a CommError, before_launch for check_collectives)."""
+        bucket views, the reducer's callbacks (on_grad for a gradient Python handles, on_error for a
+        CommError, before_launch for check_collectives), and the optimizer its errors name."""
         slots = layout.slots
         return _C.GradPath(
             self._impl,
@@ -242,6 +244,7 @@ class BucketComm:
             on_grad,
             on_error,
             before_launch,
+            who,
         )
 
     @staticmethod

@@ -319,7 +319,7 @@ class OffloadPolicy:
         return self.state is not None
 
 
-def offload_policy(offload) -> OffloadPolicy:
+def offload_policy(offload, who: str = "ZeroAdam") -> OffloadPolicy:
     """offload= as ZeroAdam takes it: None, an OffloadPolicy, "host", "disk:PATH"."""
     if offload is None:
         return OffloadPolicy()
@@ -329,7 +329,7 @@ def offload_policy(offload) -> OffloadPolicy:
         return OffloadPolicy("host")
     if isinstance(offload, str) and offload.startswith("disk:") and len(offload) > len("disk:"):
         return OffloadPolicy("disk", offload[len("disk:") :])
-    raise ValueError(f"ZeroAdam: offload must be None, 'host', 'disk:PATH' or an OffloadPolicy; got {offload!r}")
+    raise ValueError(f"{who}: offload must be None, 'host', 'disk:PATH' or an OffloadPolicy; got {offload!r}")
 
 
 # --- the plan -------------------------------------------------------------------------------------
@@ -337,7 +337,7 @@ def offload_policy(offload) -> OffloadPolicy:
 
 @dataclass(frozen=True)
 class Plan:
-    """Every option of a ZeroAdam resolved, and the facts each part of the optimizer acts on.
+    """Every option of a ZeroAdam (or ZeroMuon) resolved, and the facts each part of the optimizer acts on.
     Built once by resolve_plan; frozen."""
 
     stage: int
@@ -369,6 +369,7 @@ class Plan:
     state_bits: int = 32  # Adam's moments: fp32, or 8-bit codes with per-block scales
     state_block: int = DEFAULT_STATE_BLOCK  # 8-bit state: elements per scale
     offload: OffloadPolicy = field(default_factory=OffloadPolicy)  # where the state lives
+    front: str = "ZeroAdam"  # the optimizer built (ZeroAdam, ZeroMuon): what its errors name
 
     @property
     def quantized_state(self) -> bool:
@@ -409,11 +410,11 @@ def unit_policy(units) -> UnitPolicy:
     return units if isinstance(units, UnitPolicy) else UnitPolicy(modules=units)
 
 
-def comm_policy(comm) -> CommPolicy:
+def comm_policy(comm, who: str = "ZeroAdam") -> CommPolicy:
     if comm is None:
         return CommPolicy()
     if not isinstance(comm, CommPolicy):
-        raise TypeError(f"ZeroAdam: comm must be a CommPolicy or None; got {type(comm).__name__}")
+        raise TypeError(f"{who}: comm must be a CommPolicy or None; got {type(comm).__name__}")
     return comm
 
 
@@ -432,28 +433,30 @@ def resolve_plan(
     comm=None,
     units=None,
     offload=None,
+    who: str = "ZeroAdam",
 ) -> Plan:
-    """The one place ZeroAdam's options are checked together and their defaults filled in.
-    mixed_precision, comm and units as ZeroAdam takes them (shortcuts included)."""
-    check_stage(stage)
-    _check_bool("ZeroAdam", "adamw", adamw)
+    """The one place an optimizer's options are checked together and their defaults filled in
+    (`who`: the front being built, ZeroAdam or ZeroMuon, which every error names). mixed_precision,
+    comm and units as ZeroAdam takes them (shortcuts included)."""
+    check_stage(stage, who)
+    _check_bool(who, "adamw", adamw)
     if max_grad_norm is not None and not (_is_number(max_grad_norm) and max_grad_norm > 0):
-        raise ValueError(f"ZeroAdam: max_grad_norm must be None or a number > 0; got {max_grad_norm!r}")
-    precision, comm_p, unit_p = precision_policy(mixed_precision), comm_policy(comm), unit_policy(units)
+        raise ValueError(f"{who}: max_grad_norm must be None or a number > 0; got {max_grad_norm!r}")
+    precision, comm_p, unit_p = precision_policy(mixed_precision, who), comm_policy(comm, who), unit_policy(units)
     if stage < 3 and unit_p != UnitPolicy():
         raise ValueError(
-            f"ZeroAdam: units apply to stage 3 only (stages 1 and 2 gather by bucket); got "
+            f"{who}: units apply to stage 3 only (stages 1 and 2 gather by bucket); got "
             f"units={unit_p} with stage={stage}"
         )
     if stage == 3 and comm_p.bucket_mb is not None:
         raise ValueError(
-            f"ZeroAdam: CommPolicy.bucket_mb sets stages 1 and 2's buckets; stage 3 reduces and "
+            f"{who}: CommPolicy.bucket_mb sets stages 1 and 2's buckets; stage 3 reduces and "
             f"gathers one bucket per unit (see UnitPolicy); got bucket_mb={comm_p.bucket_mb!r} "
             f"with stage=3"
         )
     if stage == 3 and comm_p.overlap_param_gather:
         raise ValueError(
-            "ZeroAdam: CommPolicy.overlap_param_gather applies to stages 1 and 2 (stage 3 gathers "
+            f"{who}: CommPolicy.overlap_param_gather applies to stages 1 and 2 (stage 3 gathers "
             "each unit in the next forward anyway); got it with stage=3"
         )
     param_dtype = precision.param_dtype
@@ -463,6 +466,7 @@ def resolve_plan(
     bucket_mb = comm_p.bucket_mb if comm_p.bucket_mb is not None else DEFAULT_BUCKET_MB.get(stage, 0.0)
     min_unit_mb = DEFAULT_MIN_UNIT_MB if unit_p.min_unit_mb is None else float(unit_p.min_unit_mb)
     return Plan(
+        front=who,
         stage=stage,
         partition=comm_p.partition,
         shard_size=comm_p.shard_size,
@@ -489,7 +493,7 @@ def resolve_plan(
         separate_master=param_dtype != torch.float32,
         state_bits=precision.state_bits,
         state_block=precision.state_block,
-        offload=offload_policy(offload),
+        offload=offload_policy(offload, who),
     )
 
 

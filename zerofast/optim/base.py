@@ -37,7 +37,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Where every front's constructor ends (ZeroMuon's too): the builder wires the parts from
         the plan and the front's update rule; then torch.optim's own fields, over the rule's groups."""
         self.model, self.plan = model, plan
-        self._parts: Parts = build(model, plan, process_group, rule, type(self).__name__)
+        self._parts: Parts = build(model, plan, process_group, rule)
         if (
             self._parts.grads.window is not None
         ):  # weakly: the model's hooks reach the window ([Note: the model stays a torch model])
@@ -54,7 +54,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 f"{type(self).__name__}.add_param_group: parameter groups are fixed at construction (the flat "
                 "buffers, shards and collectives are laid out over them); pass every group as "
-                "ZeroAdam(model, param_groups=[...])"
+                f"{type(self).__name__}(model, param_groups=[...])"
             )
         super().add_param_group(param_group)
 
@@ -109,7 +109,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         parts.decided = False
         if parts.grads.phase.in_no_sync:
             raise RuntimeError(
-                "ZeroAdam.step() was called inside `with opt.no_sync():`; no_sync() wraps "
+                f"{type(self).__name__}.step() was called inside `with opt.no_sync():`; no_sync() wraps "
                 "the micro-batches whose gradients are only accumulated, and step() follows "
                 "the last backward, outside it"
             )
@@ -163,9 +163,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         parts = self._parts
         for g, group in enumerate(self.param_groups):
             parts.rule.check_group(g, group)
-        checks.check_trainable_unchanged(parts.trainable_at_build)
+        checks.check_trainable_unchanged(parts.trainable_at_build, plan_front := self.plan.front)
         if not self.plan.params_sharded:
-            who = f"{type(self).__name__}(stage={self.plan.stage})"
+            who = f"{plan_front}(stage={self.plan.stage})"
             checks.check_params_in_place(parts.names, parts.params, parts.layout, parts.shard.param_buffers, who)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

@@ -144,7 +144,7 @@ class Parts:
         self.grads.begin_step()  # this step's gradients are dropped; nothing was applied
         where.phase = "forward"
         note = (
-            f"ZeroAdam: {what} (step {where.step + 1}) was not applied on any rank: rank {failed} could not write "
+            f"{self.plan.front}: {what} (step {where.step + 1}) was not applied on any rank: rank {failed} could not write "
             f"its offloaded state; parameters and optimizer state are those after step {where.step} on every "
             f"rank, and this step's gradients are dropped"
         )
@@ -212,26 +212,25 @@ def trainable_params(model: nn.Module, who: str, process_group=None) -> list[tup
     return named
 
 
-def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule, front: str = "ZeroAdam") -> Parts:
+def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Parts:
     """Wire the parts for `model` under `plan` across `process_group` (None: the world; or a 2-D
-    DeviceMesh), with the front's update `rule` (`front`: its name, for messages). Collective: every
-    rank calls it."""
+    DeviceMesh), with the front's update `rule`. Collective: every rank calls it."""
     check_process_group(process_group)
     source = process_group if isinstance(process_group, ReplicaSource) else None
     group, shard_size, mesh = data_parallel_group(source.group if source else process_group, plan.shard_size)
-    named = trainable_params(model, "ZeroAdam", process_group)
+    named = trainable_params(model, plan.front, process_group)
     # A replica source's own Topology checks the plan against what its Replication supports.
     topology = (
         source.topology(group, plan) if source else resolve_topology(group, shard_size, group_timeout(group), mesh)
     )
-    join_ranks(model, group, "ZeroAdam", topology.tp_group)
-    tp = _tensor_parallel(model, named, topology)
+    join_ranks(model, group, plan.front, topology.tp_group)
+    tp = _tensor_parallel(model, named, topology, plan.front)
     names = [n for n, _ in named]
     # The parameters as the core shards them: plain tensors ([Note: tensor parallelism]).
     params = tp.standins if tp is not None else [p for _, p in named]
     if plan.offload.delayed_update and topology.replication.changes_membership:
         raise ValueError(
-            "ZeroAdam: OffloadPolicy(delayed_update=True) cannot run on replicas whose membership changes "
+            f"{plan.front}: OffloadPolicy(delayed_update=True) cannot run on replicas whose membership changes "
             f"({type(topology.replication).__name__}): a group that joins would receive the state with an "
             "update still in flight elsewhere; use the delayed update with fixed replicas"
         )
@@ -240,7 +239,7 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule, front: 
     # Which of the model's parameters were trainable: the layout is built over them, so a change of
     # requires_grad later is an error at the next step (checks.check_trainable_unchanged).
     trainable_at_build = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
-    checks.check_dtypes(names, params, plan.param_dtype)
+    checks.check_dtypes(names, params, plan.param_dtype, plan.front)
     hooks = []
     if plan.separate_master:  # see [Note: mixed precision]; before stage 3 lays out the frozen parameters
         hooks += in_precision(model, plan.param_dtype)
@@ -278,7 +277,7 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule, front: 
     scaler = LossScaler(plan.loss_scale)
     gather = ParamGather(comm, layouts.layout, shard.param_buffers)
     # [Note: the model stays a torch model] in zerofast/guard/__init__.py; DTensor parameters are not guarded.
-    who = f"{front}(stage={plan.stage})"
+    who = f"{plan.front}(stage={plan.stage})"
     slots = manage(list(zip(names, params)), who) if tp is None else []
     frozen_slots = manage(layouts.frozen_named, who, part=1) if tp is None and plan.params_sharded else []
     module_classes = own_classes(holders(model, [s.param for s in slots + frozen_slots])) if slots else {}
@@ -332,13 +331,13 @@ def has_tp_dim(process_group) -> bool:
     return isinstance(process_group, DeviceMesh) and "tp" in (process_group.mesh_dim_names or ())
 
 
-def _tensor_parallel(model: nn.Module, named, topology: Topology) -> TensorParallel | None:
+def _tensor_parallel(model: nn.Module, named, topology: Topology, who: str) -> TensorParallel | None:
     """The model's DTensor parameters and their stand-ins, where the mesh has a "tp" dim
     ([Note: tensor parallelism] in zerofast/tensor_parallel.py); a DTensor it cannot serve is named."""
     if topology.tp_group is None:
         return None
     frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-    return TensorParallel(named, topology.tp_group, topology.tp_size, "ZeroAdam", frozen)
+    return TensorParallel(named, topology.tp_group, topology.tp_size, who, frozen)
 
 
 def _shard_state(layout: Layout, topology: Topology, names, params, plan: Plan) -> ShardState:
@@ -360,7 +359,7 @@ def _shard_state(layout: Layout, topology: Topology, names, params, plan: Plan) 
     if failed >= 0:
         shard.store.close()  # its files go now, not when the traceback lets go of it
         raise OffloadError(
-            f"ZeroAdam: rank {failed} could not place its optimizer state under OffloadPolicy(path="
+            f"{plan.front}: rank {failed} could not place its optimizer state under OffloadPolicy(path="
             f"{plan.offload.path!r}) (see that rank's error); no rank built its optimizer"
         )
     return shard

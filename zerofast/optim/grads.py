@@ -137,6 +137,7 @@ class GradReducer:
             _Callback(me, "_on_grad"),
             _Callback(me, "_on_error"),
             _Callback(me, "_before_launch") if comm.check else None,
+            plan.front,
         )
         if tp is not None:  # a DTensor's gradient reaches the path through its stand-in, in Python
             tp.install_grad_hooks(_Callback(me, "_on_grad"))
@@ -225,19 +226,19 @@ class GradReducer:
         name = self.names[index]
         if self.scaler.enabled and not self.scaler.in_scaled_backward:
             raise RuntimeError(
-                f"ZeroAdam(mixed_precision='fp16'): {name} got a gradient from a backward that did not "
+                f"{self.plan.front}(mixed_precision='fp16'): {name} got a gradient from a backward that did not "
                 f"scale the loss; call opt.backward(loss) instead of loss.backward() ([Note: loss scaling])"
             )
         if self.gather.pending[self.layout.slots[index].bucket]:
             raise RuntimeError(
-                f"ZeroAdam(overlap_param_gather=True): {name} was used while its gather was still in flight "
+                f"{self.plan.front}(overlap_param_gather=True): {name} was used while its gather was still in flight "
                 f"(read outside the forward of a module that holds it); this step's result would be wrong. "
                 f"Read it inside its module's forward, or pass overlap_param_gather=False. See "
                 f"[Note: overlapped parameter gather]"
             )
         if self.phase is StepPhase.PREPARED:
             raise RuntimeError(
-                f"ZeroAdam: {name} got a gradient after clip_grad_norm_() and before step(); "
+                f"{self.plan.front}: {name} got a gradient after clip_grad_norm_() and before step(); "
                 f"clip after the last backward of the step"
             )
 
@@ -275,10 +276,10 @@ class GradReducer:
     @contextlib.contextmanager
     def no_sync(self):
         if self.phase.in_no_sync:
-            raise RuntimeError("ZeroAdam.no_sync() is already active: no_sync() blocks cannot be nested")
+            raise RuntimeError(f"{self.plan.front}.no_sync() is already active: no_sync() blocks cannot be nested")
         if self.phase is StepPhase.PREPARED:
             raise RuntimeError(
-                "ZeroAdam.no_sync() was entered after clip_grad_norm_() and before step(); "
+                f"{self.plan.front}.no_sync() was entered after clip_grad_norm_() and before step(); "
                 "clip after the last backward of the step, then call step()"
             )
         self._enter(StepPhase.NO_SYNC if self.phase is StepPhase.IDLE else StepPhase.NO_SYNC_REDUCING)
@@ -294,7 +295,7 @@ class GradReducer:
     def zero_grad(self, set_to_none: bool) -> None:
         if self.phase not in (StepPhase.IDLE, StepPhase.NO_SYNC):
             raise RuntimeError(
-                "ZeroAdam.zero_grad() was called between backward and step(): this step's "
+                f"{self.plan.front}.zero_grad() was called between backward and step(): this step's "
                 "gradients are already being reduced across ranks and would still be "
                 "applied; call step() first (or zero_grad() only at the start of an iteration)"
             )
@@ -336,10 +337,10 @@ class GradReducer:
         """What both of the optimizer's clip methods do first: check their bound and where they are
         called, then prepare() (phase 2, with the global norm when norm=True)."""
         if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
-            raise ValueError(f"ZeroAdam.{method}: {arg} must be a number > 0; got {value!r}")
+            raise ValueError(f"{self.plan.front}.{method}: {arg} must be a number > 0; got {value!r}")
         if self.phase.in_no_sync:
             raise RuntimeError(
-                f"ZeroAdam.{method}() was called inside `with opt.no_sync():`; clip after "
+                f"{self.plan.front}.{method}() was called inside `with opt.no_sync():`; clip after "
                 f"the last backward of the step, outside it"
             )
         self.comm.where.phase = f"{method}() (the reduces and the agreement)"
@@ -387,7 +388,7 @@ class GradReducer:
             if not (agreed.same("steps") and agreed.same("micro_batches")):
                 steps, micro = agreed.ranges["steps"], agreed.ranges["micro_batches"]
                 raise OutOfStepError(
-                    f"ZeroAdam (rank {self.comm.dp_rank}): the ranks are out of step at step() of step {where.step + 1}: "
+                    f"{self.plan.front} (rank {self.comm.dp_rank}): the ranks are out of step at step() of step {where.step + 1}: "
                     f"they have taken {steps[0]} to {steps[1]} steps and run {micro[0]} to {micro[1]} micro-batches "
                     f"(this rank: {where.step} and {self.micro_batches}). Every rank must run the same "
                     f"micro-batches and call step() as often; nothing was applied"
@@ -397,7 +398,7 @@ class GradReducer:
                     "gathers (stage 3: the modules ran in another order)" if not agreed.same("gathers") else "reduces"
                 )
                 raise OutOfStepError(
-                    f"ZeroAdam (rank {self.comm.dp_rank}): the ranks are out of step at step() of step {where.step + 1}: "
+                    f"{self.plan.front} (rank {self.comm.dp_rank}): the ranks are out of step at step() of step {where.step + 1}: "
                     f"they issued different {which} in this step, so collectives paired up wrongly and this "
                     f"step's gradients are not to be trusted; nothing was applied. Every rank must run the same "
                     f"modules in the same order; ZEROFAST_DEBUG=1 names the first collective that differs"
@@ -406,7 +407,7 @@ class GradReducer:
         if agreed.failed_rank is not None:
             self.begin_step()  # this step's gradients are dropped; nothing was applied
             note = (
-                f"ZeroAdam: step {where.step + 1} was not applied on any rank: rank {agreed.failed_rank} failed "
+                f"{self.plan.front}: step {where.step + 1} was not applied on any rank: rank {agreed.failed_rank} failed "
                 f"before the update; parameters and optimizer state are those after step {where.step} on every "
                 f"rank, and this step's gradients are dropped"
             )

@@ -89,6 +89,7 @@ def plan_layouts(
         plan.min_unit_bytes,
         torch.empty(0, dtype=plan.param_dtype).element_size(),
         numels=[c.numel() for c in core],
+        who=plan.front,
     )
     # one bucket per unit with trainable parameters, in backward order
     parts, _ = split_units(unit_plan.groups, [id(c) in trainable_index for c in core])

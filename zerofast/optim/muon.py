@@ -295,7 +295,7 @@ class MuonUpdate:
         if group.get("use_muon"):
             check_muon_hyper(f".param_groups[{index}]", group)
         else:
-            check_hyper(f".param_groups[{index}]", group)
+            check_hyper(f".param_groups[{index}]", group, "ZeroMuon")
 
     def phase3(self, shard: ShardState, names: list[str], params: list, group_of: list[int]):
         """Phase 3: fused AdamW over the owned ranges of the non-Muon parameters, then Muon for the
@@ -399,10 +399,16 @@ class ZeroMuon(ZeroOptimizer):
         )
         check_muon_hyper("", muon_hyper)
         plan = resolve_plan(
-            stage, adamw=True, max_grad_norm=max_grad_norm, mixed_precision=mixed_precision, comm=comm, units=units
+            stage,
+            adamw=True,
+            max_grad_norm=max_grad_norm,
+            mixed_precision=mixed_precision,
+            comm=comm,
+            units=units,
+            who="ZeroMuon",
         )
         adamw_defaults = dict(lr=adamw_lr, betas=_tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay)
-        check_hyper("", adamw_defaults)
+        check_hyper("", adamw_defaults, "ZeroMuon")
         rule = MuonUpdate(named, select_muon(model, named, muon_params), muon_hyper, adamw_defaults, balance)
         self._wire(model, plan, process_group, rule)
 

@@ -19,20 +19,20 @@ from .state import ShardState
 Phase3 = Callable[[list[bool], list[dict], float | torch.Tensor], None]
 
 
-def check_hyper(where: str, g: dict) -> None:
+def check_hyper(where: str, g: dict, who: str = "ZeroAdam") -> None:
     """Adam's lr, betas, eps and weight_decay, of the constructor or of one parameter group (ZeroMuon's
     AdamW part too), each a clear error naming the value it got."""
     lr, betas, eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
     if not (_is_number(lr) and lr >= 0):
-        raise ValueError(f"ZeroAdam{where}: lr must be a number >= 0; got {lr!r}")
+        raise ValueError(f"{who}{where}: lr must be a number >= 0; got {lr!r}")
     if not (
         isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_number(b) and 0.0 <= b < 1.0 for b in betas)
     ):
-        raise ValueError(f"ZeroAdam{where}: betas must be two numbers in [0, 1); got {betas!r}")
+        raise ValueError(f"{who}{where}: betas must be two numbers in [0, 1); got {betas!r}")
     if not (_is_number(eps) and eps >= 0):
-        raise ValueError(f"ZeroAdam{where}: eps must be a number >= 0; got {eps!r}")
+        raise ValueError(f"{who}{where}: eps must be a number >= 0; got {eps!r}")
     if not (_is_number(wd) and wd >= 0):
-        raise ValueError(f"ZeroAdam{where}: weight_decay must be a number >= 0; got {wd!r}")
+        raise ValueError(f"{who}{where}: weight_decay must be a number >= 0; got {wd!r}")
 
 
 class UpdateRule(Protocol):

@@ -112,6 +112,7 @@ class ZeroAdam(ZeroOptimizer):
             comm=comm,
             units=units,
             offload=offload,
+            who="ZeroAdam",
         )
         defaults = dict(
             lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps, weight_decay=weight_decay

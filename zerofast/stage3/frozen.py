@@ -98,7 +98,7 @@ def inference_plan(
     min_unit_mb = unit_p.min_unit_mb if unit_p.min_unit_mb is not None else DEFAULT_MIN_UNIT_MB
     element_size = element_size or params[0].element_size()
     plan = find_units(
-        model, params, unit_p.modules, int(min_unit_mb * 2**20) if unit_p.modules is None else 0, element_size
+        model, params, unit_p.modules, int(min_unit_mb * 2**20) if unit_p.modules is None else 0, element_size, who=who
     )
     layout, bucket_of = frozen_layout(plan.groups, params, params, world, CommPolicy().partition)
     return named, plan, layout, bucket_of

@@ -39,47 +39,47 @@ class UnitPlan:
     members: list[tuple[nn.Module, ...]] = ()  # members[u]: every module of unit u (several when merged)
 
 
-def unit_modules(model: nn.Module, units) -> list[nn.Module]:
-    """The modules that define units, from ZeroAdam's `units=` argument (see [Note: choosing units]);
-    a clear error for anything else."""
+def unit_modules(model: nn.Module, units, who: str = "ZeroAdam") -> list[nn.Module]:
+    """The modules that define units, from `units=` (see [Note: choosing units]); a clear error,
+    naming `who` (the optimizer, or shard_frozen), for anything else."""
     if units is None:
         return default_unit_modules(model)
     if isinstance(units, nn.Module):
         raise TypeError(
-            f"ZeroAdam: units must be a list of submodules, a module class, a set of classes or a "
+            f"{who}: units must be a list of submodules, a module class, a set of classes or a "
             f"callable module -> bool; got the module {type(units).__name__} itself "
             f"(wrap it in a list: units=[module])"
         )
     if isinstance(units, type):
-        return _outermost(model, _class_policy(model, [units]))
+        return _outermost(model, _class_policy(model, [units], who))
     if callable(units):
         return _outermost(model, units)
     if isinstance(units, (str, bytes)) or not isinstance(units, Iterable):
         raise TypeError(
-            f"ZeroAdam: units must be a list of submodules, a module class, a set of classes or a "
+            f"{who}: units must be a list of submodules, a module class, a set of classes or a "
             f"callable module -> bool; got {units!r}"
         )
     items = list(units)
     if items and all(isinstance(u, type) for u in items):
-        return _outermost(model, _class_policy(model, items))
+        return _outermost(model, _class_policy(model, items, who))
     mine = {id(m) for m in model.modules()}
     for k, u in enumerate(items):
         if not isinstance(u, nn.Module) or id(u) not in mine:
             raise ValueError(
-                f"ZeroAdam: units[{k}] must be a submodule of the model (or every item a module "
+                f"{who}: units[{k}] must be a submodule of the model (or every item a module "
                 f"class); got {type(u).__name__}"
             )
     return items
 
 
-def _class_policy(model: nn.Module, classes: list) -> Callable[[nn.Module], bool]:
+def _class_policy(model: nn.Module, classes: list, who: str) -> Callable[[nn.Module], bool]:
     for c in classes:
         if not issubclass(c, nn.Module):
-            raise ValueError(f"ZeroAdam: units names the class {c.__name__}, which is not an nn.Module class")
+            raise ValueError(f"{who}: units names the class {c.__name__}, which is not an nn.Module class")
     present = {type(m) for m in model.modules()}
     if not any(issubclass(t, tuple(classes)) for t in present):
         raise ValueError(
-            f"ZeroAdam: units names the classes {sorted(c.__name__ for c in classes)}, but the model "
+            f"{who}: units names the classes {sorted(c.__name__ for c in classes)}, but the model "
             f"holds no module of them"
         )
     return lambda m: isinstance(m, tuple(classes))
@@ -152,6 +152,7 @@ def find_units(
     min_unit_bytes: int = 0,
     element_size: int = 4,
     numels: list[int] | None = None,
+    who: str = "ZeroAdam",
 ) -> UnitPlan:
     """Group the managed parameters (indices into `params`) into units: the root's rest first, then
     one per unit module in the order given (module order for the policies). With the default
@@ -161,7 +162,7 @@ def find_units(
     index_of = {id(p): i for i, p in enumerate(params)}
     name_of = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     singles, claimed = [], set()
-    for module in unit_modules(model, units):
+    for module in unit_modules(model, units, who):
         mine = [index_of[id(p)] for p in module.parameters() if id(p) in index_of and id(p) not in claimed]
         if mine:
             claimed.update(id(params[i]) for i in mine)
