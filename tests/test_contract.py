@@ -190,19 +190,25 @@ def test_the_checkpoint_package_imports_nothing_of_the_optimizer():
     assert not found, found
 
 
-def test_the_estimator_reads_the_comm_policys_shard_size():
-    """CommPolicy(shard_size=K) is where ZeroAdam takes hybrid sharding; the estimator reads it there
-    too, and names a disagreement with its own shard_size argument."""
+def test_the_estimators_take_one_signature():
+    """estimate_memory and estimate_traffic take the same keywords in the same order, as ZeroAdam takes
+    them (hybrid sharding inside CommPolicy); a shard_size= keyword names where it went."""
+    import inspect
+
     from zerofast import CommPolicy
     from zerofast.estimate import estimate_memory, estimate_traffic
     from zerofast.tools.models import make_gpt
 
+    common = ["model_or_param_count", "world", "stage", "mixed_precision", "comm", "units", "offload", "tp", "rank"]
+    for fn in (estimate_memory, estimate_traffic):
+        names = list(inspect.signature(fn).parameters)
+        assert names[: len(common)] == common, (fn.__name__, names)
+        assert all(p.kind is p.KEYWORD_ONLY for p in list(inspect.signature(fn).parameters.values())[3:-1])
     model = make_gpt("tiny")
-    hybrid = estimate_traffic(model, 4, 2, comm=CommPolicy(shard_size=2))
-    assert hybrid == estimate_traffic(model, 4, 2, shard_size=2) != estimate_traffic(model, 4, 2)
-    assert estimate_memory(10**6, 8, 3, comm=CommPolicy(shard_size=4)) == estimate_memory(10**6, 8, 3, shard_size=4)
-    with pytest.raises(ValueError, match=r"shard_size=1 and comm.shard_size=2 differ"):
-        estimate_traffic(model, 4, 2, shard_size=1, comm=CommPolicy(shard_size=2))
+    assert estimate_traffic(model, 4, 2, comm=CommPolicy(shard_size=2)) != estimate_traffic(model, 4, 2)
+    for fn in (estimate_memory, estimate_traffic):
+        with pytest.raises(TypeError, match=r"shard_size= is now comm=CommPolicy\(shard_size=...\)"):
+            fn(model, 4, 2, shard_size=2)
 
 
 def test_the_plan_resolves_every_default_once():

@@ -45,10 +45,10 @@ CONFIGS = [
 SHARD_SIZES = (4, 2, 1)
 
 
-def _kwargs(stage, partition, mp, clip, acc, min_unit_mb):
+def _kwargs(stage, partition, mp, clip, acc, min_unit_mb, shard_size=None):
     kw = dict(
         stage=stage,
-        comm=CommPolicy(partition=partition, accumulate_locally=acc),
+        comm=CommPolicy(partition=partition, accumulate_locally=acc, shard_size=shard_size),
         mixed_precision=mp,
         max_grad_norm=clip,
     )
@@ -101,11 +101,10 @@ def test_estimate_traffic_equals_comm_stats(k):
             est = estimate_traffic(
                 MODELS[name](),
                 WORLD,
-                shard_size=k,
                 backend="gloo",
                 rank=rank,
                 micro_batches=micro,
-                **_kwargs(stage, partition, mp, clip, acc, min_unit),
+                **_kwargs(stage, partition, mp, clip, acc, min_unit, shard_size=k),
             )
             if est != measured:
                 failures.append(f"K={k} rank {rank} {config}: estimated {est}, measured {measured}")
@@ -116,7 +115,8 @@ def test_estimator_imports_no_compiled_code():
     code = (
         "import sys; from zerofast.estimate import estimate_traffic; import zerofast.estimate.timemodel; "
         "from zerofast.tools.models import make_gpt; "
-        "estimate_traffic(make_gpt('tiny'), 4, 3, shard_size=2); estimate_traffic(make_gpt('tiny'), 4, 1); "
+        "from zerofast import CommPolicy; "
+        "estimate_traffic(make_gpt('tiny'), 4, 3, comm=CommPolicy(shard_size=2)); estimate_traffic(make_gpt('tiny'), 4, 1); "
         "from zerofast.estimate import estimate_memory; estimate_memory(1000, 4, 3, frozen_models=[make_gpt('tiny')]); "
         "assert 'zerofast._C' not in sys.modules, 'the compiled extension was imported'"
     )
@@ -139,8 +139,8 @@ def test_count_estimate_is_close_to_the_module_estimate():
     model = make_gpt("tiny")
     numel = sum(p.numel() for p in model.parameters())
     for stage in (1, 2):
-        exact = estimate_traffic(model, 8, stage, shard_size=4)
-        approx = estimate_traffic(numel, 8, stage, shard_size=4)
+        exact = estimate_traffic(model, 8, stage, comm=CommPolicy(shard_size=4))
+        approx = estimate_traffic(numel, 8, stage, comm=CommPolicy(shard_size=4))
         assert exact.keys() == approx.keys()
         buckets = len(plan_layouts(model, resolve_plan(stage), 4).layout.buckets)
         bound = ALIGN * 4 * buckets * 4 + 8 * len(list(model.parameters()))  # fp32: 4 bytes an element
@@ -151,8 +151,10 @@ def test_count_estimate_is_close_to_the_module_estimate():
 def test_shard_keys_and_replicate_keys():
     model = make_gpt("tiny")
     assert not any(k.startswith("replicate/") for k in estimate_traffic(model, 4, 2))  # K = W
-    assert not any(k.startswith("shard/") for k in estimate_traffic(model, 4, 2, shard_size=1))  # a group of one
-    est = estimate_traffic(model, 8, 2, shard_size=4, rank=5)
+    assert not any(
+        k.startswith("shard/") for k in estimate_traffic(model, 4, 2, comm=CommPolicy(shard_size=1))
+    )  # a group of one
+    est = estimate_traffic(model, 8, 2, rank=5, comm=CommPolicy(shard_size=4))
     assert set(est) == {
         "shard/reduce_scatter",
         "shard/all_gather",
@@ -168,8 +170,8 @@ def test_shard_keys_and_replicate_keys():
 @pytest.mark.parametrize(
     "bad, match",
     [
-        (dict(shard_size=3), "shard_size=3 must divide the number of ranks, 8"),
-        (dict(shard_size=0), "shard_size must be None or an integer"),
+        (dict(comm=CommPolicy(shard_size=3)), "shard_size=3 must divide the number of ranks, 8"),
+        (dict(tp=3), "tp must be an integer >= 1 that divides world"),
         (dict(backend="mpi"), "backend must be"),
         (dict(rank=8), "rank must be"),
         (dict(micro_batches=0), "micro_batches must be"),
@@ -182,11 +184,14 @@ def test_estimate_traffic_errors_name_the_argument(bad, match):
 
 def test_memory_with_shard_size():
     phi = 7_500_000_000
-    flat, hybrid = estimate_memory(phi, 64, 3, "bf16"), estimate_memory(phi, 64, 3, "bf16", shard_size=8)
-    assert estimate_memory(phi, 64, 3, "bf16", shard_size=64) == flat
+    flat, hybrid = (
+        estimate_memory(phi, 64, 3, mixed_precision="bf16"),
+        estimate_memory(phi, 64, 3, mixed_precision="bf16", comm=CommPolicy(shard_size=8)),
+    )
+    assert estimate_memory(phi, 64, 3, mixed_precision="bf16", comm=CommPolicy(shard_size=64)) == flat
     assert hybrid.optimizer == 12 * math.ceil(phi / 8) and hybrid.params == 2 * math.ceil(phi / 8)
     with pytest.raises(ValueError, match="shard_size=5 must divide the number of ranks, 64"):
-        estimate_memory(phi, 64, 3, shard_size=5)
+        estimate_memory(phi, 64, 3, comm=CommPolicy(shard_size=5))
 
 
 # --- the optimizer state offloaded: bytes by placement, and the disk's agreement ---------------------
@@ -323,15 +328,15 @@ def test_estimate_counts_offloaded_state_exactly(world):
 def test_offload_arguments():
     """offload= as ZeroAdam takes it (its shortcuts and its errors); DDP has none; the device named."""
     phi = 10**6
-    disk = estimate_memory(phi, 4, 2, "bf16", offload="disk:/scratch")
-    assert disk == estimate_memory(phi, 4, 2, "bf16", offload=OffloadPolicy("disk", "/elsewhere"))
+    disk = estimate_memory(phi, 4, 2, mixed_precision="bf16", offload="disk:/scratch")
+    assert disk == estimate_memory(phi, 4, 2, mixed_precision="bf16", offload=OffloadPolicy("disk", "/elsewhere"))
     file = -(-4 * phi // 4 // 4096) * 4096  # each of the fp32 master, exp_avg, exp_avg_sq of a quarter, in pages
     assert (disk.placement, disk.optimizer, disk.disk_bytes) == ("disk", 0, 2 * 3 * file)
     # a chunk of 64 MiB / 3 of state would be 1.86M elements; it is capped at the shard (4096-aligned)
     assert disk.host_bytes == disk.window_bytes == 3 * 12 * (-(-(phi // 4) // 4096) * 4096)
-    plain = estimate_memory(phi, 4, 2, "bf16")
+    plain = estimate_memory(phi, 4, 2, mixed_precision="bf16")
     assert disk.total == plain.total - plain.optimizer - ALIGN * 4 * 1 * 12  # the state and its padding
-    fp32 = estimate_memory(phi, 4, 1, None, offload="host", device=torch.device("cuda", 1))
+    fp32 = estimate_memory(phi, 4, 1, mixed_precision=None, offload="host", device=torch.device("cuda", 1))
     assert (fp32.host_bytes, fp32.optimizer) == (12 * phi // 4, 0)  # the master apart, in fp32 too
     with pytest.raises(ValueError, match="offload must be None, 'host', 'disk:PATH' or an OffloadPolicy"):
         estimate_memory(phi, 4, 2, offload="nvme")
@@ -341,14 +346,14 @@ def test_offload_arguments():
         estimate_memory(phi, 4, 2, offload="host", device="gpu")
     with pytest.raises(ValueError, match=r"rank must be None or an integer in \[0, 4\)"):
         estimate_memory(phi, 4, 2, rank=4)
-    flags = estimate_traffic(phi, 8, 2, shard_size=4, offload="disk:/scratch")
-    base = estimate_traffic(phi, 8, 2, shard_size=4)
+    flags = estimate_traffic(phi, 8, 2, offload="disk:/scratch", comm=CommPolicy(shard_size=4))
+    base = estimate_traffic(phi, 8, 2, comm=CommPolicy(shard_size=4))
     assert {k: flags[k] - base[k] for k in base} == {
         **{k: 0 for k in base},
         "shard/all_reduce_flags": 8,
         "replicate/all_reduce_flags": 8,
     }
-    assert estimate_traffic(phi, 8, 2, shard_size=4, offload="host") == base
+    assert estimate_traffic(phi, 8, 2, offload="host", comm=CommPolicy(shard_size=4)) == base
 
 
 # --- the time model: hand-computed values -------------------------------------------------------
@@ -460,10 +465,13 @@ def test_cli_counts_8bit_state_and_models_sharded_for_inference(capsys):
     main(["--params", "7B", "--world", "8", "--state-bits", "8", "--frozen-models", "7B", "1.5B"])
     out = capsys.readouterr().out
     policy = MixedPrecisionPolicy(torch.bfloat16, state_bits=8)
-    rows = [estimate_memory(7 * 10**9, 8, s, policy, frozen_models=[7 * 10**9, 15 * 10**8]) for s in (0, 1, 2, 3)]
+    rows = [
+        estimate_memory(7 * 10**9, 8, s, mixed_precision=policy, frozen_models=[7 * 10**9, 15 * 10**8])
+        for s in (0, 1, 2, 3)
+    ]
     assert format_table(rows) in out and "8-bit Adam state, 2 model(s) sharded for inference only" in out
     assert all(r.frozen_models > 0 for r in rows)
-    plain = [estimate_memory(7 * 10**9, 8, s, "bf16") for s in (0, 1, 2, 3)]
+    plain = [estimate_memory(7 * 10**9, 8, s, mixed_precision="bf16") for s in (0, 1, 2, 3)]
     assert all(r.optimizer < p.optimizer / 1.9 for r, p in zip(rows, plain))  # 4 + 1 + 1 bytes, not 4 + 4 + 4
     traffic = out.split("Communication per step")[1]
     main(["--params", "7B", "--world", "8"])
@@ -484,7 +492,7 @@ def _inference_models(rank, world):
         model = tiny_llama()
         estimated = frozen_model_bytes(model, world, dtype, UnitPolicy(min_unit_mb=0))
         listed = estimate_memory(
-            model, world, 3, precision, units=UnitPolicy(min_unit_mb=0), frozen_models=[model, model]
+            model, world, 3, mixed_precision=precision, units=UnitPolicy(min_unit_mb=0), frozen_models=[model, model]
         ).frozen_models
         ref = shard_frozen(model, mixed_precision=precision, units=UnitPolicy(min_unit_mb=0))
         peak = [0]
@@ -519,12 +527,12 @@ def test_estimate_counts_inference_models_given_as_counts():
     """A count: Φ/N in the dtype, plus two of stage 2's default buckets standing in for the units
     (at most the whole model); in the total; a bad value named."""
     phi = 10**9
-    base = estimate_memory(phi, 8, 3, "bf16")
-    with_ref = estimate_memory(phi, 8, 3, "bf16", frozen_models=[phi])
+    base = estimate_memory(phi, 8, 3, mixed_precision="bf16")
+    with_ref = estimate_memory(phi, 8, 3, mixed_precision="bf16", frozen_models=[phi])
     stand_in = 2 * 8 * 2**20  # two of stage 2's default 8 MiB buckets, in bytes
     assert with_ref.frozen_models == 2 * phi // 8 + stand_in
     assert with_ref.total == base.total + with_ref.frozen_models
-    assert estimate_memory(1000, 8, 3, None, frozen_models=[1000]).frozen_models == 4 * (125 + 1000)
+    assert estimate_memory(1000, 8, 3, mixed_precision=None, frozen_models=[1000]).frozen_models == 4 * (125 + 1000)
     with pytest.raises(ValueError, match="frozen_models"):
         estimate_memory(phi, 8, 3, frozen_models=phi)
     with pytest.raises(ValueError, match="frozen_models"):
@@ -541,7 +549,7 @@ def test_cli_prints_device_host_and_disk_bytes(capsys):
     out = capsys.readouterr().out
     policy = MixedPrecisionPolicy(torch.bfloat16, state_bits=8)
     disk = OffloadPolicy("disk", "/never/touched", window_mb=16)
-    rows = [estimate_memory(7 * 10**9, 8, s, policy, offload=disk if s else None) for s in (0, 1, 2, 3)]
+    rows = [estimate_memory(7 * 10**9, 8, s, mixed_precision=policy, offload=disk if s else None) for s in (0, 1, 2, 3)]
     table = format_table(rows)
     assert table in out and "state offloaded to disk" in out and "two generations" in out
     assert table.splitlines()[0].split()[-3:] == ["device", "host", "disk"]
@@ -558,7 +566,10 @@ def test_cli_prints_device_host_and_disk_bytes(capsys):
     assert [f[-3:-1] for f in flags] == [["80", "B"]] * 3 and [f[-3:-1] for f in plain] == [["72", "B"]] * 3
     main(["--params", "7B", "--world", "8", "--offload", "host", "--device", "cpu"])
     out = capsys.readouterr().out
-    same = [dataclasses.replace(estimate_memory(7 * 10**9, 8, s, "bf16"), placement="host") for s in (0, 1, 2, 3)]
+    same = [
+        dataclasses.replace(estimate_memory(7 * 10**9, 8, s, mixed_precision="bf16"), placement="host")
+        for s in (0, 1, 2, 3)
+    ]
     same[0] = dataclasses.replace(same[0], placement="device")
     assert format_table(same) in out and "nothing moves" in out
 
@@ -568,7 +579,9 @@ def test_memory_with_tensor_parallelism():
     parallelized module's local tensors against report(): tests/test_tensor_parallel.py)."""
     phi = 7_000_000
     for stage in (0, 1, 2, 3):
-        assert estimate_memory(phi, 16, stage, "bf16", tp=4) == estimate_memory(phi // 4, 4, stage, "bf16")
+        assert estimate_memory(phi, 16, stage, mixed_precision="bf16", tp=4) == estimate_memory(
+            phi // 4, 4, stage, mixed_precision="bf16"
+        )
     assert estimate_memory(phi, 16, 2, tp=1) == estimate_memory(phi, 16, 2)
     with pytest.raises(ValueError, match=r"tp must be an integer >= 1 that divides world \(16\); got 3"):
         estimate_memory(phi, 16, 2, tp=3)
@@ -582,7 +595,7 @@ def test_the_command_line_takes_a_tp_degree(capsys):
     assert "tensor parallel: tp 4 x dp 4 (each rank 1/4 of Φ)" in out, out
     from zerofast.tools.estimate import format_table
 
-    rows = [estimate_memory(7 * 10**9, 16, s, "bf16", tp=4) for s in (0, 1, 2, 3)]
+    rows = [estimate_memory(7 * 10**9, 16, s, mixed_precision="bf16", tp=4) for s in (0, 1, 2, 3)]
     assert format_table(rows) in out, out
     assert "inter-node" in out and "intra-node" not in out, out
     # Hybrid sharding over the data-parallel ranks (K counts those) and offload compose with tp: each
@@ -591,7 +604,9 @@ def test_the_command_line_takes_a_tp_degree(capsys):
     out = capsys.readouterr().out
     assert "sharded over K = 2 (x2 replicas), tensor parallel: tp 4 x dp 4" in out, out
     rows = [
-        estimate_memory(7 * 10**9, 16, s, "bf16", shard_size=2, offload="host" if s else None, tp=4)
+        estimate_memory(
+            7 * 10**9, 16, s, mixed_precision="bf16", offload="host" if s else None, tp=4, comm=CommPolicy(shard_size=2)
+        )
         for s in (0, 1, 2, 3)
     ]
     assert rows[1].placement == "host" and rows[1].optimizer == 0 < rows[1].host_bytes, rows[1]
@@ -619,7 +634,12 @@ def test_step_time_with_tensor_parallelism():
     assert step_time(phi, world, 2, tokens, cluster=c, tp=1) == plain
     for tp, link in ((8, c.intra), (16, c.inter)):
         t = step_time(phi, world, 2, tokens, cluster=c, tp=tp, layers=layers, hidden=hidden)
-        dp_bytes = sum(op.nbytes for op in traffic_ops(-(-phi // tp), world // tp, 2, world // tp, "bf16"))
+        dp_bytes = sum(
+            op.nbytes
+            for op in traffic_ops(
+                -(-phi // tp), world // tp, 2, mixed_precision="bf16", comm=CommPolicy(shard_size=world // tp)
+            )
+        )
         act = 4 * layers * (tokens * tp) * hidden * 2  # bf16 activations, the tp group's tokens
         tp_time = 2 * collective_time("all_reduce", act // 2, 2 * layers, tp, link)
         if link is c.intra:
@@ -642,7 +662,7 @@ def test_step_time_with_tensor_parallelism():
     # is a block of 8 consecutive ranks, one node, so its ring is intra-node like the tp links; the
     # replicas (every 8th rank) cross nodes.
     t = step_time(phi, world, 2, tokens, cluster=c, tp=4, layers=layers, hidden=hidden, shard_size=2)
-    ops = traffic_ops(-(-phi // 4), world // 4, 2, 2, "bf16")
+    ops = traffic_ops(-(-phi // 4), world // 4, 2, mixed_precision="bf16", comm=CommPolicy(shard_size=2))
     shard = sum(op.nbytes for op in ops if op.group == "shard")
     replicate = sum(op.nbytes for op in ops if op.group == "replicate")
     act = 4 * layers * (tokens * 4) * hidden * 2

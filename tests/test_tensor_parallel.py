@@ -8,6 +8,7 @@ a later job's mesh of the same shape then hits that cache and names a destroyed 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import NamedTuple
 
 import pytest
@@ -186,7 +187,7 @@ def _train(rank, world, configs):
     from torch.distributed.device_mesh import init_device_mesh
 
     from zerofast import CommPolicy, LossScalePolicy, MixedPrecisionPolicy
-    from zerofast.estimate import estimate_memory
+    from zerofast.estimate import estimate_memory, estimate_traffic
     from zerofast.layout import ALIGN
     from zerofast.optim.zero_adam import parts_of
 
@@ -218,12 +219,28 @@ def _train(rank, world, configs):
         got = (whole, norms, _full_master(opt, model))
         # The estimator with tp: each rank's local tensors, sharded over the data-parallel ranks; the
         # measured bytes exceed it by the buckets' padding at most (ALIGN * dp elements a bucket).
-        est = estimate_memory(model, world, stage, mixed, policy, tp=TP, shard_size=shape[-2])  # the "dp" dim
+        # The "dp" dim shards (hybrid: the "replicate" dim copies), as CommPolicy(shard_size=...) says it.
+        sharded = dataclasses.replace(policy, shard_size=shape[-2])
+        est = estimate_memory(model, world, stage, mixed_precision=mixed, comm=sharded, tp=TP)
         # The optimizer's own collectives over "tp" (the agreement joined; the norm's sum when clipping),
         # counted in the last step's report.
         comm = opt.report().comm
         assert comm.get("tp/all_reduce_flags", 0) > 0, comm
         assert ("tp/all_reduce_stats" in comm) == (max_norm is not None), comm
+        # The traffic estimate with tp: the same layouts over the local tensors, and the "tp" all_reduces.
+        traffic = estimate_traffic(
+            model,
+            world,
+            stage,
+            mixed_precision=mixed,
+            comm=sharded,
+            tp=TP,
+            rank=dist.get_rank(),
+            max_grad_norm=max_norm,
+            micro_batches=micro,
+            backend="gloo",
+        )
+        assert traffic == comm, f"{stage=} {variant=} {partition=} {mesh_kind=}: estimated {traffic}, measured {comm}"
         # (The estimate's formula shards evenly, as "flat" does; round_robin and greedy give each rank
         # whole tensors, an uneven share: not compared.)
         if partition == "flat":

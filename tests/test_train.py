@@ -59,7 +59,7 @@ PRECISIONS = {
 )
 def test_estimate_matches_measured_bytes(world, stage, precision):
     comm = CommPolicy(bucket_mb=0.01) if stage in (1, 2) else None  # stage 3's buckets are its units
-    est = estimate_memory(make_gpt("tiny"), world, stage, PRECISIONS[precision], comm)
+    est = estimate_memory(make_gpt("tiny"), world, stage, mixed_precision=PRECISIONS[precision], comm=comm)
     for rank, m in enumerate(run_ranks(_measured, world, args=(stage, precision))):
         for kind in ("params", "grads", "optimizer"):
             want = getattr(est, kind)
@@ -73,18 +73,18 @@ def test_estimate_matches_measured_bytes(world, stage, precision):
 
 def test_estimate_formulas():
     phi = 1_000_000
-    ddp = estimate_memory(phi, 4, 0, "bf16")
+    ddp = estimate_memory(phi, 4, 0, mixed_precision="bf16")
     assert (ddp.params, ddp.grads, ddp.optimizer) == (2 * phi, 2 * phi, 12 * phi)  # the paper's 16Φ
-    s1, s2, s3 = (estimate_memory(phi, 4, s, "bf16") for s in (1, 2, 3))
+    s1, s2, s3 = (estimate_memory(phi, 4, s, mixed_precision="bf16") for s in (1, 2, 3))
     assert (s1.params, s1.grads, s1.optimizer) == (2 * phi, 2 * phi, 3 * phi)  # 4Φ + 12Φ/N
     assert (s2.params, s2.grads, s2.optimizer) == (2 * phi, phi // 2, 3 * phi)  # 2Φ + 14Φ/N
     assert (s3.params, s3.grads, s3.optimizer) == (phi // 2, phi // 2, 3 * phi)  # 16Φ/N
-    f = estimate_memory(phi, 2, 0, None)
+    f = estimate_memory(phi, 2, 0, mixed_precision=None)
     assert (f.params, f.grads, f.optimizer) == (4 * phi, 4 * phi, 8 * phi)
     # 8-bit state: 1 byte per moment element and one fp32 scale per block of each moment
-    q = estimate_memory(phi, 4, 3, MixedPrecisionPolicy(torch.bfloat16, state_bits=8, state_block=256))
+    q = estimate_memory(phi, 4, 3, mixed_precision=MixedPrecisionPolicy(torch.bfloat16, state_bits=8, state_block=256))
     assert q.optimizer == (4 + 2) * phi // 4 + 2 * 4 * -(-phi // 4 // 256)
-    q = estimate_memory(phi, 1, 0, MixedPrecisionPolicy(state_bits=8, state_block=64))
+    q = estimate_memory(phi, 1, 0, mixed_precision=MixedPrecisionPolicy(state_bits=8, state_block=64))
     assert q.optimizer == 2 * phi + 2 * 4 * -(-phi // 64)
 
 
@@ -138,7 +138,7 @@ def test_estimate_accepts_what_zero_adam_accepts():
     unbounded = estimate_memory(phi, 4, 2, comm=CommPolicy(bucket_buffers=0))
     bounded = estimate_memory(phi, 4, 2, comm=CommPolicy(bucket_buffers=2, bucket_mb=0.5))
     assert unbounded.zerofast_extra >= 4 * phi > bounded.zerofast_extra
-    fp32_reduce = estimate_memory(phi, 4, 2, MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+    fp32_reduce = estimate_memory(phi, 4, 2, mixed_precision=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
     assert fp32_reduce.grads == 4 * phi // 4 and fp32_reduce.params == 2 * phi  # the shard in float32
 
 
@@ -149,7 +149,7 @@ def test_estimator_imports_no_compiled_code():
         "import sys; sys.modules['zerofast._C'] = None\n"
         "import zerofast\n"
         "from zerofast import CommPolicy, estimate_memory\n"
-        "print(estimate_memory(7_500_000_000, 64, 3, 'bf16').total)\n"
+        "print(estimate_memory(7_500_000_000, 64, 3, mixed_precision='bf16').total)\n"
         "from zerofast.tools.estimate import main\n"
         "main(['--params', '7.5B', '--world', '64'])\n"
         "assert 'zerofast.optim.zero_adam' not in sys.modules\n"

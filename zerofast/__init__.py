@@ -40,6 +40,7 @@ from .errors import (  # noqa: E402
     ShardedGradientError,
     ShardedParameterError,
     StepNotAppliedError,
+    UnsafeCheckpoint,
 )
 from .estimate import estimate_memory, estimate_traffic  # noqa: E402
 
@@ -76,6 +77,7 @@ __all__ = [
     "ShardedParameterError",
     "ShardedGradientError",
     "ModelConversionError",
+    "UnsafeCheckpoint",
     "estimate_memory",
     "estimate_traffic",
     "fused_adam_",

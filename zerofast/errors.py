@@ -8,6 +8,7 @@ class (csrc/ops.cpp looks it up at import).
   the model        ShardedParameterError, ModelConversionError ([Note: the model stays a torch model]
                    in zerofast/guard/__init__.py)
   offload          OffloadError
+  checkpoints      UnsafeCheckpoint (a file that reading would run code from)
   integrations     GenerationSyncError (generate() unsynced on stage 3), IncompatibleHostError (a
                    framework an integration cannot serve), LayoutMismatchError (torchft's healing)
 """
@@ -23,6 +24,7 @@ __all__ = [
     "ShardedGradientError",
     "ModelConversionError",
     "OffloadError",
+    "UnsafeCheckpoint",
     "GenerationSyncError",
     "IncompatibleHostError",
     "LayoutMismatchError",
@@ -66,6 +68,10 @@ class ModelConversionError(RuntimeError):
 
 class OffloadError(RuntimeError):
     """The offloaded state could not be placed, read or written: names the path and what failed."""
+
+
+class UnsafeCheckpoint(ValueError):
+    """A checkpoint file names something that loading it would run or build beyond plain data."""
 
 
 class GenerationSyncError(RuntimeError):

@@ -61,6 +61,10 @@ _LAZY = {
     **{name: (".view", name) for name in ("Checkpointable", "CheckpointView", "ShardedPart")},
 }
 
+# What users call. The rest stays reachable by name (the optimizer's state_dict binding, DCP's
+# ChunkedTensor and safe reader and planner, CheckpointView, the folder's file names, the command
+# line's main) for the library's own modules and tests, but is not the package's surface;
+# UnsafeCheckpoint, the error a load raises, lives with every other in zerofast.errors.
 __all__ = [
     "save",
     "load",
@@ -74,20 +78,6 @@ __all__ = [
     "export",
     "info",
     "upgrade",
-    "state_dict",
-    "load_state_dict",
-    "boxes",
-    "ChunkedTensor",
-    "main",
-    "SafeReader",
-    "SafeLoadPlanner",
-    "UnsafeCheckpoint",
-    "CheckpointView",
-    "ShardedPart",
-    "Checkpointable",
-    "MANIFEST",
-    "SMALL",
-    "INCOMPLETE",
 ]
 
 

@@ -44,6 +44,8 @@ from torch.distributed.checkpoint import default_planner, filesystem
 from torch.distributed.checkpoint import metadata as dcp_meta
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from ..errors import UnsafeCheckpoint
+
 try:
     import numpy as np
 except ImportError:  # numpy is optional (torch does not require it): only ndarray records need it
@@ -60,10 +62,6 @@ __all__ = [
     "SafeReader",
     "SafeLoadPlanner",
 ]
-
-
-class UnsafeCheckpoint(ValueError):
-    """A checkpoint file names something that loading it would run or build beyond plain data."""
 
 
 # --- tagged JSON ----------------------------------------------------------------------------------

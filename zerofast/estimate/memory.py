@@ -89,6 +89,7 @@ class MemoryEstimate:
 # Where the estimator's keywords of before the policies live now.
 _MOVED = {
     "precision": "mixed_precision= (None, 'bf16', 'fp16' or a MixedPrecisionPolicy, as ZeroAdam takes it)",
+    "shard_size": "comm=CommPolicy(shard_size=...), as ZeroAdam takes it",
     "bucket_mb": "comm=CommPolicy(bucket_mb=...)",
     "bucket_buffers": "comm=CommPolicy(bucket_buffers=...)",
 }
@@ -103,15 +104,15 @@ def estimate_memory(
     model_or_param_count,
     world: int,
     stage: int,
+    *,
     mixed_precision=None,
     comm=None,
     units=None,
-    shard_size=None,
-    frozen_models=(),
     offload=None,
+    tp: int = 1,
+    rank: int | None = None,
+    frozen_models=(),
     device="cuda",
-    rank=None,
-    tp=1,
     **moved,
 ) -> MemoryEstimate:
     """Per-rank bytes of parameters, gradients and optimizer state for DDP (stage 0) or a ZeRO stage,
@@ -119,9 +120,10 @@ def estimate_memory(
     ZeroAdam takes them (stage 0 checks them alone). Stage 3's buckets are its units, whose size
     the estimate cannot know from a count: it takes stage 2's default bucket for each. A count is
     of trainable parameters; a module's frozen parameters are counted apart, as parameter bytes
-    only (in the parameters' dtype; sharded in stage 3, whole in stages 0-2). shard_size=K (hybrid
-    sharding, ZeroAdam's shard_size): the state is sharded over K ranks and replicated W/K times,
-    so each sharded part is divided by K instead of W (None: K = world, flat ZeRO).
+    only (in the parameters' dtype; sharded in stage 3, whole in stages 0-2). comm=CommPolicy(
+    shard_size=K) (hybrid sharding, as ZeroAdam takes it): the state is sharded over K ranks and
+    replicated W/K times, so each sharded part is divided by K instead of W (None: K = world).
+    Keywords as estimate_traffic's, in the same order: mixed_precision, comm, units, offload, tp, rank.
     frozen_models: models sharded for inference only with zerofast.shard_frozen over the world's
     ranks in the policy's precision (a reference model, reward models), each a module or a
     parameter count: counted in `frozen_models` by frozen_model_bytes.
@@ -134,7 +136,7 @@ def estimate_memory(
     (shards differ by their padding; None: the largest); a count's shards are all ceil(Φ/K).
     tp: the tensor-parallel degree ([Note: tensor parallelism] in zerofast/tensor_parallel.py): each
     rank holds 1/tp of every split parameter, and ZeRO shards that across the world/tp data-parallel
-    ranks (shard_size counts those). A module parallelized over "tp" is counted by its DTensors'
+    ranks (a shard_size counts those). A module parallelized over "tp" is counted by its DTensors'
     local tensors, exactly; a count is divided by tp (the few weights replicated across "tp", such as
     norms under SequenceParallel, counted as split: a count cannot tell them apart)."""
     for name in moved:
@@ -170,7 +172,7 @@ def estimate_memory(
         if rank is not None:
             rank //= tp
     check_stage(stage, "estimate_memory", stages=(0, 1, 2, 3))
-    shards = check_shard_size(shard_size, world, "estimate_memory", comm)
+    shards = check_shard_size(None, world, "estimate_memory", comm)
     device_type = _device_type(device)
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world):
         raise ValueError(f"estimate_memory: rank must be None or an integer in [0, {world}); got {rank!r}")

@@ -58,9 +58,10 @@ ranks, which see the same tokens and each hold 1/N of every split weight:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from ..config import resolve_plan
+from ..config import CommPolicy, resolve_plan
 from ..topology import check_shard_size
 from .traffic import Op, traffic_ops
 
@@ -225,9 +226,8 @@ def step_time(
         model if model is not None else params,
         world,
         stage,
-        k,
-        mixed_precision,
-        comm,
+        mixed_precision=mixed_precision,
+        comm=_sharded(comm, k),
         backend=backend,
         micro_batches=micro_batches,
     )
@@ -254,7 +254,15 @@ def _tp_step_time(
     dp = world // tp
     k = check_shard_size(shard_size, dp, f"{who} with tp={tp} (over its {dp} data-parallel ranks)", comm)
     local = -(-params // tp)
-    ops = traffic_ops(local, dp, stage, k, mixed_precision, comm, backend=backend, micro_batches=micro_batches)
+    ops = traffic_ops(
+        local,
+        dp,
+        stage,
+        mixed_precision=mixed_precision,
+        comm=_sharded(comm, k),
+        backend=backend,
+        micro_batches=micro_batches,
+    )
     act_bytes = resolve_plan(stage, mixed_precision=mixed_precision).param_dtype.itemsize  # the activations' dtype
     ops += tp_ops(layers, hidden, tokens * tp, tp, act_bytes)
     flops = 6 * params * tokens
@@ -262,3 +270,8 @@ def _tp_step_time(
     return predict(
         ops, world, k, cluster, flops / 3 / cluster.flops, 2 * flops / 3 / cluster.flops, update, overlap, tp
     )
+
+
+def _sharded(comm, shard_size: int) -> CommPolicy:
+    """comm (None: the defaults) with its shard_size set: how traffic_ops takes hybrid sharding."""
+    return dataclasses.replace(comm if comm is not None else CommPolicy(), shard_size=shard_size)

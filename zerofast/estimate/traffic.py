@@ -15,6 +15,7 @@ from ..optim.agreement import AgreementLayout
 from ..optim.layouts import plan_layouts
 from ..stage3.schedule import CallRef, Schedule, UnitOp
 from ..stage3.units import hook_needs
+from ..tensor_parallel import is_dtensor
 from ..topology import check_shard_size
 
 # The int64 message of the step's agreement beyond a flag per trainable parameter tensor: each
@@ -121,17 +122,19 @@ def traffic_ops(
     model_or_param_count,
     world: int,
     stage: int,
-    shard_size=None,
+    *,
     mixed_precision=None,
     comm=None,
     units=None,
-    backend: str = "nccl",
-    rank: int = 0,
-    micro_batches: int = 1,
-    max_grad_norm=None,
     offload=None,
+    tp: int = 1,
+    rank: int = 0,
+    max_grad_norm=None,
+    micro_batches: int = 1,
+    backend: str = "nccl",
 ) -> list[Op]:
-    """The collectives behind estimate_traffic, with their call counts and the phase each can overlap."""
+    """The collectives behind estimate_traffic (its keywords), with their call counts and the phase
+    each can overlap."""
     who = "estimate_traffic"
     is_module = isinstance(model_or_param_count, nn.Module)
     if not is_module and not (
@@ -144,12 +147,17 @@ def traffic_ops(
         )
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"{who}: world must be an integer >= 1; got {world!r}")
-    check_stage(stage, who, stages=(1, 2, 3))
-    shards = check_shard_size(shard_size, world, who, comm)
-    if backend not in ("nccl", "gloo"):
-        raise ValueError(f"{who}: backend must be 'nccl' or 'gloo'; got {backend!r}")
+    if not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 and world % tp == 0):
+        raise ValueError(f"{who}: tp must be an integer >= 1 that divides world ({world}); got {tp!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
         raise ValueError(f"{who}: rank must be an integer in [0, {world}); got {rank!r}")
+    world, rank = world // tp, rank // tp  # ZeRO over the data-parallel ranks of this rank's "tp" coordinate
+    if tp > 1 and not is_module:
+        model_or_param_count = -(-model_or_param_count // tp)
+    check_stage(stage, who, stages=(1, 2, 3))
+    shards = check_shard_size(None, world, who, comm)
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"{who}: backend must be 'nccl' or 'gloo'; got {backend!r}")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"{who}: micro_batches must be an integer >= 1; got {micro_batches!r}")
     plan = resolve_plan(
@@ -168,7 +176,9 @@ def traffic_ops(
     gather_bwd: list[tuple[int, int]] = []
     if is_module:
         model = model_or_param_count
-        layouts = plan_layouts(model, plan, shards)
+        # With tensor parallelism the core shards each DTensor's local tensor ([Note: tensor parallelism]).
+        named = [(n, _local(p)) for n, p in model.named_parameters() if p.requires_grad] if tp > 1 else None
+        layouts = plan_layouts(model, plan, shards, named=named, core_of=_local if tp > 1 else None)
         layout = layouts.layout
         tensors = len(layouts.params)
         reduce_numel = sum(b.numel for b in layout.buckets)
@@ -244,7 +254,18 @@ def traffic_ops(
         ops.append(Op("replicate", "all_reduce_flags", flags, 1, "step", replicas))
         if disk_agreement:
             ops.append(Op("replicate", "all_reduce_flags", 8, 1, "step", replicas))
+    if tp > 1:  # the optimizer's own all_reduces over "tp" (GradReducer._agree_over_tp, prepare's stats)
+        message = AgreementLayout(tensors)
+        joined = message.params + message.counter("micro_batches").stop - message.counter("steps").start + 1
+        ops.append(Op("tp", "all_reduce_flags", 8 * joined + (8 if disk_agreement else 0), 1, "step", tp))
+        if plan.scales_loss or plan.max_grad_norm is not None:
+            ops.append(Op("tp", "all_reduce_stats", 8, 1, "step", tp))
     return ops
+
+
+def _local(p):
+    """What the core shards of a parameter: a DTensor's local tensor, another the parameter itself."""
+    return p._local_tensor if is_dtensor(p) else p
 
 
 def _replicate_calls(owned: list[int], r_bytes: int, plan) -> int:
@@ -263,23 +284,31 @@ def estimate_traffic(
     model_or_param_count,
     world: int,
     stage: int,
-    shard_size=None,
+    *,
     mixed_precision=None,
     comm=None,
     units=None,
-    backend: str = "nccl",
-    rank: int = 0,
-    micro_batches: int = 1,
-    max_grad_norm=None,
     offload=None,
+    tp: int = 1,
+    rank: int = 0,
+    max_grad_norm=None,
+    micro_batches: int = 1,
+    backend: str = "nccl",
+    **moved,
 ) -> dict[str, int]:
     """The payload bytes per collective that `opt.report().comm` reports on rank `rank` after a step
-    of ZeroAdam(model, stage, mixed_precision=..., comm=CommPolicy(shard_size=..., ...), units=...,
-    max_grad_norm=..., offload=...) on `world` ranks of `backend`, with `micro_batches` backwards
-    per step (all but the last under no_sync()). offload as ZeroAdam takes it: with the state on
+    of ZeroAdam(model, stage, mixed_precision=..., comm=CommPolicy(shard_size=K, ...), units=...,
+    offload=..., max_grad_norm=...) on `world` ranks of `backend`, with `micro_batches` backwards
+    per step (all but the last under no_sync()). Keywords as estimate_memory's, in the same order:
+    mixed_precision, comm, units, offload, tp, rank. offload as ZeroAdam takes it: with the state on
     disk each step that applies its update agrees, over every rank, that every rank wrote its files
-    (8 more bytes of all_reduce_flags in each group of more than one rank); "host" moves nothing more. Keys "shard/<collective>" (the K ranks sharing the state)
-    and "replicate/<collective>" (the W/K copies of each shard, when shard_size < world).
+    (8 more bytes of all_reduce_flags in each group of more than one rank); "host" moves nothing
+    more. tp: the tensor-parallel degree, as estimate_memory takes it (a module by its DTensors'
+    local tensors, exactly; ZeRO over the world/tp data-parallel ranks, rank counted among all);
+    with tp > 1 the optimizer's own all_reduces over "tp" too (the step's agreement joined, and the
+    overflow flag's and norm's sum when loss scaling or clipping). Keys "shard/<collective>" (the K
+    ranks sharing the state), "replicate/<collective>" (the W/K copies of each shard, when K <
+    world) and "tp/<collective>".
 
     For an nn.Module it is exact: the same layouts ZeroAdam builds (zerofast.optim.layouts), the
     padding and the agreement message included. Stage 3's gathers are those of the second step on,
@@ -287,20 +316,27 @@ def estimate_traffic(
     step whose fp16 gradients overflowed skips its update and (stages 1, 2) its gather.
     For a parameter count it is an approximation: no padding, no per-tensor agreement flags (it
     knows no tensors), and stage 3's units taken as stage 2's default bucket size."""
+    for name in moved:
+        if name == "shard_size":
+            raise TypeError(
+                "estimate_traffic: the keyword shard_size= is now comm=CommPolicy(shard_size=...), as ZeroAdam takes it"
+            )
+        raise TypeError(f"estimate_traffic got an unexpected keyword argument {name!r}")
     totals: dict[str, int] = {}
-    for op in traffic_ops(
+    ops = traffic_ops(
         model_or_param_count,
         world,
         stage,
-        shard_size,
-        mixed_precision,
-        comm,
-        units,
-        backend,
-        rank,
-        micro_batches,
-        max_grad_norm,
-        offload,
-    ):
+        mixed_precision=mixed_precision,
+        comm=comm,
+        units=units,
+        offload=offload,
+        tp=tp,
+        rank=rank,
+        max_grad_norm=max_grad_norm,
+        micro_batches=micro_batches,
+        backend=backend,
+    )
+    for op in ops:
         totals[op.key] = totals.get(op.key, 0) + op.nbytes
     return totals

@@ -39,11 +39,14 @@ import torch.nn as nn
 
 from ..config import reject_moved, resolve_plan
 from . import checks
-from .base import ZeroOptimizer, parts_of
+from .base import (
+    ZeroOptimizer,
+    parts_of,  # noqa: F401  (the tests' seam, importable here as before; not public)
+)
 from .builder import trainable_params
 from .update import AdamUpdate, check_hyper
 
-__all__ = ["ZeroAdam", "parts_of"]
+__all__ = ["ZeroAdam"]
 
 
 class ZeroAdam(ZeroOptimizer):
@@ -72,7 +75,7 @@ class ZeroAdam(ZeroOptimizer):
     process_group: the data-parallel ranks (None: the whole world), or a 2-D DeviceMesh with
       mesh_dim_names ("replicate", "shard") as FSDP2's HSDP takes it: hybrid sharding by its groups;
       or, for a model parallelized over mesh["tp"] (DTensor parameters), a mesh ("dp", "tp") or
-      ("replicate", "dp", "tp"): ZeRO over the data-parallel dims, stages 1 and 2 ([Note: tensor
+      ("replicate", "dp", "tp"): ZeRO over the data-parallel dims, stages 1-3 ([Note: tensor
       parallelism] in zerofast/tensor_parallel.py).
     offload: where the optimizer state lives: None (with the parameters), an OffloadPolicy, or its
       shortcuts "host" (pinned host memory, stepped by the fused CPU kernel) and "disk:PATH" (files

@@ -5,6 +5,7 @@ step-time model; the arithmetic is the library's (zerofast/estimate/)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from ..config import CommPolicy, MixedPrecisionPolicy, OffloadPolicy, precision_policy
@@ -47,7 +48,15 @@ def _link_table(
         if s == 0:
             continue
         totals: dict[str, list] = {}  # stage 3's forward and backward gathers: one row
-        for op in traffic_ops(params, world, s, shard_size, precision, backend=backend, offload=offload):
+        for op in traffic_ops(
+            params,
+            world,
+            s,
+            mixed_precision=precision,
+            backend=backend,
+            offload=offload,
+            comm=CommPolicy(shard_size=shard_size),
+        ):
             row = totals.setdefault(op.key, [0, link_of(op.group, world, k, cluster).name])
             row[0] += op.nbytes
         for key, (nbytes, link) in totals.items():
@@ -111,10 +120,10 @@ def _time_table(args, p) -> str:
                     args.params,
                     args.world,
                     s,
-                    _state_policy(args),
-                    shard_size=k,
+                    mixed_precision=_state_policy(args),
                     frozen_models=args.frozen_models,
                     tp=args.tp,
+                    comm=CommPolicy(shard_size=k),
                 )
             except ValueError as e:
                 p.error(str(e))
@@ -380,13 +389,12 @@ def main(argv=None) -> int:
                     args.params,
                     args.world,
                     s,
-                    _state_policy(args),
-                    stage_comm,
-                    shard_size=args.shard_size,
-                    frozen_models=args.frozen_models,
+                    mixed_precision=_state_policy(args),
+                    comm=dataclasses.replace(stage_comm or CommPolicy(), shard_size=args.shard_size),
                     offload=offload if s > 0 else None,  # DDP keeps its state with the parameters
-                    device=args.device,
                     tp=args.tp,
+                    frozen_models=args.frozen_models,
+                    device=args.device,
                 )
             )
         except ValueError as e:

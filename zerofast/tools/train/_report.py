@@ -4,6 +4,7 @@ communication per step next to its 2Φ / 3Φ) and _median (a step time, warm-up 
 
 from __future__ import annotations
 
+from ...config import CommPolicy
 from ...estimate import estimate_memory
 from ..quantities import format_bytes
 from ._loop import _precision
@@ -22,11 +23,11 @@ def report(args, measured_all, comm, numel, world, device: str) -> None:
         numel,
         world,
         args.stage,
-        _precision(args),
-        shard_size=args.shard_size,
+        mixed_precision=_precision(args),
         offload=args.offload,
         device=device,
         tp=tp,
+        comm=CommPolicy(shard_size=args.shard_size),
     )
     p_bytes = 2 if args.mixed_precision else 4
     phi = p_bytes * -(-numel // tp)
