@@ -26,7 +26,7 @@ from zerofast.estimate.memory import estimate_memory
 from zerofast.estimate.timemodel import Cluster, Link, collective_time, link_of, predict, step_time
 from zerofast.estimate.traffic import AGREEMENT_EXTRA, Op, estimate_traffic
 from zerofast.layout import ALIGN
-from zerofast.optim.layouts import plan_layouts
+from zerofast.optim.placement import plan_layouts
 from zerofast.tools.estimate import main
 from zerofast.tools.models import make_gpt
 from zerofast.tools.quantities import format_bytes, parse_rate, parse_seconds

@@ -43,7 +43,7 @@ ranks of one "tp" group hold the parts of one layer and see the same data.
   once. So a checkpoint of (dp, tp) loads into another tp degree, another dp size, plain ZeroAdam
   or one process, and back.
 - Stage 3 plans its units over the model's parameters (its modules hold the DTensors) and lays them
-  out over the stand-ins (zerofast/optim/layouts.py, core_of), sized by the local tensors; a unit
+  out over the stand-ins (zerofast/optim/placement.py, core_of), sized by the local tensors; a unit
   gather runs across "dp" only, so during forward and backward each DTensor's local tensor is a view
   of the gathered unit buffer and the DTensor stays on "tp". Frozen DTensors get stand-ins too,
   made when the layouts ask for them (after mixed precision has converted them), sharded by

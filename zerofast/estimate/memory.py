@@ -54,7 +54,9 @@ from ..config import (
 )
 from ..layout import ALIGN
 from ..offload import file_bytes, is_offloaded, state_specs, window_layout
+from ..optim.placement import plan_layouts
 from ..quant import num_blocks
+from ..stage3.units import inference_plan
 from ..topology import check_shard_size
 
 
@@ -254,7 +256,6 @@ def offloaded(policy: OffloadPolicy, device_type: str) -> bool:
 
 def _module_shard(model: nn.Module, plan, shards: int, shard_rank: int | None) -> int:
     """Elements of the shard ZeroAdam builds for `shard_rank` (None: the largest), padding included."""
-    from ..optim.layouts import plan_layouts
 
     layout = plan_layouts(model, plan, shards).layout
     if shard_rank is None:
@@ -285,8 +286,6 @@ def frozen_model_bytes(model_or_param_count, world: int, param_dtype: torch.dtyp
     layout: exact); a count has no units, so two of stage 2's default buckets stand in for them."""
     size = param_dtype.itemsize
     if isinstance(model_or_param_count, nn.Module):
-        from ..stage3.frozen import inference_plan
-
         model = model_or_param_count
         named, plan, layout, bucket_of = inference_plan(model, None, unit_policy(units), world, "estimate_memory", size)
         sharded = {id(p) for _, p in named}

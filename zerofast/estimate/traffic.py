@@ -1,5 +1,5 @@
 """The bytes a step moves, per collective and process group, as report().comm counts them, without
-running a step: the same layouts ZeroAdam builds (zerofast/optim/layouts.py) and, for stage 3, the
+running a step: the same layouts ZeroAdam builds (zerofast/optim/placement.py) and, for stage 3, the
 runtime's own schedule (zerofast/stage3/schedule.py) run over the calls a forward is expected to make.
 Pure arithmetic: no process group, no compiled code."""
 
@@ -12,7 +12,7 @@ import torch.nn as nn
 from ..collectives import collective_names
 from ..config import DEFAULT_BUCKET_MB, check_stage, resolve_plan
 from ..optim.agreement import AgreementLayout
-from ..optim.layouts import plan_layouts
+from ..optim.placement import plan_layouts
 from ..stage3.schedule import CallRef, Schedule, UnitOp
 from ..stage3.units import hook_needs
 from ..tensor_parallel import is_dtensor
@@ -310,7 +310,7 @@ def estimate_traffic(
     ranks sharing the state), "replicate/<collective>" (the W/K copies of each shard, when K <
     world) and "tp/<collective>".
 
-    For an nn.Module it is exact: the same layouts ZeroAdam builds (zerofast.optim.layouts), the
+    For an nn.Module it is exact: the same layouts ZeroAdam builds (zerofast.optim.placement), the
     padding and the agreement message included. Stage 3's gathers are those of the second step on,
     with each gathering module run once per forward in registration order (see stage3_gathers); a
     step whose fp16 gradients overflowed skips its update and (stages 1, 2) its gather.

@@ -7,7 +7,7 @@ What build() does, in order (every rank of the data-parallel group calls it, wit
   1. the ranks: the data-parallel group and the shard and replicate groups
      ([Note: hybrid sharding] in zerofast/topology.py), every rank holding rank 0's model;
   2. mixed precision's conversion of the rest of the model and its input cast;
-  3. the layouts (zerofast/optim/layouts.py, greedy balancing the rule's costs);
+  3. the layouts (zerofast/optim/placement.py, greedy balancing the rule's costs);
   4. the state (ShardState; stage 3's FrozenShard), the collectives (BucketComm), the loss scaler,
      the parameter gather (stages 1 and 2), the units (stage 3), the gradient path (GradReducer) and
      the rule's phase 3 over the shard.
@@ -49,7 +49,7 @@ from . import checks
 from .gather import ParamGather
 from .grad_view import GradWindow
 from .grads import GradReducer, StepNotAppliedError
-from .layouts import plan_layouts
+from .placement import plan_layouts
 from .precision import LossScaler
 from .state import ShardState, storage_of
 from .update import Phase3, UpdateRule

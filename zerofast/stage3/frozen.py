@@ -34,88 +34,9 @@ from collections.abc import Mapping
 
 import torch
 
-from ..config import DEFAULT_MIN_UNIT_MB, CommPolicy, UnitPolicy
-from ..layout import Layout, Piece, bind_views, layout_from_groups
-from ..partition import owners_for
+from ..comm import BucketComm
+from ..layout import Layout, Piece, bind_views
 from .runtime import UnitPart
-from .units import UnitPlan, find_units
-
-
-def split_units(groups: list[list[int]], trainable: list[bool]) -> tuple[list[list[int]], list[list[int]]]:
-    """Each unit's group (indices into the unit plan's parameter list) split into its trainable and
-    frozen members (still indices into that list), in the group's order."""
-    return ([[i for i in g if trainable[i]] for g in groups], [[i for i in g if not trainable[i]] for g in groups])
-
-
-def unit_layout(
-    parts: list[list[int]],
-    numels: list[int],
-    world: int,
-    partition: str,
-    costs: list[int] | None = None,
-    block: int = 1,
-) -> tuple[Layout, list[int | None]]:
-    """A Layout with one bucket per non-empty part, in backward order (the last unit first: [Note:
-    bucket order]); parts[u] indexes into `numels` (and `costs`, greedy's step costs, when given).
-    block: as build_layout takes it. Returns it and each unit's bucket (None: empty)."""
-    order = [u for u in reversed(range(len(parts))) if parts[u]]
-    bucket_of: list[int | None] = [None] * len(parts)
-    for b, u in enumerate(order):
-        bucket_of[u] = b
-    owners = owners_for(partition, numels, world, costs)
-    layout = layout_from_groups(numels, [parts[u] for u in order], world, owners, block)
-    return layout, bucket_of
-
-
-def frozen_layout(
-    groups: list[list[int]],
-    unit_params: list[torch.nn.Parameter],
-    frozen_params: list[torch.nn.Parameter],
-    world: int,
-    partition: str,
-) -> tuple[Layout, list[int | None]]:
-    """The frozen parameters' layout: one bucket per unit that holds any (groups: the unit plan's,
-    indices into unit_params), and each unit's bucket (None: it holds none)."""
-    index = {id(p): j for j, p in enumerate(frozen_params)}
-    parts = [[index[id(unit_params[i])] for i in g if id(unit_params[i]) in index] for g in groups]
-    return unit_layout(parts, [p.numel() for p in frozen_params], world, partition)
-
-
-def inference_plan(
-    model: torch.nn.Module,
-    param_dtype: torch.dtype | None,
-    unit_p: UnitPolicy,
-    world: int,
-    who: str,
-    element_size: int | None = None,
-) -> tuple[list[tuple[str, torch.nn.Parameter]], UnitPlan, Layout, list[int | None]]:
-    """A model sharded for inference only (zerofast.shard_frozen), planned without a process group
-    (the estimator plans the same): the parameters it shards, its units, their layout over `world`
-    ranks and each unit's bucket. element_size: the sharded dtype's, where the model is not
-    converted to it yet (the estimator); else the parameters'."""
-    named = sharded_params(model, param_dtype, who)
-    params = [p for _, p in named]
-    min_unit_mb = unit_p.min_unit_mb if unit_p.min_unit_mb is not None else DEFAULT_MIN_UNIT_MB
-    element_size = element_size or params[0].element_size()
-    plan = find_units(
-        model, params, unit_p.modules, int(min_unit_mb * 2**20) if unit_p.modules is None else 0, element_size, who=who
-    )
-    layout, bucket_of = frozen_layout(plan.groups, params, params, world, CommPolicy().partition)
-    return named, plan, layout, bucket_of
-
-
-def sharded_params(
-    model: torch.nn.Module, param_dtype: torch.dtype | None, who: str
-) -> list[tuple[str, torch.nn.Parameter]]:
-    """The parameters shard_frozen shards: the floating ones in the model's dtype (param_dtype, or
-    the first floating parameter's) on its device; any other (an int8 table, a buffer-like
-    parameter on another device) stays whole on every rank, as stage 3 leaves it."""
-    floating = [(n, p) for n, p in model.named_parameters() if p.is_floating_point()]
-    if not floating:
-        raise ValueError(f"{who}: the model has no floating-point parameters to shard")
-    dtype = param_dtype or floating[0][1].dtype
-    device = floating[0][1].device
-    return [(n, p) for n, p in floating if p.dtype == dtype and p.device == device]
 
 
 def frozen_part(
@@ -134,8 +55,6 @@ def frozen_part(
     BucketComm that gathers them on `gather_group` (no reduce, no gradient shard); the runtime's
     UnitPart is FrozenShard.unit_part(comm). Stage 3 under ZeroAdam (zerofast/optim/builder.py) and
     a model sharded for inference only (zerofast/stage3/inference.py) both build it here."""
-    from ..comm import BucketComm  # compiled: imported here, so that the estimator's layouts never load it
-
     frozen = FrozenShard(layout, rank, [n for n, _ in named], [p for _, p in named], bucket_of)
     comm = BucketComm(
         group,

@@ -41,10 +41,10 @@ from ..guard.modules import holders
 from ..guard.params import forget, manage
 from ..model_setup import check_plain_parameters, in_precision, join_ranks
 from ..topology import ReplicaSource, check_process_group, data_parallel_group, second_group
-from .frozen import FrozenShard, frozen_part, inference_plan
+from .frozen import FrozenShard, frozen_part
 from .module import ShardedModule
 from .runtime import UnitBuffers, UnitTracker
-from .units import hook_needs
+from .units import hook_needs, inference_plan
 
 WHO = "shard_frozen"
 _SHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its ShardedFrozenModel

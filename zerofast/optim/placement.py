@@ -1,4 +1,4 @@
-"""Where every parameter a ZeroAdam manages lives, for a given number of ranks sharing the state:
+"""Placement: where every parameter a ZeroAdam manages lives, for a given number of ranks sharing the state:
 the trainable parameters' layout (buckets, owners, slices), stage 3's units and the layout of its
 frozen parameters. Pure Python over the model and the plan, no process group and no compiled code,
 so the optimizer and the estimator's traffic counts (zerofast/estimate/traffic.py) read one answer.
@@ -15,9 +15,8 @@ import torch.nn as nn
 from ..config import Plan
 from ..layout import Layout, build_layout
 from ..partition import owners_for
-from ..stage3.frozen import frozen_layout as frozen_layout_of
-from ..stage3.frozen import split_units, unit_layout
-from ..stage3.units import UnitPlan, find_units
+from ..stage3.units import UnitPlan, find_units, split_units, unit_layout
+from ..stage3.units import frozen_layout as frozen_layout_of
 
 
 @dataclass(frozen=True)
