@@ -5,6 +5,7 @@ Pure arithmetic: no process group, no compiled code."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -132,10 +133,18 @@ def traffic_ops(
     max_grad_norm=None,
     micro_batches: int = 1,
     backend: str = "nccl",
+    **moved,
 ) -> list[Op]:
-    """The collectives behind estimate_traffic (its keywords), with their call counts and the phase
-    each can overlap."""
+    """The collectives behind estimate_traffic (its keywords, as estimate_memory's in the same order:
+    mixed_precision, comm, units, offload, tp, rank), with their call counts and the phase each can
+    overlap."""
     who = "estimate_traffic"
+    for name in moved:
+        if name == "shard_size":
+            raise TypeError(
+                f"{who}: the keyword shard_size= is now comm=CommPolicy(shard_size=...), as ZeroAdam takes it"
+            )
+        raise TypeError(f"{who} got an unexpected keyword argument {name!r}")
     is_module = isinstance(model_or_param_count, nn.Module)
     if not is_module and not (
         isinstance(model_or_param_count, int)
@@ -280,22 +289,7 @@ def _replicate_calls(owned: list[int], r_bytes: int, plan) -> int:
     return calls
 
 
-def estimate_traffic(
-    model_or_param_count,
-    world: int,
-    stage: int,
-    *,
-    mixed_precision=None,
-    comm=None,
-    units=None,
-    offload=None,
-    tp: int = 1,
-    rank: int = 0,
-    max_grad_norm=None,
-    micro_batches: int = 1,
-    backend: str = "nccl",
-    **moved,
-) -> dict[str, int]:
+def estimate_traffic(model_or_param_count, world: int, stage: int, **options) -> dict[str, int]:
     """The payload bytes per collective that `opt.report().comm` reports on rank `rank` after a step
     of ZeroAdam(model, stage, mixed_precision=..., comm=CommPolicy(shard_size=K, ...), units=...,
     offload=..., max_grad_norm=...) on `world` ranks of `backend`, with `micro_batches` backwards
@@ -316,27 +310,11 @@ def estimate_traffic(
     step whose fp16 gradients overflowed skips its update and (stages 1, 2) its gather.
     For a parameter count it is an approximation: no padding, no per-tensor agreement flags (it
     knows no tensors), and stage 3's units taken as stage 2's default bucket size."""
-    for name in moved:
-        if name == "shard_size":
-            raise TypeError(
-                "estimate_traffic: the keyword shard_size= is now comm=CommPolicy(shard_size=...), as ZeroAdam takes it"
-            )
-        raise TypeError(f"estimate_traffic got an unexpected keyword argument {name!r}")
     totals: dict[str, int] = {}
-    ops = traffic_ops(
-        model_or_param_count,
-        world,
-        stage,
-        mixed_precision=mixed_precision,
-        comm=comm,
-        units=units,
-        offload=offload,
-        tp=tp,
-        rank=rank,
-        max_grad_norm=max_grad_norm,
-        micro_batches=micro_batches,
-        backend=backend,
-    )
-    for op in ops:
+    for op in traffic_ops(model_or_param_count, world, stage, **options):
         totals[op.key] = totals.get(op.key, 0) + op.nbytes
     return totals
+
+
+# Its keywords are traffic_ops's, written once there; help() and inspect show them here too.
+estimate_traffic.__signature__ = inspect.signature(traffic_ops).replace(return_annotation=dict[str, int])

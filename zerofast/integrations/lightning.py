@@ -10,23 +10,9 @@ What maps to what, and the version it is written against: zerofast/integrations/
 Importing this module checks that Lightning still has what ZeroStrategy relies on (RELIES_ON).
 """
 
-from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
-
-from . import hosts
-from ._lightning import LIGHTNING_FILE, PRECISIONS, ZERO_DIR, ZeroPrecisionMixin, ZeroStrategyMixin, relies_on
+from ._lightning import LIGHTNING_FILE, PRECISIONS, ZERO_DIR
+from ._lightning.package import classes_for
 
 __all__ = ["ZeroStrategy", "ZeroPrecision", "ZERO_DIR", "LIGHTNING_FILE", "PRECISIONS", "RELIES_ON"]
 
-RELIES_ON = relies_on("lightning.pytorch", distribution="lightning")
-hosts.check(RELIES_ON)
-
-
-class ZeroPrecision(ZeroPrecisionMixin, Precision):
-    __doc__ = ZeroPrecisionMixin.__doc__
-
-
-class ZeroStrategy(ZeroStrategyMixin, DDPStrategy):
-    __doc__ = ZeroStrategyMixin.__doc__
-    _precision_class = ZeroPrecision
-    _relies_on = RELIES_ON
+RELIES_ON, ZeroPrecision, ZeroStrategy = classes_for("lightning.pytorch", "lightning", __name__)
