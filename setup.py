@@ -93,7 +93,7 @@ def _extension():
     # units a third to half of their compile time (measured: ops.cpp 63 -> 42 s, bucket_layout.cpp
     # 19 -> 9 s). ZEROFAST_DEBUG_INFO=1 keeps it, for a debugger or a symbolized crash. For the same
     # reason the sources include <ATen/core/Tensor.h> and the per-operator headers they call
-    # (<ATen/ops/empty.h>), not <ATen/ATen.h> (7 s of parsing per translation unit), and ops.cpp
+    # (<ATen/ops/empty.h>), not <ATen/ATen.h> (7 s of parsing per translation unit), and bindings.cpp
     # <torch/python.h>, not <torch/extension.h> (which adds the whole C++ frontend): the build's
     # compile time went from 275 to 133 CPU seconds.
     if os.environ.get("ZEROFAST_DEBUG_INFO") != "1":

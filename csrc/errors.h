@@ -1,5 +1,5 @@
 // The errors the compiled core throws across the boundary to Python, one class per kind, so that
-// Python never tells them apart by their text. ops.cpp binds each to a Python class
+// Python never tells them apart by their text. bindings.cpp binds each to a Python class
 // (py::register_exception; both subclass RuntimeError):
 //   CommError      zerofast._C.CommError: a collective, or the wait for one, failed: c10d's own
 //                  exception (gloo's "Connection closed by peer", a timeout), rethrown with its

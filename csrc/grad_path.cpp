@@ -101,7 +101,7 @@ void GradPath::remove_hooks() {
 // take(), the same work the hook does.
 // Errors cross as their kind (errors.h): a gradient take() cannot accept is a GradientError naming
 // the parameter, handed to on_gradient_error, which raises it as zerofast._C.GradientError (the
-// binding, ops.cpp); a CommError (a reduce that could not be launched or waited for) goes to
+// binding, bindings.cpp); a CommError (a reduce that could not be launched or waited for) goes to
 // on_comm_error (Python's on_error), which raises the CollectiveError Python's path raises for it,
 // naming the step and the bucket. Anything else propagates as itself.
 // Measured (benchmarks/bench_grad_path.py): see docs/benchmarks.md, "Many small tensors".

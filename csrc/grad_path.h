@@ -6,7 +6,7 @@
 // Python frame. Python (zerofast/optim/grads.py, GradReducer) keeps the step's phase and sets how
 // gradients are taken from it (python_decides, keep_local, accumulate); the gradients that need
 // Python go to its on_grad callback, which calls take() once it has decided. The callbacks are
-// plain std::functions: the core knows no Python (ops.cpp wraps Python's callables, taking the GIL
+// plain std::functions: the core knows no Python (bindings.cpp wraps Python's callables, taking the GIL
 // around each call). See [Note: the gradient path] in grad_path.cpp.
 #pragma once
 
@@ -40,7 +40,7 @@ struct GradPathOptions {
 };
 
 // Where the hook hands over what it does not do itself. Each is called on the thread the hook runs
-// on (autograd's); ops.cpp's Python callables take the GIL themselves.
+// on (autograd's); bindings.cpp's Python callables take the GIL themselves.
 struct GradPathCallbacks {
   // The path for one gradient while python_decides or before a backward's first gradient is in
   // (Python: GradReducer._on_grad, which calls take() once it has decided). Required.

@@ -1,4 +1,4 @@
-"""The compiled core's layering: every source in csrc/ but the bindings (ops.cpp) builds from torch's
+"""The compiled core's layering: every source in csrc/ but the bindings (bindings.cpp) builds from torch's
 headers alone, so pybind11 and Python stay in the binding file. Each source is run through the
 preprocessor (no compilation) with torch's include directories and without Python's: an include of
 pybind11, torch/extension.h or Python.h, direct or through another header, fails it. 5-8 s of CPU
@@ -14,7 +14,7 @@ import pytest
 from torch.utils import cpp_extension
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-BINDINGS = "ops.cpp"
+BINDINGS = "bindings.cpp"
 
 
 def _compiler():
