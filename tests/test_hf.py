@@ -266,7 +266,7 @@ delayed = ZeroTrainer(
 )
 delayed.train()
 print(json.dumps({
-    "delayed": [delayed.state.global_step, parts_of(delayed.optimizer).shard.update_in_flight],
+    "delayed": [delayed.state.global_step, parts_of(delayed.optimizer).offload.update_in_flight],
     "errors": errors,
     "lrs": [h["learning_rate"] for h in overflow.state.log_history if "loss" in h],
     "skipped": overflow.accelerator.optimizer_step_was_skipped,

@@ -145,8 +145,8 @@ def _bitwise_cases(rank, world, root, cases):
             offload=report.offload,
             memory=report.memory,
             shard=parts_of(ob).shard.exp_avg.numel(),
-            chunk=parts_of(ob).shard.store.chunk,
-            logical=sum(spec.nbytes for spec in parts_of(ob).shard.store.specs),
+            chunk=parts_of(ob).store.chunk,
+            logical=sum(spec.nbytes for spec in parts_of(ob).store.specs),
             files=sorted(os.listdir(report.offload.folder)),
         )
         # "host" on the CPU: the state is in host memory already; the same optimizer
@@ -200,7 +200,7 @@ def _failed_write(rank, world, root, stage, precision):
     _train(a, oa, rank, 0, STEPS)
     _train(b, ob, rank, 0, 1)
     before = _snapshot(b, ob)
-    store = parts_of(ob).shard.store
+    store = parts_of(ob).store
 
     def full_disk(path, chunk):
         if rank == world - 1 and chunk == 1:
@@ -251,7 +251,7 @@ def _delayed(rank, world, root):
                 model_loss(model, *rank_batch(model, step, rank)).backward()
                 opt.step()
                 opt.zero_grad()
-            in_flight = parts_of(opt).shard.update_in_flight
+            in_flight = parts_of(opt).offload.update_in_flight
             parts = parts_of(opt)
             owned = sum(r.numel for r in parts.shard.runs([True] * len(parts.params), parts.group_of))
             # fp32: a 4-byte gradient copy and a 4-byte staged parameter per element the update steps

@@ -457,13 +457,13 @@ def _offloaded(rank, world, root):
             if rank == 1:
                 raise OSError(errno.ENOSPC, "No space left on device (simulated)", path)
 
-        parts_of(ob).shard.store.fail_write = full_disk
+        parts_of(ob).store.fail_write = full_disk
         try:
             train(b, ob, [STEPS])
             raised = None
         except Exception as e:
             raised = type(e).__name__, str(e), isinstance(e, OffloadError)
-        parts_of(ob).shard.store.fail_write = None
+        parts_of(ob).store.fail_write = None
         unchanged = _differs(before, _state(b, ob))
         train(a, oa, [STEPS])
         train(b, ob, [STEPS])  # the failed step again: the runs are the same

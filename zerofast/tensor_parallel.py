@@ -66,8 +66,18 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["TensorParallel", "has_storage", "is_dtensor", "local_copy", "replicated", "set_local", "whole_copy"]
+__all__ = [
+    "TensorParallel",
+    "has_storage",
+    "has_tp_dim",
+    "is_dtensor",
+    "local_copy",
+    "replicated",
+    "set_local",
+    "whole_copy",
+]
 
 
 def is_dtensor(t) -> bool:
@@ -140,9 +150,22 @@ def set_local(p: nn.Parameter, local: torch.Tensor) -> None:
     torch.utils.swap_tensors(p, new)
 
 
+def has_tp_dim(process_group) -> bool:
+    """Whether process_group is a DeviceMesh with a "tp" dim (tensor parallelism)."""
+    return isinstance(process_group, DeviceMesh) and "tp" in (process_group.mesh_dim_names or ())
+
+
 class TensorParallel:
     """The DTensor parameters of a model trained over a mesh with a "tp" dim, and their stand-ins
     ([Note: tensor parallelism])."""
+
+    @classmethod
+    def of(cls, model: nn.Module, named, tp_group, tp_size: int, who: str) -> TensorParallel | None:
+        """The model's DTensor parameters and their stand-ins where there is a "tp" group (None: there
+        is none); a DTensor it cannot serve is named."""
+        if tp_group is None:
+            return None
+        return cls(named, tp_group, tp_size, who, [(n, p) for n, p in model.named_parameters() if not p.requires_grad])
 
     def __init__(
         self,

@@ -306,7 +306,7 @@ def torchrun():
     # The one-step-delayed update: fit() applies the last step's update before it returns
     t = trainer(ZeroStrategy(stage=2, offload=OffloadPolicy("host", delayed_update=True)), epochs=1)
     t.fit(Lit(), loader(48, 0))
-    res["stage2-delayed"] = {"in flight": parts_of(t.strategy.zero).shard.update_in_flight, "steps": t.global_step}
+    res["stage2-delayed"] = {"in flight": parts_of(t.strategy.zero).offload.update_in_flight, "steps": t.global_step}
     if dist.get_rank() == 0:
         with open(os.path.join(OUT, "torchrun.json"), "w") as f:
             json.dump(res, f)

@@ -1,6 +1,6 @@
 """What a checkpoint reads and writes of an optimizer: one typed view, `CheckpointView`.
 
-The optimizer builds its view once (zerofast/optim/builder.py) and hands it out as
+The optimizer binds its view once (zerofast/checkpoint/binding.py) and hands it out as
 `opt.checkpoint_view`; every module of this package reads the optimizer through it alone, never
 through the optimizer's attributes. The view says per parameter which optimizer state it holds
 (Adam's exp_avg and exp_avg_sq, or a ZeroMuon matrix's momentum_buffer), so no reader asks which

@@ -1,7 +1,11 @@
-"""Where the optimizer state lives (OffloadPolicy in zerofast/config.py): with the parameters (no
-offload), in pinned host memory ("host"), or in files on disk streamed through a bounded window
-("disk"). ShardState (zerofast/optim/state.py) holds its fp32 master, moments and 8-bit scales in one
-of the stores here and runs phase 3 through it; the checkpoint view reads the same tensors.
+"""Where the optimizer state lives (OffloadPolicy in zerofast/config.py), and everything a step does
+because of it, in one home: the stores (stores.py: with the parameters on the device, in pinned
+host memory ("host"), or in files on disk streamed through a bounded window ("disk")), and the
+offloaded step (update.py: phase 3 through a store, its all-or-none commit and abort, the delayed
+update's thread, the writes the model was given between steps). ShardState (zerofast/optim/state.py)
+holds the fp32 master, moments and 8-bit scales as the store's tensors, wherever they are; the
+checkpoint view reads the same tensors; the optimizer's step (zerofast/optim/step.py) calls
+update.py at fixed points.
 
 [Note: offload schedule]
 What leaves the device, when the CPU steps it, and when the parameters come back:
@@ -40,7 +44,7 @@ run with the parameters from before it. Step t+1's step(), after its phase 2 (it
 for), waits for the thread, agrees (disk) that every rank wrote its update, applies the staged values
 (stages 1 and 2 then gather them) and starts its own. So W_{t+1} = AdamW(W_t, the gradient at
 W_{t-1}): AdamW applied one step late (tests/oracles.py single_process_delayed). Whatever reads the
-state or the whole model first applies the update in flight (Parts.quiesce: gathered_params(),
+state or the whole model first applies the update in flight (Stepper.quiesce: gathered_params(),
 full_state_dict(), a checkpoint) and so does opt.flush(). It costs a copy of the gradient shard and
 of the owned parameters on the host. A failed write of the delayed update raises at the next step()
 (or flush) on every rank, which then drops that step's gradients too.
@@ -53,6 +57,7 @@ files it created and wrote) and a new optimizer under the same PATH removes it.
 """
 
 from .stores import (
+    DeviceState,
     DiskState,
     HostState,
     OffloadError,
@@ -63,10 +68,15 @@ from .stores import (
     state_specs,
     window_layout,
 )
+from .update import OffloadedUpdate, agreed, open_store
 
 __all__ = [
+    "DeviceState",
     "DiskState",
     "HostState",
+    "OffloadedUpdate",
+    "agreed",
+    "open_store",
     "OffloadError",
     "OffloadStats",
     "StateSpec",

@@ -138,10 +138,34 @@ def _views_of(specs: list[StateSpec], tensors: Views, lo: int, hi: int, base: in
     return {s.name: tensors[s.name][s.range(lo - base, hi - base)] for s in specs}
 
 
+class DeviceState:
+    """The state where it is not offloaded: a tensor per spec on the model's device (the placement
+    "host" names a CPU model's state placed on the host, where it is anyway)."""
+
+    offloaded = False
+    folder = None
+    host_bytes = disk_bytes = window_bytes = 0
+
+    def __init__(self, specs: list[StateSpec], device: torch.device, placement: str = "device"):
+        self.specs, self.placement = specs, placement
+        self.tensors = {s.name: torch.zeros(s.numel, dtype=s.dtype, device=device) for s in specs}
+        self.stats = OffloadStats()
+
+    def views(self) -> Views:
+        return self.tensors
+
+    def write(self, name: str, offset: int, values: torch.Tensor) -> None:
+        self.tensors[name][offset : offset + values.numel()].copy_(values)
+
+    def close(self) -> None:
+        pass
+
+
 class HostState:
     """The state in host memory (pinned when `pin`): stepped where it lies, one call per segment."""
 
     placement = "host"
+    offloaded = True
 
     def __init__(self, specs: list[StateSpec], pin: bool):
         self.specs = specs
@@ -150,6 +174,9 @@ class HostState:
 
     def views(self) -> Views:
         return self.tensors
+
+    def write(self, name: str, offset: int, values: torch.Tensor) -> None:
+        self.tensors[name][offset : offset + values.numel()].copy_(values)
 
     def stream(self, segments: list[Segment], step: Step) -> None:
         start = time.perf_counter()
@@ -179,6 +206,7 @@ class DiskState:
     state: checkpoints), the step reads and writes through the window's three slots instead."""
 
     placement = "disk"
+    offloaded = True
 
     def __init__(
         self,

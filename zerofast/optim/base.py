@@ -13,11 +13,14 @@ from collections.abc import Iterator
 
 import torch
 
+from ..checkpoint.binding import checkpoint_view
 from ..checkpoint.view import CheckpointView
 from ..config import Plan
+from ..stage3.module import ShardedModule
 from . import checks
-from .builder import Parts, build, checkpoint_view
+from .builder import Parts, build
 from .report import Report, build_report
+from .step import Stepper
 from .update import UpdateRule
 
 __all__ = ["ZeroOptimizer", "parts_of"]
@@ -37,17 +40,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Where every front's constructor ends (ZeroMuon's too): the builder wires the parts from
         the plan and the front's update rule; then torch.optim's own fields, over the rule's groups."""
         self.model, self.plan = model, plan
-        self._parts: Parts = build(model, plan, process_group, rule)
-        if (
-            self._parts.grads.window is not None
-        ):  # weakly: the model's hooks reach the window ([Note: the model stays a torch model])
-            self._parts.grads.window.prepare = weakref.WeakMethod(self._prepare_grads)
+        parts = self._parts = build(model, plan, process_group, rule)
+        self._stepper = Stepper(parts, self._check_update)
+        # The model side (zerofast/stage3/module.py), as shard_frozen's: at rest before whole tensors
+        # are read, the step's gathers finished before a gathered block.
+        parts.module = ShardedModule(
+            model, parts.units, parts.hooks, settle=self._stepper.quiesce, before_block=parts.gather.wait
+        )
+        if parts.grads.window is not None:  # held weakly: the model's hooks reach the window
+            parts.grads.window.prepare = weakref.WeakMethod(self._prepare_grads)
         super().__init__(rule.groups, rule.defaults)
         self._constructed = True  # add_param_group after this is an error
-        self._view = checkpoint_view(self._parts, self.param_groups)
-        self._step_skipped = False  # the last step() applied nothing (fp16 overflow, or not committed)
-        self._last_comm: dict[str, int] = {}
-        self._parts.topology.replication.attach(self)  # the extension point: zerofast/topology.py
+        self._view = checkpoint_view(parts, self._stepper, self.param_groups)
+        parts.topology.replication.attach(self)  # the extension point: zerofast/topology.py
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_constructed", False):
@@ -86,9 +91,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._parts.topology.replication.begin_step()
 
     def step(self, closure=None):
-        """One optimizer step (phases 2-4). With a closure, as every torch optimizer: the closure
-        (which runs forward and backward) is called under torch.enable_grad() first, and its loss
-        is returned."""
+        """One optimizer step (phases 2-4, in order: zerofast/optim/step.py). With a closure, as every
+        torch optimizer: the closure (which runs forward and backward) is called under
+        torch.enable_grad() first, and its loss is returned."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -97,63 +102,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             replication = self._parts.topology.replication
             replication.check_step(self._parts.comm.where.step)
             try:
-                self._step()
+                self._stepper.step(self.param_groups)
             except BaseException as e:  # one commit decision per step, even when it raises before it
-                if not self._parts.decided:
+                if not self._stepper.decided:
                     replication.on_error(e)
                 raise
         return loss
-
-    def _step(self) -> None:
-        parts, plan = self._parts, self.plan
-        parts.decided = False
-        if parts.grads.phase.in_no_sync:
-            raise RuntimeError(
-                f"{type(self).__name__}.step() was called inside `with opt.no_sync():`; no_sync() wraps "
-                "the micro-batches whose gradients are only accumulated, and step() follows "
-                "the last backward, outside it"
-            )
-        where, world = parts.comm.where, parts.topology.divisor()
-        where.phase = "step() (phase 2: the reduces and the agreement)"
-        # Last step's gathers, if some module never ran; stage 3: none stays gathered across the update.
-        parts.quiesce(flush=False)
-        prep = parts.grads.prepare(plan.max_grad_norm is not None, world, check=self._check_update)  # phase 2
-        if plan.max_grad_norm is not None:
-            parts.grads.clip(prep, plan.max_grad_norm)
-        if not self._commit():
-            return
-        parts.flush()  # the last step's delayed update, if one is in flight ([Note: the delayed update])
-        anything = any(prep.used)  # agreed: the same on every rank
-        if anything and not prep.found_inf:
-            parts.apply(prep.used, self.param_groups, prep.grad_scale(world, parts.scaler.scale))  # phase 3
-            # Phase 4 (stage 3: the next forward gathers; the delayed update: the next flush does).
-            if plan.gather_after_step and not plan.offload.delayed_update:
-                where.phase = "step() (phase 4: the parameter gather)"
-                with torch.profiler.record_function("zerofast::gather"):
-                    parts.gather.start()
-                    if not plan.overlap_param_gather:
-                        parts.gather.wait()
-        if anything:  # a step without gradients anywhere is no evidence for or against the scale
-            parts.scaler.update(prep.found_inf)
-        self._step_skipped = prep.found_inf
-        self._last_comm = parts.end_step()
-        where.step += 1
-        where.phase = "forward"
-        parts.grads.begin_step()
-
-    def _commit(self) -> bool:
-        """The replication's decision for this step (always yes for fixed replicas; torchft's: [Note:
-        replica groups on torchft]); no: nothing applied, the step not counted, this step's
-        gradients dropped."""
-        parts = self._parts
-        parts.decided = True  # before it: a commit that raises is this step's decision too
-        committed = parts.topology.replication.commit()
-        if not committed:
-            self._step_skipped = True
-            self._last_comm = parts.end_step()
-            parts.comm.where.phase = "forward"
-            parts.grads.begin_step()
-        return committed
 
     def _check_update(self) -> None:
         """The last checks before an update, on every rank before the step's agreement, so that a
@@ -199,7 +153,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Whether the last step() applied nothing: some rank's fp16 gradients held an inf or nan
         (torch.amp.GradScaler's skipped step; the same on every rank), or on torchft's replica groups
         the step was not committed (a replica group failed in it). False otherwise."""
-        return self._step_skipped
+        return self._stepper.skipped
 
     # --- the model, reports, checkpoints ----------------------------------------------------------
 
@@ -230,7 +184,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """This rank's partition (elements owned per rank, and ZeroMuon's Newton-Schulz FLOPs),
         stage 3's units, the bytes held now by kind, the bucket buffers, and the last step's payload
         bytes per collective: plain data, measured now (zerofast/optim/report.py)."""
-        return build_report(self._parts, self._last_comm)
+        return build_report(self._parts, self._stepper.last_comm)
 
     @property
     def checkpoint_view(self) -> CheckpointView:
@@ -281,7 +235,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         nothing to do otherwise. step(), gathered_params(), full_state_dict() and checkpoints call
         it themselves; call it after the last step before reading the model's parameters directly.
         Every rank calls it (stages 1 and 2 then gather the updated parameters)."""
-        self._parts.flush()
+        self._stepper.flush()
 
     def remove_hooks(self) -> None:
         """Take every hook this optimizer put on the model off it (the model keeps its parameters,

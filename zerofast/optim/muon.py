@@ -297,7 +297,7 @@ class MuonUpdate:
         else:
             check_hyper(f".param_groups[{index}]", group, "ZeroMuon")
 
-    def phase3(self, shard: ShardState, names: list[str], params: list, group_of: list[int]):
+    def phase3(self, shard: ShardState, names: list[str], params: list, group_of: list[int], adam):
         """Phase 3: fused AdamW over the owned ranges of the non-Muon parameters, then Muon for the
         owned matrices (whole tensors in this rank's shard)."""
         is_muon = self.is_muon
@@ -306,7 +306,7 @@ class MuonUpdate:
         def update(used: list[bool], param_groups: list[dict], grad_scale: float | torch.Tensor) -> None:
             adamw_used = [u and not m for u, m in zip(used, is_muon)]
             with torch.profiler.record_function("zerofast::adam"):
-                shard.apply_adam(adamw_used, param_groups, group_of, True, grad_scale)
+                adam.apply_adam(adamw_used, param_groups, group_of, True, grad_scale)
             with torch.profiler.record_function("zerofast::muon"):
                 matrices.apply([u and m for u, m in zip(used, is_muon)], param_groups, group_of, grad_scale)
 

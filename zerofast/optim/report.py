@@ -113,12 +113,8 @@ class Report:
     offload: OffloadReport | None = None  # where the optimizer state lives
 
 
-def offload_report(shard) -> OffloadReport:
-    store = shard.store
-    if store is None:
-        return OffloadReport(
-            shard.placement, None, 0, 0, 0, 0, 0, 0.0, 0.0, shard.plan.offload.delayed_update, shard.delayed_bytes
-        )
+def offload_report(parts) -> OffloadReport:
+    store, offload = parts.store, parts.offload
     stats = store.stats
     return OffloadReport(
         state=store.placement,
@@ -130,8 +126,8 @@ def offload_report(shard) -> OffloadReport:
         write_bytes=stats.write_bytes,
         io_wait_seconds=stats.wait_seconds,
         phase3_seconds=stats.seconds,
-        delayed_update=shard.plan.offload.delayed_update,
-        delayed_bytes=shard.delayed_bytes,
+        delayed_update=parts.plan.offload.delayed_update,
+        delayed_bytes=offload.delayed_bytes if offload is not None else 0,
         direct_io=getattr(store, "direct_io", False),
     )
 
@@ -205,5 +201,5 @@ def build_report(parts: Parts, last_comm: dict[str, int]) -> Report:
         buffers=buffer_counts(parts.comm),
         comm=dict(last_comm),
         unit_gathers=parts.units.gathers if sharded else 0,
-        offload=offload_report(parts.shard),
+        offload=offload_report(parts),
     )

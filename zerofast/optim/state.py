@@ -13,7 +13,6 @@ reports through nbytes(), never through its tensors' names.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -21,9 +20,7 @@ import torch
 
 from .. import _ops
 from ..config import Plan
-from ..errors import ShardedParameterError
 from ..layout import Layout, Piece, bind_views
-from ..offload import DiskState, HostState, StateSpec, is_offloaded, state_specs
 from ..quant import block_slice, code_of, dequantize, dynamic_code, num_blocks, quantize, scale_kind, thresholds
 
 
@@ -40,19 +37,22 @@ class Run:
 
 
 class ShardState:
-    def __init__(self, layout: Layout, rank: int, names: list[str], params: list[torch.nn.Parameter], plan: Plan):
+    def __init__(
+        self, layout: Layout, rank: int, names: list[str], params: list[torch.nn.Parameter], plan: Plan, store
+    ):
         """Build the buffers and make every parameter in `params` a view of its slot; the fp32
         master starts from the parameters' values as given (the user's exact fp32 values). What
         exists follows the plan: plan.params_sharded (stage 3) keeps the parameters in a shard of
         their own between uses; plan.grads_as_bucket_views (stage 1) keeps the gradients in
         persistent buckets that .grad are views of, the reduce leaving the owned range in place, so
         there is no separate gradient shard ([Note: grads as bucket views] in csrc/buckets.cpp);
-        plan.separate_master (low-precision parameters) keeps an fp32 master shard."""
+        plan.separate_master (low-precision parameters) keeps an fp32 master shard. The master and
+        the moments are the tensors of `store` (zerofast/offload: on the device, in host memory or
+        in files; state_specs(...) says which), wherever it put them."""
         self.plan = plan
         self.layout, self.rank, self.names = layout, rank, names
         device = params[0].device
         dtype, reduce_dtype, grad_views = plan.param_dtype, plan.reduce_dtype, plan.grads_as_bucket_views
-        mixed = plan.separate_master
         shard = layout.shard_numel(rank)
         self.param_buffers = [torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buckets]
         # Stage 3's parameter shard, in the parameters' dtype, which the next forward gathers
@@ -60,35 +60,22 @@ class ShardState:
         self.param_shard = torch.zeros(shard if plan.params_sharded else 0, dtype=dtype, device=device)
         # The moments: fp32, or with 8-bit state one code index per element and one fp32 scale per
         # block, block k at state offsets [k * block, (k + 1) * block) ([Note: quantized state]).
-        # Offloaded (zerofast/offload), the master is always a tensor of its own, in the store: the
-        # parameters stay with the model, and the master is what a failed step is undone from.
-        policy = plan.offload
-        self.offloaded = is_offloaded(policy.state, policy.delayed_update, device.type)
-        self.master_apart = mixed or self.offloaded
+        # Offloaded, the master is always a tensor of its own: the parameters stay with the model,
+        # and the master is what a failed step is undone from.
+        self.offloaded = store.offloaded  # its tensors are not the model's device's: counted by the store
+        self.master_apart = plan.separate_master or self.offloaded
         # Stages 1 and 2: the parameters the model holds are written by users too (nn.init,
         # load_state_dict); the master follows them in the step's kernel ([Note: the master follows
         # the copy] in csrc/adam_math.h) and in follow_params(). Stage 3's writes reach the master
         # directly (follow_shard: [Note: the model stays a torch model] in zerofast/guard/__init__.py).
         self.follows_params = self.master_apart and not plan.params_sharded
-        specs = state_specs(shard, self.master_apart, plan.state_bits, plan.state_block)
-        self.store = _store(specs, shard, plan, device) if self.offloaded else None
-        if self.store is None:
-            for spec in specs:
-                setattr(self, spec.name, torch.zeros(spec.numel, dtype=spec.dtype, device=device))
-        else:
-            self._bind_store()
+        self.bind(store.views())
         state_device = self.exp_avg.device
         self.codes = (
             (dynamic_code(True).to(state_device), dynamic_code(False).to(state_device))
             if plan.quantized_state
             else None
         )
-        self._pending_used: list[bool] | None = None  # an offloaded step written, not yet committed
-        self._delayed: _Delayed | None = None  # the delayed update in flight ([Note: the delayed update])
-        # The delayed update at stages 1 and 2: what zerofast last wrote into the owned parameters
-        # (host, the parameters' dtype), against which apply_delayed() finds the model's writes.
-        delayed_follows = self.follows_params and policy.delayed_update
-        self._applied = torch.zeros(shard, dtype=dtype) if delayed_follows else None
         self.pieces: list[Piece] = layout.pieces(rank)
         self.steps = [0] * len(params)  # per parameter, as torch.optim keeps it
         # The master starts from the values as given: a parameter already in the buffers' dtype is
@@ -103,12 +90,8 @@ class ShardState:
                     src = self.param_buffers[pc.bucket].narrow(0, pc.bucket_offset, pc.numel)
                 else:
                     src = originals[pc.param].reshape(-1)[pc.param_offset : pc.param_offset + pc.numel]
-                if isinstance(self.store, DiskState):  # through the files: no page of the state stays resident
-                    self.store.write("master", pc.state_offset, src)
-                else:
-                    self.master[pc.state_offset : pc.state_offset + pc.numel].copy_(src)
+                store.write("master", pc.state_offset, src)  # on disk through the files: no page stays resident
         del originals
-        self._note_applied()
         # The gradient buffers come last, once the parameters' own storage is freed (above).
         # Stage 1 with gradient views: the full gradients, one flat bucket each, reduced in place.
         self.grad_buckets = (
@@ -116,6 +99,17 @@ class ShardState:
         )
         # 1D, this rank's reduced gradients (empty with grad_views: they stay in grad_buckets).
         self.grad_shard = torch.zeros(0 if grad_views else shard, dtype=reduce_dtype, device=device)
+
+    @staticmethod
+    def storage_of(kind: str) -> str:
+        """The shard buffer that holds state `kind` (storage_of below)."""
+        return storage_of(kind)
+
+    def bind(self, views: Mapping[str, torch.Tensor]) -> None:
+        """The state's tensors, by name (master, exp_avg, ...): the store's, now (a store on disk
+        switches generations at each committed step)."""
+        for name, t in views.items():
+            setattr(self, name, t)
 
     # --- phase 3 --------------------------------------------------------------------------------
 
@@ -128,29 +122,39 @@ class ShardState:
         grad_scale: float | torch.Tensor,
     ) -> None:
         """The fused AdamW step over every owned range of a used parameter, the gradient shard
-        multiplied by grad_scale (1/N, unscaling and clipping together). Offloaded, the update is
-        written but counted only by commit_offloaded() (or undone by abort_offloaded()): [Note: the
-        all-or-none offloaded step] in zerofast/offload/__init__.py."""
-        if self.store is not None:
-            return self._apply_offloaded(used, param_groups, group_of, adamw, grad_scale)
+        multiplied by grad_scale (1/N, unscaling and clipping together), on the state where it
+        lies (an offloaded store steps it through zerofast/offload/update.py instead)."""
         for run in self.runs(used, group_of):
             state = slice(run.state_lo, run.state_lo + run.numel)
             master, copy = self.master_and_copy(run.bucket, run.bucket_lo, state)
-            hyper = dict(
-                self._hyper(run, param_groups, adamw, grad_scale),
-                param_copy=copy,
-                follow_copy=self.follows_params and copy is not None,
-            )
+            views = {name: getattr(self, name)[s] for name, s in self._state_slices(state).items()}
+            views["master"] = master
             grad = self.grad_range(run.bucket, run.bucket_lo, state)
-            if self.plan.quantized_state:
-                _ops.fused_adam_8bit_(
-                    master, grad, *self.quantized_range(state), *self.codes, block=self.plan.state_block, **hyper
-                )
-            else:
-                _ops.fused_adam_(master, grad, self.exp_avg[state], self.exp_avg_sq[state], **hyper)
+            follow = self.follows_params and copy is not None
+            self.step_range(
+                views, grad, param_copy=copy, follow_copy=follow, **self.hyper(run, param_groups, adamw, grad_scale)
+            )
         self.count_steps(used)
 
-    def _hyper(self, run: Run, param_groups: list[dict], adamw: bool, grad_scale) -> dict:
+    def step_range(self, views: Mapping[str, torch.Tensor], grad: torch.Tensor, **kw) -> None:
+        """The one kernel call over a range of the state (its tensors by name, as a store hands them
+        out): fused Adam, or with 8-bit state its 8-bit form."""
+        if self.plan.quantized_state:
+            moments = (views["exp_avg"], views["exp_avg_sq"], views["exp_avg_scale"], views["exp_avg_sq_scale"])
+            _ops.fused_adam_8bit_(views["master"], grad, *moments, *self.codes, block=self.plan.state_block, **kw)
+        else:
+            _ops.fused_adam_(views["master"], grad, views["exp_avg"], views["exp_avg_sq"], **kw)
+
+    def _state_slices(self, state: slice) -> dict[str, slice]:
+        """The moments' slices of the shard range `state` (8-bit scales: its blocks)."""
+        if not self.plan.quantized_state:
+            return {"exp_avg": state, "exp_avg_sq": state}
+        block = self.plan.state_block
+        blocks = slice(state.start // block, num_blocks(state.stop, block))
+        return {"exp_avg": state, "exp_avg_sq": state, "exp_avg_scale": blocks, "exp_avg_sq_scale": blocks}
+
+    def hyper(self, run: Run, param_groups: list[dict], adamw: bool, grad_scale) -> dict:
+        """The kernel's hyper-parameters for one run: its group's, its step count's bias corrections."""
         group = param_groups[run.group]
         beta1, beta2 = group["betas"]
         return dict(
@@ -163,154 +167,6 @@ class ShardState:
             adamw=adamw,
             grad_scale=grad_scale,
         )
-
-    def _apply_offloaded(self, used, param_groups, group_of, adamw, grad_scale) -> None:
-        """Phase 3 through the store: the CPU kernel over each piece of a run the store hands out
-        (disk: a chunk of the window), the gradients brought to the host and the updated parameters
-        (the master's rounding, or its copy in fp32) back to the model's device. With the delayed
-        update, on a thread, from a copy of the gradients, into staging buffers that
-        apply_delayed() copies into the parameters ([Note: the delayed update])."""
-        if isinstance(grad_scale, torch.Tensor):
-            grad_scale = grad_scale.to("cpu")  # one read of the device per step
-        delayed = self.plan.offload.delayed_update
-        runs = self.runs(used, group_of)
-        segments = [
-            (run.state_lo, run.state_lo + run.numel, (run, self._hyper(run, param_groups, adamw, grad_scale)))
-            for run in runs
-        ]
-        if delayed:  # what the model was given since the last update was applied, before the thread reads the master
-            self._follow_writes(())
-        grads = self._grad_snapshot(runs) if delayed else None
-        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-        def step(payload, lo: int, hi: int, views: dict[str, torch.Tensor]) -> None:
-            run, hyper = payload
-            at = run.bucket_lo + lo - run.state_lo
-            if grads is None:
-                grad = self.grad_range(run.bucket, at, slice(lo, hi))
-                grad = grad if grad.device.type == "cpu" else grad.to("cpu")
-            else:
-                grad = grads[run.state_lo][lo - run.state_lo : hi - run.state_lo]
-            dest = self.master_and_copy(run.bucket, at, slice(lo, hi))[1]
-            direct = dest.device.type == "cpu" and not delayed
-            # The kernel reads what the model holds and follows it; the delayed update follows at
-            # apply_delayed() instead (the model may be written while its thread runs).
-            follow = self.follows_params and not delayed
-            if direct:
-                copy = dest
-            else:
-                copy = dest.to("cpu", copy=True) if follow else torch.empty(hi - lo, dtype=dest.dtype)
-            kw = dict(param_copy=copy, follow_copy=follow, **hyper)
-            if self.plan.quantized_state:
-                moments = (views["exp_avg"], views["exp_avg_sq"], views["exp_avg_scale"], views["exp_avg_sq_scale"])
-                _ops.fused_adam_8bit_(views["master"], grad, *moments, *self.codes, block=self.plan.state_block, **kw)
-            else:
-                _ops.fused_adam_(views["master"], grad, views["exp_avg"], views["exp_avg_sq"], **kw)
-            if delayed:
-                staged.append((dest, copy, lo))
-            elif not direct:
-                dest.copy_(copy)
-
-        self._pending_used = list(used)
-        if isinstance(self.store, DiskState):
-            self.store.release()  # pages a checkpoint touched since the last step
-        if not delayed:
-            self.store.stream(segments, step)
-            return
-        held = sum(g.numel() * g.element_size() for g in grads.values())
-        held += sum(run.numel for run in runs) * self.param_buffers[0].element_size()  # the staged parameters
-        self._delayed = _Delayed(lambda: self.store.stream(segments, step), staged, held)
-
-    def _grad_snapshot(self, runs: list[Run]) -> dict[int, torch.Tensor]:
-        """Each run's reduced gradients copied to the host, by its first shard element: the next
-        backward writes the buffers they are in while the delayed update reads them."""
-        return {
-            run.state_lo: self.grad_range(run.bucket, run.bucket_lo, slice(run.state_lo, run.state_lo + run.numel)).to(
-                "cpu", copy=True
-            )
-            for run in runs
-        }
-
-    @property
-    def delayed_bytes(self) -> int:
-        """Host memory held by the delayed update in flight (its gradient and parameter copies)."""
-        return self._delayed.nbytes if self._delayed is not None else 0
-
-    @property
-    def update_in_flight(self) -> bool:
-        """A delayed update was started and not yet applied."""
-        return self._delayed is not None
-
-    def wait_delayed(self) -> BaseException | None:
-        """Wait for the delayed update's thread; its error, if it failed (nothing is applied yet)."""
-        return self._delayed.wait()
-
-    def apply_delayed(self) -> None:
-        """The delayed update written by every rank: the parameters take its values, except where the
-        model was written since the last update was applied: there the write wins, and the master
-        takes it (the thread could not read the model while it ran)."""
-        staged = self._delayed.staged
-        self._follow_writes(staged)
-        for dest, copy, _ in staged:
-            dest.copy_(copy)
-        self._delayed = None
-        self._note_applied()
-
-    def _follow_writes(self, staged) -> None:
-        """The delayed update's follow_params(): what the model holds against what zerofast last wrote
-        into it (self._applied); a changed element was written by the user, and the staged values
-        (the update in flight, which the write wins over) and the master take it."""
-        if self._applied is None:
-            return
-        with torch.no_grad():
-            for dest, copy, lo in staged:
-                held = dest.to("cpu")
-                copy.copy_(torch.where(held != self._applied[lo : lo + copy.numel()], held, copy))
-            for pc in self.pieces:
-                state = slice(pc.state_offset, pc.state_offset + pc.numel)
-                master, held = self.master_and_copy(pc.bucket, pc.bucket_offset, state)
-                held = held.to("cpu")
-                changed = held != self._applied[state]
-                if bool(changed.any()):
-                    master.copy_(torch.where(changed.to(master.device), held.to(master.device, master.dtype), master))
-                    self._applied[state].copy_(held)
-
-    def _note_applied(self) -> None:
-        """The delayed update: remember what the model's owned parameters hold now (zerofast wrote it)."""
-        if self._applied is None:
-            return
-        for pc in self.pieces:
-            state = slice(pc.state_offset, pc.state_offset + pc.numel)
-            self._applied[state].copy_(self.master_and_copy(pc.bucket, pc.bucket_offset, state)[1])
-
-    def drop_delayed(self) -> None:
-        self._delayed = None
-
-    def commit_offloaded(self) -> None:
-        """Every rank wrote its offloaded update: it is the state now, and its steps count."""
-        self.store.commit()
-        self._bind_store()
-        if self._pending_used is not None:
-            self.count_steps(self._pending_used)
-        self._pending_used = None
-
-    def abort_offloaded(self) -> None:
-        """Some rank failed to write its update: the state stays as it was (the store's last
-        generation), and the parameters this rank updated in memory become that master's rounding
-        again, as the last applied step left them."""
-        self._pending_used = None
-        self.sync_params_from_master()
-
-    def _bind_store(self) -> None:
-        for name, t in self.store.views().items():
-            setattr(self, name, t)
-
-    @property
-    def placement(self) -> str:
-        """Where the state lives: "device", "host" or "disk" ([Note: offload schedule])."""
-        if self.store is not None:
-            return self.store.placement
-        return "host" if self.plan.offload.state == "host" else "device"
 
     def quantized_range(self, state: slice) -> tuple[torch.Tensor, ...]:
         """8-bit state of the shard range `state` (which starts at a block boundary: [Note:
@@ -506,35 +362,23 @@ class ShardState:
                 if copy is None:
                     return
                 copy.copy_(master)
-        self._note_applied()
 
     def follow_params(self) -> None:
         """Stages 1 and 2 with a master of its own: before the state is read whole (a checkpoint), the
         master takes every element the model holds that is no longer its rounding (written since the
         last step: [Note: the master follows the copy] in csrc/adam_math.h, which the step's kernel
         does for the ranges it updates). The delayed update's writes are taken when it is applied."""
-        if not self.follows_params or self._applied is not None:
+        if not self.follows_params:
             return
         for pc in self.pieces:
             state = slice(pc.state_offset, pc.state_offset + pc.numel)
             follow(*self.master_and_copy(pc.bucket, pc.bucket_offset, state))
-
-    def check_writable(self) -> None:
-        """Stage 3: a write to a parameter outside a step needs the state at rest (raises while the
-        delayed update is in flight: its thread writes the master)."""
-        if self.update_in_flight:
-            raise ShardedParameterError(
-                "a parameter was written while the delayed update of the last step is in flight "
-                "(OffloadPolicy(delayed_update=True)): its thread writes the fp32 master. Call opt.flush() on "
-                "every rank first, then write"
-            )
 
     def follow_shard(self, lo: int, numel: int) -> None:
         """Stage 3: this rank's parameter shard [lo, lo + numel) was written outside a step (a write to
         a released parameter, or inside gathered_params()): the master follows it, as follow() does
         (an element that is still the master's rounding keeps its master). In fp32 without offload the
         shard is the master."""
-        self.check_writable()
         if self.master_apart:
             follow(self.master[lo : lo + numel], self.param_shard[lo : lo + numel])
 
@@ -590,7 +434,7 @@ class ShardState:
             return t.numel() * t.element_size()
 
         def state_size(t):  # offloaded state is counted by the store (OffloadReport), not here
-            return 0 if self.store is not None else size(t)
+            return 0 if self.offloaded else size(t)
 
         return {
             "params": self.materialized_param_bytes(),
@@ -643,39 +487,3 @@ def follow(master: torch.Tensor, held: torch.Tensor) -> None:
 def _check_kind(where: str, kind: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"ShardState.{where}: kind must be one of {', '.join(KINDS)}; got {kind!r}")
-
-
-class _Delayed:
-    """The delayed update's thread ([Note: the delayed update]) and the parameter values it stages."""
-
-    def __init__(self, run, staged: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int):
-        self.staged, self.error, self.nbytes = staged, None, nbytes
-
-        def body():
-            try:
-                run()
-            except BaseException as e:  # noqa: BLE001 (raised where the update is applied)
-                self.error = e
-
-        self.thread = threading.Thread(target=body, name="zerofast-delayed-update", daemon=False)
-        self.thread.start()
-
-    def wait(self) -> BaseException | None:
-        self.thread.join()
-        return self.error
-
-
-def _store(specs: list[StateSpec], shard: int, plan: Plan, device: torch.device):
-    """The offloaded state's store (zerofast/offload), as plan.offload places it."""
-    policy = plan.offload
-    if policy.state == "host":
-        return HostState(specs, pin=policy.pin_memory and device.type == "cuda")
-    return DiskState(
-        specs,
-        shard,
-        policy.path,
-        int(policy.window_mb * 2**20),
-        policy.io_threads,
-        plan.state_block if plan.quantized_state else 1,
-        policy.direct_io,
-    )

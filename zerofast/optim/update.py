@@ -51,8 +51,10 @@ class UpdateRule(Protocol):
         """One parameter group's hyper-parameters, as they are at a step (a clear error if not)."""
         ...
 
-    def phase3(self, shard: ShardState, names: list[str], params: list, group_of: list[int]) -> Phase3:
-        """Phase 3 over this rank's shard, once it exists (group_of[i]: parameter i's group)."""
+    def phase3(self, shard: ShardState, names: list[str], params: list, group_of: list[int], adam) -> Phase3:
+        """Phase 3 over this rank's shard, once it exists (group_of[i]: parameter i's group). adam: what
+        runs the fused Adam step over it (apply_adam): the shard itself, or with the state offloaded
+        zerofast/offload/update.py's OffloadedUpdate."""
         ...
 
 
@@ -72,11 +74,11 @@ class AdamUpdate:
     def check_group(self, index: int, group: dict) -> None:
         check_hyper(f".param_groups[{index}]", group)
 
-    def phase3(self, shard: ShardState, names: list[str], params: list, group_of: list[int]) -> Phase3:
+    def phase3(self, shard: ShardState, names: list[str], params: list, group_of: list[int], adam) -> Phase3:
         adamw = self.adamw
 
         def update(used: list[bool], param_groups: list[dict], grad_scale: float | torch.Tensor) -> None:
             with torch.profiler.record_function("zerofast::adam"):
-                shard.apply_adam(used, param_groups, group_of, adamw, grad_scale)
+                adam.apply_adam(used, param_groups, group_of, adamw, grad_scale)
 
         return update

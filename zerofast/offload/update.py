@@ -1,0 +1,350 @@
+"""The offloaded step: everything a step does because the optimizer state is not on the device, behind
+the calls the optimizer makes at fixed points of its step (zerofast/optim/step.py):
+
+  open_store(...)        where the state lives (a store of stores.py), its files agreed on at construction
+  OffloadedUpdate.apply  phase 3 through the store ([Note: offload schedule] in __init__.py), then on
+                         disk the agreement that every rank wrote it ([Note: the all-or-none offloaded step]);
+                         with the delayed update only its start, on a thread ([Note: the delayed update])
+  OffloadedUpdate.flush  the delayed update in flight: waited for, agreed on, applied
+  follow_params, check_writable   what the model was given between steps, taken into the master
+
+The shard (zerofast/optim/state.py's ShardState) holds the state's tensors, wherever the store put
+them, and the one kernel call over a range; this module imports nothing of the optimizer and nothing
+compiled: it reads the shard through the few methods named in ShardSide, and the ranks' agreement
+through StepSide.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from ..errors import OffloadError, StepNotAppliedError
+from .stores import DeviceState, DiskState, HostState, StateSpec, is_offloaded
+
+__all__ = ["OffloadedUpdate", "ShardSide", "StepSide", "open_store", "agreed"]
+
+
+class ShardSide(Protocol):
+    """What the offloaded step reads of the shard (ShardState)."""
+
+    plan: object
+    pieces: list
+    follows_params: bool
+
+    def runs(self, used: list[bool], group_of: list[int]) -> list: ...
+
+    def hyper(self, run, param_groups: list[dict], adamw: bool, grad_scale) -> dict: ...
+
+    def grad_range(self, bucket: int, bucket_lo: int, state: slice) -> torch.Tensor: ...
+
+    def master_and_copy(self, bucket: int, bucket_lo: int, state: slice): ...
+
+    def step_range(self, views: dict[str, torch.Tensor], grad: torch.Tensor, **kw) -> None: ...
+
+    def bind(self, views: dict[str, torch.Tensor]) -> None: ...
+
+    def count_steps(self, used: list[bool]) -> None: ...
+
+    def sync_params_from_master(self) -> None: ...
+
+
+class StepSide(Protocol):
+    """What the offloaded step asks of the optimizer's step (zerofast/optim/step.py)."""
+
+    def agree(self, this_failed: bool, what: str, everyone: bool) -> int:
+        """The rank that failed (-1: none). everyone: the largest failed rank over every rank of the
+        model (a collective); else this rank's own, or -1."""
+        ...
+
+    def not_applied(self, what: str, failed: int) -> str:
+        """This step's gradients dropped (nothing was applied); the note an error carries."""
+        ...
+
+
+def open_store(specs: list[StateSpec], shard_numel: int, plan, device: torch.device):
+    """The store the state lives in, as plan.offload places it: on the device (DeviceState; "host"
+    for a CPU model, where it is anyway, unless the update is delayed), in host memory (HostState) or
+    in files (DiskState)."""
+    policy = plan.offload
+    if not is_offloaded(policy.state, policy.delayed_update, device.type):
+        return DeviceState(specs, device, "host" if policy.state == "host" else "device")
+    if policy.state == "host":
+        return HostState(specs, pin=policy.pin_memory and device.type == "cuda")
+    return DiskState(
+        specs,
+        shard_numel,
+        policy.path,
+        int(policy.window_mb * 2**20),
+        policy.io_threads,
+        plan.state_block if plan.quantized_state else 1,
+        policy.direct_io,
+    )
+
+
+def agreed(build: Callable[[], tuple], plan, rank: int, agree: Callable[[int], int]) -> tuple:
+    """build() -> (store, ...), the state placed: with it on disk every rank first learns whether every
+    other could place its files (agree: the largest failed rank, one small all_reduce), so that a
+    rank's full or unwritable disk is named on every rank at construction rather than surfacing later
+    as a dead peer."""
+    if plan.offload.state != "disk":
+        return build()
+    built, error = None, None
+    try:
+        built = build()
+    except OffloadError as e:
+        error = e
+    failed = agree(-1 if error is None else rank)
+    if error is not None:
+        raise error
+    if failed >= 0:
+        built[0].close()  # its files go now, not when the traceback lets go of it
+        raise OffloadError(
+            f"{plan.front}: rank {failed} could not place its optimizer state under OffloadPolicy(path="
+            f"{plan.offload.path!r}) (see that rank's error); no rank built its optimizer"
+        )
+    return built
+
+
+class OffloadedUpdate:
+    """Phase 3 of a shard whose state a store holds off the device, and what it takes to make it all
+    or none across ranks (disk) or one step late (the delayed update)."""
+
+    def __init__(self, store, shard: ShardSide, shard_numel: int):
+        self.store, self.shard, self.plan = store, shard, shard.plan
+        self.delayed = self.plan.offload.delayed_update
+        self._pending_used: list[bool] | None = None  # an update written, not yet committed
+        self._delayed: _Delayed | None = None  # the delayed update in flight
+        # The delayed update at stages 1 and 2: what zerofast last wrote into the owned parameters
+        # (host, the parameters' dtype), against which the model's writes are found (_follow_writes).
+        follows = shard.follows_params and self.delayed
+        self._applied = torch.zeros(shard_numel, dtype=self.plan.param_dtype) if follows else None
+        self.params_written()
+
+    @property
+    def placement(self) -> str:
+        return self.store.placement
+
+    @property
+    def update_in_flight(self) -> bool:
+        """A delayed update was started and not yet applied."""
+        return self._delayed is not None
+
+    @property
+    def delayed_bytes(self) -> int:
+        """Host memory held by the delayed update in flight (its gradient and parameter copies)."""
+        return self._delayed.nbytes if self._delayed is not None else 0
+
+    # --- the step's fixed points ----------------------------------------------------------------------
+
+    def apply(self, update: Callable[[], None], side: StepSide) -> None:
+        """Phase 3 (update(): the rule's, which runs apply_adam below). On disk every data-parallel
+        rank then says whether it wrote its update, and all switch to it or none does ([Note: the
+        all-or-none offloaded step]); with the delayed update it only starts, and flush() settles it."""
+        if self.delayed:
+            update()  # starts the thread
+            return
+        error = None
+        try:
+            update()
+        except OffloadError as e:
+            error = e
+        self._settle(error, "this step's update", side)
+
+    def flush(self, side: StepSide) -> bool:
+        """The delayed update in flight, if any, waited for, agreed on and applied: the parameters and
+        the state become those after it ([Note: the delayed update]). Collective while one is in
+        flight; whether one was applied (stages 1 and 2 then gather the parameters)."""
+        if self._delayed is None:
+            return False
+        error = self._delayed.wait()
+        try:
+            if error is not None and not isinstance(error, OffloadError):
+                raise error
+            self._settle(error, "the delayed update of the last step", side)
+        except BaseException:
+            self._delayed = None
+            raise
+        self._apply_delayed()
+        return True
+
+    def follow_params(self) -> None:
+        """Before the state is read whole: the master takes what the model was given (the delayed
+        update's way, against what zerofast last wrote; otherwise the shard's own follow_params())."""
+        if self._applied is not None:
+            self._follow_writes(())
+        else:
+            self.shard.follow_params()
+
+    def check_writable(self) -> None:
+        """Stage 3: a write to a parameter outside a step needs the state at rest."""
+        if self._delayed is not None:
+            from ..errors import ShardedParameterError
+
+            raise ShardedParameterError(
+                "a parameter was written while the delayed update of the last step is in flight "
+                "(OffloadPolicy(delayed_update=True)): its thread writes the fp32 master. Call opt.flush() on "
+                "every rank first, then write"
+            )
+
+    def _settle(self, error: BaseException | None, what: str, side: StepSide) -> None:
+        """After an update was written (or failed) on this rank: on disk, the ranks agree whether every
+        one wrote it; then it is the state everywhere, or nowhere and this raises."""
+        failed = side.agree(error is not None, what, everyone=self.placement == "disk")
+        if failed < 0:
+            self._commit()
+            return
+        self._abort()
+        note = side.not_applied(what, failed)
+        if error is not None:
+            error.add_note(note)
+            raise error
+        raise StepNotAppliedError(note + " (see that rank's error)")
+
+    def _commit(self) -> None:
+        """Every rank wrote the update: it is the state now, and its steps count."""
+        self.store.commit()
+        self.shard.bind(self.store.views())
+        if self._pending_used is not None:
+            self.shard.count_steps(self._pending_used)
+        self._pending_used = None
+
+    def _abort(self) -> None:
+        """Some rank failed to write its update: the state stays as it was (the store's last
+        generation), and the parameters this rank updated in memory become that master's rounding
+        again, as the last applied step left them."""
+        self._pending_used = None
+        self.shard.sync_params_from_master()
+        self.params_written()
+
+    # --- phase 3 through the store ----------------------------------------------------------------------
+
+    def apply_adam(self, used: list[bool], param_groups: list[dict], group_of: list[int], adamw: bool, grad_scale):
+        """Phase 3 through the store: the CPU kernel over each piece of a run the store hands out
+        (disk: a chunk of the window), the gradients brought to the host and the updated parameters
+        (the master's rounding, or its copy in fp32) back to the model's device. With the delayed
+        update, on a thread, from a copy of the gradients, into staging buffers that flush() copies
+        into the parameters ([Note: the delayed update]). Counted only by the commit: [Note: the
+        all-or-none offloaded step]."""
+        shard, delayed = self.shard, self.delayed
+        if isinstance(grad_scale, torch.Tensor):
+            grad_scale = grad_scale.to("cpu")  # one read of the device per step
+        runs = shard.runs(used, group_of)
+        segments = [
+            (run.state_lo, run.state_lo + run.numel, (run, shard.hyper(run, param_groups, adamw, grad_scale)))
+            for run in runs
+        ]
+        if delayed:  # what the model was given since the last update was applied, before the thread reads the master
+            self._follow_writes(())
+        grads = self._grad_snapshot(runs) if delayed else None
+        staged: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+
+        def step(payload, lo: int, hi: int, views: dict[str, torch.Tensor]) -> None:
+            run, hyper = payload
+            at = run.bucket_lo + lo - run.state_lo
+            if grads is None:
+                grad = shard.grad_range(run.bucket, at, slice(lo, hi))
+                grad = grad if grad.device.type == "cpu" else grad.to("cpu")
+            else:
+                grad = grads[run.state_lo][lo - run.state_lo : hi - run.state_lo]
+            dest = shard.master_and_copy(run.bucket, at, slice(lo, hi))[1]
+            direct = dest.device.type == "cpu" and not delayed
+            # The kernel reads what the model holds and follows it; the delayed update follows at
+            # flush() instead (the model may be written while its thread runs).
+            follow = shard.follows_params and not delayed
+            if direct:
+                copy = dest
+            else:
+                copy = dest.to("cpu", copy=True) if follow else torch.empty(hi - lo, dtype=dest.dtype)
+            shard.step_range(views, grad, param_copy=copy, follow_copy=follow, **hyper)
+            if delayed:
+                staged.append((dest, copy, lo))
+            elif not direct:
+                dest.copy_(copy)
+
+        self._pending_used = list(used)
+        if isinstance(self.store, DiskState):
+            self.store.release()  # pages a checkpoint touched since the last step
+        if not delayed:
+            self.store.stream(segments, step)
+            return
+        held = sum(g.numel() * g.element_size() for g in grads.values())
+        held += sum(run.numel for run in runs) * self.plan.param_dtype.itemsize  # the staged parameters
+        self._delayed = _Delayed(lambda: self.store.stream(segments, step), staged, held)
+
+    def _grad_snapshot(self, runs: list) -> dict[int, torch.Tensor]:
+        """Each run's reduced gradients copied to the host, by its first shard element: the next
+        backward writes the buffers they are in while the delayed update reads them."""
+        shard = self.shard
+        return {
+            run.state_lo: shard.grad_range(run.bucket, run.bucket_lo, slice(run.state_lo, run.state_lo + run.numel)).to(
+                "cpu", copy=True
+            )
+            for run in runs
+        }
+
+    # --- the delayed update ---------------------------------------------------------------------------------
+
+    def _apply_delayed(self) -> None:
+        """The delayed update written by every rank: the parameters take its values, except where the
+        model was written since the last update was applied: there the write wins, and the master
+        takes it (the thread could not read the model while it ran)."""
+        staged = self._delayed.staged
+        self._follow_writes(staged)
+        for dest, copy, _ in staged:
+            dest.copy_(copy)
+        self._delayed = None
+        self.params_written()
+
+    def _follow_writes(self, staged) -> None:
+        """What the model holds against what zerofast last wrote into it (self._applied); a changed
+        element was written by the user, and the staged values (the update in flight, which the write
+        wins over) and the master take it."""
+        if self._applied is None:
+            return
+        shard = self.shard
+        with torch.no_grad():
+            for dest, copy, lo in staged:  # first: they compare against _applied as it was
+                held = dest.to("cpu")
+                copy.copy_(torch.where(held != self._applied[lo : lo + copy.numel()], held, copy))
+            for pc in shard.pieces:
+                state = slice(pc.state_offset, pc.state_offset + pc.numel)
+                master, held = shard.master_and_copy(pc.bucket, pc.bucket_offset, state)
+                held = held.to("cpu")
+                changed = held != self._applied[state]
+                if bool(changed.any()):
+                    master.copy_(torch.where(changed.to(master.device), held.to(master.device, master.dtype), master))
+                    self._applied[state].copy_(held)
+
+    def params_written(self) -> None:
+        """zerofast wrote the model's owned parameters (an update applied, a checkpoint loaded): the
+        delayed update remembers what they hold now."""
+        if self._applied is None:
+            return
+        shard = self.shard
+        for pc in shard.pieces:
+            state = slice(pc.state_offset, pc.state_offset + pc.numel)
+            self._applied[state].copy_(shard.master_and_copy(pc.bucket, pc.bucket_offset, state)[1])
+
+
+class _Delayed:
+    """The delayed update's thread ([Note: the delayed update]) and the parameter values it stages."""
+
+    def __init__(self, run, staged: list[tuple[torch.Tensor, torch.Tensor, int]], nbytes: int):
+        self.staged, self.error, self.nbytes = staged, None, nbytes
+
+        def body():
+            try:
+                run()
+            except BaseException as e:  # noqa: BLE001 (raised where the update is applied)
+                self.error = e
+
+        self.thread = threading.Thread(target=body, name="zerofast-delayed-update", daemon=False)
+        self.thread.start()
+
+    def wait(self) -> BaseException | None:
+        self.thread.join()
+        return self.error
