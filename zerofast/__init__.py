@@ -1,23 +1,20 @@
 """zerofast: ZeRO stages 1-3 for PyTorch (the ZeRO paper, Rajbhandari et al., 2020).
 
-Public names: ZeroAdam (the sharded optimizer), ZeroMuon (Muon + AdamW on whole-matrix owners),
-ZeroOptimizer (their shared front: isinstance(opt, ZeroOptimizer) holds for both),
-shard_frozen (a reference or reward model sharded for inference only, a ShardedFrozenModel) and their policies (MixedPrecisionPolicy,
-LossScalePolicy, CommPolicy, UnitPolicy, OffloadPolicy: zerofast/config.py), the errors it raises
-(CollectiveError, OutOfStepError, StepNotAppliedError, OffloadError,
-GradientError; ShardedParameterError, ShardedGradientError and ModelConversionError when the model
-is used in a way its sharding cannot serve: docs/your-model.md), estimate_memory (the paper's memory table), estimate_traffic (report().comm without a run),
-fused_adam_ (the compiled fused Adam/AdamW step), fused_adam_8bit_ (the same with 8-bit moments),
-nonfinite_check_ (its overflow check alone),
-has_cuda_kernels, cpu_isa; the reference stages in zerofast.reference (the correctness oracle);
-sharded checkpoints in zerofast.checkpoint.
+  optimizers  ZeroAdam (sharded), ZeroMuon (Muon + AdamW on whole-matrix owners), ZeroOptimizer
+              (their shared front, for isinstance)
+  inference   shard_frozen: a reference or reward model sharded for inference only (ShardedFrozenModel)
+  policies    MixedPrecisionPolicy, LossScalePolicy, CommPolicy, UnitPolicy, OffloadPolicy (config.py)
+  errors      CollectiveError, OutOfStepError, StepNotAppliedError, OffloadError, GradientError,
+              UnsafeCheckpoint; ShardedParameterError, ShardedGradientError and ModelConversionError
+              when the model is used in a way its sharding cannot serve (docs/your-model.md)
+  estimates   estimate_memory (the paper's memory table), estimate_traffic (report().comm, no run)
+  kernels     fused_adam_ (the compiled fused Adam/AdamW step), fused_adam_8bit_ (with 8-bit moments),
+              nonfinite_check_ (its overflow check alone), has_cuda_kernels, cpu_isa
+  elsewhere   zerofast.reference (the reference stages, the oracle), zerofast.checkpoint (sharded checkpoints)
 
-Supported torch releases: zerofast/compat.py (2.11 to 2.14); another is refused at import, naming
-the range.
-
-The names that need the compiled extension (zerofast._C) are imported on first use, so that
-`import zerofast` and the estimator (`python -m zerofast.estimate`, pure arithmetic) work where
-the extension was never built.
+torch 2.11 to 2.14 only (compat.py): another is refused at import, naming the range. The names that
+need the compiled extension (zerofast._C) are imported on first use, so `import zerofast` and the
+estimator (`python -m zerofast.estimate`, pure arithmetic) work where it was never built.
 """
 
 from importlib import import_module
@@ -26,8 +23,7 @@ import torch as _torch
 
 from .compat import check_torch as _check_torch
 
-# Before anything else of zerofast: a torch outside the supported range is an ImportError naming the
-# range, not whatever a later import would trip over.
+# First: an unsupported torch is an ImportError naming the range, not whatever a later import trips over.
 _check_torch(_torch.__version__)
 
 from .config import CommPolicy, LossScalePolicy, MixedPrecisionPolicy, OffloadPolicy, UnitPolicy  # noqa: E402

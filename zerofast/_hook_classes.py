@@ -1,14 +1,13 @@
 """Modules that carry zerofast's hooks get a class of their own, so compiled code sees the hooks.
 
-Dynamo does not guard a module's hook dictionaries (skip_nnmodule_hook_guards, on by default) nor
-which instance a frame was compiled for, only each inlined module's type: a frame compiled before
+Dynamo guards neither a module's hook dictionaries (skip_nnmodule_hook_guards, on by default) nor
+which instance a frame was compiled for, only each inlined module's type, so a frame compiled before
 zerofast hooked the modules would run without the hooks. Moving each hooked module to a subclass of
 its class (same name, module and qualified name, made once per class, as FSDP2's fully_shard and
-torch.nn.utils.parametrize do) makes those frames fail their guards, so Dynamo traces again and
-meets the hooks. See [Note: code compiled before stage 3] in zerofast/stage3/runtime.py; stage 3's
-unit hooks and stages 1-2's overlapped-gather waits both use it. The subclass also carries
-zerofast/guard/modules.py's ModuleGuard (conversions, state dicts and replaced parameters checked):
-every module holding a managed parameter is moved to it, at every stage.
+torch.nn.utils.parametrize do) fails those frames' guards and Dynamo retraces ([Note: code compiled
+before stage 3] in zerofast/stage3/runtime.py): stage 3's unit hooks and stages 1-2's
+overlapped-gather waits rely on it. The subclass also carries guard/modules.py's ModuleGuard, so
+every module holding a managed parameter moves to it, at every stage.
 """
 
 from __future__ import annotations
@@ -19,9 +18,7 @@ from .guard.modules import ModuleGuard
 
 
 def own_classes(modules) -> dict[nn.Module, type]:
-    """Move every module to the hooked subclass of its class (made once per class: the same name,
-    module and qualified name), so that Dynamo's guards on a module's type fail for any frame compiled
-    before the hooks existed: see [Note: code compiled before stage 3]. Returns the original classes."""
+    """Move every module to its class's hooked subclass (see above); returns the original classes."""
     originals = {}
     for module in modules:
         cls = type(module)
@@ -43,6 +40,6 @@ _HOOKED_SUBCLASSES: set[type] = set()  # those subclasses (a module already in o
 
 
 def restore_classes(originals: dict[nn.Module, type]) -> None:
-    """Undo own_classes(): each module back in its original class."""
+    """Undo own_classes()."""
     for module, cls in originals.items():
         module.__class__ = cls

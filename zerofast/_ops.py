@@ -18,10 +18,8 @@ def has_cuda_kernels() -> bool:
 
 
 def cpu_isa() -> str:
-    """The instruction set of the CPU loop that fused_adam_ runs now: avx512, avx2 or portable.
-
-    The widest one the CPU supports, unless ZEROFAST_CPU_ISA forces one.
-    """
+    """The instruction set of the CPU loop that fused_adam_ runs now (avx512, avx2 or portable): the
+    widest the CPU supports, unless ZEROFAST_CPU_ISA forces one."""
     return _C.cpu_isa()
 
 
@@ -118,12 +116,10 @@ def fused_adam_8bit_(
 def _step_kwargs(
     op, param, state, lr, beta1, beta2, eps, weight_decay, step, adamw, grad_scale, found_inf, param_copy, follow_copy
 ) -> dict:
-    """The keyword arguments both fused steps pass their op alike: the hyperparameters as the op's
-    types, grad_scale split into its float and tensor parts, found_inf and param_copy; once every
-    tensor (`state`: the op's positional tensors after param) was checked to be on param's device, and
-    follow_copy to come with a param_copy.
-    The dispatcher routes on the "highest" device among the tensors (a meta or CUDA tensor among CPU
-    ones would reach another kernel), so mixed devices are caught here, before dispatch."""
+    """Both fused steps' op keywords: hyperparameters as the op's types, grad_scale split into float
+    and tensor parts. Checks first that every tensor (`state`: the op's positional tensors after param)
+    is on param's device, as the dispatcher routes on the "highest" one (a meta or CUDA tensor among
+    CPU ones would reach another kernel), and that follow_copy comes with a param_copy."""
     scale_value, scale_tensor = _split_grad_scale(grad_scale)
     _check_devices(op, param, {**state, "grad_scale": scale_tensor, "found_inf": found_inf, "param_copy": param_copy})
     if follow_copy and param_copy is None:

@@ -1,8 +1,5 @@
-"""Which collectives run, in one pure-Python module that the compiled engine's face
-(zerofast/comm.py) and the estimator (zerofast/estimate/traffic.py) both read: the per-backend
-choice of a layout's reduce and gather, and whether every collective is checked first
-(ZEROFAST_DEBUG, where CommPolicy.check_collectives leaves it None).
-"""
+"""Which collectives run, pure Python so that comm.py and the estimator (estimate/traffic.py) read
+the same choice: a layout's reduce and gather per backend, and ZEROFAST_DEBUG's collective check."""
 
 from __future__ import annotations
 
@@ -12,11 +9,10 @@ __all__ = ["collective_names", "debug_from_env"]
 
 
 def collective_names(backend: str, flat: bool) -> tuple[str, str]:
-    """The (reduce, gather) collectives of a layout on a backend, by name: the one place that
-    chooses them (zerofast/comm.py maps them onto the compiled engine's; the estimator counts them).
-    Owner layouts reduce to and broadcast from each owner. The flat layout uses NCCL's ring-optimal
-    reduce_scatter and all_gather, and on gloo all_reduce and broadcasts, which gloo runs faster
-    with the same result ([Note: collectives per backend] in csrc/buckets.cpp)."""
+    """The (reduce, gather) collective names of a layout on a backend. Owner layouts reduce to and
+    broadcast from each owner; flat uses NCCL's ring-optimal reduce_scatter and all_gather, and on
+    gloo all_reduce and broadcasts, faster there with the same result ([Note: collectives per
+    backend] in csrc/buckets.cpp)."""
     if not flat:
         return "reduce", "broadcast"
     return ("all_reduce", "broadcast") if backend == "gloo" else ("reduce_scatter", "all_gather")

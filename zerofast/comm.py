@@ -1,12 +1,11 @@
-"""The thin Python face of the compiled bucket communication (csrc/buckets.h: the reduce/gather core,
-its buffer pool and its replica reducer), counting bytes.
+"""BucketComm, the thin Python face of the compiled bucket communication (csrc/buckets.h: the
+reduce/gather core, its buffer pool and its replica reducer), counting bytes.
 
-Every collective the engine issues goes through here, so `stats` is the whole step's traffic: the
-payload bytes of each collective (the size of the data it reduces or gathers, the unit of the ZeRO paper's 2Φ/3Φ: a
-reduce of a Φ-byte gradient counts Φ), by group and collective, for the last step: "shard/<collective>"
-within the ranks that share the state, "replicate/<collective>" across the replicas of hybrid
-sharding ([Note: hybrid sharding] in zerofast/topology.py), the traffic that crosses machines. A
-group of one rank moves nothing and is not counted.
+Every collective of the engine goes through here, so `stats` is the last step's whole traffic in
+payload bytes (the data reduced or gathered, the unit of the ZeRO paper's 2Φ/3Φ: a reduce of a
+Φ-byte gradient counts Φ), by group and collective: "shard/<collective>" within the ranks sharing
+the state, "replicate/<collective>" across hybrid sharding's replicas, the traffic that crosses
+machines ([Note: hybrid sharding] in zerofast/topology.py). A group of one rank is not counted.
 
 [Note: faults]
 Every wait on a collective is bounded by the process group's timeout (gloo: the `timeout` given to
@@ -111,17 +110,16 @@ class BucketComm:
         dp_world: int | None = None,
         replication=None,
     ):
-        """group: the shard group (the ranks `layout` is cut for); grad_buckets: stage 1's persistent
-        buckets, which .grad are views of (else buffers come from a pool); max_buffers: at most this
-        many pooled buffers alive at once, 0 for no bound ([Note: buffers in flight] in
-        csrc/bucket_pool.cpp); replicate_group: hybrid sharding's replicas of this rank's shard (None:
-        none), for the step's agreement; replicate_grads_group: the same ranks again, for the
-        gradient all_reduces the engine launches during backward, whose timing differs between
-        ranks, so that they never pair up with the agreement, each at least replicate_min_bytes
-        (consecutive owned ranges together; [Note: replicas in backward]). dp_rank, dp_world: this
-        rank among every data-parallel rank, for messages (None: its rank in `group`). replication:
-        how the replicas take each step (zerofast.topology.Replication; None: fixed); one whose
-        membership changes agrees through its own agree(), and takes one tensor per all_reduce."""
+        """group: the shard group (the ranks `layout` is cut for). grad_buckets: stage 1's persistent
+        buckets, which .grad are views of (else buffers come from a pool). max_buffers: the most pooled
+        buffers alive at once, 0 for no bound ([Note: buffers in flight] in csrc/bucket_pool.cpp).
+        replicate_group: hybrid sharding's replicas of this rank's shard (None: none), for the step's
+        agreement. replicate_grads_group: the same ranks again, for the engine's gradient all_reduces
+        during backward (timed differently per rank, so never paired with the agreement), each at
+        least replicate_min_bytes of consecutive owned ranges ([Note: replicas in backward]).
+        dp_rank, dp_world: this rank among every data-parallel rank, for messages (None: its rank in
+        `group`). replication: zerofast.topology.Replication (None: fixed replicas); one whose
+        membership changes agrees through its own agree() and takes one tensor per all_reduce."""
         self.layout = layout
         self.flat = layout.flat
         reduce_op, gather_op = collectives_for(dist.get_backend(group), self.flat)
@@ -151,9 +149,8 @@ class BucketComm:
         self.group = group
         self.gather_group = group if gather_group is None else gather_group
         self.replicate_group = replicate_group
-        # The engine all_reduces each owned range over the replicas as its bucket's last reduce of
-        # the step finishes ([Note: replicas in backward] in csrc/replica_reducer.cpp); with check_collectives
-        # Python does it in step(), each collective described first.
+        # The engine all_reduces each owned range over the replicas as its bucket's last reduce of the
+        # step finishes ([Note: replicas in backward] in csrc/replica_reducer.cpp); with check_collectives, step() does.
         self.replicates_in_engine = replicate_grads_group is not None and not check_collectives
         # Only a replication whose membership changes needs a say in the agreement.
         self.live = replication if replication is not None and replication.changes_membership else None
@@ -182,9 +179,8 @@ class BucketComm:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Payload bytes by group and collective ("shard/reduce", "replicate/all_reduce", ...), this
-        step (the reduces and gathers counted in C++, where they are issued: the C++ gradient path
-        launches reduces without Python). A shard group of one rank moves nothing: not counted."""
+        """Payload bytes this step by group and collective ("shard/reduce", "replicate/all_reduce", ...);
+        reduces and gathers are counted in C++, where the gradient path issues them without Python."""
         out = dict(self._agreements)
         traffic = self._impl.traffic
         if self.world > 1:
@@ -253,22 +249,20 @@ class BucketComm:
         return _C.CommError(message)
 
     def run(self, what, fn, *args):
-        """fn: a call into the compiled engine (BucketComm, GradPath). Only its CommError (a c10d call
-        that failed: csrc/errors.h) is the communication's; any other error (a GradientError, running
-        out of memory, a bug) is raised as it is. what: the collective, for the message (or a
-        function returning it)."""
+        """fn: a call into the compiled engine (BucketComm, GradPath). Only its CommError (a failed c10d
+        call: csrc/errors.h) is the communication's; any other error is raised as it is. what: the
+        collective, for the message (or a function returning it)."""
         try:
             return fn(*args)
         except _C.CommError as e:
             raise self.failed(what() if callable(what) else what, e) from e
 
     def _issue(self, what: str, fn, *args):
-        """fn: one torch.distributed collective on our own small tensors, issued asynchronously; its
-        Work, handed to the compiled keeper first ([Note: clean exit] in csrc/work_keeper.cpp), so
-        that gloo's thread never drops its last reference. Whatever fn raises but running out of
-        memory is the communication's: torch's DistError, or a plain RuntimeError, as gloo raises
-        from some calls ("Connection reset by peer", "Application timeout caused pair closure":
-        measured)."""
+        """fn (a torch.distributed collective on our own small tensors) issued asynchronously, its Work
+        handed to the compiled keeper so that gloo's thread never drops the last reference ([Note:
+        clean exit] in csrc/work_keeper.cpp). Anything fn raises but running out of memory is the
+        communication's: torch's DistError, or a plain RuntimeError from some gloo calls ("Connection
+        reset by peer", "Application timeout caused pair closure": measured)."""
         try:
             work = fn(*args, async_op=True)
         except torch.OutOfMemoryError:
@@ -324,11 +318,10 @@ class BucketComm:
             )
 
     def check_forward(self) -> None:
-        """check_collectives, stage 3: a forward's start is checked on the reduce group too. The
-        gathers run on their own group, so a rank that runs an extra micro-batch would otherwise wait
-        in a gather while the others wait in step()'s agreement on the other group, until the
-        timeout; checked here, every rank raises OutOfStepError at once. Every reduce of the previous
-        micro-batch is issued before its forward starts, on every rank, so the order is the same."""
+        """check_collectives, stage 3: a forward's start is checked on the reduce group too. The gathers
+        have a group of their own, so a rank running an extra micro-batch would otherwise wait in a gather
+        while the others wait in step()'s agreement, until the timeout. The order is the same on every
+        rank: every reduce of the previous micro-batch is issued before its forward starts."""
         if self.check:
             self._verify("forward", 0, 0, self.group)
 
@@ -356,10 +349,9 @@ class BucketComm:
 
     def all_reduce_max(self, t: torch.Tensor, shard_only: tuple[slice, ...] = ()) -> None:
         """A small agreement (which parameters got a gradient, the step and micro-batch counts, a
-        failure before the update), counted too: a MAX over the shard group, then over the
-        replicate group, which is a MAX over every rank ([Note: hybrid sharding]). shard_only: the
-        entries that torchft's replica groups agree on within their own group only ([Note: replica
-        groups on torchft])."""
+        failure before the update), counted too: a MAX over the shard group, then the replicate group
+        ([Note: hybrid sharding]). shard_only: the entries that torchft's replica groups agree on
+        within their own group only ([Note: replica groups on torchft])."""
         if self.check:
             self._verify("agree_used", 0, t.numel(), self.group)
         self._agreements["shard/all_reduce_flags"] += t.numel() * t.element_size()
@@ -402,17 +394,15 @@ class BucketComm:
     def all_reduce_tp(self, t: torch.Tensor, op, tp_group: dist.ProcessGroup, kind: str, what: str) -> None:
         """Tensor parallelism's small all_reduce over "tp" (the norm's and the overflow flag's sum, the
         agreement joined: [Note: tensor parallelism] in zerofast/tensor_parallel.py), issued as this
-        comm's own (its Work kept: [Note: clean exit] in csrc/work_keeper.cpp; a failure named, with
-        the step and phase) and counted as "tp/all_reduce_<kind>"."""
+        comm's own (_collective) and counted as "tp/all_reduce_<kind>"."""
         self._agreements[f"tp/all_reduce_{kind}"] += t.numel() * t.element_size()
         self._collective(what, dist.all_reduce, t, op, tp_group)
 
     def all_reduce_replicas(self, shards: list[torch.Tensor]) -> None:
         """Hybrid sharding with check_collectives: sum this rank's reduced gradient shard over its
-        replicas in step(), once per step ([Note: hybrid sharding] in zerofast/topology.py), each
-        collective described to every replica first. One collective per tensor given (the gradient
-        shard; stage 1 reducing in place: the owned range of each bucket), issued together, then
-        waited for. Without the check the engine does it during backward (wait_reduces waits)."""
+        replicas in step() ([Note: hybrid sharding] in zerofast/topology.py), each collective described
+        first; one per tensor given (stage 1 reducing in place: each bucket's owned range), issued
+        together, then waited for. Without the check the engine does it during backward."""
         if self.replicate_group is None or self.replicates_in_engine:
             return
         works = []

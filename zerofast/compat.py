@@ -1,14 +1,11 @@
 """The torch releases zerofast supports, and every difference between them that Python sees, each named
-by the release it serves (the compiled ones are in csrc/torch_compat.h).
+by the release it serves (the compiled ones: csrc/torch_compat.h).
 
-Supported: torch 2.11 to 2.14 (`torch>=2.11,<2.15` in pyproject.toml). CI builds and tests on both
-ends (docs/testing.md says what runs on which). setup.py refuses another torch before compiling
-anything, and `import zerofast` refuses one at import, each naming the range and the torch found:
-an unsupported torch is a sentence, never a C++ compile error or a missing symbol.
-ZEROFAST_ANY_TORCH=1 lets both through, with a warning, for trying a newer release.
-
-This file imports nothing of zerofast or torch at module level: setup.py loads it by path, before
-torch is importable as zerofast's build dependency.
+Supported: torch 2.11 to 2.14 (pyproject.toml); CI tests both ends (docs/testing.md). setup.py and
+`import zerofast` both refuse another torch, naming the range and the torch found, so an unsupported
+torch is a sentence, never a C++ compile error or a missing symbol. ZEROFAST_ANY_TORCH=1 lets it
+through with a warning. No zerofast or torch import at module level: setup.py loads this file by
+path, before torch is importable as a build dependency.
 """
 
 from __future__ import annotations
@@ -61,16 +58,15 @@ _MADE: dict[tuple[int, ...], int] = {}
 
 
 def new_group(ranks, **kwargs):
-    """dist.new_group(ranks, use_local_synchronization=True, **kwargs): only the ranks of the group
-    call it (the one way zerofast makes a group).
+    """dist.new_group(ranks, use_local_synchronization=True, **kwargs), called by the group's ranks
+    only: the one way zerofast makes a group.
 
     torch 2.11 to 2.13 name such a group by its ranks salted with the number of groups alive
-    (distributed_c10d._hash_ranks_to_str: len(_world.pg_names)); a group made after another was
-    destroyed can get that one's name, and its rendezvous then reads the destroyed group's stale
-    addresses from the store (gloo: "Connection refused", or worse, the wrong peers). torch 2.14
-    salts with a count that only grows. On the older releases the name is salted here with how many
-    groups of these ranks zerofast made in this process, which only grows too, and is the same on
-    every member (each makes the same groups over them, in the same order)."""
+    (distributed_c10d._hash_ranks_to_str: len(_world.pg_names)), so a group made after another was
+    destroyed can get that one's name and its rendezvous reads stale addresses from the store (gloo:
+    "Connection refused", or worse, the wrong peers). torch 2.14 salts with a count that only grows;
+    so does this on the older releases: the groups of these ranks zerofast made in this process, the
+    same on every member (each makes the same groups in the same order)."""
     import hashlib
 
     import torch
@@ -97,9 +93,8 @@ def new_group(ranks, **kwargs):
 
 
 def torch_muon_adjust_lr_fns() -> tuple[str | None, ...]:
-    """The adjust_lr_fn values this torch's torch.optim.Muon accepts (ZeroMuon computes every one
-    itself, on any release; this says which torch can be the oracle for, or take a state dict of):
-    "spectral_unclamped" from torch 2.14."""
+    """The adjust_lr_fn values this torch's torch.optim.Muon accepts ("spectral_unclamped" from 2.14):
+    which ones torch can be the oracle for, or take a state dict of (ZeroMuon computes them all)."""
     import torch
 
     return (None, "original", "match_rms_adamw") + (

@@ -1,20 +1,16 @@
 """ZeroAdam's configuration: the policies a user passes, and the frozen plan they resolve into.
 
-The policies group the options that travel together, as FSDP2's MixedPrecisionPolicy and
-OffloadPolicy do; each is a small frozen dataclass that checks its own fields when built:
+The policies group options that travel together, as FSDP2's do; each is a frozen dataclass that
+checks its own fields:
   MixedPrecisionPolicy  parameter dtype, reduce dtype, and fp16's LossScalePolicy
-  CommPolicy            who owns what (partition), how many ranks share one copy (shard_size),
-                        bucket size, buffers in flight, overlap, accumulation, the collectives'
-                        debug check
+  CommPolicy            who owns what (partition), how many ranks share one copy (shard_size), buckets,
+                        buffers in flight, overlap, accumulation, the collectives' debug check
   UnitPolicy            stage 3: which modules form a unit, and merging small ones
-  OffloadPolicy         where the optimizer state lives: the device, pinned host memory, or files on
-                        disk streamed through a bounded window
-`resolve_plan` checks the combinations and fills every default once, into a `Plan` whose fields are
-explicit facts (gradients as bucket views, parameters sharded, ...). Every part of the optimizer
-reads the plan; none re-derives the stage from an argument or infers it from a tensor's size.
-
-This module imports no compiled code (the estimator, `python -m zerofast.estimate`, runs where the
-extension was never built) and holds every default and every check of ZeroAdam's options.
+  OffloadPolicy         where the optimizer state lives: the device, pinned host memory or files on disk
+`resolve_plan` checks the combinations and fills every default once, into a `Plan` of explicit facts
+(gradients as bucket views, parameters sharded, ...) that every part of the optimizer reads instead of
+re-deriving the stage. Every default and check of ZeroAdam's options lives here; no compiled code is
+imported (the estimator, `python -m zerofast.estimate`, runs where the extension was never built).
 """
 
 from __future__ import annotations
@@ -32,26 +28,25 @@ from .quant import DEFAULT_STATE_BLOCK, MIN_STATE_BLOCK, STATE_BITS
 
 STAGES = (1, 2, 3)
 
-# Bucket sizes of stages 1 and 2 (stage 3's buckets are its units). Stage 1's buckets are its
-# gradients, so their size sets only how the reduce is cut into collectives: DDP's 25 MB. Stage 2's
-# are transient, DEFAULT_BUCKET_BUFFERS of them beside the gradient shard: 8 MB, chosen by
-# measurement (docs/benchmarks.md, "Buffers in flight": the step time of 25 MB buckets at a third of the memory).
+# Bucket sizes of stages 1 and 2 (stage 3's buckets are its units). Stage 1's buckets are its gradients,
+# so their size only cuts the reduce into collectives: DDP's 25 MB. Stage 2's are transient,
+# DEFAULT_BUCKET_BUFFERS of them beside the gradient shard: 8 MB, measured (docs/benchmarks.md,
+# "Buffers in flight": the step time of 25 MB buckets at a third of the memory).
 DEFAULT_BUCKET_MB = {1: 25.0, 2: 8.0}
 
-# Gradient bucket buffers alive at once (stages 2 and 3, and stage 1 when gradients are copied):
-# one being filled while the previous one is reduced. Chosen by measurement: see docs/benchmarks.md,
-# "Buffers in flight" ([Note: buffers in flight] in csrc/bucket_pool.cpp).
+# Gradient bucket buffers alive at once (stages 2 and 3, and stage 1 when gradients are copied): one
+# filled while the previous one is reduced. Measured: docs/benchmarks.md, "Buffers in flight"
+# ([Note: buffers in flight] in csrc/bucket_pool.cpp).
 DEFAULT_BUCKET_BUFFERS = 2
 
 # Stage 3's default units smaller than this are merged with their neighbours ([Note: merging small
-# units] in zerofast/stage3/units.py). Chosen by measurement: see docs/benchmarks.md, "Stage 3 unit size".
+# units] in zerofast/stage3/units.py). Measured: docs/benchmarks.md, "Stage 3 unit size".
 DEFAULT_MIN_UNIT_MB = 2.0
 
 # The first bucket (in backward order) holds at most this, so its reduce starts early in backward;
 # DDP uses the same 1 MiB (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES).
 FIRST_BUCKET_BYTES = 1 << 20
 
-# The shortcut names of mixed_precision=, and the dtypes they stand for.
 LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -174,9 +169,9 @@ class CommPolicy:
       broadcast from it) or "greedy" (whole tensors, largest first, to the least-loaded rank).
     bucket_mb: stages 1 and 2's bucket size in MiB of gradients (None: 25 for stage 1, whose buckets
       are its gradients, 8 for stage 2; stage 3 has one bucket per unit, so it takes none).
-    bucket_buffers: at most this many gradient bucket buffers alive at once, being filled, being
-      reduced or kept for reuse (0: no bound); backward waits for the oldest reduce when all are in
-      use ([Note: buffers in flight] in csrc/bucket_pool.cpp).
+    bucket_buffers: at most this many gradient bucket buffers alive at once, filled, reduced or kept
+      (0: no bound); backward waits for the oldest reduce when all are in use ([Note: buffers in
+      flight] in csrc/bucket_pool.cpp).
     overlap: reduce each bucket during backward as soon as it is complete (else at step()).
     overlap_param_gather: stages 1 and 2: step() returns before the parameter gather finishes and
       each module's forward waits for its own bucket ([Note: overlapped parameter gather]).
@@ -187,9 +182,9 @@ class CommPolicy:
     shard_size: hybrid sharding: the ranks form groups of shard_size consecutive ranks (a machine
       under torchrun), each group shards the state as `partition` says and the groups replicate it;
       the owned gradient shard is all_reduced across the replicas once per step (None: every rank
-      shares one copy, flat ZeRO; 1: plain replication; it must divide the number of ranks, which
-      the optimizer checks). A 2-D DeviceMesh given as process_group says the same with its "shard"
-      dim. [Note: hybrid sharding] in zerofast/topology.py.
+      shares one copy, flat ZeRO; 1: plain replication; it must divide the number of ranks). A 2-D
+      DeviceMesh as process_group says the same with its "shard" dim ([Note: hybrid sharding] in
+      zerofast/topology.py).
     """
 
     partition: str = "flat"
@@ -258,24 +253,23 @@ class OffloadPolicy:
     lives: [Note: offload schedule] in zerofast/offload/__init__.py.
 
     state: None (default: with the parameters, no offload), "host" (pinned host memory, stepped by
-      the fused CPU kernel; on a CPU model the state is in host memory already, so nothing changes)
-      or "disk" (files under `path`, streamed through a bounded window, stepped by the CPU kernel;
-      any device, the CPU included).
+      the fused CPU kernel; a CPU model's state is there already) or "disk" (files under `path`, streamed
+      through a bounded window, stepped by the CPU kernel; any device, the CPU included).
     path: "disk": the folder that holds the files (created if missing; one subfolder per rank and
       optimizer, removed when the optimizer is; twice the state's bytes, for the all-or-none step).
     window_mb: "disk": MiB of state in memory at once per rank (the read-ahead, the step and the
       write-behind; at least 3 chunks of one element of every state kind each).
     io_threads: "disk": threads reading and writing the files.
     pin_memory: "host" on a GPU: the state in page-locked memory (so its copies run asynchronously).
-    direct_io: "disk": read and write the moments and the master with O_DIRECT where the filesystem
-      allows it, bypassing the page cache (True); through the page cache (False, the default: faster
-      in every case measured, the large state's cold reads included: docs/benchmarks.md#offload).
+    direct_io: "disk": the moments and the master read and written with O_DIRECT where the filesystem
+      allows (True), or through the page cache (False, the default: faster in every case measured,
+      cold reads of a large state included: docs/benchmarks.md#offload).
     delayed_update: ZeRO-Offload's one-step-delayed update (DPU), a different algorithm, never the
-      default: step t's update runs on a thread while step t+1's forward and backward run, so each
-      gradient is computed with parameters one update behind (AdamW applied one step late: [Note:
-      the delayed update] in zerofast/offload/__init__.py). The next step(), gathered_params(), a
-      checkpoint or opt.flush() applies the update in flight. "host" or "disk" (on a CPU model
-      "host" then keeps the state apart from the parameters, so that the thread can update it).
+      default: step t's update runs on a thread during step t+1's forward and backward, so each
+      gradient is computed with parameters one update behind ([Note: the delayed update] in
+      zerofast/offload/__init__.py). The next step(), gathered_params(), a checkpoint or opt.flush()
+      applies the update in flight. Needs "host" or "disk" (on a CPU model "host" then keeps the
+      state apart from the parameters, for the thread to update).
     `offload="host"` / `offload="disk:PATH"` on ZeroAdam are shortcuts for the policy.
     """
 
@@ -337,8 +331,7 @@ def offload_policy(offload, who: str = "ZeroAdam") -> OffloadPolicy:
 
 @dataclass(frozen=True)
 class Plan:
-    """Every option of a ZeroAdam (or ZeroMuon) resolved, and the facts each part of the optimizer acts on.
-    Built once by resolve_plan; frozen."""
+    """Every option of a ZeroAdam (or ZeroMuon), resolved once by resolve_plan, and the facts each part acts on."""
 
     stage: int
     partition: str

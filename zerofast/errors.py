@@ -1,7 +1,6 @@
-"""Every error class zerofast raises for users to catch, in one place: each is exported from
-`zerofast` (and stays importable where it is raised), each message names the argument, parameter,
-rank or call and what to do instead. Pure Python: the compiled core raises GradientError as this
-class (csrc/bindings.cpp looks it up at import).
+"""Every error class zerofast raises for users to catch, exported from `zerofast` (the integrations'
+from their integration); each message names the argument, parameter, rank or call and what to do
+instead. Pure Python: the compiled core raises this GradientError (csrc/bindings.cpp looks it up).
 
   the ranks        CollectiveError, OutOfStepError, StepNotAppliedError ([Note: faults] in zerofast/comm.py)
   gradients        GradientError (a gradient the path cannot take), ShardedGradientError

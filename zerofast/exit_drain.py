@@ -1,8 +1,6 @@
-"""The drain at the interpreter's exit: every collective of ours still in flight waited for (bounded)
-and released, then c10d's worker threads given the moment they need to drop the Works they
-completed, so that a process that trained ends cleanly ([Note: clean exit] in
-csrc/work_keeper.cpp). Registered with atexit when the compiled core is first used (zerofast/comm.py
-imports this module)."""
+"""The drain at the interpreter's exit, so that a process that trained ends cleanly ([Note: clean
+exit] in csrc/work_keeper.cpp). Registered with atexit when the compiled core is first used
+(zerofast/comm.py imports this module)."""
 
 from __future__ import annotations
 
@@ -24,12 +22,10 @@ _BACKEND_THREADS = ("pt_gloo_runloop",)
 
 @atexit.register
 def _drain_at_exit() -> None:
-    """At the interpreter's exit, before finalization (atexit runs first; the checkpoint writer's
-    thread is joined before it): every collective of ours still in flight is waited for (_EXIT_WAIT_S
-    in all) and released on this thread, then c10d's worker threads are given the moment they need
-    to drop the Works they completed, ours or not ([Note: clean exit] in csrc/work_keeper.cpp). A
-    collective that failed or is still running is said on stderr; the exit status stays the
-    program's."""
+    """Before finalization (the checkpoint writer's thread is joined before this): our collectives
+    still in flight are waited for (_EXIT_WAIT_S in all) and released on this thread, then c10d's
+    worker threads get the moment they need to drop the Works they completed, ours or not. A
+    collective that failed or still runs is said on stderr; the exit status stays the program's."""
     report = _C.drain_kept_works(_EXIT_WAIT_S)
     for error in report.errors:
         first = error.strip().splitlines()[0] if error.strip() else "(no message)"

@@ -1,6 +1,6 @@
-"""The flat buffer layout: which bucket each parameter sits in, where, and which part of each bucket
-each rank owns, as plain data (no process group): the engine (and the tests) read it; bind_views
-makes parameters views of the buffers it lays out.
+"""The flat buffer layout as plain data (no process group): which bucket each parameter sits in,
+where, and which part of each bucket each rank owns. build_layout / layout_from_groups make a Layout;
+bind_views makes parameters views of its buffers.
 
 [Note: bucket order]
 Buckets follow backward order (the reverse of registration order, which is how gradients arrive in
@@ -35,9 +35,9 @@ class Slot:
     """Where one parameter lives."""
 
     param: int  # index in the engine's parameter list
-    bucket: int  # bucket index
+    bucket: int
     offset: int  # first element inside the bucket's flat buffer
-    numel: int  # elements
+    numel: int
 
 
 @dataclass(frozen=True)
@@ -52,11 +52,11 @@ class Bucket:
 class Piece:
     """The part of one parameter inside one rank's owned range of one bucket."""
 
-    param: int  # parameter index
-    bucket: int  # bucket index
+    param: int
+    bucket: int
     bucket_offset: int  # first element inside the bucket buffer
     param_offset: int  # first element inside the flattened parameter
-    numel: int  # elements
+    numel: int
     state_offset: int  # first element inside the rank's flat shard buffers (grads, Adam state)
 
 
@@ -72,9 +72,8 @@ class Layout:
         return sum(self.slots[i].numel for i in self.buckets[bucket].params)
 
     def padding_start(self, bucket: int) -> int:
-        """The first element of bucket `bucket` that no slot holds: a fresh gradient buffer is zeroed
-        from there on (the engine's `used_numels`), which covers the gaps block alignment leaves
-        between slots as well as the tail ([Note: padding]); without gaps, used_numel."""
+        """The first element of bucket `bucket` that no slot holds, the first gap or the tail: the
+        engine's `used_numels`, from which a fresh gradient buffer is zeroed ([Note: padding])."""
         end = 0
         for s in sorted((self.slots[i] for i in self.buckets[bucket].params), key=lambda s: s.offset):
             if s.offset != end:

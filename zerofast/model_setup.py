@@ -25,11 +25,10 @@ __all__ = [
 
 
 def check_plain_parameters(model: nn.Module, who: str, tensor_parallel: bool = False) -> None:
-    """Every parameter a plain tensor, unless tensor_parallel (a process_group mesh with a "tp" dim:
-    [Note: tensor parallelism] in zerofast/tensor_parallel.py): a DTensor parameter otherwise is a
-    named error before any collective, on every rank alike (each rank holds the same kind of model),
-    instead of a failure deep in the first broadcast. DTensor is looked up only where its module was
-    imported (importing it costs about a second): no DTensor exists otherwise."""
+    """Every parameter a plain tensor unless tensor_parallel (a mesh with a "tp" dim: [Note: tensor
+    parallelism] in zerofast/tensor_parallel.py): a DTensor is a named error before any collective, on
+    every rank alike, not a failure deep in the first broadcast. DTensor is looked up only where its
+    module was imported (importing it costs about a second): no DTensor exists otherwise."""
     tensor = sys.modules.get("torch.distributed.tensor")
     if tensor is None or tensor_parallel:
         return
@@ -85,10 +84,9 @@ def _signature(model: nn.Module) -> list[tuple]:
 
 
 def in_precision(model: nn.Module, param_dtype: torch.dtype | None) -> list:
-    """The model in low precision: its floating parameters (ZeroAdam's trainable ones: its own
-    conversion) and buffers in param_dtype and its floating inputs cast, so a model run for
-    inference beside a policy is converted exactly as the policy (nothing for None or float32).
-    Returns the hook handles."""
+    """The model converted as the policy converts it: floating parameters (ZeroAdam converts its
+    trainable ones itself) and buffers in param_dtype, floating inputs cast (nothing for None or
+    float32). Returns the hook handles."""
     if param_dtype is None or param_dtype == torch.float32:
         return []
     cast_unmanaged(model, param_dtype)
@@ -109,8 +107,7 @@ def cast_unmanaged(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 class InputCast:
-    """A forward pre-hook (with kwargs) on the model: floating-point tensors passed to its forward,
-    cast to the parameters' dtype."""
+    """Forward pre-hook (with kwargs): floating-point inputs cast to the parameters' dtype."""
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype

@@ -1,13 +1,9 @@
-"""Owner assignment: which rank owns (updates, keeps Adam state for) which parameter.
-
-Pure Python, no process group. Three partitions:
-- "round_robin": round-robin owners (inter-tensor, the reference stages' rule: zerofast/reference.py),
-  parameter i to rank i % world;
-- "greedy": whole tensors, largest first, each to the rank that owns the fewest elements so far;
-  with per-tensor step costs (ZeroMuon: Newton-Schulz FLOPs, newton_schulz_flops), greedy_by_cost
-  balances the cost first and the elements of the cost-free tensors after;
-- "flat": intra-tensor, as FSDP and DeepSpeed do: no owner per tensor; each bucket is one buffer cut
-  into world equal slices (see layout.py), so every rank owns the same number of elements.
+"""Owner assignment, pure Python: which rank owns (updates, keeps Adam state for) which parameter.
+- "round_robin": parameter i to rank i % world (the reference stages' rule: zerofast/reference.py);
+- "greedy": whole tensors, largest first, each to the rank owning the fewest elements so far; with
+  per-tensor step costs (ZeroMuon's newton_schulz_flops), greedy_by_cost balances the cost first;
+- "flat": intra-tensor, as FSDP and DeepSpeed: no owner per tensor, each bucket cut into world equal
+  slices (layout.py).
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ PARTITIONS = ("flat", "round_robin", "greedy")
 
 
 def round_robin(numels: list[int], world: int) -> list[int]:
-    """Owner of each parameter: i % world (round-robin owners)."""
+    """Owner of each parameter: i % world."""
     return [i % world for i in range(len(numels))]
 
 
@@ -45,11 +41,10 @@ def newton_schulz_flops(shape: tuple[int, ...], ns_steps: int) -> int:
 def greedy_by_cost(numels: list[int], costs: list[int], world: int) -> list[int]:
     """Owner of each parameter when some carry a step cost (costs[i] > 0: ZeroMuon's matrices, in
     Newton-Schulz FLOPs): those first, costliest first, each to the rank with the least cost so far
-    (LPT scheduling: the makespan is within 4/3 of the optimum, and on a transformer's few repeated
-    shapes it is usually exact); then the cost-free tensors (AdamW's: an elementwise, memory-bound
-    step, ~10 FLOPs per element against Newton-Schulz's thousands, so their time is noise), largest
-    first, to the rank owning the fewest elements so far, which balances the optimizer state they
-    add (memory is per element). Ties: fewer elements, then the lower rank."""
+    (LPT scheduling: within 4/3 of the optimal makespan, usually exact on a transformer's repeated
+    shapes); then the cost-free tensors (AdamW's memory-bound step, ~10 FLOPs per element against
+    thousands: noise), largest first, to the rank owning the fewest elements, which balances their
+    state's memory. Ties: fewer elements, then the lower rank."""
     owners = [0] * len(numels)
     cost = [0] * world
     owned = [0] * world

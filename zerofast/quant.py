@@ -1,7 +1,6 @@
-"""The 8-bit format of Adam's moments: the codes, the block layout, and plain-torch quantize /
-dequantize (what the compiled kernel does, written as the oracle and the checkpoint readers see it).
-
-Pure Python over torch, no compiled code: config.py, the estimator and the reference read it.
+"""The 8-bit format of Adam's moments: the codes, the block layout, and quantize / dequantize in
+plain torch (the compiled kernel's result, for the oracle and the checkpoint readers). No compiled
+code: config.py, the estimator and the reference import it.
 
 [Note: quantized state]
 With MixedPrecisionPolicy(state_bits=8), exp_avg and exp_avg_sq are kept as one byte per element
@@ -22,8 +21,8 @@ written (Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2
   compared with the midpoints of neighbouring code values, computed in float32 as
   (code[k] + code[k + 1]) * 0.5: q = how many midpoints are < x (a tie goes to the lower code).
   Every step is one correctly rounded float32 operation or a comparison, so the CPU loops of every
-  instruction set, the CUDA kernel and `quantize` below give the same bytes. A block whose scale is
-  0 (all zero) is stored with scale 0, and every code value times 0 is 0.
+  instruction set, the CUDA kernel and `quantize` below give the same bytes. An all-zero block is
+  stored with scale 0 (any code value times 0 is 0).
 - But no positive value rounds to an unsigned code's zero: exp_avg_sq's first threshold is 0, not
   the midpoint, so a second moment below half the code's smallest nonzero value (about 10^-7 of its
   block's largest) is stored as that smallest value, and 0 stands for 0 alone ([Note: no positive
@@ -73,8 +72,7 @@ def dynamic_code(signed: bool) -> torch.Tensor:
 
 def thresholds(code: torch.Tensor) -> torch.Tensor:
     """The 255 rounding thresholds of a code, in float32 as the kernels compute them: the midpoints
-    of neighbouring values, but 0 for an unsigned code's first ([Note: quantized state]: no
-    positive value rounds to an unsigned code's zero)."""
+    of neighbouring values, but 0 for an unsigned code's first ([Note: quantized state])."""
     t = (code[:-1] + code[1:]) * 0.5
     if code[0] == 0:
         t[0] = 0.0
@@ -117,16 +115,14 @@ QUANTIZED_KINDS = (*SIGNED_KINDS, "exp_avg_sq")
 
 
 def code_of(kind: str) -> torch.Tensor:
-    """The code a state is stored in: exp_avg's and ZeroMuon's momentum_buffer's signed,
-    exp_avg_sq's unsigned."""
+    """The code a state is stored in: signed for exp_avg and momentum_buffer, unsigned for exp_avg_sq."""
     if kind not in QUANTIZED_KINDS:
         raise ValueError(f"zerofast.quant.code_of: kind must be one of {', '.join(QUANTIZED_KINDS)}; got {kind!r}")
     return dynamic_code(kind in SIGNED_KINDS)
 
 
 def scale_kind(kind: str) -> str:
-    """The name a moment's per-block scales go by in a checkpoint: "exp_avg_scale", "exp_avg_sq_scale",
-    "momentum_buffer_scale"."""
+    """The checkpoint name of a moment's per-block scales ("exp_avg_scale", ...)."""
     return kind + "_scale"
 
 

@@ -1,10 +1,9 @@
 """ZeRO stages 1, 2 and 3 in plain PyTorch: zerofast's correctness oracle.
 
 The ZeRO paper's algorithm (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
-Parameter Models", SC 2020) in the form the Chinese-language course chapter "ZeRO 优化器"
+Parameter Models", SC 2020) as the Chinese-language course chapter "ZeRO 优化器"
 ("渐进式去冗余，从优化器状态到参数的三级分片": progressive removal of redundancy, three levels of
-sharding from the optimizer state to the parameters) teaches it, in plain Python; this module follows
-that form, simple and obviously correct rather than fast:
+sharding from the optimizer state to the parameters) teaches it, simple and obviously correct rather than fast:
 - owners: trainable parameter i (in `model.named_parameters()` order, so a tied weight is one
   parameter) belongs to rank i % world ("round-robin");
 - the owner alone keeps AdamW state (a torch.optim.AdamW over its owned parameters);

@@ -10,9 +10,8 @@ ranks of one "tp" group hold the parts of one layer and see the same data.
 - The core shards plain tensors only. Each DTensor parameter is represented to it by a stand-in: a
   plain leaf tensor, the shape of the parameter's local tensor, sharing its storage. Layouts,
   buckets, the fp32 master, the fused step and the gathers all run on the stand-ins, exactly as on a
-  plain model, over the data-parallel group (the local tensors of a "tp" coordinate are what its
-  data-parallel ranks shard). A plain parameter of the same model (replicated across "tp") is its
-  own stand-in.
+  plain model, over the data-parallel group. A plain parameter (replicated across "tp") is its own
+  stand-in.
 - Binding a parameter to its slot in the flat buffers is `p.data = view` for a plain tensor; on a
   DTensor that assignment is a silent no-op (forward keeps reading the old local tensor), so after
   the core binds the stand-ins, relink() points each DTensor's local tensor at its stand-in's
@@ -102,11 +101,10 @@ def local_copy(t: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def replicated(model: nn.Module) -> Iterator[nn.Module]:
     """Inside the block, every DTensor parameter of `model` not already replicated is whole on every
-    rank: a Replicate DTensor of its full tensor (gathered over its mesh: a collective, every rank of
-    the mesh enters) swapped in, the Parameter object kept (torch.utils.swap_tensors), so p.to_local()
-    is the whole tensor and forward still runs (DTensor redistributes around replicated weights).
-    Read-only: the copies do not require grad, and what is written to them is dropped; on exit the
-    parameters are swapped back."""
+    rank: a Replicate DTensor of its full tensor (a collective over its mesh) swapped in, the
+    Parameter object kept (torch.utils.swap_tensors), so p.to_local() is the whole tensor and forward
+    still runs. Read-only: the copies do not require grad, writes to them are dropped, and on exit
+    the parameters are swapped back."""
     from torch.distributed.tensor import DTensor, Replicate
 
     swapped: list[tuple[nn.Parameter, nn.Parameter]] = []
@@ -233,7 +231,7 @@ class TensorParallel:
         return tuple(p._local_tensor.shape), tuple(offsets)
 
     def local_part(self, index: int, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's part of parameter `index`'s whole tensor (a plain parameter's: all of it)."""
+        """narrow() for the optimizer's parameter `index`."""
         return self.narrow(self.params[index], whole)
 
     def narrow(self, p: nn.Parameter, whole: torch.Tensor) -> torch.Tensor:

@@ -49,11 +49,10 @@ __all__ = [
 
 @runtime_checkable
 class Replication(Protocol):
-    """The extension point of a step: how the replicas of the training state take each step
-    together. The optimizer calls these at fixed points of every step, and names no implementation:
-    StaticReplication (below) is flat ZeRO's and hybrid sharding's fixed replicas; a replicate
-    dimension whose members change between steps plugs in its own (torchft's ReplicaGroups:
-    [Note: replica groups on torchft] in zerofast/integrations/torchft.py). Their order in a step:
+    """The extension point of a step: how the replicas of the training state take each step together.
+    The optimizer calls these, in this order, and names no implementation: StaticReplication (below)
+    serves fixed replicas; a replicate dimension whose members change between steps plugs in its own
+    (torchft's ReplicaGroups: [Note: replica groups on torchft] in zerofast/integrations/torchft/):
 
         attach(opt)               once, when the optimizer is built (its state: opt.checkpoint_view)
         begin_step()              opt.zero_grad(): the step begins (torchft: its quorum)
@@ -63,10 +62,9 @@ class Replication(Protocol):
         commit() -> bool          after the reduces and the agreement, before the update: apply it?
         on_error(error)           the step raised before its commit: it still takes its one decision
 
-    changes_membership: False for fixed replicas (their agreement runs over the replicate group, and
-    agree() is not called); True: the replicate group is one group per step that takes one tensor
-    per all_reduce, so gradients are not coalesced and agree() runs after the step's gradient
-    all_reduces on it.
+    changes_membership: False for fixed replicas (the agreement runs over the replicate group, not
+    agree()); True: the replicate group is one group per step taking one tensor per all_reduce, so
+    gradients are not coalesced and agree() runs after the step's gradient all_reduces on it.
     """
 
     changes_membership: bool
@@ -135,8 +133,8 @@ class Topology:
     shard_size: int
     replicate_group: dist.ProcessGroup | None  # the ranks holding this rank's shard (None: no replica)
     replicas: int
-    # How the replicas take each step together: fixed (the default), or plugged in by the caller.
-    replication: Replication = None  # type: ignore[assignment]  # None: StaticReplication(replicas)
+    # How the replicas take each step together; None: fixed, StaticReplication(replicas).
+    replication: Replication = None  # type: ignore[assignment]
     # Tensor parallelism: the ranks that hold the other parts of this rank's DTensor parameters, with
     # the same data ([Note: tensor parallelism] in zerofast/tensor_parallel.py); None: none.
     tp_group: dist.ProcessGroup | None = None
@@ -227,8 +225,7 @@ def mesh_dims(mesh, who: str = "ZeroAdam") -> MeshDims:
 
 
 def mesh_groups(mesh, who: str = "ZeroAdam") -> tuple[int, int]:
-    """A DeviceMesh as ZeroAdam takes it. Returns its (replicas, shard size): the data-parallel ranks'
-    arrangement (a "tp" dim is not data parallel)."""
+    """(replicas, shard size) of a DeviceMesh's data-parallel ranks (a "tp" dim is not data parallel)."""
     dims = mesh_dims(mesh, who)
     return (mesh.size(mesh.mesh_dim_names.index(dims.replicate)) if dims.replicate else 1), mesh.size(
         mesh.mesh_dim_names.index(dims.shard)
@@ -296,9 +293,8 @@ def check_process_group(process_group) -> None:
 
 
 def data_parallel_group(process_group, shard_size):
-    """The group of every data-parallel rank, the shard size and the mesh, if one was given
-    ([Note: hybrid sharding] in zerofast/topology.py): from process_group (None: the world) and
-    CommPolicy.shard_size, or from a 2-D DeviceMesh given as process_group."""
+    """(group of every data-parallel rank, shard size, mesh or None): from process_group (None: the
+    world) and CommPolicy.shard_size, or from a DeviceMesh as process_group ([Note: hybrid sharding])."""
     if not isinstance(process_group, DeviceMesh):
         group = process_group if process_group is not None else dist.group.WORLD
         # The raw value first, on every rank: a value bad on some ranks only must fail on all of
@@ -332,10 +328,9 @@ def data_parallel_group(process_group, shard_size):
 
 
 def broadcast_from_rank0(model: nn.Module, group, tp_group=None) -> None:
-    """Every parameter and buffer of `model` as `group`'s first rank holds it, on every rank of it.
-    With tensor parallelism (tp_group), a DTensor's local tensor over `group` (each "tp" coordinate
-    has its own data-parallel group), then whatever is replicated across "tp" (plain tensors, DTensors
-    placed Replicate) from the tp group's first rank: every rank then holds global rank 0's."""
+    """Every parameter and buffer of `model` (a DTensor's local tensor) as `group`'s first rank holds
+    it, on every rank of it; with tp_group, then whatever is replicated across "tp" from the tp
+    group's first rank, so every rank holds global rank 0's ([Note: tensor parallelism])."""
     src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
     tensors = list(model.parameters()) + list(model.buffers())
     with torch.no_grad():

@@ -1,6 +1,6 @@
-"""`python -m zerofast.checkpoint info|export|upgrade ...`: inspect a checkpoint, export its model as
-one safetensors file, in one process without a process group (neither runs code from the checkpoint:
-[Note: safe checkpoints]); or convert a trusted checkpoint of an older zerofast (upgrade)."""
+"""`python -m zerofast.checkpoint info|export|upgrade ...`: info and export run in one process without a
+process group and run no code from the checkpoint ([Note: safe checkpoints]); upgrade converts a
+trusted checkpoint of an older zerofast."""
 
 from __future__ import annotations
 

@@ -55,8 +55,7 @@ class AsyncSave:
         self._finished = False  # written, and every then() callback run
 
     def _job(self, write: Callable[[], None]) -> None:
-        """On the writer thread: the write, then the then() callbacks, one by one, as part of it
-        (so a wait() returns after them)."""
+        """On the writer thread: the write, then the then() callbacks one by one (wait() returns after them)."""
         _lower_priority()
         write()
         while True:
@@ -171,8 +170,7 @@ def submit(path: str, write: Callable[[], None]) -> AsyncSave:
 
 @atexit.register
 def _report_at_exit() -> None:
-    """At the interpreter's exit (the writer thread has been joined by then): a last save that failed
-    and that nothing waited for is said on stderr, not lost."""
+    """At exit (the writer thread is joined by then): a failed last save nothing waited for, on stderr."""
     pending = _IN_FLIGHT
     if pending is not None and pending.done() and not pending._reported and pending._future.exception() is not None:
         err = pending._future.exception()

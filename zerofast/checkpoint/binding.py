@@ -1,8 +1,6 @@
-"""The optimizer's parts as a checkpoint reads and writes them, assembled on the checkpoint's side:
-checkpoint_view() binds a CheckpointView (view.py) over them once, at construction. It reads the
-parts by their attributes (zerofast/optim/builder.py's Parts and the step's rest: zerofast/optim/
-step.py), importing nothing of zerofast.optim: the optimizer depends on this package, never the
-other way round."""
+"""checkpoint_view(): the optimizer's parts bound into a CheckpointView (view.py) once, at construction.
+It reads them by attribute (zerofast/optim/builder.py's Parts, the step's rest in zerofast/optim/step.py)
+and imports nothing of zerofast.optim: the optimizer depends on this package, never the reverse."""
 
 from __future__ import annotations
 

@@ -1,28 +1,23 @@
-"""ChunkedTensor: a tensor of which this rank holds some rectangular chunks, each a plain tensor (a
-view of the live state), as torch.distributed.checkpoint (DCP) saves and loads it.
+"""ChunkedTensor: the rectangular chunks of a tensor this rank holds (views of the live state), as
+torch.distributed.checkpoint (DCP) saves and loads them.
 
 A rank's flat range of a parameter is a few boxes of any shape ([Note: flat slices as chunks] in
-dcp.py). A DTensor cannot describe them (it shards each dimension evenly, one block per rank), and
-ShardedTensor, which could, is deprecated. DCP asks a value of a state dict three things, through the
-protocol DTensor implements (torch.distributed._checkpointable._Checkpointable; DCP's planner calls
-it on any value that has the methods, in torch 2.11 to 2.14 alike):
-  __create_write_items__  what to write: one WriteItem per chunk (its offsets and sizes, the
-                          tensor's global size and dtype), which DCP gathers into the metadata's
+dcp.py): a DTensor cannot describe them (one even block per rank and dimension), and ShardedTensor,
+which could, is deprecated. DCP's planner calls DTensor's protocol on any value that has its methods
+(torch.distributed._checkpointable._Checkpointable, torch 2.11 to 2.14 alike):
+  __create_write_items__  one WriteItem per chunk, which DCP gathers into the metadata's
                           TensorStorageMetadata, one ChunkStorageMetadata per chunk;
-  __create_chunk_list__   what to load: the chunks, against which DCP's resharding reads whatever
-                          saved chunks overlap them;
-  __get_tensor_shard__    the chunk's tensor at a chunk's offsets (saving reads it, loading copies
-                          into it).
-That is the metadata a ShardedTensor's shards gave DCP, so the files are the same: checkpoints written
-with ShardedTensor (zerofast before this class) and with it load into each other's configurations.
+  __create_chunk_list__   the chunks to load, filled by DCP's resharding from the saved chunks that
+                          overlap them;
+  __get_tensor_shard__    the chunk at given offsets (saving reads it, loading copies into it).
+That is the metadata a ShardedTensor's shards gave DCP, so checkpoints written with ShardedTensor
+(zerofast before this class) and with it load into each other's configurations.
 
-It is a torch.Tensor (a wrapper subclass of the global shape, dtype and device, holding no storage
-of its own) because DCP looks values up (find_state_dict_object) and prepares them for loading
-(_init_state_dict) as tensors; any operation on it is an error: it describes chunks, it is not a
-tensor to compute with. Its chunks are `.chunks`. (torch 2.14 adds another protocol,
-CheckpointableTensor: attributes on one local tensor whose chunks are boxes of it in the global
-tensor's number of dimensions; a flat range's boxes are views of a 1-D buffer, and torch 2.11 does
-not have it.)"""
+It is a torch.Tensor (a wrapper subclass holding no storage) because DCP looks values up
+(find_state_dict_object) and prepares them for loading (_init_state_dict) as tensors; any operation on
+it is an error. torch 2.14's CheckpointableTensor protocol does not fit: its chunks are boxes of one
+local tensor with the global tensor's dimensions, a flat range's are views of a 1-D buffer, and
+torch 2.11 lacks it."""
 
 from __future__ import annotations
 
@@ -68,7 +63,6 @@ class ChunkedTensor(torch.Tensor):
 
     @property
     def chunks(self) -> list[tuple[torch.Size, torch.Tensor]]:
-        """This rank's chunks: [(offsets, tensor)]."""
         return list(self._chunks)
 
     def __repr__(self, *, tensor_contents=None) -> str:

@@ -133,9 +133,8 @@ MUON_KINDS = ("momentum_buffer",)  # a ZeroMuon matrix's
 
 
 def _saved_moments(shape: torch.Size, block: int, kinds: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Empty tensors for a parameter's optimizer state (Adam's moments, or a ZeroMuon matrix's
-    momentum) as a checkpoint stores them: fp32 in its shape, or 8-bit (block > 0) as uint8 codes in
-    its shape and fp32 scales per block ([Note: 8-bit checkpoints] in dcp.py)."""
+    """Empty tensors for a parameter's optimizer state as a checkpoint stores it: fp32 in its shape, or
+    8-bit (block > 0) uint8 codes and fp32 scales per block ([Note: 8-bit checkpoints] in dcp.py)."""
     if not block:
         return {kind: torch.empty(shape) for kind in kinds}
     blocks = num_blocks(shape.numel(), block)

@@ -1,32 +1,28 @@
-"""The checkpoint's tensors as a torch.distributed.checkpoint (DCP) state dict: each rank's pieces of
-every parameter and Adam moment, in the parameter's own shape, keyed by parameter name, as views of
-the live state; and binding them to a ZeroAdam (ZeroAdam.state_dict / load_state_dict).
-
-What the DCP state dict holds:
+"""The checkpoint's tensors as a torch.distributed.checkpoint (DCP) state dict, keyed by parameter name
+in each parameter's shape, views of this rank's pieces of the live state (tensors()); small_state();
+ZeroAdam.state_dict / load_state_dict. The optimizer is read only through opt.checkpoint_view.
   "model": every key of model.state_dict(): trainable parameters from the fp32 master (the source of
-      truth; in mixed precision the model's own parameters are its rounding), stage 3's frozen
-      parameters from their shard, as chunks too ([Note: frozen parameters in stage 3]), other
-      frozen parameters and buffers as the model holds them, a tied weight under each of its names. A plain model loads
+      truth; in mixed precision the model's parameters are its rounding), stage 3's frozen parameters
+      from their shard, as chunks too ([Note: frozen parameters in stage 3]), other frozen parameters
+      and buffers as the model holds them, a tied weight under each of its names. A plain model loads
       it with dcp.load({"model": model.state_dict()}, checkpoint_id=path, no_dist=True).
-  "optim": per trainable parameter name, the optimizer state it holds (fp32, the parameter's shape),
-      by kind as the view names them: exp_avg and exp_avg_sq, or a ZeroMuon matrix's momentum_buffer.
-small_state() is the rest, the same on every rank and small: per-parameter step counts, the
+  "optim": per trainable parameter name, its optimizer state by kind (exp_avg and exp_avg_sq, or a
+      ZeroMuon matrix's momentum_buffer), fp32 in the parameter's shape ([Note: 8-bit checkpoints]).
+small_state() is the rest, small and the same on every rank: per-parameter step counts, the
 param_groups' hyper-parameters by parameter name, the fp16 loss scaler's state.
-
-The optimizer is read only through its CheckpointView (view.py): opt.checkpoint_view, nothing else.
 
 [Note: flat slices as chunks]
 A rank owns 1-D ranges of the flattened parameters (layout.pieces). DCP describes a shard as a
-rectangular chunk of the tensor (offsets and sizes per dimension), so each range is cut into at
-most 2 * ndim - 1 boxes of the row-major tensor: the tail of a partial first row, the full rows,
-the head of a partial last row, recursively. A rank computes its boxes from the layout (a pure
-function), without a collective, and padding is never written. Each tensor goes to DCP as a
-ChunkedTensor (chunked.py): this rank's boxes, views of the live state, behind DCP's checkpointable
-protocol. The metadata is DCP's TensorStorageMetadata, one chunk per box of every rank (DCP checks
-on save that they cover the tensor once), and DCP's own resharding reads, for the loading
-configuration's boxes, whatever saved chunks overlap them: any world size, stage or partition on
-either side. zerofast before ChunkedTensor gave DCP the same boxes as ShardedTensors: the same
-metadata and files, which load as they are (tests/test_checkpoint_format.py).
+rectangular chunk of the tensor (offsets and sizes per dimension), so each range is cut into at most
+2 * ndim - 1 boxes of the row-major tensor: the tail of a partial first row, the full rows, the head
+of a partial last row, recursively. A rank computes its boxes from the layout (a pure function),
+without a collective, and padding is never written. Each tensor goes to DCP as a ChunkedTensor
+(chunked.py) of this rank's boxes, views of the live state. The metadata is DCP's
+TensorStorageMetadata, one chunk per box of every rank (DCP checks on save that they cover the
+tensor once), and DCP's own resharding reads, for the loading configuration's boxes, whatever saved
+chunks overlap them: any world size, stage or partition on either side. zerofast before
+ChunkedTensor gave DCP the same boxes as ShardedTensors: the same metadata and files, which load as
+they are (tests/test_checkpoint_format.py).
 """
 
 from __future__ import annotations
@@ -90,11 +86,11 @@ def boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...
 
 
 def _exact(view: torch.Tensor) -> torch.Tensor:
-    """The same memory as `view`, as a tensor whose storage is exactly its own bytes. DCP clones a
-    CPU tensor whose storage is larger than itself before writing it (torch.save would otherwise
-    write the whole storage); our boxes are views into the flat buffers, so every box would be
-    copied, and the freed copies stay resident: +333 MiB per rank measured saving a 100M-parameter
-    model in stage 2. Aliasing through numpy (float32 here: master and moments) avoids the copy."""
+    """`view`'s memory as a tensor whose storage is exactly its bytes. DCP clones a CPU tensor whose
+    storage is larger than itself before writing it (else torch.save writes the whole storage); our
+    boxes are views into the flat buffers, so every box would be copied, and the freed copies stay
+    resident: +333 MiB per rank measured saving a 100M-parameter model in stage 2. Aliasing through
+    numpy (float32 here: master and moments) avoids the copy."""
     if view.device.type != "cpu" or not view.is_contiguous() or view.dtype == torch.bfloat16:  # numpy has no bf16
         return view
     try:
@@ -104,12 +100,10 @@ def _exact(view: torch.Tensor) -> torch.Tensor:
 
 
 class _Chunks:
-    """For every parameter of one sharded part (the trainable parameters' fp32 values and state, or
-    stage 3's frozen parameters in their own dtype: [Note: frozen parameters in stage 3]), this
-    rank's boxes under the part's layout. With `staged`, the values are views of its copy instead
-    of the live state. Under hybrid sharding each replica describes the same boxes, and DCP's
-    planner writes each box once, the replicas splitting the writing between them (its dedup of
-    replicated writes, balanced by size)."""
+    """This rank's boxes of every parameter of one sharded part (trainable: fp32 values and state;
+    stage 3's frozen: values in their dtype), views of the live state or of `staged`'s copy. Under
+    hybrid sharding every replica describes the same boxes, and DCP's planner writes each once, the
+    replicas splitting the writing (its dedup of replicated writes, balanced by size)."""
 
     def __init__(
         self,
@@ -150,9 +144,8 @@ class _Chunks:
         return self.mine[i], self.shapes[i], self.dtype
 
     def chunked(self, i: int, kind: str) -> ChunkedTensor:
-        """Parameter i's `kind` ("master" or one of its optimizer state's kinds; with 8-bit state also
-        their scales) as a ChunkedTensor of its shape whose chunks are this rank's boxes, views of
-        the live state (the part's piece_view)."""
+        """Parameter i's `kind` ("master", a state kind or, 8-bit, its scales) as a ChunkedTensor whose
+        chunks are this rank's boxes."""
         mine, shape, dtype = self._geometry(i, kind)
         chunks = []
         for pc, offsets, sizes, start in mine:
@@ -168,9 +161,7 @@ class _Chunks:
 def _model_entries(
     model: nn.Module, view: CheckpointView, chunks: _Chunks, staged: Staging | None = None
 ) -> dict[str, Any]:
-    """Every key of model.state_dict(): managed parameters from the fp32 master, in their shape;
-    stage 3's frozen parameters from their shard, as chunks too; other frozen parameters and buffers
-    as the model holds them (replicated on every rank; with `staged`, buffers from its copy)."""
+    """The "model" entry (see the module docstring); with `staged`, buffers from its copy."""
     master, frozen = {}, {}
     frozen_chunks = _Chunks(view, view.frozen) if view.frozen is not None else None
     out = {}
@@ -194,8 +185,7 @@ def _model_entries(
 
 
 def _optim_entries(part: ShardedPart, chunks: _Chunks) -> dict[str, Any]:
-    """Per parameter name, its optimizer state by kind (Adam's exp_avg and exp_avg_sq, or a ZeroMuon
-    matrix's momentum_buffer: what the view says it holds; 8-bit state: ShardedPart.saved_kinds)."""
+    """The "optim" entry: per parameter name, its state by kind (ShardedPart.saved_kinds)."""
     return {
         name: {kind: chunks.chunked(i, kind) for kind in part.saved_kinds(i)} for i, (name, _) in enumerate(part.params)
     }
@@ -211,11 +201,10 @@ def _numel(shape: tuple[int, ...]) -> int:
 def tensors(
     model: nn.Module, view: CheckpointView, staged: Staging | None = None, decoding: _Decoding | None = None
 ) -> dict[str, Any]:
-    """The checkpoint's tensors as a DCP state dict ({"model": ..., "optim": ...}), views into the
-    live state: dcp.save reads them, dcp.load writes into them. See the module docstring. With
-    `staged` (an asynchronous save): the state is copied into it first, and the trainable values and
-    buffers are views of the copy, which the next step() does not touch. With `decoding` (a load
-    from another optimizer-state format: loading_tensors), "optim" is its temporaries."""
+    """{"model": ..., "optim": ...}, views into the live state: dcp.save reads them, dcp.load writes
+    them. `staged` (an asynchronous save): the state is copied into it first and the trainable values
+    and buffers are views of the copy, which the next step() leaves alone. `decoding` (a load from
+    another optimizer-state format: loading_tensors): "optim" is its temporaries."""
     view.quiesce()  # stage 3: only the shard is the state
     if staged is not None:
         staged.copy_from(view)
@@ -251,10 +240,8 @@ def loading_tensors(model: nn.Module, view: CheckpointView, saved_block: int) ->
 
 
 class _Decoding:
-    """A load from a checkpoint whose optimizer-state format (`saved_block`: 0 fp32, else 8-bit in
-    blocks of that size) differs from the run's: temporaries for this rank's pieces in the saved
-    format, which dcp.load fills, then decoded and written into the live state ([Note: 8-bit
-    checkpoints])."""
+    """Temporaries for this rank's pieces in a checkpoint's other optimizer-state format (`saved_block`:
+    0 fp32, else 8-bit blocks), filled by dcp.load, then decoded into the live state: [Note: 8-bit checkpoints]."""
 
     def __init__(self, part: ShardedPart, saved_block: int):
         self.part, self.saved_block = part, saved_block
@@ -320,10 +307,9 @@ def small_state(view: CheckpointView) -> dict[str, Any]:
 
 
 def finish_load(view: CheckpointView, small: dict[str, Any]) -> None:
-    """After the master and moments were written (dcp.load filled the views of tensors(), or
-    from_torch wrote them): step counts, hyper-parameters and the loss scale from small_state()
-    ("loss_scaler" None: this optimizer's own scale stays), the low-precision parameters as the
-    master's rounding, and (stages 1 and 2) every rank's full parameters gathered from the owners."""
+    """After the master and moments were written (by dcp.load or from_torch): step counts,
+    hyper-parameters and loss scale from small_state() ("loss_scaler" None: ours stays), then the
+    parameters synced from the master (view.sync_params_from_master)."""
     view.set_step_counts(small["steps"])
     saved_group_of = {n: g for g in small["param_groups"] for n in g["params"]}
     part = view.trainable
@@ -340,9 +326,8 @@ def finish_load(view: CheckpointView, small: dict[str, Any]) -> None:
 
 
 def state_dict(opt: Checkpointable) -> dict[str, Any]:
-    """ZeroAdam.state_dict(): tensors() (model and optimizer tensors, this rank's pieces, views of
-    the live state) and "zerofast": small_state() as JSON bytes ([Note: safe checkpoints]), one
-    opaque item for DCP."""
+    """ZeroAdam.state_dict(): tensors() and "zerofast", small_state() as JSON bytes, one opaque item
+    for DCP ([Note: safe checkpoints])."""
     view = opt.checkpoint_view
     return {**tensors(view.model, view), "zerofast": safe.dumps(small_state(view), "ZeroAdam.state_dict()")}
 

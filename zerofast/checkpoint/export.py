@@ -170,9 +170,8 @@ def _copy_chunk(path: str, info, md, chunk, kept: torch.dtype, out, out_base: in
 
 
 def _values_of(f, info) -> tuple[int, int, int]:
-    """Where the values of the torch.save record at (info.offset, info.length) of the open data file
-    f lie: (offset in the file, bytes, CRC-32), after checking that they are stored uncompressed
-    and little-endian."""
+    """(offset in f, bytes, CRC-32) of the values of the torch.save record at (info.offset, info.length)
+    of the open data file f, checked to be stored uncompressed and little-endian."""
     record = zipfile.ZipFile(_FileSlice(f, info.offset, info.length))
     names = record.namelist()
     data = next(n for n in names if n.endswith("/data/0"))

@@ -1,13 +1,12 @@
-"""Checkpoint folders: save and load (atomic, every rank calling), the manifest, latest(), keep=K's
-purge, and reading a checkpoint's description without a process group (info).
+"""Checkpoint folders: save and load (every rank calling), latest(), keep=K's purge, the manifest, and
+info() / upgrade() without a process group.
 
 [Note: atomic checkpoints]
 DCP writes into `path + ".incomplete"`; when every rank's data and DCP's .metadata are written, rank
 0 adds zerofast.json (small_state() and the caller's `extra`, as JSON: [Note: safe checkpoints] in
-safe.py) and manifest.json (world size, stage,
-partition, precision, versions, parameter names, shapes, dtypes, the optimizer's step and a save
-counter) and renames the folder to `path`. A run killed during a save leaves only the ".incomplete"
-folder, which latest() and load() never take.
+safe.py) and manifest.json (world size, stage, partition, precision, versions, parameter names,
+shapes, dtypes, the optimizer's step and a save counter) and renames the folder to `path`. A run
+killed during a save leaves only the ".incomplete" folder, which latest() and load() never take.
 
 [Note: which checkpoint is the latest]
 latest() orders the complete checkpoints of a folder by the optimizer step recorded in each
@@ -113,13 +112,12 @@ def save(
     return background.submit(path, lambda: _write(path, state, group, f.rank, small, manifest, keep))
 
 
-# Per optimizer (by its view, which lives as long as it), the copy its asynchronous saves reuse.
+# Per optimizer (by its view, which lives as long as it), the Staging its asynchronous saves reuse.
 _STAGING: weakref.WeakKeyDictionary[CheckpointView, Staging] = weakref.WeakKeyDictionary()
 
 
 def staging_of(opt: Checkpointable) -> Staging | None:
-    """The copy `opt`'s asynchronous saves reuse (None before the first): its buffers are made once
-    and refilled by every later save."""
+    """The copy `opt`'s asynchronous saves reuse (None before the first)."""
     return _STAGING.get(opt.checkpoint_view)
 
 
@@ -130,12 +128,10 @@ def staging_bytes(opt: Checkpointable) -> int:
 
 
 def _write(path: str, state: dict, group, rank: int, small: bytes, manifest: dict, keep: int | None) -> None:
-    """Write `state` (live views, or a staged copy) as the checkpoint `path`, every rank of `group`
-    calling: DCP into path + ".incomplete", then rank 0 adds the small state and the manifest,
-    renames the folder and purges ([Note: atomic checkpoints]). A failure is raised by every rank:
-    DCP reports one rank's failure to all, and rank 0 sends the outcome of its part to the others
-    (a barrier there would leave them waiting on a rank that raised); rank 0 removes the unfinished
-    folder (best effort)."""
+    """Write `state` (live views, or a staged copy) as `path`, every rank of `group` calling; rank 0
+    completes the folder, then purges ([Note: atomic checkpoints]). A failure is raised by every rank:
+    DCP reports one rank's to all, and rank 0 sends the outcome of its part to the others (a barrier
+    there would leave them waiting on a rank that raised); rank 0 removes the unfinished folder."""
     tmp = path + INCOMPLETE
     try:
         torch_dcp.save(state, checkpoint_id=tmp, process_group=group)
@@ -281,11 +277,10 @@ def _check_manifest(path: str, view: CheckpointView) -> dict:
 
 
 def read_manifest(path: str) -> dict:
-    """The manifest, after checking every file the checkpoint is made of: the manifest's fields,
-    the small state (read_small), DCP's .metadata (through the allowlist: [Note: safe checkpoints]),
-    and that every data file the metadata points into exists and is long enough. A missing, damaged
-    or crafted file is an error naming it, raised by every rank alike (each reads the files itself),
-    before any collective and before anything else is read."""
+    """The manifest, after checking every file of the checkpoint: the manifest's fields, the small
+    state, DCP's .metadata (through the allowlist: [Note: safe checkpoints]), and that every data file
+    the metadata points into exists and is long enough. A missing, damaged or crafted file is an error
+    naming it, raised by every rank alike (each reads the files itself) before any collective or other read."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"zerofast.checkpoint: no checkpoint at {path}")
     manifest_path = os.path.join(path, MANIFEST)
@@ -319,7 +314,7 @@ def read_manifest(path: str) -> dict:
 
 
 def _sharded_by(m: dict) -> str:
-    """ ", sharded in groups of K" for a hybrid-sharded save (a manifest without the field: flat)."""
+    """info()'s words for a hybrid-sharded save, else "" (a manifest without shard_size: flat)."""
     k = m.get("shard_size", m["world_size"])
     return f" (sharded in groups of {k}, replicated across {m['world_size'] // k})" if k != m["world_size"] else ""
 

@@ -1,7 +1,4 @@
-"""An asynchronous save's copy of one rank's state (Staging): what save(..., blocking=False) copies on
-the caller's thread before it returns, and what the writer thread then writes through the same
-DCP state dict as a blocking save (dcp.tensors with `staged`: the trainable values and the buffers
-are views of the copy). See [Note: asynchronous save] in background.py."""
+"""Staging: an asynchronous save's copy of one rank's state ([Note: asynchronous save] in background.py)."""
 
 from __future__ import annotations
 
@@ -14,15 +11,14 @@ __all__ = ["Staging"]
 
 
 class Staging:
-    """An asynchronous save's copy of one rank's state, reused by every save of the optimizer (the
-    buffers are made by the first and refilled by the next, never reallocated): the fp32 master and
-    the flat buffers of this rank's shard that its optimizer state lives in (exp_avg, exp_avg_sq),
-    one flat tensor each, at the shard's own offsets (so a piece's view is the same slice as in the
-    live state), and the model's buffers (which forwards may change: BatchNorm's statistics). Parameters that are not trained (frozen ones,
-    sharded or not) are written from the live state: step() never changes them. On a GPU the copy
-    lives in pinned host memory, so that the device-to-host copies run at full speed and the
-    writer thread reads host memory. Its size is the shard: 3 x 4 bytes per owned element, plus
-    the buffers (nbytes())."""
+    """What save(..., blocking=False) copies on the caller's thread and the writer thread then writes
+    through the same DCP state dict as a blocking save (dcp.tensors with `staged`). Made by the first
+    save and refilled by every later one, never reallocated: the fp32 master and the flat buffers of
+    this rank's shard holding its optimizer state, at the shard's own offsets (a piece's view is the
+    same slice as in the live state), and the model's buffers (forwards may change them: BatchNorm's
+    statistics). Frozen parameters are written from the live state: step() never changes them. On a
+    GPU the copy is pinned host memory, so the device-to-host copies run at full speed and the writer
+    reads host memory. Size: 3 x 4 bytes per owned element plus the buffers (nbytes())."""
 
     def __init__(self):
         self.flat: dict[str, torch.Tensor] = {}  # by the shard's buffer name ("master", "exp_avg", ...)
@@ -34,9 +30,8 @@ class Staging:
         return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
 
     def copy_from(self, view: CheckpointView) -> None:
-        """Copy the trainable part's state in (the caller has quiesced the optimizer): the master and
-        every flat buffer its kinds live in, each once; returns when the copy is complete, so the
-        live state may change at once."""
+        """Copy in the trainable part's master and each flat buffer its kinds live in, once (the caller
+        has quiesced the optimizer; synchronize() waits for a GPU's copies)."""
         part = view.trainable
         self.block = part.state_block
         numel = part.layout.shard_numel(view.facts.shard_rank)

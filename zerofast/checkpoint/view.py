@@ -1,12 +1,9 @@
-"""What a checkpoint reads and writes of an optimizer: one typed view, `CheckpointView`.
-
-The optimizer binds its view once (zerofast/checkpoint/binding.py) and hands it out as
-`opt.checkpoint_view`; every module of this package reads the optimizer through it alone, never
-through the optimizer's attributes. The view says per parameter which optimizer state it holds
-(Adam's exp_avg and exp_avg_sq, or a ZeroMuon matrix's momentum_buffer), so no reader asks which
-optimizer class it has. This module imports nothing of zerofast.optim: the optimizer depends on the
-checkpoint (its state_dict() is this package's), never the other way round, and the command-line
-readers (info, export, to_torch) run without the compiled extension the optimizer loads.
+"""CheckpointView: all a checkpoint reads and writes of an optimizer, bound once (binding.py) and
+handed out as `opt.checkpoint_view`; the package never reads the optimizer's attributes. It says per
+parameter which state it holds (Adam's exp_avg and exp_avg_sq, or a ZeroMuon matrix's momentum_buffer),
+so no reader asks the optimizer's class. Nothing of zerofast.optim is imported: the optimizer depends
+on the checkpoint, never the other way round, and the command-line readers (info, export, to_torch) run
+without the compiled extension the optimizer loads.
 """
 
 from __future__ import annotations
@@ -62,15 +59,13 @@ class ShardedPart:
     pieces: tuple[Piece, ...]  # this rank's (layout.pieces(facts.shard_rank))
     dtype: torch.dtype  # of the values: float32 (the master), or the frozen parameters' dtype
     device: torch.device
-    # The live 1-D values of one of this rank's pieces: "master" (the parameter's value) or a kind of
-    # `kinds`; reading reads the state, writing writes it (after writing the master, the view's
-    # sync_params_from_master()). With 8-bit state (state_block > 0) a moment's values are its uint8
-    # code indices, and scale_kind(kind) gives the fp32 scales of the piece's blocks.
+    # The live 1-D values of one of this rank's pieces by kind ("master" or one of `kinds`): writing
+    # them writes the state (after the master: sync_params_from_master()). With 8-bit state a moment's
+    # values are its uint8 code indices, and scale_kind(kind) gives its blocks' fp32 scales.
     piece_view: Callable[[Piece, str], torch.Tensor]
-    # Write one of this rank's pieces of a kind ("master" or one of `kinds`) from fp32 values
-    # (8-bit state: quantized).
+    # Write one of this rank's pieces of a kind from fp32 values (8-bit state: quantized).
     write_piece: Callable[[Piece, str, torch.Tensor], None]
-    # Write this rank's pieces of a kind ("master" or one of `kinds`) from whole tensors by index.
+    # Write this rank's pieces of a kind from whole tensors by parameter index.
     load_pieces: Callable[[str, Mapping[int, torch.Tensor]], None]
     # The flat buffer of the shard that holds a kind: kinds sharing one are copied once by an
     # asynchronous save ([Note: Muon's momentum in exp_avg's slot] in zerofast/optim/state.py).
@@ -78,9 +73,8 @@ class ShardedPart:
     # 0: fp32 state; else 8-bit state in blocks of this many elements of each parameter, every piece
     # starting at a block boundary ([Note: quantized state] in zerofast/quant.py).
     state_block: int = 0
-    # Tensor parallelism: per parameter, (the local tensor's shape, its offsets in the whole tensor)
-    # of a DTensor parameter, or None for a plain one, whose pieces are of the whole; None: no
-    # DTensor at all ([Note: tensor parallelism] in zerofast/tensor_parallel.py).
+    # Per parameter, a DTensor's (local shape, offsets in the whole tensor), or None for a plain one;
+    # None: no DTensor at all ([Note: tensor parallelism] in zerofast/tensor_parallel.py).
     local_geometry: tuple | None = None
 
     @functools.cached_property
@@ -135,8 +129,7 @@ class CheckpointView:
     step_counts: Callable[[], dict[str, int]]  # steps taken, per trainable parameter by name
     set_step_counts: Callable[[Mapping[str, int]], None]
     loss_scaler_state: Callable[[], ScalerState]
-    # Restore loss_scaler_state(): when loss scaling is on here and was on where the state came from
-    # (otherwise this optimizer's own scale stays).
+    # Restores loss_scaler_state() if loss scaling is on both here and where it came from.
     load_loss_scaler_state: Callable[[ScalerState], None]
     # Bring the state to rest, so that the shards alone are the state and nothing writes them: wait
     # for parameter gathers in flight (stages 1 and 2), release every gathered unit (stage 3).
@@ -144,13 +137,12 @@ class CheckpointView:
     # After the master was written (a load, at rest): the low-precision parameters become its
     # rounding, and (stages 1 and 2) every rank's full parameters are gathered from their owners.
     sync_params_from_master: Callable[[], None]
-    # Every flat tensor of this rank's state by name (the fp32 master, the moments and their 8-bit
-    # scales, the parameters: stages 1-2 whole, stage 3 this rank's shard; stage 3's frozen shard):
-    # at rest, copying into them in place restores the state, for a peer with the same layout (a
-    # replica that heals from another: zerofast/integrations/torchft.py).
+    # Every flat tensor of this rank's state by name (master, moments, 8-bit scales, parameters: whole
+    # in stages 1-2, this rank's shard in stage 3; stage 3's frozen shard). At rest, copying into them
+    # restores a peer's state of the same layout (a healing replica: zerofast/integrations/torchft.py).
     flat_state: Callable[[], dict[str, torch.Tensor]]
-    # Steps the optimizer has counted (every step() that ended, but one its replication did not
-    # commit) and its setter, for a state copied from a peer.
+    # Steps counted (every step() that ended, but one its replication did not commit), and its setter
+    # for a state copied from a peer.
     steps_taken: Callable[[], int]
     set_steps_taken: Callable[[int], None]
 

@@ -1,13 +1,12 @@
-"""The ZeRO paper's memory table as an estimator: per-rank bytes by its formulas.
+"""estimate_memory: the ZeRO paper's memory table as an estimator, per-rank bytes by its formulas.
 
 Per parameter, mixed-precision Adam holds 2 bytes of parameter, 2 of gradient and 12 of optimizer
-state (fp32 master copy, m, v): the paper's 16Φ. In fp32 there is no separate master copy (the
-parameter is the master): 4 + 4 + 8. With 8-bit state (MixedPrecisionPolicy(state_bits=8)) m and v
-are one byte each plus one fp32 scale per block of each: 2 + 8 / state_block instead of 8 (the
-block alignment of each parameter, at most state_block - 1 elements, is not counted). Each stage
-keeps a part of each on a rank. ZeroMuon holds exactly ZeroAdam's state buffers (a matrix's momentum
-in exp_avg's slot, 8-bit with 8-bit state; its exp_avg_sq range allocated and unused: [Note: Muon's
-momentum in exp_avg's slot]), so these counts are ZeroMuon's too:
+state (fp32 master, m, v): the paper's 16Φ. fp32 has no separate master: 4 + 4 + 8. With 8-bit state
+(MixedPrecisionPolicy(state_bits=8)) m and v are a byte each plus an fp32 scale per block of each:
+2 + 8 / state_block instead of 8 (each parameter's block alignment, under state_block elements, is
+not counted). ZeroMuon holds exactly ZeroAdam's state buffers (a matrix's momentum in exp_avg's slot,
+its exp_avg_sq range unused: [Note: Muon's momentum in exp_avg's slot]), so the counts are its too.
+Each stage keeps a part of each on a rank:
 
 | stage       | parameters | gradients | optimizer state |
 |-------------|------------|-----------|-----------------|
@@ -16,23 +15,22 @@ momentum in exp_avg's slot]), so these counts are ZeroMuon's too:
 | 2           | all        | 1/N       | 1/N             |
 | 3           | 1/N        | 1/N       | 1/N             |
 
-ZeroAdam adds buffers the table has no row for ("zerofast_extra"): in stages 2 and 3 the gradient
-bucket buffers alive at once (bucket_buffers of them: [Note: buffers in flight] in
-csrc/bucket_pool.cpp), and padding (each bucket padded to a multiple of world x 4 elements). Stage 1's
-gradients are its buckets, reduced in place ([Note: grads as bucket views]): padding only, unless
-it reduces in another dtype (then it copies, as stage 2 does, and keeps a reduced shard).
+"zerofast_extra" is what the table has no row for: in stages 2 and 3 the gradient bucket buffers
+alive at once (bucket_buffers: [Note: buffers in flight] in csrc/bucket_pool.cpp), and padding (each
+bucket to a multiple of world x 4 elements). Stage 1's gradients are its buckets, reduced in place
+([Note: grads as bucket views]): padding only, unless it reduces in another dtype (then it copies, as
+stage 2 does, and keeps a reduced shard).
 
-With the state offloaded (ZeroAdam's offload=, an OffloadPolicy: [Note: offload schedule] in
-zerofast/offload/__init__.py) the fp32 master, the moments and 8-bit state's scales leave the device
-(`optimizer` is 0, and so is their padding in `zerofast_extra`) for pinned host memory ("host") or
-two generations of files streamed through a window of three chunks ("disk"); the master is then a
-tensor of its own in fp32 too. offloaded_state() counts them as ShardState lays them out and the
-stores hold them (zerofast/offload/stores.py): for a module exactly (its layout's shard, padding
-included), for a count its ceil(Φ/K) elements. "host" on a CPU model moves nothing (the state is in
-host memory already).
+Offloaded (offload=: [Note: offload schedule] in zerofast/offload/__init__.py), the fp32 master, the
+moments and 8-bit scales leave the device (`optimizer` and their padding in `zerofast_extra` are 0)
+for pinned host memory ("host") or two generations of files streamed through a window of three
+chunks ("disk"); the master is then a separate fp32 tensor. offloaded_state() counts them as
+ShardState lays them out and the stores hold them (zerofast/offload/stores.py): exactly for a module
+(its layout's shard, padding included), ceil(Φ/K) elements for a count. "host" on a CPU model moves
+nothing: the state is in host memory already.
 
-Pure arithmetic: the options are checked and resolved by zerofast/config.py, the same code as
-ZeroAdam's, so the estimator accepts exactly what ZeroAdam accepts; no compiled code is imported.
+The options are checked and resolved by zerofast/config.py, ZeroAdam's own code, so the estimator
+accepts exactly what ZeroAdam accepts; no compiled code is imported.
 """
 
 from __future__ import annotations
@@ -69,9 +67,8 @@ class MemoryEstimate:
     optimizer: int
     zerofast_extra: int  # bucket buffers, padding, stage 1's gradient shard (0 for DDP)
     frozen_models: int = 0  # models sharded for inference only (shard_frozen): shards + units in flight
-    # Where the optimizer state lives, as report().offload.state: "device" (no offload), "host" or
-    # "disk" (offload=); offloaded, `optimizer` is 0 and the state is in these, as report().offload
-    # gives them after a step:
+    # As report().offload.state: "device" (no offload), "host" or "disk". Offloaded, `optimizer` is 0
+    # and the state is in the fields below, as report().offload gives them after a step.
     placement: str = "device"
     host_bytes: int = 0  # "host": the state in pinned host memory; "disk": the window
     disk_bytes: int = 0  # "disk": the state's files, two generations
@@ -117,30 +114,29 @@ def estimate_memory(
     device="cuda",
     **moved,
 ) -> MemoryEstimate:
-    """Per-rank bytes of parameters, gradients and optimizer state for DDP (stage 0) or a ZeRO stage,
-    by the paper's formulas, plus the buffers ZeroAdam adds. mixed_precision, comm and units as
-    ZeroAdam takes them (stage 0 checks them alone). Stage 3's buckets are its units, whose size
-    the estimate cannot know from a count: it takes stage 2's default bucket for each. A count is
-    of trainable parameters; a module's frozen parameters are counted apart, as parameter bytes
-    only (in the parameters' dtype; sharded in stage 3, whole in stages 0-2). comm=CommPolicy(
-    shard_size=K) (hybrid sharding, as ZeroAdam takes it): the state is sharded over K ranks and
-    replicated W/K times, so each sharded part is divided by K instead of W (None: K = world).
-    Keywords as estimate_traffic's, in the same order: mixed_precision, comm, units, offload, tp, rank.
-    frozen_models: models sharded for inference only with zerofast.shard_frozen over the world's
-    ranks in the policy's precision (a reference model, reward models), each a module or a
-    parameter count: counted in `frozen_models` by frozen_model_bytes.
-    offload: where the optimizer state lives, as ZeroAdam takes it (None, "host", "disk:PATH" or an
-    OffloadPolicy; the path is never touched here); device: the type of device the model trains on
-    ("cuda" by default, or "cpu", a torch.device, ...), which decides whether "host" moves anything
-    (not on a CPU model: the state is in host memory already). Offloaded, `optimizer` is 0 and
-    `placement`, host_bytes, disk_bytes and window_bytes say where the state is, as report().offload
-    does after a step (stages 1-3; DDP has no offload). rank: whose shard they count, for a module
-    (shards differ by their padding; None: the largest); a count's shards are all ceil(Φ/K).
+    """Per-rank bytes of parameters, gradients and optimizer state for DDP (stage 0) or a ZeRO stage, by
+    the paper's formulas, plus the buffers ZeroAdam adds. Keywords as estimate_traffic's, in the same
+    order (mixed_precision, comm, units, offload, tp, rank); mixed_precision, comm, units and offload as
+    ZeroAdam takes them (stage 0 checks them alone). A count is of trainable parameters; a module's
+    frozen parameters count as parameter bytes only (in the parameters' dtype; sharded in stage 3,
+    whole in stages 0-2). Stage 3's buckets are its units, whose size a count does not give: each is
+    taken as stage 2's default bucket. comm=CommPolicy(shard_size=K) (hybrid sharding): the state is
+    sharded over K ranks and replicated W/K times, so each sharded part is divided by K instead of W
+    (None: K = world).
+    frozen_models: models sharded for inference only with zerofast.shard_frozen over the world's ranks
+    in the policy's precision (a reference model, reward models), each a module or a parameter count,
+    counted in `frozen_models` by frozen_model_bytes.
+    offload: None, "host", "disk:PATH" (the path is never touched here) or an OffloadPolicy. Offloaded
+    (stages 1-3; DDP has no offload), `optimizer` is 0 and `placement`, host_bytes, disk_bytes and
+    window_bytes say where the state is, as report().offload does after a step. device: the type of
+    device the model trains on ("cuda" by default, "cpu", a torch.device, ...); "host" moves nothing
+    off a CPU model. rank: whose shard a module's estimate counts (shards differ by their padding;
+    None: the largest); a count's shards are all ceil(Φ/K).
     tp: the tensor-parallel degree ([Note: tensor parallelism] in zerofast/tensor_parallel.py): each
-    rank holds 1/tp of every split parameter, and ZeRO shards that across the world/tp data-parallel
-    ranks (a shard_size counts those). A module parallelized over "tp" is counted by its DTensors'
-    local tensors, exactly; a count is divided by tp (the few weights replicated across "tp", such as
-    norms under SequenceParallel, counted as split: a count cannot tell them apart)."""
+    rank holds 1/tp of every split parameter, which ZeRO shards over the world/tp data-parallel ranks
+    (shard_size counts those). A module parallelized over "tp" is counted exactly by its DTensors'
+    local tensors; a count is divided by tp (weights replicated across "tp", such as norms under
+    SequenceParallel, counted as split: a count cannot tell them apart)."""
     for name in moved:
         if name in _MOVED:
             raise TypeError(f"estimate_memory: the keyword {name}= is now {_MOVED[name]}")
@@ -249,14 +245,12 @@ def _device_type(device) -> str:
 
 
 def offloaded(policy: OffloadPolicy, device_type: str) -> bool:
-    """Whether ZeroAdam moves the state off a model on `device_type` (zerofast/offload's is_offloaded,
-    which ShardState asks too)."""
+    """Whether ZeroAdam moves the state off a model on `device_type` (offload's is_offloaded, as ShardState)."""
     return is_offloaded(policy.state, policy.delayed_update, device_type)
 
 
 def _module_shard(model: nn.Module, plan, shards: int, shard_rank: int | None) -> int:
     """Elements of the shard ZeroAdam builds for `shard_rank` (None: the largest), padding included."""
-
     layout = plan_layouts(model, plan, shards).layout
     if shard_rank is None:
         return max(layout.shard_numel(r) for r in range(shards))
@@ -264,10 +258,9 @@ def _module_shard(model: nn.Module, plan, shards: int, shard_rank: int | None) -
 
 
 def offloaded_state(shard: int, plan) -> tuple[int, int, int]:
-    """(host_bytes, disk_bytes, window_bytes) of a shard of `shard` elements offloaded as
-    plan.offload places it, as report().offload gives them after a step: HostState holds the state;
-    DiskState two generations of files, and in host memory its window (zerofast/offload's
-    state_specs and window_layout, which ShardState and DiskState use)."""
+    """(host_bytes, disk_bytes, window_bytes) of a shard of `shard` elements offloaded as plan.offload
+    places it: HostState holds the state; DiskState two generations of files, and its window in host
+    memory (by offload's state_specs and window_layout, which ShardState and DiskState use)."""
     specs = state_specs(shard, True, plan.state_bits, plan.state_block)
     state = sum(s.nbytes for s in specs)
     if plan.offload.state == "host":
@@ -278,12 +271,12 @@ def offloaded_state(shard: int, plan) -> tuple[int, int, int]:
 
 
 def frozen_model_bytes(model_or_param_count, world: int, param_dtype: torch.dtype, units=None) -> int:
-    """Per-rank parameter bytes of a model sharded for inference only (zerofast.shard_frozen) over
-    `world` ranks in param_dtype, at its peak: this rank's shard (Φ/N plus alignment padding) and
-    the units a forward holds at once, the root's and two others (the stage-3 schedule: [Note: models
-    sharded for inference only] in zerofast/stage3/inference.py), plus any parameter it leaves whole
-    (another dtype). A module is planned as shard_frozen plans it (its units and their padded
-    layout: exact); a count has no units, so two of stage 2's default buckets stand in for them."""
+    """Peak per-rank parameter bytes of a model sharded for inference only (zerofast.shard_frozen) over
+    `world` ranks in param_dtype: this rank's shard (Φ/N plus alignment padding), the units a forward
+    holds at once (the root's and two others: [Note: models sharded for inference only] in
+    zerofast/stage3/inference.py), and any parameter left whole (another dtype). A module is planned
+    exactly as shard_frozen plans it; a count has no units, so two of stage 2's default buckets stand
+    in for them."""
     size = param_dtype.itemsize
     if isinstance(model_or_param_count, nn.Module):
         model = model_or_param_count

@@ -1,6 +1,6 @@
-"""A step-time model for ZeRO stages 1-3, flat or hybrid (shard_size=K): the bytes estimate_traffic
-counts, priced by the alpha-beta cost of each collective on the link it crosses, against the
-step's compute. Pure arithmetic (no process group, no compiled code), like the memory estimator.
+"""step_time: a step-time model for ZeRO stages 1-3, flat or hybrid (shard_size=K), with or without
+tensor parallelism: the bytes estimate_traffic counts, priced per collective on the link it crosses
+(collective_time, link_of), against the step's compute. Pure arithmetic, like the memory estimator.
 
 [Note: the time model]
 Collectives (n ranks in the group, B payload bytes as report().comm counts them, c calls, a link
@@ -21,15 +21,16 @@ keeps the shard group's reduces and gathers on NVLink and sends only the replica
 1/K of the gradient across nodes (one ring per GPU index, through that GPU's NIC).
 Compute: 6 * params * tokens FLOPs per step (2 forward, 4 backward) at the achieved FLOP rate, plus
 the Adam update of this rank's shard (bytes per element over memory bandwidth).
-Overlap: the shard group's reduces and the replicate all_reduce of each bucket's owned range (launched
-as the bucket's reduce finishes) run while backward computes, stage 3's forward gathers while
-forward computes (prefetch) and its backward gathers while backward computes: each phase exposes
-max(0, its communication - its compute), the phase's collectives counted one after another even
-where they use different links (a bound from above). The agreement and stages 1-2's parameter
-gather (after the update; overlap_param_gather is not modelled) are exposed whole. Not modelled: the first unit's gather and the last bucket's reduce,
-which no compute hides; contention between a phase's collectives and its compute for memory
-bandwidth; NCCL's tree algorithms (which cut the latency term to log n at large n); compute that
-does not scale as 6 * params * tokens (attention at long sequences).
+Overlap: the shard group's reduces and the replicate all_reduce of each bucket's owned range
+(launched as the bucket's reduce finishes) run while backward computes, stage 3's forward gathers
+while forward computes (prefetch) and its backward gathers while backward computes: each phase
+exposes max(0, its communication - its compute), the phase's collectives counted one after another
+even where they use different links (a bound from above). The agreement and stages 1-2's parameter
+gather (after the update; overlap_param_gather is not modelled) are exposed whole. Not modelled: the
+first unit's gather and the last bucket's reduce, which no compute hides; contention between a
+phase's collectives and its compute for memory bandwidth; NCCL's tree algorithms (which cut the
+latency term to log n at large n); compute that does not scale as 6 * params * tokens (attention at
+long sequences).
 With overlap=False every collective is exposed (a machine whose communication and compute share
 the same cores: gloo ranks on a CPU machine).
 

@@ -1,7 +1,7 @@
-"""The bytes a step moves, per collective and process group, as report().comm counts them, without
-running a step: the same layouts ZeroAdam builds (zerofast/optim/placement.py) and, for stage 3, the
-runtime's own schedule (zerofast/stage3/schedule.py) run over the calls a forward is expected to make.
-Pure arithmetic: no process group, no compiled code."""
+"""Op, traffic_ops and estimate_traffic: the bytes a step moves, per collective and process group, as
+report().comm counts them, without running a step: ZeroAdam's own layouts (zerofast/optim/placement.py)
+and, for stage 3, the runtime's schedule (zerofast/stage3/schedule.py) run over the calls a forward is
+expected to make. Pure arithmetic: no process group, no compiled code."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class Op:
     nbytes: int  # payload bytes per step, counted as report().comm counts them
     calls: int  # collective calls per step (each pays the latency term)
     phase: str  # the compute it can hide behind: "forward", "backward", or "step" (none)
-    ranks: int  # ranks in the group
+    ranks: int
 
     @property
     def key(self) -> str:
@@ -90,8 +90,7 @@ def _expected_forward(model: nn.Module, needs) -> list[nn.Module | None]:
 
 
 def _run_step(schedule: Schedule, forward: list[nn.Module | None]) -> tuple[list[int], list[int]]:
-    """One forward and backward of the schedule, called as the runtime's hooks call it: the units
-    gathered in each, in order."""
+    """One forward and backward of the schedule, called as the runtime's hooks call it: the units each gathers."""
     gathered_forward: list[int] = []
     hooked: list[tuple[bool, CallRef]] = []  # (begins, call) of each call the schedule keeps, in order
     for module in forward:
@@ -290,26 +289,26 @@ def _replicate_calls(owned: list[int], r_bytes: int, plan) -> int:
 
 
 def estimate_traffic(model_or_param_count, world: int, stage: int, **options) -> dict[str, int]:
-    """The payload bytes per collective that `opt.report().comm` reports on rank `rank` after a step
-    of ZeroAdam(model, stage, mixed_precision=..., comm=CommPolicy(shard_size=K, ...), units=...,
-    offload=..., max_grad_norm=...) on `world` ranks of `backend`, with `micro_batches` backwards
-    per step (all but the last under no_sync()). Keywords as estimate_memory's, in the same order:
+    """The payload bytes per collective that `opt.report().comm` reports on rank `rank` after a step of
+    ZeroAdam(model, stage, mixed_precision=..., comm=CommPolicy(shard_size=K, ...), units=...,
+    offload=..., max_grad_norm=...) on `world` ranks of `backend`, with `micro_batches` backwards per
+    step (all but the last under no_sync()). Keywords as estimate_memory's, in the same order:
     mixed_precision, comm, units, offload, tp, rank. offload as ZeroAdam takes it: with the state on
-    disk each step that applies its update agrees, over every rank, that every rank wrote its files
-    (8 more bytes of all_reduce_flags in each group of more than one rank); "host" moves nothing
-    more. tp: the tensor-parallel degree, as estimate_memory takes it (a module by its DTensors'
-    local tensors, exactly; ZeRO over the world/tp data-parallel ranks, rank counted among all);
-    with tp > 1 the optimizer's own all_reduces over "tp" too (the step's agreement joined, and the
-    overflow flag's and norm's sum when loss scaling or clipping). Keys "shard/<collective>" (the K
-    ranks sharing the state), "replicate/<collective>" (the W/K copies of each shard, when K <
-    world) and "tp/<collective>".
+    disk, each step that applies its update agrees over every rank that every rank wrote its files (8
+    more bytes of all_reduce_flags in each group of more than one rank); "host" moves nothing more. tp:
+    the tensor-parallel degree, as estimate_memory takes it (a module by its DTensors' local tensors,
+    exactly; ZeRO over the world/tp data-parallel ranks, rank counted among all); tp > 1 adds the
+    optimizer's own all_reduces over "tp" (the step's agreement joined, and the overflow flag's and
+    norm's sum when loss scaling or clipping). Keys: "shard/<collective>" (the K ranks sharing the
+    state), "replicate/<collective>" (the W/K copies of each shard, when K < world) and
+    "tp/<collective>".
 
-    For an nn.Module it is exact: the same layouts ZeroAdam builds (zerofast.optim.placement), the
-    padding and the agreement message included. Stage 3's gathers are those of the second step on,
-    with each gathering module run once per forward in registration order (see stage3_gathers); a
-    step whose fp16 gradients overflowed skips its update and (stages 1, 2) its gather.
-    For a parameter count it is an approximation: no padding, no per-tensor agreement flags (it
-    knows no tensors), and stage 3's units taken as stage 2's default bucket size."""
+    Exact for an nn.Module: ZeroAdam's own layouts (zerofast.optim.placement), padding and agreement
+    message included. Stage 3's gathers are those of the second step on, each gathering module run
+    once per forward in registration order (stage3_gathers); a step whose fp16 gradients overflowed
+    skips its update and (stages 1, 2) its gather. Approximate for a parameter count: no padding, no
+    per-tensor agreement flags (it knows no tensors), and stage 3's units taken as stage 2's default
+    bucket size."""
     totals: dict[str, int] = {}
     for op in traffic_ops(model_or_param_count, world, stage, **options):
         totals[op.key] = totals.get(op.key, 0) + op.nbytes

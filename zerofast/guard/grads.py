@@ -1,12 +1,11 @@
-"""A managed parameter's `.grad` between a step's last backward and step(): a ShardedGrad, which stands
-for the reduced gradient of which each rank holds its shard ([Note: the model stays a torch model]
-in zerofast/guard/__init__.py).
+"""ShardedGrad: a managed parameter's `.grad` between a step's last backward and step(), standing for
+the reduced gradient of which each rank holds its shard ([Note: the model stays a torch model] in
+zerofast/guard/__init__.py).
 
-What torch.nn.utils.clip_grad_norm_ and clip_grad_value_ do to gradients, it can do: a norm (the
-global one: every rank calls, as it calls step()), scaling and clamping in place (each rank its own
-shard, no communication). It holds no storage: anything else raises ShardedGradientError, and an
-op that slipped past __torch_function__ reaches __torch_dispatch__, which raises too, so nothing
-ever reads memory it does not have.
+It does what torch.nn.utils.clip_grad_norm_ and clip_grad_value_ do to gradients: a norm (the global
+one: every rank calls, as it calls step()), scaling and clamping in place (each rank its own shard, no
+communication). It holds no storage: anything else raises ShardedGradientError, in __torch_dispatch__
+too for an op that slipped past __torch_function__, so nothing reads memory it does not have.
 """
 
 from __future__ import annotations
@@ -50,8 +49,7 @@ _CLAMPS = frozenset(("clamp_", "clip_", "clamp_min_", "clamp_max_", "_foreach_cl
 
 
 class ShardedGrad(torch.Tensor):
-    """The gradient of one managed parameter, sharded across the ranks: its metadata (shape, dtype,
-    device) is the parameter's; see the module's docstring for what it does."""
+    """One managed parameter's gradient, sharded across the ranks, with the parameter's metadata."""
 
     @staticmethod
     def __new__(cls, shards: GradShards, index: int, name: str, like: torch.Tensor):

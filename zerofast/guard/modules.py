@@ -1,23 +1,21 @@
-"""The module side of [Note: the model stays a torch model] (zerofast/guard/__init__.py): the mixin of
-the class every module holding a managed parameter (and the root) is moved to (by
-zerofast/_hook_classes.py's own_classes, the same subclass stage 3's hooks use).
-
+"""The module side of [Note: the model stays a torch model] (zerofast/guard/__init__.py): ModuleGuard,
+the mixin of the class every module holding a managed parameter (and the root) is moved to
+(zerofast/_hook_classes.py's own_classes: the same subclass as stage 3's hooks).
   - _apply (model.to(), .cpu(), .cuda(), .float(), .half(), .double(), .bfloat16(), .type(),
-    share_memory(), to_empty()): the conversion is tried once on a tiny tensor of each managed
-    parameter's dtype, device and rank, before anything changes; if it changes none of them (a
-    move to where the model is: "cpu:0" for a CPU model, "cuda" for one on the current device; a
-    cast to the dtype it has) the managed parameters are left as they are and everything else is
-    converted as torch does; otherwise ModelConversionError, and nothing was converted.
-  - _save_to_state_dict: at stage 3 a parameter's values exist only while its unit is gathered, so
-    state_dict() outside gathered_params() holds ParamViews (zerofast/guard/params.py): its keys,
-    shapes and dtypes are the plain model's (what PEFT and others read it for), and saving it
-    (torch.save) or reading a value raises ShardedParameterError, naming opt.full_state_dict() and
+    share_memory(), to_empty()): check_conversion tries the conversion once on a tiny tensor of each
+    managed parameter's dtype, device and rank, before anything changes. If it changes none of them
+    (a move to where the model is: "cpu:0" for a CPU model, "cuda" for one on the current device; a
+    cast to the dtype it has), the managed parameters stay as they are and the rest is converted as
+    torch does; otherwise ModelConversionError, with nothing converted.
+  - _save_to_state_dict: at stage 3 outside gathered_params(), state_dict() holds ParamViews
+    (params.py): the plain model's keys, shapes and dtypes (what PEFT and others read it for), and
+    saving it or reading a value raises ShardedParameterError, naming opt.full_state_dict() and
     zerofast.checkpoint; inside gathered_params(), whole copies (they outlive the block).
     keep_vars=True gives the parameters themselves, as torch does.
   - load_state_dict(assign=True), torch.__future__'s swap_module_params_on_conversion, and a managed
     parameter replaced by another object (module.weight = nn.Parameter(...)): ModelConversionError.
-    load_state_dict itself copies into each parameter (zerofast/guard/params.py takes the copy at
-    stage 3; at stages 1 and 2 the parameter is its buffer's view and the master follows).
+    load_state_dict itself copies into each parameter (params.py takes the copy at stage 3; at
+    stages 1 and 2 the parameter is its buffer's view and the master follows).
 """
 
 from __future__ import annotations
@@ -34,8 +32,7 @@ _APPLYING = [0]  # depth of _apply calls: the outermost checks the whole tree on
 
 
 class ModuleGuard:
-    """The methods the moved classes add (see the module's docstring); every other attribute is the
-    module's own class's."""
+    """What the moved classes add (see the module's docstring); all else is the module's own class's."""
 
     def _apply(self, fn, recurse=True):
         if _APPLYING[0] == 0:
@@ -96,8 +93,8 @@ class ModuleGuard:
 
 
 def check_conversion(module: nn.Module, fn) -> None:
-    """Raise ModelConversionError, before anything changes, if `fn` (what module._apply applies) would
-    change a managed parameter's dtype, device or layout; see the module's docstring."""
+    """ModelConversionError, before anything changes, if `fn` (module._apply's) would change a managed
+    parameter's dtype, device or layout."""
     tried: dict[tuple, torch.Tensor] = {}
     for p in module.parameters():
         slot = slot_of(p)

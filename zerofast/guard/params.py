@@ -1,13 +1,11 @@
-"""A managed parameter's slot, and the guarded class a parameter is in while its values are not on
-this rank: see [Note: the model stays a torch model] in zerofast/guard/__init__.py.
-
-A slot is found from its parameter (`slot_of`); its state says where the values are (ParamState).
-The guarded class is a subclass of the parameter's own class (made once per class, same name), so
-isinstance and every attribute stay; only its __torch_function__ differs. A view a sharded parameter
-hands out (`p.data`, `p.detach()`, `p[i]`, `p.t()`, `p.view(...)`: what nn.init, `module.weight.data
-.normal_()` and `embedding.weight.data[padding_idx].zero_()` write through) is a ParamView: no
-storage, the parameter's slot and the chain of view ops that leads to it, so a write through it
-reaches the shards and a read raises as the parameter's does.
+"""A managed parameter's slot, and the guarded class it is in while its values are not on this rank
+([Note: the model stays a torch model] in zerofast/guard/__init__.py):
+  ParamSlot, slot_of   where a parameter's values are (ParamState)
+  guarded_class        a subclass of the parameter's own class (once per class, same name): isinstance
+                       and every attribute stay, only __torch_function__ differs (_dispatch)
+  ParamView            a view a sharded parameter hands out (`p.data`, `p[i]`, `p.t()`: what nn.init and
+                       `embedding.weight.data[padding_idx].zero_()` write through): no storage, the slot
+                       and the view ops leading to it, so a write reaches the shards and a read raises
 """
 
 from __future__ import annotations
@@ -84,8 +82,7 @@ class ParamSlot:
     state: ParamState = ParamState.WHOLE
 
     def refresh(self) -> None:
-        """The parameter in the class its state asks for: guarded while sharded or while its gradient
-        window is open, its own otherwise."""
+        """Guarded while sharded or while its gradient window is open; its own class otherwise."""
         guard = self.state is not ParamState.WHOLE or (self.grads is not None and self.grads.open)
         self.param.__class__ = self.guarded if guard else self.plain
 
@@ -148,8 +145,6 @@ def slot_of(t) -> ParamSlot | None:
 
 
 class _Guarded:
-    """The mixin of every guarded parameter class: see the module's docstring."""
-
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return _DISPATCH[0](func, args, kwargs or {})
@@ -212,9 +207,8 @@ def _meta_shape(t: torch.Tensor) -> torch.Size:
 
 
 class ParamView(torch.Tensor):
-    """A view of a sharded parameter: its metadata, no storage; the slot and the view ops that lead
-    from the whole parameter to it (each an (op, flattened arguments with _HERE for the tensor,
-    their pytree spec) triple). Anything done to it is done to the parameter: see _dispatch."""
+    """A view of a sharded parameter: metadata, no storage; its slot and the view ops from the whole
+    parameter to it, each (op, flattened arguments with _HERE for the tensor, their pytree spec)."""
 
     @staticmethod
     def __new__(cls, slot: ParamSlot, ops: tuple, meta: torch.Tensor, device: torch.device):
@@ -357,7 +351,7 @@ def _dispatch(func, args, kwargs):
         if slot.state is ParamState.GATHERING:  # the step's gather lands first
             slot.wait()
     if not any(slot.state is ParamState.SHARDED for _, _, slot, _ in found):
-        return _whole(func, flat, spec, found)  # every value is here: the call runs on them
+        return _whole(func, flat, spec, found)
     index, target, slot, ops = next(f for f in found if f[2].state is ParamState.SHARDED)
     if name == "data.__set__":
         return _set_data(slot, target, ops, args[1])
@@ -402,15 +396,15 @@ def _written(func, head: str, index: int, kwargs, found) -> torch.Tensor | None:
 
 
 def _whole(func, flat, spec, found):
-    """A call whose guarded tensors all have their values here (a gathered unit; a view made while
-    sharded, used after the gather): each view is taken of its parameter, and the call runs."""
+    """Every guarded tensor's values are here (a view made while sharded may be used after the
+    gather): each view is taken of its parameter, and the call runs."""
     views = {id(t): _through(ops, slot.param) for _, t, slot, ops in found if isinstance(t, ParamView)}
     args, kwargs = tree_unflatten([views.get(id(t), t) for t in flat], spec)
     return _plain(func, args, kwargs)
 
 
 def _view_meta(view: ParamView, func, args, kwargs):
-    """A metadata read of a view: the wrapper's own metadata."""
+    """A view's metadata is the wrapper's own; its storage is not there to read."""
     if _name(func) in ("untyped_storage", "data_ptr", "is_shared", "is_pinned", "_base.__get__"):
         raise ShardedParameterError(_message(view._slot, f"read ({_name(func)} of a view)"))
     return _plain(func, args, kwargs)
@@ -423,8 +417,8 @@ def _standin(view: ParamView) -> torch.Tensor:
 
 
 def _view_of(slot: ParamSlot, ops: tuple, target, func, flat, spec, index: int):
-    """If the call, run on a meta tensor of the parameter's shape, gives a view of it, the ParamView of
-    that view (nothing read); else None (the call reads values)."""
+    """The ParamView of the call's result if, run on a meta tensor of the parameter, it gives a view
+    of it; else None (the call reads values)."""
     name = _name(func)
     if name.endswith("_") and not name.endswith("__"):  # in place (t_, unsqueeze_): it would change the parameter
         return None
@@ -446,8 +440,7 @@ def _view(slot: ParamSlot, ops: tuple, func, flat: list, spec, target) -> ParamV
 
 
 def _meta_of(slot: ParamSlot) -> tuple[torch.Tensor, torch.Tensor]:
-    """A meta tensor of the parameter's shape and dtype (a view of itself, so that views of it have it as
-    their base), and that base."""
+    """A meta tensor like the parameter, and its base: a view, so that views of it share that base."""
     with torch._C.DisableTorchFunctionSubclass():
         base = torch.empty(slot.param.shape, dtype=slot.param.dtype, device="meta")
         return base.view(base.shape), base
@@ -459,8 +452,8 @@ def _device_of(slot: ParamSlot) -> torch.device:
 
 
 def _set_data(slot: ParamSlot, target, ops: tuple, value) -> None:
-    """p.data = value on a sharded parameter: itself (what module._apply does after a conversion that
-    changed nothing) is nothing to do; a tensor of its shape, dtype and device is written into it."""
+    """p.data = value: itself (module._apply after a conversion that changed nothing) is a no-op; a
+    tensor of its shape, dtype and device is written into it."""
     if ops:
         raise ShardedParameterError(_message(slot, "rebound through a view (view.data = ...)"))
     found = _find(value) if isinstance(value, (_Guarded, ParamView)) else None
@@ -526,11 +519,10 @@ def same_device(a: torch.device, b: torch.device) -> bool:
 
 
 def _write(slot: ParamSlot, ops: tuple, written, func, flat, spec, reads: bool):
-    """An in-place op on a sharded parameter (or a view of it), applied to a temporary of the whole
-    parameter: this rank's pieces of the current values in it (where the op reads them, or writes
-    only part of it), the op run on the temporary (or its view), this rank's pieces of the result
-    written back into the shard, and the master following. Each rank writes its own pieces; the op
-    draws from the random generator as on the plain model."""
+    """An in-place op on a sharded parameter (or its view) run on a temporary of the whole parameter,
+    holding this rank's pieces where the op reads them (or writes part of it); this rank's pieces of
+    the result go back into the shard, and the master follows. The op draws from the random generator
+    as on the plain model."""
     with torch._C.DisableTorchFunctionSubclass():
         shape, dtype, device = slot.param.shape, slot.param.dtype, slot.param.device
     pieces = slot.shards.pieces(slot)

@@ -1,21 +1,18 @@
-"""TRL's generation on a stage-3 policy: ds3_gather_for_generation chooses between the whole model
-gathered and unit by unit ([Note: generation on stage 3] in zerofast/stage3/schedule.py); and the
-weights TRL sends to vLLM come from the weight iterator ([Note: TRL's vLLM weight sync]).
-
-Imported by ZeroTrainerMixin only where trl is (zerofast.integrations.hf), written against trl
-1.16.0 (the Makefile's HF_DEPS): RELIES_ON below is checked at import.
+"""TRL's trainers on a stage-3 policy: adopt() gives a trainer's DistributedBackend the generation mode
+ds3_gather_for_generation asks for ([Note: generation on stage 3] in zerofast/stage3/schedule.py), and its
+VLLMGeneration the weight iterator's weights. Imported by ZeroTrainerMixin (hf.py) only where trl is; written
+against trl 1.16.0 (the Makefile's HF_DEPS): RELIES_ON below is checked at import.
 
 [Note: TRL's generation mode]
 GRPOTrainer and RLOOTrainer 1.16.0 generate inside `self._dist.summon_full_params(model_wrapped,
-recurse=False)`, their DistributedBackend's context for FSDP v1 (a no-op otherwise), and nowhere
-else call it: the one place that wraps exactly their generate() calls. Their
-`ds3_gather_for_generation` (default True) says whether DeepSpeed ZeRO-3 gathers the whole model
-for generation; for a stage-3 ZeroAdam the same choice is opt.gathered_params() (the whole model
-per rank, no collective per token) or not (unit by unit, the shard plus two units, every unit
-gathered per token, generate() synced). So the trainer's DistributedBackend gets a class of its
-own (as the Trainer's accelerator does: [Note: the Trainer's accelerator] in hf.py) whose
-summon_full_params enters opt.gathered_params() when the policy is stage 3 and the option is on,
-and does what TRL's does otherwise.
+recurse=False)`, their DistributedBackend's context for FSDP v1 (a no-op otherwise), and call it nowhere
+else: the one place that wraps exactly their generate() calls. Their `ds3_gather_for_generation`
+(default True) says whether DeepSpeed ZeRO-3 gathers the whole model for generation; for a stage-3
+ZeroAdam the same choice is opt.gathered_params() (the whole model per rank, no collective per token)
+or not (unit by unit: the shard plus two units, every unit gathered per token, generate() synced). So
+the trainer's DistributedBackend gets a class of its own (as the Trainer's accelerator does:
+[Note: the Trainer's accelerator] in hf.py) whose summon_full_params enters opt.gathered_params() when
+the policy is stage 3 and the option is on, and does what TRL's does otherwise.
 
 [Note: TRL's vLLM weight sync]
 With use_vllm, GRPOTrainer and RLOOTrainer 1.16.0 keep a VLLMGeneration (trainer.vllm_generation)
@@ -47,9 +44,8 @@ from trl.generation.vllm_generation import VLLMGeneration
 from ..optim.base import ZeroOptimizer
 from . import hf_generation, hosts  # noqa: F401 (hf_generation registers itself: below)
 
-# What TRL's trainers ask of stage 3: generate() synced across ranks (hf_generation registers itself
-# as a model host on import), and for a PEFT policy its merged weights for vLLM (peft_weights
-# registers the view), both through [Note: stage-3 extension points] in zerofast/stage3/extensions.py.
+# Imported to register with stage 3 ([Note: stage-3 extension points] in zerofast/stage3/extensions.py):
+# hf_generation as a model host (generate() synced), peft_weights the merged weights vLLM gets from a PEFT policy.
 if importlib.util.find_spec("peft") is not None:
     from . import peft_weights  # noqa: F401
 
@@ -94,9 +90,8 @@ class _ZeroWeightSync(VLLMGeneration):
 
 
 def adopt(trainer) -> None:
-    """Give a TRL trainer's DistributedBackend (if it has one) the generation mode of [Note: TRL's
-    generation mode], and its VLLMGeneration (with use_vllm) the weights of [Note: TRL's vLLM
-    weight sync]."""
+    """Move a TRL trainer's DistributedBackend (if any) and VLLMGeneration (with use_vllm) into the classes
+    above: [Note: TRL's generation mode], [Note: TRL's vLLM weight sync]."""
     backend = getattr(trainer, "_dist", None)
     if type(backend) is DistributedBackend:
         backend.__class__ = _ZeroGeneration
@@ -107,8 +102,7 @@ def adopt(trainer) -> None:
         generation._trainer = weakref.ref(trainer)
 
 
-# The version of trl this module and the TRL trainers of zerofast.integrations.hf were written
-# against: the Makefile's HF_DEPS pin (tested) and pyproject.toml's extra `hf` (supported).
+# trl for this module and hf.py's TRL trainers: the Makefile's HF_DEPS pin (tested), extra `hf`'s range (supported).
 TRL = hosts.Pin("trl", tested="1.16.0", supported=">=1.16.0,<1.17")
 RELIES_ON = hosts.Reliance(
     "zerofast.integrations._trl",

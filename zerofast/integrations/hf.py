@@ -7,36 +7,14 @@ it where trl is installed: `ZeroSFTTrainer`, `ZeroDPOTrainer`, `ZeroGRPOTrainer`
 
     class MyTrainer(ZeroTrainerMixin, SomeTrainerSubclass): ...
 
-Written and tested against transformers 5.24.0 and accelerate 1.15.0 (the Makefile's HF_DEPS, which
-CI installs); supported: the ranges of pyproject.toml's extra `hf`. RELIES_ON (below the classes)
-lists every host member this module overrides, reads or calls, and is checked at import
-(zerofast.integrations.hosts): a member renamed or changed in another release is an ImportError
-naming it, never an override silently skipped. What maps to what:
-  - the optimizer: built by the trainer (create_optimizer, after PEFT wrapping and device
-    placement) as ZeroAdam from learning_rate, adam_beta1/2, adam_epsilon and weight_decay, with the
-    Trainer's own decay / no-decay groups (get_decay_parameter_names); the Trainer's LR scheduler
-    drives its param_groups;
-  - no DDP: the Trainer's Accelerator gets a class of its own ([Note: the Trainer's accelerator]):
-    prepare_model never wraps, prepare_optimizer leaves ZeroAdam as it is, no_sync is ZeroAdam's
-    (gradient_accumulation_steps), backward is ZeroAdam's (fp16's loss scale), and so is
-    optimizer_step_was_skipped (fp16's overflow);
-  - max_grad_norm: the accelerator's clip_grad_norm_ is opt.clip_grad_norm_, the global norm across
-    shards, which is the logged grad_norm;
-  - zero={"offload": "host" | "disk:PATH" | OffloadPolicy(...)}: ZeroAdam's, as given; with
-    delayed_update=True, train() applies the last step's update before it returns;
-  - bf16=True / fp16=True: ZeroAdam's mixed precision (the model in that dtype, an fp32 master
-    shard; fp16 with ZeroAdam's loss scaling), no autocast and no GradScaler on top;
-  - checkpoints: checkpoint-N/zerofast/ is a zerofast checkpoint (every rank its shard), beside the
-    Trainer's scheduler, RNG and trainer_state files; resuming loads it at any world size or stage;
-    ZeroTrainer(save_async=True) writes it in the background (zerofast.checkpoint.save(blocking=
-    False)), the rotation of save_total_limit running once it is complete;
-  - save_model(): a consolidated model (config + safetensors, or a PEFT adapter) from
-    opt.full_state_dict(), gathered unit by unit;
-  - the frozen models TRL keeps beside the policy (reference, reward): frozen in the policy's
-    precision, sharded at stage 3 by zerofast.shard_frozen ([Note: frozen models in the Trainer]);
-  - TRL's generation and vLLM weight sync (GRPO, RLOO): ds3_gather_for_generation as
-    opt.gathered_params() or unit by unit, and the weights sent to vLLM from opt.named_full_tensors()
-    (a PEFT model's merged weights), in _trl.py.
+What maps to what: docs/integrations.md. The trainer builds ZeroAdam itself (create_optimizer, after PEFT
+wrapping and device placement) with the Trainer's decay / no-decay groups; its Accelerator gets a class of its
+own ([Note: the Trainer's accelerator]); TRL's reference and reward models are frozen in the policy's precision
+and sharded at stage 3 ([Note: frozen models in the Trainer]); TRL's generation and vLLM weight sync: _trl.py.
+Written and tested against transformers 5.24.0 and accelerate 1.15.0 (the Makefile's HF_DEPS, which CI
+installs); supported: the ranges of pyproject.toml's extra `hf`. RELIES_ON (below the classes) lists every host
+member overridden, read or called, checked at import (zerofast.integrations.hosts): a member renamed or changed
+in another release is an ImportError naming it, never an override silently skipped.
 """
 
 from __future__ import annotations
@@ -93,7 +71,8 @@ class _ZeroAccelerator(Accelerator):
     optimizer_step_was_skipped. Accelerate 1.15 has no public way to change what they do, and the
     Trainer builds a plain Accelerator inline (create_accelerator_and_postprocess, with no factory to
     override); so the trainer's accelerator is moved into this subclass once built. The subclass
-    overrides public methods only and adds no state beyond `_zero` (the optimizer once it exists):
+    overrides public methods only and adds no state beyond `_zero` (the optimizer once it exists) and
+    `_for_inference` (the trainer's hook for frozen models):
     prepare_model never adds DDP (evaluation_mode=True: Accelerate 1.15's prepare_model then only
     places the model) and never moves a model ZeroAdam manages; prepare_optimizer returns ZeroAdam as
     it is, outside the accelerator's optimizers (Accelerate's AcceleratedOptimizer would round-trip
@@ -148,8 +127,8 @@ class _ZeroAccelerator(Accelerator):
 
 
 def _units_for(units):
-    """The units in zero= for another model than the policy than the policy: a policy (classes, a callable) applies to
-    any model; submodules of the policy name none of the other's, which gets the default units."""
+    """The units in zero= for a model other than the policy: a UnitPolicy of classes or a callable applies to
+    any model; a list of the policy's submodules names none of the other's, which gets the default units."""
     modules = units.modules if isinstance(units, UnitPolicy) else units
     if isinstance(modules, (list, tuple)) and any(isinstance(m, nn.Module) for m in modules):
         return UnitPolicy(min_unit_mb=units.min_unit_mb) if isinstance(units, UnitPolicy) else None
@@ -291,8 +270,7 @@ class ZeroTrainerMixin:
         return model
 
     def _check_frozen_models(self) -> None:
-        """What the host built for inference went through _prepare_for_inference: [Note: frozen models
-        in the Trainer]."""
+        """What the host built for inference passed _prepare_for_inference: [Note: frozen models in the Trainer]."""
         models = [getattr(self, "ref_model", None)] + [
             f for f in getattr(self, "reward_funcs", None) or [] if isinstance(f, PreTrainedModel)
         ]
@@ -376,19 +354,18 @@ class ZeroTrainerMixin:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir) or True
         out = super().train(resume_from_checkpoint, *args, **kwargs)
         if isinstance(self.optimizer, ZeroOptimizer):
-            # OffloadPolicy(delayed_update=True): the last step's update, still in flight, applied now,
-            # so that train() returns the trained model (nothing to do otherwise; every rank calls it)
+            # delayed_update=True: the last step's update, still in flight, applied so that train()
+            # returns the trained model (nothing to do otherwise; every rank calls it)
             self.optimizer.flush()
         zckpt.wait()  # the last asynchronous save (save_async=True) is complete when train() returns
         return out
 
     def _save_checkpoint(self, model, trial):
-        """Private in transformers 5.24.0 (called at each save step). With save_async: the previous save (and its rotation) completes before this checkpoint's
-        folder is made, and the Trainer's rotation (save_total_limit) runs once this one is written
-        (transformers 5.24 calls trainer_utils.rotate_checkpoints inline at the end of this method;
-        it is run from AsyncSave.then instead, with the same arguments): run now, it could delete
-        the newest complete checkpoint while this one is being written. The last step's save is
-        waited for here, before the Trainer's end-of-training cleanup may delete checkpoints."""
+        """Private in transformers 5.24.0 (each save step). With save_async: the previous save (and its rotation)
+        completes before this checkpoint's folder is made, and save_total_limit's rotation, which transformers
+        5.24 runs inline at the end (trainer_utils.rotate_checkpoints), runs from AsyncSave.then with the same
+        arguments once this one is written: run now, it could delete the newest complete checkpoint mid-write.
+        The last step's save is waited for here, before the Trainer's end-of-training cleanup may delete any."""
         if not (self.save_async and isinstance(self.optimizer, ZeroOptimizer)):
             return super()._save_checkpoint(model, trial)
         zckpt.wait()
@@ -426,8 +403,8 @@ class ZeroTrainerMixin:
     # --- resuming --------------------------------------------------------------------------------
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        # Private in transformers 5.24.0 (train()'s resume). The Trainer loads weights here, before the optimizer exists; a zerofast checkpoint holds them
-        # and is loaded with the optimizer (_load_optimizer_and_scheduler), at any world size or stage.
+        # Private in transformers 5.24.0 (train()'s resume). The Trainer loads weights here, before the optimizer
+        # exists; a zerofast checkpoint holds them and loads with it (_load_optimizer_and_scheduler).
         if os.path.isdir(os.path.join(resume_from_checkpoint, ZERO_DIR)):
             return None
         return super()._load_from_checkpoint(resume_from_checkpoint, model)
@@ -462,10 +439,10 @@ class ZeroTrainerMixin:
 
 
 def last_complete_checkpoint(output_dir: str) -> str | None:
-    """The highest checkpoint-N under output_dir with its trainer_state.json and a complete zerofast/
-    folder (or a plain Trainer's optimizer.pt, which resuming then names), or None. train(resume_from_checkpoint=True) resumes from it: a run killed
-    while checkpoint-N's shards were still being written (save_async, or a blocking save cut short)
-    leaves checkpoint-N with only zerofast.incomplete, which the Trainer's get_last_checkpoint
+    """The highest checkpoint-N under output_dir with its trainer_state.json and a complete zerofast/ folder
+    (or a plain Trainer's optimizer.pt, which resuming then names), or None; train(resume_from_checkpoint=True)
+    resumes from it. A run killed while checkpoint-N's shards were being written (save_async, or a blocking
+    save cut short) leaves only zerofast.incomplete there, which the Trainer's get_last_checkpoint
     (transformers 5.24) would pick."""
     prefix = trainer_utils.PREFIX_CHECKPOINT_DIR
     found = []

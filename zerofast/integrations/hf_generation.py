@@ -1,16 +1,12 @@
 """Hugging Face's generate() on a stage-3 model: synced_gpus chosen for the ranks, so that ranks that
-stop generating at different steps never hang ([Note: generation on stage 3] in
-zerofast/stage3/schedule.py).
+stop generating at different steps never hang ([Note: generation on stage 3] in zerofast/stage3/schedule.py).
 
-Written against transformers 5.24.0 (pinned in the Makefile's HF_DEPS). generate() decides
-synced_gpus in one place, GenerationMixin._extract_generation_mode_kwargs(self, custom_generate,
-kwargs, synced_gpus, assistant_model, streamer): True for DeepSpeed ZeRO-3 and FSDP when it was not
-passed. That method is wrapped here, once, when this integration is imported (importing zerofast
-alone patches nothing; ZeroTrainer's and TRL's integrations import it), to decide it for the models
-stage 3 has sharded (this module registers itself as a model host: [Note: stage-3 extension points]
-in zerofast/stage3/extensions.py), and to hand every other model's call on unchanged; its signature
-is checked at import, so a transformers that moved it fails here, loudly, and not by hanging in a
-gather.
+Written against transformers 5.24.0 (the Makefile's HF_DEPS). generate() decides synced_gpus in one place,
+GenerationMixin._extract_generation_mode_kwargs (True for DeepSpeed ZeRO-3 and FSDP when not passed). Importing
+this module wraps it once (importing zerofast alone patches nothing; ZeroTrainer's and TRL's integrations import
+it): synced_gpus_for decides for the models stage 3 has sharded, which attach registers as a model host
+([Note: stage-3 extension points] in zerofast/stage3/extensions.py); every other model's call passes unchanged.
+The signature is checked at import, so a transformers that moved it fails here, loudly, not by hanging in a gather.
 """
 
 from __future__ import annotations
@@ -99,6 +95,5 @@ def attach(model: nn.Module, tracker) -> list[_Registration]:
     return hosts
 
 
-# Every stage-3 model, sharded before this import or after: [Note: stage-3 extension points] in
-# zerofast/stage3/extensions.py.
+# Every stage-3 model, sharded before this import or after: [Note: stage-3 extension points].
 register_model_host(attach)

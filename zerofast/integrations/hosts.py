@@ -1,22 +1,18 @@
-"""What an integration relies on in its host framework, checked when the integration is imported.
+"""What an integration relies on in its host framework (a `Reliance`), checked when the integration is imported.
 
-An integration subclasses a framework's classes (transformers' Trainer, Accelerate's Accelerator,
-Lightning's DDPStrategy and Precision) and overrides some of their methods, a few of them private.
-A host method renamed in a new release would not fail: the override would simply stop being called,
-and training would go on without it. So each integration keeps, beside its code, a table of what it
-overrides, reads and calls in its hosts (a `Reliance`), and checks it:
+An integration subclasses a framework's classes (transformers' Trainer, Accelerate's Accelerator, Lightning's
+DDPStrategy and Precision) and overrides some of their methods, a few of them private. A host method renamed in a
+new release would not fail: the override would simply stop being called, and training would go on without it. So
+each integration keeps beside its code a table of what it overrides, reads and calls in its hosts, checked at
+import (`check`: every member of a host class or module) and on the first host object it meets
+(`check_instance`: attributes a host sets in its constructor, which no class carries).
 
-  - at import (`check`): every member overridden, read or called on a host class or module;
-  - on the first host object it meets (`check_instance`): attributes a host sets in its constructor,
-    which no class carries.
-
-A member missing, of another kind (a method become a property), an override that no longer takes
-every call the host's method takes, a call the integration makes that the host no longer takes, or
-a member the integration adds under a name the host now uses (it would hide the host's): an
-IncompatibleHostError naming each, with the versions the integration was written against and those
-installed. A host version outside the supported range (the extras' range in pyproject.toml) is the
-same error, unless ZEROFAST_ALLOW_UNTESTED_HOSTS=1 makes it a warning; a version inside the range but
-not the one tested (the Makefile's pin, which CI installs) is an UntestedHostWarning.
+A member missing or of another kind (a method become a property), an override that no longer takes every call
+the host's method takes, a call the host no longer takes, or a member the integration adds under a name the host
+now uses (it would hide the host's): an IncompatibleHostError naming each, with the versions written against and
+those installed. A host version outside the supported range (the extras' range in pyproject.toml) is the same
+error, unless ZEROFAST_ALLOW_UNTESTED_HOSTS=1 makes it a warning; one inside the range but not the one tested
+(the Makefile's pin, which CI installs) is an UntestedHostWarning.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""A PEFT model's weights as an inference engine wants them, for the weight iterator
-(opt.named_full_tensors(peft=...), zerofast/stage3/weights.py): the merged model or the adapter.
-
-Imported only when asked for (peft= given); written against peft 0.21.2 (the Makefile's HF_DEPS):
-RELIES_ON below is checked at import.
+"""A PEFT model's weights as an inference engine wants them (peft_entries: the merged model or the adapter), for
+the weight iterator (opt.named_full_tensors(peft=...), zerofast/stage3/weights.py). Imported only when peft= is
+given; written against peft 0.21.2 (the Makefile's HF_DEPS): RELIES_ON below is checked at import.
 
 [Note: merged weights unit by unit]
 What TRL's vLLM sync sends for a PEFT model is the merged model, PeftModel.merge_and_unload()'s
@@ -13,12 +11,11 @@ ZeRO-3 gathers the whole model to do so. Here nothing of the model is changed an
     wrapper by its active copy; the same replacements are made in the module tree for the length of
     one state_dict(keep_vars=True) call and undone, so the names are exactly the merged model's,
     mapped to the live tensors they come from;
-  - values: an adapted layer's entries are made when its unit is gathered (its tensors have
-    storage), by PEFT's own merge (the layer's merge(), as merge_and_unload calls it, whatever the variant:
-    LoRA, DoRA) run onto copies of the base layer's parameters, swapped in for the call and
-    swapped back; so the values are bitwise PEFT's, and a rank holds one unit plus one layer's
-    merged copies. A layer whose tensors lie in several units is made with those units gathered
-    together (stage 3's units= can split it).
+  - values: an adapted layer's entries are made when its unit is gathered (its tensors have storage), by
+    PEFT's own merge (the layer's merge(), as merge_and_unload calls it, whatever the variant: LoRA, DoRA)
+    run onto copies of the base layer's parameters, swapped in for the call and swapped back; so the values
+    are bitwise PEFT's, and a rank holds one unit plus one layer's merged copies. A layer whose tensors lie
+    in several units is made with those units gathered together (stage 3's units= can split it).
 The adapter alone is get_peft_model_state_dict(model): PEFT's own choice of entries and names, read
 from the live tensors.
 """
@@ -80,8 +77,7 @@ def _merged_entries(root: nn.Module, who: str) -> list[tuple[str, Entry]]:
 
 
 def _unloaded(root: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules PEFT's unloading replaces (tuner layers and training wrappers), outermost only,
-    by name under `root`."""
+    """The outermost modules PEFT's unloading replaces (tuner layers, training wrappers), by name."""
     found: list[tuple[str, nn.Module]] = []
     for name, module in root.named_modules():
         if any(name.startswith(f"{outer}.") for outer, _ in found):
@@ -92,8 +88,7 @@ def _unloaded(root: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 class _Merge:
-    """One tuner layer's merged base parameters, made by PEFT's merge on copies when first asked
-    for, each handed out once."""
+    """One tuner layer's merged base parameters: PEFT's merge on copies when first asked for, each handed out once."""
 
     def __init__(self, layer: BaseTunerLayer):
         self.layer = layer

@@ -5,9 +5,8 @@
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=3), precision="bf16-mixed")
     trainer.fit(module)     # configure_optimizers returns torch.optim.AdamW / Adam, or ZeroAdam(self, ...)
 
-For the `lightning` package (lightning.pytorch) the same classes are in zerofast.integrations.lightning.
-What maps to what, and the version it is written against: zerofast/integrations/_lightning/.
-Importing this module checks that pytorch_lightning still has what ZeroStrategy relies on (RELIES_ON).
+The same classes for `lightning` (lightning.pytorch): zerofast.integrations.lightning. Importing this
+module checks RELIES_ON against pytorch_lightning; what maps to what and the version: zerofast/integrations/_lightning/.
 """
 
 from ._lightning import LIGHTNING_FILE, PRECISIONS, ZERO_DIR

@@ -1,11 +1,9 @@
 """Where the optimizer state lives (OffloadPolicy in zerofast/config.py), and everything a step does
-because of it, in one home: the stores (stores.py: with the parameters on the device, in pinned
-host memory ("host"), or in files on disk streamed through a bounded window ("disk")), and the
-offloaded step (update.py: phase 3 through a store, its all-or-none commit and abort, the delayed
-update's thread, the writes the model was given between steps). ShardState (zerofast/optim/state.py)
-holds the fp32 master, moments and 8-bit scales as the store's tensors, wherever they are; the
-checkpoint view reads the same tensors; the optimizer's step (zerofast/optim/step.py) calls
-update.py at fixed points.
+because of it:
+  stores.py  DeviceState, HostState (pinned host memory), DiskState (files, through a bounded window)
+  update.py  the offloaded step, called by zerofast/optim/step.py at fixed points: phase 3 through a
+             store, its all-or-none commit, the delayed update's thread, the model's writes
+ShardState (zerofast/optim/state.py) and the checkpoint view read the store's tensors wherever they are.
 
 [Note: offload schedule]
 What leaves the device, when the CPU steps it, and when the parameters come back:

@@ -1,9 +1,8 @@
-"""The two places offloaded state lives: HostState (tensors in host memory, pinned for a GPU's
-copies) and DiskState (two generations of files per rank, streamed through a bounded window by I/O
-threads). Both hold the state as named flat tensors (`views()`: what checkpoints read and write) and
-run phase 3 over them with `stream(segments, step)`, which calls `step(payload, lo, hi, views)` for
-every piece [lo, hi) of the shard that a segment covers, the views then being that piece's state.
-See [Note: offload schedule] and [Note: the all-or-none offloaded step] in __init__.py.
+"""Where the state lives ([Note: offload schedule], [Note: the all-or-none offloaded step] in __init__.py):
+DeviceState (not offloaded), HostState (host memory, pinned for a GPU's copies), DiskState (two
+generations of files per rank, streamed through a bounded window by I/O threads). Each holds the state
+as named flat tensors (`views()`: what checkpoints read and write); the offloaded ones run phase 3 with
+`stream(segments, step)`, calling `step(payload, lo, hi, views)` for every piece [lo, hi) a segment covers.
 """
 
 from __future__ import annotations
@@ -200,10 +199,9 @@ class HostState:
 
 
 class DiskState:
-    """The state in files under `root`: generation g holds the state after the last applied step,
-    a step writes generation 1-g and `commit()` switches to it ([Note: the all-or-none offloaded
-    step]). `views()` map generation g's files (reading or writing them is reading or writing the
-    state: checkpoints), the step reads and writes through the window's three slots instead."""
+    """The state in files under `root`: generation g is the state after the last applied step, a
+    step writes 1-g and `commit()` switches to it ([Note: the all-or-none offloaded step]).
+    `views()` map generation g's files (for checkpoints); a step goes through the window's slots."""
 
     placement = "disk"
     offloaded = True
@@ -288,14 +286,14 @@ class DiskState:
         return out
 
     def release(self) -> None:
-        """Drop the mapped pages a reader touched from this process's resident memory (their bytes
-        stay in the files and the page cache): after a checkpoint read or wrote the views."""
+        """Drop the mapped pages a checkpoint touched from this process's resident memory (the bytes
+        stay in the files and the page cache)."""
         for mapped in self._mmaps:
             mapped.madvise(mmap.MADV_DONTNEED)
 
     def write(self, name: str, offset: int, values: torch.Tensor) -> None:
-        """Write `values` (flat, this kind's dtype) at element `offset` of the live generation, through
-        the files rather than the mapping (so the pages do not stay resident)."""
+        """`values` at element `offset` of the live generation, through the file, not the mapping
+        (whose pages would stay resident)."""
         s = next(s for s in self.specs if s.name == name)
         buf = values.detach().to("cpu", s.dtype).contiguous()  # may be the caller's own storage
         view, done = _bytes_of(buf, buf.numel() * s.dtype.itemsize), 0

@@ -8,10 +8,9 @@ the calls the optimizer makes at fixed points of its step (zerofast/optim/step.p
   OffloadedUpdate.flush  the delayed update in flight: waited for, agreed on, applied
   follow_params, check_writable   what the model was given between steps, taken into the master
 
-The shard (zerofast/optim/state.py's ShardState) holds the state's tensors, wherever the store put
-them, and the one kernel call over a range; this module imports nothing of the optimizer and nothing
-compiled: it reads the shard through the few methods named in ShardSide, and the ranks' agreement
-through StepSide.
+It imports nothing of the optimizer and nothing compiled: the shard (zerofast/optim/state.py's
+ShardState: the state's tensors, the kernel call over a range) is read through ShardSide, the ranks'
+agreement through StepSide.
 """
 
 from __future__ import annotations
@@ -66,9 +65,8 @@ class StepSide(Protocol):
 
 
 def open_store(specs: list[StateSpec], shard_numel: int, plan, device: torch.device):
-    """The store the state lives in, as plan.offload places it: on the device (DeviceState; "host"
-    for a CPU model, where it is anyway, unless the update is delayed), in host memory (HostState) or
-    in files (DiskState)."""
+    """The store plan.offload places the state in: DeviceState (also "host" for a CPU model, unless the
+    update is delayed), HostState or DiskState."""
     policy = plan.offload
     if not is_offloaded(policy.state, policy.delayed_update, device.type):
         return DeviceState(specs, device, "host" if policy.state == "host" else "device")
@@ -86,10 +84,9 @@ def open_store(specs: list[StateSpec], shard_numel: int, plan, device: torch.dev
 
 
 def agreed(build: Callable[[], tuple], plan, rank: int, agree: Callable[[int], int]) -> tuple:
-    """build() -> (store, ...), the state placed: with it on disk every rank first learns whether every
-    other could place its files (agree: the largest failed rank, one small all_reduce), so that a
-    rank's full or unwritable disk is named on every rank at construction rather than surfacing later
-    as a dead peer."""
+    """build() -> (store, ...). On disk every rank first learns whether every other placed its files
+    (agree: the largest failed rank, one small all_reduce), so a rank's full or unwritable disk is
+    named on every rank at construction, not later as a dead peer."""
     if plan.offload.state != "disk":
         return build()
     built, error = None, None
@@ -117,7 +114,7 @@ class OffloadedUpdate:
         self.store, self.shard, self.plan = store, shard, shard.plan
         self.delayed = self.plan.offload.delayed_update
         self._pending_used: list[bool] | None = None  # an update written, not yet committed
-        self._delayed: _Delayed | None = None  # the delayed update in flight
+        self._delayed: _Delayed | None = None
         # The delayed update at stages 1 and 2: what zerofast last wrote into the owned parameters
         # (host, the parameters' dtype), against which the model's writes are found (_follow_writes).
         follows = shard.follows_params and self.delayed
@@ -213,9 +210,8 @@ class OffloadedUpdate:
         self._pending_used = None
 
     def _abort(self) -> None:
-        """Some rank failed to write its update: the state stays as it was (the store's last
-        generation), and the parameters this rank updated in memory become that master's rounding
-        again, as the last applied step left them."""
+        """Some rank failed to write its update: the state stays the store's last generation, and the
+        parameters this rank updated in memory go back to that master's rounding."""
         self._pending_used = None
         self.shard.sync_params_from_master()
         self.params_written()
@@ -223,12 +219,10 @@ class OffloadedUpdate:
     # --- phase 3 through the store ----------------------------------------------------------------------
 
     def apply_adam(self, used: list[bool], param_groups: list[dict], group_of: list[int], adamw: bool, grad_scale):
-        """Phase 3 through the store: the CPU kernel over each piece of a run the store hands out
-        (disk: a chunk of the window), the gradients brought to the host and the updated parameters
-        (the master's rounding, or its copy in fp32) back to the model's device. With the delayed
-        update, on a thread, from a copy of the gradients, into staging buffers that flush() copies
-        into the parameters ([Note: the delayed update]). Counted only by the commit: [Note: the
-        all-or-none offloaded step]."""
+        """The CPU kernel over each piece the store hands out (disk: a chunk of the window), gradients
+        to the host, updated parameters (the master's rounding, or its fp32 copy) back to the device.
+        Delayed: on a thread, from a copy of the gradients, into staging buffers flush() applies
+        ([Note: the delayed update]). Counted only by the commit: [Note: the all-or-none offloaded step]."""
         shard, delayed = self.shard, self.delayed
         if isinstance(grad_scale, torch.Tensor):
             grad_scale = grad_scale.to("cpu")  # one read of the device per step
@@ -289,9 +283,8 @@ class OffloadedUpdate:
     # --- the delayed update ---------------------------------------------------------------------------------
 
     def _apply_delayed(self) -> None:
-        """The delayed update written by every rank: the parameters take its values, except where the
-        model was written since the last update was applied: there the write wins, and the master
-        takes it (the thread could not read the model while it ran)."""
+        """The parameters take the delayed update's values, except where the model was written since
+        the last update was applied: the write wins, and the master takes it (the thread could not see it)."""
         staged = self._delayed.staged
         self._follow_writes(staged)
         for dest, copy, _ in staged:
@@ -300,9 +293,8 @@ class OffloadedUpdate:
         self.params_written()
 
     def _follow_writes(self, staged) -> None:
-        """What the model holds against what zerofast last wrote into it (self._applied); a changed
-        element was written by the user, and the staged values (the update in flight, which the write
-        wins over) and the master take it."""
+        """An element that differs from what zerofast last wrote (self._applied) was written by the
+        user: the staged values (the update in flight) and the master take it."""
         if self._applied is None:
             return
         shard = self.shard

@@ -1,6 +1,5 @@
-"""The optimizer front and the parts of a step it orders (see zero_adam.py's docstring).
-ZeroAdam is imported on first use, so that zerofast.config's users (the estimator) never load the
-compiled extension through this package."""
+"""The optimizer fronts and the parts of a step they order (zero_adam.py's docstring). ZeroAdam and
+ZeroMuon are imported on first use, so the estimator never loads the compiled extension through here."""
 
 
 def __getattr__(name: str):

@@ -1,6 +1,6 @@
-"""The step's agreement as data: where each flag and counter sits in phase 2's one small
-all_reduce(MAX) message, and what the ranks agreed on. Pure Python (no compiled code), so that the
-estimator (zerofast/estimate/traffic.py) counts the message's bytes from the same layout."""
+"""The step's agreement as data ([Note: the step's agreement], below): AgreementLayout, where each flag
+and counter sits in phase 2's one all_reduce(MAX) message, and Agreed, what the ranks agreed on. Pure
+Python, so the estimator (zerofast/estimate/traffic.py) counts the message's bytes from the same layout."""
 
 from __future__ import annotations
 
@@ -41,7 +41,6 @@ class AgreementLayout:
         return slice(0, self.params)
 
     def counter(self, name: str) -> slice:
-        """The counter's two entries: its value, and its value negated."""
         start = self.params + 2 * self.COUNTERS.index(name)
         return slice(start, start + 2)
 

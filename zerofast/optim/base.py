@@ -1,8 +1,7 @@
-"""The front ZeroAdam and ZeroMuon share: `ZeroOptimizer`, a torch.optim.Optimizer whose update
-rule is given (zerofast/optim/update.py: Adam's, or Muon's with AdamW beside it). The two are
-siblings over it, each a constructor that checks its own hyper-parameters and builds its rule;
-everything after construction (the step's order, the model side, reports, checkpoints) is here.
-See zerofast/optim/zero_adam.py for a step's phases and the parts that run them.
+"""ZeroOptimizer: the torch.optim.Optimizer front ZeroAdam and ZeroMuon share, over a given update rule
+(update.py). Each sibling is a constructor that checks its hyper-parameters and builds its rule; all
+that follows (the step's order, the model side, reports, checkpoints) is here. parts_of: the tests'
+seam. A step's phases and the parts that run them: zero_adam.py.
 """
 
 from __future__ import annotations
@@ -37,8 +36,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         )
 
     def _wire(self, model: torch.nn.Module, plan: Plan, process_group, rule: UpdateRule) -> None:
-        """Where every front's constructor ends (ZeroMuon's too): the builder wires the parts from
-        the plan and the front's update rule; then torch.optim's own fields, over the rule's groups."""
+        """Where every front's constructor ends: build() wires the parts, then torch.optim's fields."""
         self.model, self.plan = model, plan
         parts = self._parts = build(model, plan, process_group, rule)
         self._stepper = Stepper(parts, self._check_update)
@@ -81,12 +79,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._parts.grads.no_sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear .grad (stage 1 keeps full local gradients there). Between a backward and step(),
-        gradients already handed to the buckets cannot be taken back (their reduces are in flight
-        on every rank): that is an error rather than a step that silently keeps them. Gradients
-        accumulated only locally (stage 1, or accumulate_locally, inside no_sync) are dropped. It
-        also begins the step for the replication (zerofast/topology.py: on torchft's replica groups
-        the step's quorum, once per step, where a recovering group receives the state)."""
+        """Clear .grad (stage 1 keeps full local gradients there). Between a backward and step() it is
+        an error rather than a step that silently keeps them: gradients handed to the buckets are being
+        reduced on every rank. Gradients accumulated only locally (stage 1, or accumulate_locally,
+        inside no_sync) are dropped. It also begins the replication's step (zerofast/topology.py: on
+        torchft's replica groups the step's quorum, where a recovering group receives the state)."""
         self._parts.grads.zero_grad(set_to_none)
         self._parts.topology.replication.begin_step()
 
@@ -110,10 +107,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return loss
 
     def _check_update(self) -> None:
-        """The last checks before an update, on every rank before the step's agreement, so that a
-        failure here applies nothing anywhere ([Note: the step's agreement] in zerofast/optim/grads.py):
-        the hyper-parameters as a scheduler or user code may have left them, and which parameters
-        are trainable."""
+        """The last checks before an update (hyper-parameters as a scheduler may have left them, which
+        parameters are trainable), on every rank before the step's agreement, so that a failure applies
+        nothing anywhere ([Note: the step's agreement] in zerofast/optim/agreement.py)."""
         parts = self._parts
         for g, group in enumerate(self.param_groups):
             parts.rule.check_group(g, group)
@@ -123,27 +119,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
             checks.check_params_in_place(parts.names, parts.params, parts.layout, parts.shard.param_buffers, who)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip the gradients' global norm to max_norm, as torch.nn.utils.clip_grad_norm_ on the
-        whole model would, and return the norm before clipping (a float32 tensor). Call it after
-        the last backward of a step and before step(); the clipping is applied inside the fused
-        kernel, through its grad_scale ([Note: global gradient clipping] in zerofast/optim/grads.py).
-        max_norm=float("inf") only measures: the norm is returned and nothing is clipped (what
-        trainers call to log the norm)."""
+        """Clip the gradients' global norm to max_norm, as torch.nn.utils.clip_grad_norm_ on the whole
+        model would, and return the norm before clipping (a float32 tensor). Call it after a step's last
+        backward, before step(); the fused kernel applies it through its grad_scale ([Note: global
+        gradient clipping] in zerofast/optim/grads.py). max_norm=float("inf") only measures: the norm
+        is returned, nothing clipped (what trainers call to log the norm)."""
         grads, world = self._parts.grads, self._parts.topology.divisor()
         prep = grads.prepare_to_clip("clip_grad_norm_", "max_norm", max_norm, True, world, self._check_update)
         return grads.clip(prep, float(max_norm))
 
     def _prepare_grads(self):
-        """Phase 2 for the gradient window (torch.nn.utils.clip_grad_norm_ on the model's
-        parameters: zerofast/optim/grad_view.py), as clip_grad_norm_() runs it."""
+        """Phase 2 for the gradient window (grad_view.py), as clip_grad_norm_() runs it."""
         grads, world = self._parts.grads, self._parts.topology.divisor()
         return grads.prepare_to_clip("clip_grad_norm_", "max_norm", 1.0, False, world, self._check_update)
 
     def clip_grad_value_(self, clip_value: float) -> None:
-        """Clamp every element of the step's gradient to [-clip_value, clip_value], as
-        torch.nn.utils.clip_grad_value_ on the whole model after DDP's average would (the averaged,
-        unscaled gradient). Call it after the last backward of a step and before step(); each rank
-        clamps its own reduced shard, elementwise, so it costs no communication beyond the step's."""
+        """Clamp every element of the step's averaged, unscaled gradient to [-clip_value, clip_value],
+        as torch.nn.utils.clip_grad_value_ on the whole model after DDP's average would. Call it after a
+        step's last backward, before step(); each rank clamps its own reduced shard, so it costs no
+        communication beyond the step's."""
         grads, world = self._parts.grads, self._parts.topology.divisor()
         prep = grads.prepare_to_clip("clip_grad_value_", "clip_value", clip_value, False, world, self._check_update)
         grads.clamp(prep, float(clip_value), world)
@@ -159,25 +153,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def gathered_params(self, gather_tp: bool = False):
-        """Full, current parameters on every rank inside the block. Stages 1 and 2 always hold
-        them, so this costs nothing there (beyond finishing gathers still in flight); stage 3
-        gathers every unit on entry (every rank), keeps them gathered through any number of
-        forwards inside (generation: no collective per token, so ranks may run different numbers
-        of forwards) and re-shards on exit (changes made inside the block are not kept). See
-        [Note: generation on stage 3] in zerofast/stage3/schedule.py. A tensor-parallel model's
-        parameters stay DTensors on "tp", each rank's part whole (its forward runs as trained);
-        gather_tp=True makes each whole across "tp" too (a Replicate DTensor: p.to_local() is the
-        whole tensor), read-only, for reading the weights or a forward without gradients
-        ([Note: tensor parallelism] in zerofast/tensor_parallel.py)."""
+        """Full, current parameters on every rank inside the block. Stages 1 and 2 always hold them
+        (this only finishes gathers in flight); stage 3 gathers every unit on entry (every rank),
+        keeps them through any number of forwards inside (generation: no collective per token, so
+        ranks may run different numbers of forwards) and re-shards on exit, keeping what was written
+        inside (the fp32 master takes it too): [Note: generation on stage 3] in
+        zerofast/stage3/schedule.py. A tensor-parallel model's parameters stay DTensors on "tp", each
+        rank's part whole (its forward runs as trained); gather_tp=True makes each whole across "tp"
+        too (a Replicate DTensor: p.to_local() is the whole tensor), read-only, for reading the
+        weights or a forward without gradients ([Note: tensor parallelism] in
+        zerofast/tensor_parallel.py)."""
         with self._parts.module.gathered_params(gather_tp):
             yield self.model
 
     def full_state_dict(self, keep: bool = True, device="cpu") -> dict[str, torch.Tensor] | None:
         """model.state_dict() with every tensor whole, copied to `device` (default the CPU): what a
-        consolidated save (Hugging Face's save_pretrained, safetensors) writes. Stage 3 gathers one
-        unit at a time, so no rank holds more than the copies plus one gathered unit. Every rank must
-        call it (the gathers are collectives); ranks passing keep=False take part, copy nothing and
-        get None. Tied tensors keep one copy under each of their names, as state_dict() has them."""
+        consolidated save (Hugging Face's save_pretrained, safetensors) writes. Stage 3 gathers one unit
+        at a time, so no rank holds more than the copies plus one gathered unit. Every rank must call it
+        (the gathers are collectives); ranks passing keep=False take part, copy nothing and get None.
+        Tied tensors keep one copy under each of their names, as state_dict() has them."""
         return self._parts.module.full_state_dict(keep, device)
 
     def report(self) -> Report:
@@ -200,24 +194,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._view
 
     def named_full_tensors(self, peft: str | None = None, gather_tp: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) for every entry of model.state_dict(), whole and in the model's dtype, one
-        at a time, stage 3 gathering one unit at a time: for sending weights to an inference engine
-        with no rank holding the whole model (zerofast/stage3/weights.py). Every rank must run it
-        to its end (the gathers are collectives). For a PEFT model, peft="merged" gives
-        merge_and_unload().state_dict() (what TRL's vLLM sync sends) and peft="adapter"
-        get_peft_model_state_dict(), bitwise, the model left as it was ([Note: merged weights unit
-        by unit] in zerofast/integrations/peft_weights.py). A tensor-parallel model's DTensors are
-        gathered over "tp" too; gather_tp=False hands out each rank's local tensor instead (what an
-        engine with the same tensor-parallel layout loads)."""
+        """(name, tensor) for every entry of model.state_dict(), whole and in the model's dtype, one at a
+        time (stage 3 gathering one unit at a time): for sending weights to an inference engine with no
+        rank holding the whole model (zerofast/stage3/weights.py). Every rank must run it to its end
+        (the gathers are collectives). For a PEFT model, peft="merged" gives merge_and_unload().state_dict()
+        (what TRL's vLLM sync sends) and peft="adapter" get_peft_model_state_dict(), bitwise, the model
+        left as it was ([Note: merged weights unit by unit] in zerofast/integrations/peft_weights.py).
+        A tensor-parallel model's DTensors are gathered over "tp" too; gather_tp=False hands out each
+        rank's local tensor instead (what an engine with the same tensor-parallel layout loads)."""
         return self._parts.module.named_full_tensors(peft, gather_tp)
 
     def state_dict(self) -> dict:
         """This rank's part of the training state as a torch.distributed.checkpoint state dict, for
-        dcp.save: unlike a torch optimizer's, it holds the model's parameters too (in stage 3 and in
-        mixed precision the fp32 master, which is the source of truth, lives here), each parameter
-        and Adam moment by name in its own shape, this rank's pieces only (views of the live state).
-        To restore: sd = opt.state_dict(); dcp.load(sd, ...); opt.load_state_dict(sd), in any
-        configuration. zerofast.checkpoint.save/load do this with atomic folders and `extra`."""
+        dcp.save: unlike a torch optimizer's it holds the parameters too (in stage 3 and mixed
+        precision the fp32 master, the source of truth, lives here), each parameter and Adam moment
+        by name in its own shape, this rank's pieces only (views of the live state). To restore, in
+        any configuration: sd = opt.state_dict(); dcp.load(sd, ...); opt.load_state_dict(sd).
+        zerofast.checkpoint.save/load do this with atomic folders and `extra`."""
         from ..checkpoint import dcp  # DCP is imported when first used (zerofast/checkpoint/__init__.py)
 
         return dcp.state_dict(self)
@@ -230,11 +223,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         dcp.load_state_dict(self, state_dict)
 
     def flush(self) -> None:
-        """With OffloadPolicy(delayed_update=True): wait for the update still running (the last
-        step's) and apply it, so that the model and the state are those after every step taken;
-        nothing to do otherwise. step(), gathered_params(), full_state_dict() and checkpoints call
-        it themselves; call it after the last step before reading the model's parameters directly.
-        Every rank calls it (stages 1 and 2 then gather the updated parameters)."""
+        """With OffloadPolicy(delayed_update=True): wait for the last step's update still running and
+        apply it, so the model and state are those after every step taken; otherwise nothing. step(),
+        gathered_params(), full_state_dict() and checkpoints call it themselves; call it after the
+        last step before reading the parameters directly. Every rank calls it (stages 1 and 2 then
+        gather the updated parameters)."""
         self._stepper.flush()
 
     def remove_hooks(self) -> None:
@@ -244,7 +237,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
 
 def parts_of(opt: ZeroOptimizer) -> Parts:
-    """The test seam: the parts behind a ZeroAdam or ZeroMuon front (zerofast/optim/builder.py), for
-    tests that inject a fault into one part or check one part's internals. Library code goes
-    through the front, its report() and its checkpoint_view instead."""
+    """The test seam: the parts behind a ZeroAdam or ZeroMuon front (builder.py), for tests that
+    inject a fault into one part or check its internals. Library code uses the front instead."""
     return opt._parts

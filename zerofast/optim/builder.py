@@ -1,16 +1,11 @@
-"""The builder: one function, build(), wires every part an optimizer front orders, from the resolved
-`Plan` and the front's update rule (zerofast/optim/update.py). It only wires: the order of a step is
-zerofast/optim/step.py's, the checkpoint's view of the parts zerofast/checkpoint/binding.py's.
-
-What build() does, in order (every rank of the data-parallel group calls it, with the same options):
-  1. the ranks: the data-parallel group and the shard and replicate groups
-     ([Note: hybrid sharding] in zerofast/topology.py), every rank holding rank 0's model;
-  2. mixed precision's conversion of the rest of the model and its input cast;
-  3. the layouts (zerofast/optim/placement.py, greedy balancing the rule's costs);
-  4. the state (its store: zerofast/offload; ShardState; stage 3's FrozenShard), the collectives
-     (BucketComm), the loss scaler, the parameter gather (stages 1 and 2), the units (stage 3), the
-     gradient path (GradReducer), the rule's phase 3 over the shard, and the guard on the model's
-     parameters ([Note: the model stays a torch model] in zerofast/guard/__init__.py).
+"""build(): wires every part an optimizer front orders (the `Parts` record) from the resolved `Plan` and
+the front's update rule (update.py). It only wires: a step's order is step.py's, the checkpoint's view
+of the parts zerofast/checkpoint/binding.py's. Every data-parallel rank calls it, with the same options.
+In order: the groups ([Note: hybrid sharding] in zerofast/topology.py), every rank holding rank 0's
+model; mixed precision's conversion; the layouts (placement.py, greedy balancing the rule's costs); the
+state (its store: zerofast/offload), collectives, loss scaler, parameter gather, stage 3's units,
+gradient path and the rule's phase 3; the guard on the model's parameters
+([Note: the model stays a torch model] in zerofast/guard/__init__.py).
 """
 
 from __future__ import annotations
@@ -133,8 +128,7 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
         )
     group_index = {id(p): g for g, grp in enumerate(rule.groups) for p in grp["params"]}
     group_of = [group_index[id(p)] for _, p in named]
-    # Which of the model's parameters were trainable: the layout is built over them, so a change of
-    # requires_grad later is an error at the next step (checks.check_trainable_unchanged).
+    # The layout is built over these, so a later change of requires_grad is an error at the next step.
     trainable_at_build = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
     checks.check_dtypes(names, params, plan.param_dtype, plan.front)
     hooks = []
@@ -232,8 +226,7 @@ def _guard(parts: Parts) -> None:
 
 
 def _state(layout: Layout, topology: Topology, names, params, plan: Plan) -> tuple[object, ShardState]:
-    """Where the state lives (zerofast/offload) and this rank's ShardState over it; on disk agreed by
-    every rank first (zerofast/offload/update.py agreed())."""
+    """Where the state lives (zerofast/offload) and this rank's ShardState over it; on disk agreed first."""
     shard_numel = layout.shard_numel(topology.shard_rank)
     # Offloaded, the master is a tensor of its own even in fp32 (ShardState.master_apart says why).
     offloaded = is_offloaded(plan.offload.state, plan.offload.delayed_update, params[0].device.type)

@@ -1,8 +1,6 @@
-"""An optimizer's checks that need the model or the process group (the options alone are checked in
-zerofast/config.py): the parameter groups, the parameters' dtypes and device, the cross-rank
-agreement on the model (one all_gather_object, then rank 0's values broadcast), and at every step
-that the trainable parameters are still those it was built over; each raising a clear error naming
-the argument and the value it got, or the first mismatch across ranks, never a hang later."""
+"""An optimizer's checks that need the model (the options alone: zerofast/config.py): parameter groups,
+the parameters' dtypes and device, and at every step that the trainable parameters are those it was
+built over and still views of its buffers; each a clear error naming the argument and the value."""
 
 from __future__ import annotations
 
@@ -89,11 +87,10 @@ def check_trainable_unchanged(trainable_at_build: list[tuple[str, nn.Parameter, 
 
 
 def check_params_in_place(names: list[str], params: list, layout, buffers: list[torch.Tensor], who: str) -> None:
-    """Stages 1 and 2: every trainable parameter still a view of its slot in the flat buffers. A
-    parameter given other storage after the optimizer was built (p.data = t, set_(), swap_tensors)
-    would no longer receive the step's updates; its values would be ignored ([Note: the model stays a
-    torch model] in zerofast/guard/__init__.py). Checked before the step's agreement, so every rank
-    raises and nothing is applied."""
+    """Stages 1 and 2: every trainable parameter still a view of its slot in the flat buffers; one
+    given other storage since (p.data = t, set_(), swap_tensors) would be neither read nor updated
+    ([Note: the model stays a torch model] in zerofast/guard/__init__.py). Run before the step's
+    agreement, so every rank raises and nothing is applied."""
     for name, p, slot in zip(names, params, layout.slots):
         buf = buffers[slot.bucket]
         if p.data_ptr() != buf.data_ptr() + slot.offset * buf.element_size():

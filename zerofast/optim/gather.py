@@ -1,19 +1,18 @@
-"""Phase 4 of stages 1 and 2: after the update, each bucket's parameters are gathered (all_gather
-for "flat", broadcast from each owner otherwise) straight into the flat parameter buffers the
-model's parameters are views of, buckets in forward order.
+"""ParamGather: phase 4 of stages 1 and 2. After the update each bucket's parameters are gathered
+(all_gather for "flat", broadcast from each owner otherwise) into the flat parameter buffers the
+model's parameters view, buckets in forward order.
 
 [Note: overlapped parameter gather]
-As Megatron-LM's overlap_param_gather: step() starts the gathers (the last bucket first, since it
-holds the first layers) and returns; a forward pre-hook on every module that holds managed
-parameters directly waits for their buckets, so the gather of later layers runs while earlier
-layers compute. A parameter used anywhere else (in a loss function, say; written between steps) is
-in its guarded class while its gather is in flight (ParamState.GATHERING in zerofast/guard/params.py),
-and any call on it waits for its bucket first, so it reads the updated values and a write is not
-overwritten. What escapes that (a read inside compiled code that holds the parameter from before)
-is caught when its gradient arrives, as an error naming it, when the parameter's bucket has not
-been waited for by then (zerofast/optim/grads.py), best-effort: if another module of the same bucket
-ran its pre-hook in between, the flag is cleared. opt.gathered_params() (and the next step()) wait
-for everything.
+As Megatron-LM's overlap_param_gather: step() starts the gathers (the last bucket first: it holds the
+first layers) and returns; a forward pre-hook on every module holding managed parameters directly
+waits for their buckets, so later layers' gathers run while earlier layers compute. A parameter used
+anywhere else (in a loss function, say; written between steps) is in its guarded class while its
+gather is in flight (ParamState.GATHERING in zerofast/guard/params.py): any call on it waits for its
+bucket first, so it reads the updated values and a write is not overwritten. What escapes that (a
+read inside compiled code that holds the parameter from before) is caught, best-effort, when its
+gradient arrives before its bucket was waited for: an error naming it (grads.py); if another module
+of the same bucket ran its pre-hook in between, the flag is cleared. opt.gathered_params() (and the
+next step()) wait for everything.
 """
 
 from __future__ import annotations
@@ -37,9 +36,8 @@ class ParamGather:
         self._slots: list[list[ParamSlot]] = [[] for _ in layout.buckets]  # guard_in_flight()'s, per bucket
 
     def guard_in_flight(self, slots: list[ParamSlot]) -> None:
-        """With the overlapped gather: while a bucket's gather is in flight its parameters are
-        GATHERING (zerofast/guard/params.py), so a call on one outside its module's forward (a read in
-        the loss, a write between steps) waits for the gather instead of racing it."""
+        """With the overlapped gather: a bucket's parameters are GATHERING while its gather is in
+        flight, so a call on one outside its module's forward waits for it instead of racing it."""
         for slot in slots:
             b = self.layout.slots[slot.index].bucket
             self._slots[b].append(slot)
@@ -85,8 +83,7 @@ class ParamGather:
 
 
 class _WaitFor:
-    """The pre-hook of one module: wait for its buckets' gathers (`wait`: ParamGather.wait, run
-    eagerly under torch.compile)."""
+    """One module's pre-hook: wait for its buckets' gathers (ParamGather.wait, eager under torch.compile)."""
 
     def __init__(self, wait: Callable[[Iterable[int]], None], buckets: tuple[int, ...]):
         self.wait, self.buckets = wait, buckets

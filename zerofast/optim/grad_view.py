@@ -1,20 +1,18 @@
-"""What a managed parameter's `.grad` is to torch between a step's last backward and step(): the
-gradient window ([Note: the model stays a torch model] in zerofast/guard/__init__.py).
+"""GradWindow: what a managed parameter's `.grad` is to torch between a step's last backward and
+step() ([Note: the model stays a torch model] in zerofast/guard/__init__.py).
 
-The window opens when the last backward of a step ends (outside no_sync()) and closes when the step
-ends, zero_grad() runs, or another backward starts. While it is open each trainable parameter's
-`.grad` reads as a ShardedGrad (zerofast/guard/grads.py) standing for the averaged, unscaled
-gradient DDP would hold there; this GradWindow does what torch's clip functions ask of them over
-this rank's reduced shard:
-  - norms: phase 2 runs first (the reduces waited for, the ranks' agreement: the same collective
-    opt.clip_grad_norm_() starts with), then each parameter's |g|^p summed over this rank's pieces
-    (the max for inf) and one small all_reduce over the shard group; divided by N times the loss
-    scale, times the clip coefficients so far, as the fused kernel will see it;
+The window opens when the step's last backward (outside no_sync()) ends and closes when the step ends,
+zero_grad() runs or another backward starts. While open, each trainable parameter's `.grad` reads as a
+ShardedGrad (zerofast/guard/grads.py) standing for the averaged, unscaled gradient DDP would hold, and
+the window does what torch's clip functions ask over this rank's reduced shard:
+  - norms: phase 2 first (as opt.clip_grad_norm_() starts), then each parameter's |g|^p summed over
+    this rank's pieces (max for inf) and one small all_reduce over the shard group; divided by N times
+    the loss scale, times the clip coefficients so far, as the fused kernel will see it;
   - scale and clamp: on this rank's pieces, in place, after phase 2 (no reduce may still write them);
-    a clamp bound is carried into the shard's units (summed over N ranks, loss-scaled) as
+    a clamp bound is carried into the shard's units (summed over N ranks, loss-scaled), as
     opt.clip_grad_value_() does.
-So torch.nn.utils.clip_grad_norm_(model.parameters(), m) returns the global norm (equal to
-opt.clip_grad_norm_(m)'s up to the order of the sums) and scales what the step will use.
+So torch.nn.utils.clip_grad_norm_(model.parameters(), m) returns the global norm (opt.clip_grad_norm_(m)'s
+up to the order of the sums) and scales what the step will use.
 """
 
 from __future__ import annotations
@@ -37,12 +35,10 @@ __all__ = ["GradWindow"]
 
 
 class GradWindow:
-    """The gradient window of one optimizer's trainable parameters (guard.params.GradView and
-    guard.grads.GradShards): see the module's docstring."""
+    """One optimizer's gradient window: guard.params.GradView and guard.grads.GradShards over its shard."""
 
     def __init__(self, who: str, shard: ShardState, comm: BucketComm, scaler: LossScaler, divisor: Callable[[], int]):
-        """divisor: what the step divides the summed gradient by (Topology.divisor: the ranks whose
-        gradients are averaged)."""
+        """divisor: what the step divides the summed gradient by (Topology.divisor)."""
         self.who, self.shard, self.comm, self.scaler, self.divisor = who, shard, comm, scaler, divisor
         self.open = False
         # Phase 2, the front's (it runs the checks), held weakly: the model's stage-3 hooks reach this

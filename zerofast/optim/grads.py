@@ -1,21 +1,19 @@
-"""Phases 1 and 2 of a step: gradients into buckets, bucket reduces, and the ranks' agreement.
+"""GradReducer: phases 1 and 2 of a step (gradients into buckets, bucket reduces, the ranks' agreement).
 
-Phase 1, during backward: the compiled gradient path (csrc/grad_path.cpp, [Note: the gradient path]
-there) takes each gradient as it is accumulated: checks it against its parameter, copies it into
-its slot of a bucket (stages 2 and 3 then drop param.grad; stage 1's .grad is the slot), and when
-every parameter of a bucket is in, starts the bucket's reduce at once, asynchronously, buckets
-strictly in index order (which is backward order: [Note: bucket order] in zerofast/layout.py).
-"flat" reduces each bucket into this rank's gradient shard; "round_robin" and "greedy" reduce each
-owner's segment to that owner.
+Phase 1, during backward: the compiled gradient path ([Note: the gradient path] in csrc/grad_path.cpp)
+takes each gradient as it is accumulated: checks it against its parameter, copies it into its bucket
+slot (stages 2 and 3 then drop param.grad; stage 1's .grad is the slot), and once a bucket is complete
+starts its reduce, asynchronously, buckets strictly in index order, which is backward order
+([Note: bucket order] in zerofast/layout.py). "flat" reduces each bucket into this rank's gradient
+shard; "round_robin" and "greedy" reduce each owner's segment to that owner.
 Phase 2, at step() (or an earlier clip_grad_norm_()): buckets a rank never filled are launched with
 zeros in the missing slots; the ranks agree which parameters got a gradient anywhere; all reduces
 are waited for; with fp16 or clipping, one small all_reduce agrees on overflow and the global norm.
 
-The step's phase is one variable, GradReducer.phase (a StepPhase), changed only by
-GradReducer._enter, which also sets from it how the compiled path takes gradients. Every
-gradient's own state (which parameters got one, which slots are filled, what is still missing, the
-next bucket to launch) is the compiled GradPath's alone. The notes sit beside the code they
-describe: [Note: the step's agreement] at AgreementLayout (zerofast/optim/agreement.py), [Note: accumulation] at no_sync(),
+The step's phase is one variable, GradReducer.phase (a StepPhase), changed only by _enter, which also
+sets how the compiled path takes gradients; every gradient's own state (which parameters got one,
+which slots are filled, the next bucket to launch) is the compiled GradPath's alone.
+Notes: [Note: the step's agreement] in agreement.py; here [Note: accumulation] at no_sync(),
 [Note: unused parameters] at flush(), [Note: global gradient clipping] at clip().
 """
 
@@ -90,9 +88,8 @@ class Prepared:
 
 
 class GradReducer:
-    """Phases 1 and 2 over one BucketComm: the step's phase, Python's part of the gradient path,
-    the flush and the agreement. Every gradient's state (which parameters got a gradient, each
-    slot's, each bucket's missing count, the next bucket to launch) is the compiled GradPath's."""
+    """Phases 1 and 2 over one BucketComm: the step's phase, Python's part of the gradient path, the
+    flush and the agreement (each gradient's own state is the compiled GradPath's)."""
 
     def __init__(
         self,
@@ -108,7 +105,7 @@ class GradReducer:
         tp: TensorParallel | None = None,
     ):
         self.params, self.names, self.layout, self.comm = params, names, layout, comm
-        self.tp = tp  # tensor parallelism: [Note: tensor parallelism] in zerofast/tensor_parallel.py
+        self.tp = tp  # [Note: tensor parallelism] in zerofast/tensor_parallel.py
         self.plan = plan
         self.shard = shard  # where the reduces leave this rank's owned gradients
         # Stage 1: each parameter's slot in the persistent buckets, which .grad is pointed at
@@ -165,11 +162,10 @@ class GradReducer:
         self.comm.new_step()
 
     def _enter(self, phase: StepPhase) -> None:
-        """The one place the phase changes, and how the compiled path takes the next gradients
-        follows from it ([Note: the gradient path] in csrc/grad_path.cpp): through Python when
-        every gradient has a check of its own there or when none may arrive (PREPARED); kept in
-        .grad inside no_sync() with local accumulation; reduces adding into the shard after a
-        micro-batch reduced under no_sync()."""
+        """The one place the phase changes; how the compiled path takes the next gradients follows
+        ([Note: the gradient path] in csrc/grad_path.cpp): through Python when each has a check there
+        or none may arrive (PREPARED); kept in .grad inside no_sync() with local accumulation; reduces
+        adding into the shard after a micro-batch reduced under no_sync()."""
         self.phase = phase
         self.comm.set_last_micro_batch(not phase.in_no_sync)  # hybrid sharding: [Note: replicas in backward]
         self.path.python_decides = self.always_python or phase is StepPhase.PREPARED
@@ -348,10 +344,9 @@ class GradReducer:
 
     def prepare(self, need_norm: bool, world_size: int, check: Callable[[], None] | None = None) -> Prepared:
         """Phase 2, once per step (step() or an earlier clip_grad_norm_()): every bucket reduced, the
-        ranks agreed on which parameters got a gradient, that they are in step, and that none failed
-        before the update ([Note: the step's agreement]), and, where loss scaling or clipping needs
-        them, on whether any gradient overflowed and on the global gradient norm. check: this rank's
-        last checks before the update; what it raises makes every rank raise, nothing applied."""
+        ranks agreed ([Note: the step's agreement]) and, for loss scaling or clipping, on overflow and
+        the global norm. check: this rank's last checks before the update; what it raises makes every
+        rank raise, nothing applied."""
         if self.phase is StepPhase.PREPARED:  # clip_grad_norm_() or clip_grad_value_() ran it
             if need_norm and self._prepared.norm is None:  # clip_grad_value_(): the norm of the clamped gradient
                 sumsq = torch.zeros(1, dtype=torch.float32, device=self.shard.grad_shard.device)
@@ -442,11 +437,10 @@ class GradReducer:
         return self._prepared
 
     def _agree_over_tp(self, flags: torch.Tensor, message: AgreementLayout) -> None:
-        """With tensor parallelism, the agreement of the data-parallel group joined over "tp": which
-        parameters got a gradient, the step and micro-batch counts, and a failure, so that every rank
-        of the model applies the step or none does. The collectives' hashes stay per data-parallel
-        group: its layout follows its local shapes, which differ between "tp" ranks where a dim does
-        not split evenly."""
+        """The data-parallel group's agreement joined over "tp" (used flags, step and micro-batch
+        counts, a failure), so every rank of the model applies the step or none does. The collectives'
+        hashes stay per data-parallel group: its layout follows its local shapes, which differ
+        between "tp" ranks where a dim does not split evenly."""
         index = [*range(message.params), *range(message.counter("steps").start, message.counter("micro_batches").stop)]
         index = torch.tensor([*index, message.failed], device=flags.device)
         joined = flags[index]
@@ -484,10 +478,10 @@ class GradReducer:
         return norm
 
     def clamp(self, prep: Prepared, max_abs: float, world_size: int) -> None:
-        """torch.nn.utils.clip_grad_value_ on the averaged, unscaled gradient (after any clip so far,
-        prep.grad_factor): elementwise, so each rank clamping its own reduced shard clamps the
-        whole gradient, with no communication. The shard holds the gradient summed over the ranks
-        and scaled (its padding is zero), so the bound is carried into those units."""
+        """torch.nn.utils.clip_grad_value_ on the averaged, unscaled gradient (after any clip so far):
+        elementwise, so each rank clamping its reduced shard clamps the whole gradient, with no
+        communication. The shard is summed over the ranks and scaled, so the bound is carried into
+        those units (padding is zero either way)."""
         bound = max_abs * world_size * self.scaler.scale / prep.grad_factor
         for g in self.shard.owned_grads():
             g.clamp_(-bound, bound)

@@ -6,6 +6,7 @@ stage 1, 2 or 3 sharding, under the plain training loop.
 
 Goals: exactly single-process torch.optim.Muon (the matrices) + torch.optim.AdamW (the rest) on the
 global batch; Newton-Schulz once per matrix per step across all ranks; no collective beyond ZeroAdam's.
+Here: Muon's math (torch's, op for op), MuonShard (the owner's step), select_muon, MuonUpdate, ZeroMuon.
 
 [Note: Muon on whole-matrix owners]
 Muon orthogonalizes each matrix's update with Newton-Schulz, which needs the whole matrix: a flat
@@ -13,13 +14,13 @@ Muon orthogonalizes each matrix's update with Newton-Schulz, which needs the who
 slices, runs Newton-Schulz on the whole matrix on every rank and keeps its own slice: an extra
 collective per step and N-fold repeated Newton-Schulz. The owner partitions ("greedy", "round_robin")
 already give each tensor one owner: phase 2 reduces each whole gradient to its owner, phase 4
-broadcasts each whole parameter from it. So ZeroMuon is ZeroAdam's sibling over one front (ZeroOptimizer: the layout, the gradient
-path, phase 2's reduces, agreement, norm and clipping, phase 4's gather, stage 3's units and the
-checkpoints stay) built with another update rule (MuonUpdate, below), whose phase 3 differs: the owner of a Muon matrix runs torch's Muon step on it
-(momentum, Newton-Schulz, weight decay, the adjusted lr), the fused AdamW kernel runs over the rest of
-the shard, and the existing gather distributes the updated matrix. Newton-Schulz runs once per matrix
-per step (in step(), never per micro-batch), and greedy balances its cost ([Note: balancing Newton-Schulz]).
-"flat" is rejected, since it is what the design avoids.
+broadcasts each whole parameter from it. So ZeroMuon is ZeroAdam's sibling over one front
+(ZeroOptimizer: the layout, gradient path, phase 2, phase 4's gather, stage 3's units and checkpoints
+stay) with another update rule (MuonUpdate), whose phase 3 differs: a Muon matrix's owner runs torch's
+Muon step on it (momentum, Newton-Schulz, weight decay, the adjusted lr), the fused AdamW kernel runs
+over the rest of the shard, and the existing gather distributes the updated matrix. Newton-Schulz
+runs in step(), never per micro-batch, and greedy balances its cost ([Note: balancing Newton-Schulz]).
+"flat" is rejected: it is what the design avoids.
 
 [Note: balancing Newton-Schulz]
 An m x n matrix costs ns_steps * (4 p^2 q + 2 p^3) FLOPs (p = min, q = max: partition.newton_schulz_flops)
@@ -42,11 +43,11 @@ With MixedPrecisionPolicy(state_bits=8) each matrix's momentum buffer is kept as
 ([Note: quantized state] in zerofast/quant.py): the signed dynamic code, one fp32 scale per block of
 the matrix's own elements, in exp_avg's slot ([Note: Muon's momentum in exp_avg's slot] in state.py).
 The owner's step, per matrix: dequantize the momentum (zerofast.quant.dequantize) into an fp32 matrix,
-run muon_update_ on it unchanged (the lerp, Nesterov's lerp and Newton-Schulz read the new fp32
-momentum of this step), then quantize that new momentum (zerofast.quant.quantize) into the bytes and
-scales. So, as in the 8-bit Adam kernel, the rounding to 8 bits affects the next step, never this
-one: the step is torch.optim.Muon's with its momentum_buffer replaced by quantize -> dequantize of
-itself after every step, and the stored bytes are quantize() of the momentum before that rounding.
+run muon_update_ on it unchanged (the lerp, Nesterov's lerp and Newton-Schulz read this step's new fp32
+momentum), then quantize that new momentum (zerofast.quant.quantize) into the bytes and scales. So, as
+in the 8-bit Adam kernel, the rounding to 8 bits affects the next step, never this one: the step is
+torch.optim.Muon's with its momentum_buffer replaced by quantize -> dequantize of itself after every
+step, and the stored bytes are quantize() of the momentum before that rounding.
 The matrix is whole on its owner and starts at a block boundary, so its blocks are the parameter's
 and the bytes are the same at any world size, stage and partition. The only fp32 momentum is that of
 the matrix in flight (freed when the next matrix is dequantized). A momentum that was never written
@@ -298,8 +299,7 @@ class MuonUpdate:
             check_hyper(f".param_groups[{index}]", group, "ZeroMuon")
 
     def phase3(self, shard: ShardState, names: list[str], params: list, group_of: list[int], adam):
-        """Phase 3: fused AdamW over the owned ranges of the non-Muon parameters, then Muon for the
-        owned matrices (whole tensors in this rank's shard)."""
+        """Fused AdamW over the non-Muon parameters' owned ranges, then Muon on the owned matrices."""
         is_muon = self.is_muon
         matrices = MuonShard(shard, is_muon, [tuple(p.shape) for p in params], names)
 
@@ -338,8 +338,7 @@ class ZeroMuon(ZeroOptimizer):
       Newton-Schulz]) or "numel" (elements only, as ZeroAdam's greedy).
     opt.param_groups: [the Muon group (use_muon=True), the AdamW group (use_muon=False)] (a group
       with no parameters is left out); an LR scheduler sets each group's lr.
-    ZeroAdam's sibling over ZeroOptimizer (zerofast/optim/base.py): another update rule (MuonUpdate,
-    given to the same builder); report()'s partition adds each rank's Newton-Schulz FLOPs.
+    report()'s partition adds each rank's Newton-Schulz FLOPs.
     """
 
     def __init__(

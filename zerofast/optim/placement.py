@@ -1,6 +1,5 @@
-"""Placement: where every parameter a ZeroAdam manages lives, for a given number of ranks sharing the state:
-the trainable parameters' layout (buckets, owners, slices), stage 3's units and the layout of its
-frozen parameters. Pure Python over the model and the plan, no process group and no compiled code,
+"""plan_layouts(): where every managed parameter lives for K ranks sharing the state (the trainable
+layout's buckets, owners and slices; stage 3's units and frozen layout). Pure Python, no process group,
 so the optimizer and the estimator's traffic counts (zerofast/estimate/traffic.py) read one answer.
 """
 
@@ -40,14 +39,13 @@ def plan_layouts(
     named=None,
     core_of: Callable[[nn.Parameter], torch.Tensor] | None = None,
 ) -> Layouts:
-    """The layouts ZeroAdam(model, ...) with `plan` builds when `world` ranks share the state.
-    costs: per trainable parameter, its step cost for partition "greedy" (ZeroMuon's
-    Newton-Schulz FLOPs: zerofast.partition.greedy_by_cost); None: greedy by elements. named: the
-    trainable (name, tensor) pairs as the core shards them (tensor parallelism: the stand-ins of
-    DTensor parameters); None: the model's. core_of: the tensor the core shards for a model
-    parameter (tensor parallelism: TensorParallel.standin_of; None: the parameter itself). Stage 3's
-    units are planned over the model's parameters (its modules hold those) and laid out over what
-    the core shards: the local tensors, for DTensors."""
+    """The layouts an optimizer with `plan` builds when `world` ranks share the state.
+    costs: per trainable parameter, greedy's step cost (ZeroMuon's Newton-Schulz FLOPs:
+    zerofast.partition.greedy_by_cost); None: greedy by elements. named: the trainable (name,
+    tensor) pairs as the core shards them (tensor parallelism: DTensors' stand-ins); None: the
+    model's. core_of: the tensor the core shards for a model parameter (TensorParallel.standin_of;
+    None: the parameter). Stage 3's units are planned over the model's parameters (its modules hold
+    those) and laid out over what the core shards (for DTensors, the local tensors)."""
     if named is None:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if core_of is None:

@@ -1,4 +1,5 @@
-"""Mixed precision: the model's conversion, the cast of its inputs, and fp16's dynamic loss scale.
+"""LossScaler, fp16's dynamic loss scale, and the notes on mixed precision (the model's conversion and
+input cast: zerofast/model_setup.py).
 
 [Note: mixed precision]
 mixed_precision="bf16" or "fp16" converts the model as model.to(dtype) would (trainable and frozen
@@ -35,9 +36,7 @@ from ..config import LossScalePolicy
 
 
 class LossScaler:
-    """fp16's dynamic loss scale, with torch.amp.GradScaler's rule and rounding: halve (backoff) on
-    a step with an inf or nan, grow after growth_interval clean steps in a row; the scale is kept
-    in float32, as GradScaler's tensor is. See [Note: loss scaling]."""
+    """fp16's dynamic loss scale, with torch.amp.GradScaler's rule and float32 rounding ([Note: loss scaling])."""
 
     def __init__(self, policy: LossScalePolicy | None):
         """policy: the plan's loss scaling (fp16 only); None: disabled, the scale stays 1."""

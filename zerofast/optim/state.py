@@ -1,14 +1,13 @@
-"""ShardState: this rank's part of the training state, and where each piece of it sits.
+"""ShardState: this rank's part of the training state, where each piece of it sits, and phase 3 over it.
 
-It owns the flat parameter buffers (one per bucket; the model's parameters are views of them), the
-reduced gradient shard, the fp32 master (in mixed precision a shard of its own; in fp32 the owned
-ranges of the parameter buffers, or stage 3's parameter shard, are the master), exp_avg,
-exp_avg_sq (fp32, or 8-bit codes with per-block scales: [Note: quantized state] in zerofast/quant.py)
-and the per-parameter step counts, and the layout's pieces that address them: piece k
-is (parameter, offset into the flattened parameter, numel) at `state_offset` in the shard buffers
-and `bucket_offset` in its bucket. Phase 3 of a step (the fused Adam update) runs here, over it.
-Checkpoints read it through the accessors below (the optimizer's checkpoint view binds them), and
-reports through nbytes(), never through its tensors' names.
+It owns the flat parameter buffers (one per bucket; the model's parameters view them), the reduced
+gradient shard, the fp32 master (in mixed precision a shard of its own; in fp32 the owned ranges of the
+parameter buffers, or stage 3's parameter shard), exp_avg, exp_avg_sq (fp32, or 8-bit codes with
+per-block scales: [Note: quantized state] in zerofast/quant.py), the step counts, and the layout's
+pieces that address them: (parameter, offset into the flattened parameter, numel) at `state_offset` in
+the shard buffers and `bucket_offset` in its bucket. Checkpoints read it through the accessors (the
+checkpoint view binds them), reports through nbytes(), never through its tensors' names.
+Notes here: [Note: one kernel per range], [Note: block tails], [Note: Muon's momentum in exp_avg's slot].
 """
 
 from __future__ import annotations
@@ -40,15 +39,13 @@ class ShardState:
     def __init__(
         self, layout: Layout, rank: int, names: list[str], params: list[torch.nn.Parameter], plan: Plan, store
     ):
-        """Build the buffers and make every parameter in `params` a view of its slot; the fp32
-        master starts from the parameters' values as given (the user's exact fp32 values). What
-        exists follows the plan: plan.params_sharded (stage 3) keeps the parameters in a shard of
-        their own between uses; plan.grads_as_bucket_views (stage 1) keeps the gradients in
-        persistent buckets that .grad are views of, the reduce leaving the owned range in place, so
-        there is no separate gradient shard ([Note: grads as bucket views] in csrc/buckets.cpp);
-        plan.separate_master (low-precision parameters) keeps an fp32 master shard. The master and
-        the moments are the tensors of `store` (zerofast/offload: on the device, in host memory or
-        in files; state_specs(...) says which), wherever it put them."""
+        """Build the buffers and make every parameter in `params` a view of its slot; the fp32 master
+        starts from the user's exact values. plan.params_sharded (stage 3) keeps the parameters in a
+        shard of their own between uses; plan.grads_as_bucket_views (stage 1) keeps the gradients in
+        persistent buckets that .grad views, reduced in place, with no separate gradient shard
+        ([Note: grads as bucket views] in csrc/buckets.cpp); plan.separate_master keeps an fp32
+        master shard. The master and moments are `store`'s tensors (zerofast/offload: on the device,
+        in host memory or in files), wherever it put them."""
         self.plan = plan
         self.layout, self.rank, self.names = layout, rank, names
         device = params[0].device
@@ -58,10 +55,10 @@ class ShardState:
         # Stage 3's parameter shard, in the parameters' dtype, which the next forward gathers
         # (stages 1 and 2 update the owned range of the parameter buffers in place instead).
         self.param_shard = torch.zeros(shard if plan.params_sharded else 0, dtype=dtype, device=device)
-        # The moments: fp32, or with 8-bit state one code index per element and one fp32 scale per
-        # block, block k at state offsets [k * block, (k + 1) * block) ([Note: quantized state]).
-        # Offloaded, the master is always a tensor of its own: the parameters stay with the model,
-        # and the master is what a failed step is undone from.
+        # The moments: fp32, or 8-bit (one code index per element, one fp32 scale per block, block k
+        # at state offsets [k * block, (k + 1) * block): [Note: quantized state]). Offloaded, the
+        # master is a tensor of its own: the parameters stay with the model, and a failed step is
+        # undone from the master.
         self.offloaded = store.offloaded  # its tensors are not the model's device's: counted by the store
         self.master_apart = plan.separate_master or self.offloaded
         # Stages 1 and 2: the parameters the model holds are written by users too (nn.init,
@@ -92,17 +89,16 @@ class ShardState:
                     src = originals[pc.param].reshape(-1)[pc.param_offset : pc.param_offset + pc.numel]
                 store.write("master", pc.state_offset, src)  # on disk through the files: no page stays resident
         del originals
-        # The gradient buffers come last, once the parameters' own storage is freed (above).
-        # Stage 1 with gradient views: the full gradients, one flat bucket each, reduced in place.
+        # The gradient buffers come last, once the parameters' own storage is freed (above): stage 1's
+        # full gradients, one flat bucket each, reduced in place; or this rank's reduced gradient shard.
         self.grad_buckets = (
             [torch.zeros(b.numel, dtype=reduce_dtype, device=device) for b in layout.buckets] if grad_views else []
         )
-        # 1D, this rank's reduced gradients (empty with grad_views: they stay in grad_buckets).
         self.grad_shard = torch.zeros(0 if grad_views else shard, dtype=reduce_dtype, device=device)
 
     @staticmethod
     def storage_of(kind: str) -> str:
-        """The shard buffer that holds state `kind` (storage_of below)."""
+        """The shard buffer that holds state `kind` (storage_of)."""
         return storage_of(kind)
 
     def bind(self, views: Mapping[str, torch.Tensor]) -> None:
@@ -121,9 +117,8 @@ class ShardState:
         adamw: bool,
         grad_scale: float | torch.Tensor,
     ) -> None:
-        """The fused AdamW step over every owned range of a used parameter, the gradient shard
-        multiplied by grad_scale (1/N, unscaling and clipping together), on the state where it
-        lies (an offloaded store steps it through zerofast/offload/update.py instead)."""
+        """The fused AdamW step over every owned range of a used parameter, the gradient times grad_scale
+        (1/N, unscaling and clipping); an offloaded store steps it through zerofast/offload/update.py instead."""
         for run in self.runs(used, group_of):
             state = slice(run.state_lo, run.state_lo + run.numel)
             master, copy = self.master_and_copy(run.bucket, run.bucket_lo, state)
@@ -138,7 +133,7 @@ class ShardState:
 
     def step_range(self, views: Mapping[str, torch.Tensor], grad: torch.Tensor, **kw) -> None:
         """The one kernel call over a range of the state (its tensors by name, as a store hands them
-        out): fused Adam, or with 8-bit state its 8-bit form."""
+        out): fused Adam, or its 8-bit form."""
         if self.plan.quantized_state:
             moments = (views["exp_avg"], views["exp_avg_sq"], views["exp_avg_scale"], views["exp_avg_sq_scale"])
             _ops.fused_adam_8bit_(views["master"], grad, *moments, *self.codes, block=self.plan.state_block, **kw)
@@ -268,8 +263,8 @@ class ShardState:
     # --- accessors ------------------------------------------------------------------------------
 
     def state_pieces(self, kind: str) -> list[tuple[str, int, torch.Tensor]]:
-        """This rank's part of "master", "exp_avg" or "exp_avg_sq", as (parameter name, offset into
-        the flattened parameter, fp32 values) pieces, copied."""
+        """This rank's part of `kind` as (parameter name, offset into the flattened parameter, fp32
+        values) pieces, copied."""
         _check_kind("state_pieces", kind)
         if self.plan.quantized_state and kind != "master":
             return self._dequantized_pieces(kind)
@@ -279,10 +274,9 @@ class ShardState:
         ]
 
     def quantized_pieces(self) -> list[tuple[str, int, dict[str, torch.Tensor]]]:
-        """8-bit state only: this rank's pieces of exp_avg and exp_avg_sq as stored, as (parameter
-        name, offset into the flattened parameter, {"exp_avg", "exp_avg_sq": uint8 indices;
-        "exp_avg_scale", "exp_avg_sq_scale": their blocks' fp32 scales}), copied. A piece starts at
-        a block boundary of its parameter ([Note: quantized state])."""
+        """8-bit state: this rank's pieces of exp_avg and exp_avg_sq as stored, copied: (parameter name,
+        offset into the flattened parameter, {"exp_avg", "exp_avg_sq": uint8 indices; "exp_avg_scale",
+        "exp_avg_sq_scale": their blocks' fp32 scales}), each at a block boundary of its parameter."""
         self._require_quantized("quantized_pieces")
         out = []
         for pc in self.pieces:
@@ -297,14 +291,12 @@ class ShardState:
             raise ValueError(f"ShardState.{where}: the state is fp32 (MixedPrecisionPolicy(state_bits=32))")
 
     def piece_view(self, pc: Piece, kind: str) -> torch.Tensor:
-        """The live 1-D values of "master", "exp_avg" or "exp_avg_sq" for one of this rank's
-        pieces: a view into the state, so reading it reads the state and writing into it writes
-        the state (a checkpoint's save reads these views, its load writes them; after writing the
-        master, sync_params_from_master()). With 8-bit state, "exp_avg" and "exp_avg_sq" are the
-        uint8 code indices as stored, and "exp_avg_scale" / "exp_avg_sq_scale" the fp32 scales of
-        the piece's blocks (it starts at a block boundary: [Note: quantized state]); a ZeroMuon
-        matrix's "momentum_buffer" and "momentum_buffer_scale" are exp_avg's ([Note: Muon's
-        momentum in exp_avg's slot])."""
+        """The live 1-D values of `kind` for one of this rank's pieces: a view into the state (a
+        checkpoint's save reads these views, its load writes them; after writing the master,
+        sync_params_from_master()). With 8-bit state, "exp_avg" and "exp_avg_sq" are the uint8 code
+        indices as stored, "exp_avg_scale" / "exp_avg_sq_scale" the fp32 scales of the piece's blocks
+        ([Note: quantized state]); "momentum_buffer" and "momentum_buffer_scale" are exp_avg's
+        ([Note: Muon's momentum in exp_avg's slot])."""
         if self.plan.quantized_state and kind in _SCALE_KINDS:
             scales = getattr(self, storage_of(kind))
             return scales[block_slice(pc.state_offset, pc.numel, self.plan.state_block)]
@@ -326,16 +318,15 @@ class ShardState:
                 self.piece_view(pc, kind).copy_(values.reshape(-1))
 
     def load_pieces(self, kind: str, full: Mapping[int, torch.Tensor]) -> None:
-        """Write this rank's pieces of `kind` from whole tensors, by parameter index (each of its
-        parameter's numel, any shape); parameters not in `full` keep their values (8-bit state:
-        quantized, write_piece)."""
+        """Write this rank's pieces of `kind` from whole tensors by parameter index (any shape, the
+        parameter's numel; 8-bit: quantized); parameters not in `full` keep their values."""
         _check_kind("load_pieces", kind)
         for pc in self.pieces:
             if pc.param in full:
                 self.write_piece(pc, kind, full[pc.param].reshape(-1)[pc.param_offset : pc.param_offset + pc.numel])
 
     def _dequantized_pieces(self, kind: str) -> list[tuple[str, int, torch.Tensor]]:
-        """state_pieces of 8-bit exp_avg, exp_avg_sq or momentum_buffer: the fp32 values they stand for."""
+        """state_pieces of 8-bit state: the fp32 values it stands for."""
         return [(self.names[pc.param], pc.param_offset, self.dequantized(pc, kind)) for pc in self.pieces]
 
     def code(self, kind: str) -> torch.Tensor:
@@ -345,15 +336,15 @@ class ShardState:
         return self.codes[0 if storage_of(kind) == "exp_avg" else 1]
 
     def dequantized(self, pc: Piece, kind: str) -> torch.Tensor:
-        """8-bit state: one of this rank's pieces of exp_avg, exp_avg_sq or momentum_buffer as the
-        fp32 values its bytes and scales stand for (a new tensor of pc.numel elements)."""
+        """8-bit state: one of this rank's pieces of `kind` as the fp32 values its bytes and scales
+        stand for (a new tensor)."""
         q, scales = self.piece_view(pc, kind), self.piece_view(pc, scale_kind(kind))
         return dequantize(q, scales, self.code(kind), self.plan.state_block)
 
     def sync_params_from_master(self) -> None:
-        """After the fp32 master was written outside a step (a load): this rank's owned
-        low-precision parameters become its rounding, as a step's kernel leaves them (nothing to
-        do in fp32, where the master is the parameters); and 8-bit state's block tails settled."""
+        """After the fp32 master was written outside a step (a load): this rank's owned low-precision
+        parameters become its rounding, as a step leaves them (fp32: nothing to do); 8-bit block tails
+        are settled."""
         self._settle_block_tails()
         with torch.no_grad():
             for pc in self.pieces:
@@ -375,10 +366,9 @@ class ShardState:
             follow(*self.master_and_copy(pc.bucket, pc.bucket_offset, state))
 
     def follow_shard(self, lo: int, numel: int) -> None:
-        """Stage 3: this rank's parameter shard [lo, lo + numel) was written outside a step (a write to
-        a released parameter, or inside gathered_params()): the master follows it, as follow() does
-        (an element that is still the master's rounding keeps its master). In fp32 without offload the
-        shard is the master."""
+        """Stage 3: this rank's parameter shard [lo, lo + numel) was written outside a step (a released
+        parameter, or inside gathered_params()): the master follows it (follow()). In fp32 without
+        offload the shard is the master."""
         if self.master_apart:
             follow(self.master[lo : lo + numel], self.param_shard[lo : lo + numel])
 
@@ -414,21 +404,19 @@ class ShardState:
 
     @property
     def device(self) -> torch.device:
-        """Where the state lives."""
         return self.exp_avg.device
 
     def materialized_param_bytes(self) -> int:
-        """Bytes of parameter storage that exist now: the parameter buffers' storage (stage 3: only
-        the units gathered at this moment; stages 1 and 2: always all) plus stage 3's own shard."""
+        """Bytes of parameter storage that exist now: the parameter buffers' (stage 3: the units
+        gathered now) plus stage 3's own shard."""
         return (
             sum(b.untyped_storage().nbytes() for b in self.param_buffers)
             + self.param_shard.numel() * self.param_shard.element_size()
         )
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held now, by kind: parameters (materialized), their padding, the gradient shard,
-        Adam's moments, the separate fp32 master (0 in fp32: the parameters are their own), and
-        stage 1's gradient buckets (padding included), which are its full gradients."""
+        """Bytes held now, by kind (MemoryReport's fields); "grad_buckets": stage 1's gradient buckets,
+        its full gradients, padding included."""
 
         def size(t):
             return t.numel() * t.element_size()

@@ -1,5 +1,4 @@
-"""One step of the optimizer, top to bottom: the order in which a step calls its parts, in one place
-(the parts' own work is theirs: zerofast/optim/zero_adam.py's docstring names each phase's owner).
+"""Stepper: the order in which a step calls its parts, in one place (each phase's owner: zero_adam.py).
 
     step()
       rest      the last step's gathers finished; stage 3: no unit stays gathered across the update
@@ -15,7 +14,7 @@
 
 Whatever reads the state whole first brings it to rest (quiesce: gathers finished, units released,
 the delayed update applied) and, for a checkpoint, has the master take what the model was given
-(quiesce_state). This is also the offloaded step's StepSide: the ranks' agreement on a write, and
+(quiesce_state). Stepper is also the offloaded step's StepSide: the ranks' agreement on a write, and
 what a step not applied leaves.
 """
 
@@ -71,8 +70,7 @@ class Stepper:
         self.end()
 
     def commit(self) -> bool:
-        """The replication's decision for this step; no: nothing applied, the step not counted, this
-        step's gradients dropped."""
+        """The replication's decision; no: nothing applied or counted, the step's gradients dropped."""
         self.decided = True  # before it: a commit that raises is this step's decision too
         if self.parts.topology.replication.commit():
             return True
@@ -81,8 +79,8 @@ class Stepper:
         return False
 
     def end(self, counted: bool = True) -> None:
-        """The step ends: its payload bytes per collective kept (the frozen parameters' gathers counted
-        in: [Note: frozen parameters in stage 3]), the counts restarted, the next step begun."""
+        """The step's payload bytes per collective kept (the frozen parameters' gathers counted in:
+        [Note: frozen parameters in stage 3]), the counts restarted, the next step begun."""
         parts = self.parts
         stats = dict(parts.comm.stats)
         if parts.frozen_comm is not None:
@@ -106,9 +104,8 @@ class Stepper:
     # --- the state at rest ------------------------------------------------------------------------------
 
     def quiesce(self, flush: bool = True) -> None:
-        """Bring the state to rest: wait for parameter gathers still in flight (stages 1 and 2: the
-        last step's, if some module never ran), release every gathered unit (stage 3) and apply the
-        delayed update in flight (OffloadPolicy(delayed_update=True))."""
+        """Bring the state to rest: parameter gathers in flight waited for (stages 1 and 2: the last
+        step's, if some module never ran), every unit released (stage 3), the delayed update applied."""
         parts = self.parts
         parts.gather.wait()
         if parts.plan.params_sharded:
@@ -133,8 +130,7 @@ class Stepper:
 
     def sync_params_from_master(self) -> None:
         """After the fp32 master was written outside step(): the low-precision parameters become its
-        rounding, and (stages 1 and 2) every rank's full parameters are gathered from their owners.
-        Stage 3's next forward gathers."""
+        rounding; stages 1 and 2 gather every rank's full parameters from their owners."""
         parts = self.parts
         parts.shard.sync_params_from_master()
         if parts.offload is not None:

@@ -20,8 +20,7 @@ Phase3 = Callable[[list[bool], list[dict], float | torch.Tensor], None]
 
 
 def check_hyper(where: str, g: dict, who: str = "ZeroAdam") -> None:
-    """Adam's lr, betas, eps and weight_decay, of the constructor or of one parameter group (ZeroMuon's
-    AdamW part too), each a clear error naming the value it got."""
+    """Adam's lr, betas, eps and weight_decay (constructor or one group; ZeroMuon's AdamW part too)."""
     lr, betas, eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
     if not (_is_number(lr) and lr >= 0):
         raise ValueError(f"{who}{where}: lr must be a number >= 0; got {lr!r}")

@@ -4,28 +4,26 @@
     loss.backward(); opt.step(); opt.zero_grad()
 
 Goals: exactly single-process torch.optim.AdamW on the global batch; communication overlapped with
-backward; one contiguous buffer per bucket, so collectives and the optimizer step run over long
-flat ranges rather than per tensor.
+backward; one contiguous buffer per bucket, so collectives and the step run over long flat ranges.
 
-A step, in phases, each owned by one object (its module holds the details and the named notes):
-  Phase 1, during backward (GradReducer, zerofast/optim/grads.py): each gradient is copied into its slot
-    of a bucket; a complete bucket's reduce starts at once, asynchronously, in bucket order.
-  Phase 2, step() or an earlier clip_grad_norm_() (GradReducer): buckets not filled on this rank
-    are launched with zeros; the ranks agree which parameters got a gradient anywhere; every reduce
-    is waited for; with fp16 or clipping, one small all_reduce agrees on overflow and the global
-    norm; an overflow skips phases 3 and 4 on every rank (LossScaler, zerofast/optim/precision.py).
-  Phase 3, step() (ShardState, zerofast/optim/state.py): the fused Adam kernel over this rank's fp32
-    master ranges, averaging, unscaling and clipping the gradient shard through its grad_scale.
-  Phase 4, step() (ParamGather, zerofast/optim/gather.py): stages 1 and 2 gather each bucket's updated
-    parameters straight into the flat buffers the model's parameters are views of; by default
-    step() returns when every gather is done, with CommPolicy(overlap_param_gather=True) at once.
+A step's phases, each owned by one object (its module holds the details and the named notes):
+  Phase 1, in backward (GradReducer, grads.py): each gradient is copied into its bucket slot; a
+    complete bucket's reduce starts at once, asynchronously, in bucket order.
+  Phase 2, step() or an earlier clip_grad_norm_() (GradReducer): buckets this rank left unfilled are
+    launched with zeros; the ranks agree which parameters got a gradient anywhere; every reduce is
+    waited for; with fp16 or clipping, one small all_reduce agrees on overflow and the global norm;
+    an overflow skips phases 3 and 4 on every rank (LossScaler, precision.py).
+  Phase 3, step() (ShardState, state.py): the fused Adam kernel over this rank's fp32 master ranges,
+    averaging, unscaling and clipping the gradient shard through its grad_scale.
+  Phase 4, step() (ParamGather, gather.py): stages 1 and 2 gather each bucket's updated parameters
+    into the flat buffers the model's parameters view; step() returns once every gather is done
+    (with CommPolicy(overlap_param_gather=True), at once).
 Stage 3 (UnitTracker over UnitBuffers, zerofast/stage3/runtime.py) shards the parameters themselves: each
 unit (by default each block) is one bucket whose flat buffer exists only while gathered, module by
-module with prefetch; the fp32 master is this rank's parameter shard, and there is no phase 4: the
-next forward gathers. The communication itself is BucketComm (zerofast/comm.py over csrc/).
-The front holds none of this: the builder (zerofast/optim/builder.py) wires the parts from the plan
-and the front's update rule (zerofast/optim/update.py); the front orders their calls, reports
-(report(), zerofast/optim/report.py) and hands checkpoints one view (checkpoint_view).
+module with prefetch; the fp32 master is this rank's parameter shard; no phase 4: the next forward
+gathers. Communication: BucketComm (zerofast/comm.py over csrc/). The builder (builder.py) wires the
+parts from the plan and the front's update rule (update.py); the front (base.py) orders their calls,
+reports (report.py) and hands checkpoints one view (checkpoint_view).
 
 [Note: determinism]
 Two runs with the same inputs give bitwise-identical results: the layout is a pure function of the
@@ -53,10 +51,10 @@ class ZeroAdam(ZeroOptimizer):
     """Adam/AdamW whose state (stage 1), gradients (stage 2) and parameters (stage 3) are sharded
     across the ranks of `process_group` (default: the whole world).
 
-    model: the nn.Module whose trainable parameters it manages (a tied parameter is one parameter).
-      Its parameters become views into zerofast's flat buffers. Frozen ones get no gradient or
-      optimizer state; stage 3 shards them too, gathered with their unit ([Note: frozen
-      parameters in stage 3] in zerofast/stage3/frozen.py), stages 1 and 2 leave them alone.
+    model: the nn.Module whose trainable parameters it manages (a tied parameter is one parameter);
+      they become views into zerofast's flat buffers. Frozen ones get no gradient or optimizer
+      state; stage 3 shards them too, gathered with their unit ([Note: frozen parameters in stage 3]
+      in zerofast/stage3/frozen.py), stages 1 and 2 leave them alone.
     stage: 1 shards the Adam state, 2 also the gradients, 3 also the parameters.
     lr, betas, eps, weight_decay: as torch.optim.AdamW's.
     adamw: decoupled weight decay (torch.optim.AdamW); False: torch.optim.Adam's L2 term.
@@ -65,9 +63,9 @@ class ZeroAdam(ZeroOptimizer):
     max_grad_norm: clip the global gradient norm to this at every step (None: no clipping);
       opt.clip_grad_norm_(max_norm) clips on request ([Note: global gradient clipping]).
     mixed_precision: None (fp32 parameters), "bf16", "fp16" or a MixedPrecisionPolicy (its reduce
-      dtype and fp16's loss scaling): the model is converted as model.to(dtype) would (parameters,
-      frozen ones too, and floating buffers), floating-point inputs of its forward are cast to that
-      dtype, and the optimizer keeps the fp32 master shard and Adam state ([Note: mixed precision]).
+      dtype and fp16's loss scaling): the model is converted as model.to(dtype) would (frozen
+      parameters and floating buffers too), its forward's floating-point inputs are cast, and the
+      optimizer keeps the fp32 master shard and Adam state ([Note: mixed precision]).
     units: stage 3: a UnitPolicy, or what its `modules` takes (a list of submodules, a module class
       or set of classes, a callable module -> bool); None: the model's blocks, small ones merged.
     comm: a CommPolicy: partition, hybrid sharding's shard_size, bucket size, buffers in flight,
@@ -81,9 +79,9 @@ class ZeroAdam(ZeroOptimizer):
       shortcuts "host" (pinned host memory, stepped by the fused CPU kernel) and "disk:PATH" (files
       under PATH streamed through a bounded window): [Note: offload schedule] in zerofast/offload.
     Every option is checked and resolved once into `opt.plan` (zerofast/config.py), which every part
-    reads. Every wait is bounded by the process group's timeout (stage 3's gather group gets the
-    same): a dead, stuck or out-of-step rank makes the others raise CollectiveError naming the step,
-    the phase and the collective ([Note: faults] in zerofast/comm.py).
+    reads. Every wait is bounded by the process group's timeout (stage 3's gather group's too): a
+    dead, stuck or out-of-step rank makes the others raise CollectiveError naming the step, phase
+    and collective ([Note: faults] in zerofast/comm.py).
     """
 
     def __init__(

@@ -1,7 +1,6 @@
-"""What the weight iterator hands out (zerofast/stage3/weights.py), one entry a tensor: the tensors
-of the model it is made from and how to make it. Its own module so that the views that make
-entries of their own (a PEFT model's merged weights: zerofast/integrations/peft_weights.py) and the
-iterator that chooses between them both depend on it, not on each other."""
+"""Entry: one tensor the weight iterator (weights.py) hands out, the model's tensors it is made from
+and how to make it. A module of its own so that the views making their own entries (PEFT's merged
+weights: zerofast/integrations/peft_weights.py) and the iterator depend on it, not on each other."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Stage 3's frozen parameters: sharded and gathered with their unit, never given a gradient or
-optimizer state.
+"""Stage 3's frozen parameters (FrozenShard, built by frozen_part): sharded and gathered with their
+unit, never given a gradient or optimizer state.
 
 [Note: frozen parameters in stage 3]
 Fine-tuning a large base with few trainable parameters (LoRA, adapters, a new head) is where stage 3
@@ -18,9 +18,9 @@ its trainable and its frozen parameters:
     collectives of both pair up in the same order on every rank.
 UnitBuffers gathers and releases both parts of a unit together; the hooks see units only.
 Why not one layout with the frozen parameters inside the trainable buckets: every bucket's gradient
-buffer, reduce, gradient shard, Adam moments and fp32 master are laid out over the whole bucket,
-so frozen elements would cost 14 bytes each of state they never use (and 2x in the reduce), which
-is what this is for avoiding; keeping them apart costs one more gather per unit that has both.
+buffer, reduce, gradient shard, Adam moments and fp32 master span the whole bucket, so a frozen
+element would cost 14 bytes of state it never uses (and 2x in the reduce); keeping them apart costs
+one more gather per unit that has both.
 Only frozen parameters of the managed parameters' dtype and device are sharded (a frozen int8 or
 bf16 tensor beside fp32 training stays whole on every rank, as in stages 1 and 2).
 Checkpoints save a frozen parameter from its shard as DCP chunks, like the trainable ones
@@ -51,10 +51,9 @@ def frozen_part(
     dp_rank: int | None = None,
     dp_world: int | None = None,
 ):
-    """The frozen parameters' FrozenShard (the parameters become views of its buffers) and the
-    BucketComm that gathers them on `gather_group` (no reduce, no gradient shard); the runtime's
-    UnitPart is FrozenShard.unit_part(comm). Stage 3 under ZeroAdam (zerofast/optim/builder.py) and
-    a model sharded for inference only (zerofast/stage3/inference.py) both build it here."""
+    """The FrozenShard (the parameters become views of its buffers) and the gather-only BucketComm on
+    `gather_group`; the runtime's UnitPart is FrozenShard.unit_part(comm). Used by ZeroAdam's stage 3
+    (zerofast/optim/builder.py) and shard_frozen (inference.py)."""
     frozen = FrozenShard(layout, rank, [n for n, _ in named], [p for _, p in named], bucket_of)
     comm = BucketComm(
         group,
@@ -72,9 +71,8 @@ def frozen_part(
 
 
 class FrozenShard:
-    """The frozen parameters' flat buffers (one per bucket of `layout`; the parameters become views of
-    them) and this rank's shard. Built with every buffer full; UnitBuffers.shard_out copies the owned
-    ranges out and releases them."""
+    """The frozen parameters' flat buffers (one per bucket; the parameters become views of them) and
+    this rank's shard. Built full: UnitBuffers.shard_out fills the shard and releases the buffers."""
 
     def __init__(
         self, layout: Layout, rank: int, names: list[str], params: list[torch.nn.Parameter], bucket_of: list[int | None]
@@ -91,7 +89,7 @@ class FrozenShard:
         return self.shard.dtype
 
     def unit_part(self, comm):
-        """The runtime's view of these buffers (zerofast/stage3/runtime.py's UnitPart), gathered by `comm`."""
+        """The runtime's view of these buffers (runtime.py's UnitPart), gathered by `comm`."""
         return UnitPart(self.buffers, self.shard, self.layout, comm, self.bucket_of)
 
     @property
@@ -99,8 +97,7 @@ class FrozenShard:
         return self.shard.device
 
     def piece_view(self, pc: Piece) -> torch.Tensor:
-        """The live 1-D values of one of this rank's pieces, a view into the shard (a checkpoint's
-        save reads it, its load writes it, with the units released)."""
+        """A live 1-D view of the shard: a checkpoint reads and writes it with the units released."""
         return self.shard[pc.state_offset : pc.state_offset + pc.numel]
 
     def load_pieces(self, full: Mapping[int, torch.Tensor]) -> None:
@@ -113,9 +110,8 @@ class FrozenShard:
 
 
 def placeholder_grad_shard(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The frozen part's BucketComm never reduces, but the compiled BucketComm checks that every
-    bucket's owned range fits its gradient shard: a tensor of that length whose storage is freed
-    (0 bytes; never read or written)."""
+    """A gradient shard of `numel` with 0-byte storage: the frozen part never reduces, but the compiled
+    BucketComm checks that every bucket's owned range fits its gradient shard."""
     t = torch.empty(numel, dtype=dtype, device=device)
     t.untyped_storage().resize_(0)
     return t

@@ -9,9 +9,8 @@ in zerofast/stage3/frozen.py), with the same code: units.py plans the units, fro
 frozen part and builds its FrozenShard and gather-only BucketComm, runtime.py's UnitBuffers and
 UnitTracker gather and release each unit around the modules that use it (the schedule of
 schedule.py, two units in flight), and a model host (zerofast/integrations/hf_generation.py, once
-imported: extensions.py) makes generate() sync the ranks. What
-differs from ZeroAdam's frozen part is only what is absent: no trainable part, so the frozen part
-is the UnitBuffers' only part, and no optimizer.
+imported: extensions.py) makes generate() sync the ranks. Only what is absent differs from ZeroAdam's
+frozen part: no trainable part (the frozen part is the UnitBuffers' only one) and no optimizer.
   - Every parameter is frozen (requires_grad=False): the model is never trained through this.
   - Precision: `mixed_precision` as ZeroAdam takes it. A low-precision policy converts the model's
     floating parameters and buffers to that dtype and casts floating inputs, as ZeroAdam's mixed

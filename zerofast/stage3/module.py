@@ -1,11 +1,9 @@
-"""The model side of sharding, one handle for every front: `ShardedModule`.
-
-ZeroAdam (any stage) and shard_frozen() hand out the same things about the model they shard: the
-whole model for a block (gathered_params()), whole tensors one unit at a time (named_full_tensors(),
-full_state_dict()), the gathers a forward costs, and taking their hooks off. The handle holds the
-model, stage 3's UnitTracker (None where every parameter is whole: stages 1 and 2) and the hooks on
-the model; the front says what "at rest" means for it (`settle`: ZeroAdam waits for its step's
-gathers in flight and releases every unit; a model sharded for inference only just releases).
+"""ShardedModule, the one model-side handle behind ZeroAdam (any stage) and shard_frozen(): the whole
+model for a block (gathered_params()), whole tensors one unit at a time (named_full_tensors(),
+full_state_dict()), the gathers a forward costs, and taking the hooks off. It holds the model, stage
+3's UnitTracker (None at stages 1 and 2: every parameter whole) and the hooks; the front says what
+"at rest" means (`settle`: ZeroAdam waits for its step's gathers in flight and releases every unit;
+a model sharded for inference only just releases).
 """
 
 from __future__ import annotations
@@ -48,8 +46,8 @@ class ShardedModule:
     def gathered_params(self, gather_tp: bool = False) -> Iterator[nn.Module]:
         """Every parameter whole on every rank inside the block. Stage 3 pins every unit: gathered on
         entry (a collective: every rank enters), kept through any number of forwards inside with no
-        collective (ranks may run different numbers of them), released on exit (changes made inside
-        are not kept): [Note: generation on stage 3] in zerofast/stage3/schedule.py. With tensor
+        collective (ranks may run different numbers of them), released on exit, keeping what was
+        written inside: [Note: generation on stage 3] in zerofast/stage3/schedule.py. With tensor
         parallelism the parameters stay DTensors on "tp" (each rank's part whole across the
         data-parallel ranks); gather_tp=True makes them whole across "tp" too, read-only
         (zerofast/tensor_parallel.py replicated(): every rank of the mesh enters)."""
@@ -84,7 +82,7 @@ class ShardedModule:
         copies: dict[int, torch.Tensor] = {}  # a tied tensor is copied once
 
         def take_present() -> None:
-            """Copy every entry whose storage exists now (stage 3: the unit gathered at the moment)."""
+            """Copy every entry with storage now (stage 3: the unit gathered at the moment)."""
             for key, t in entries.items():
                 if key not in out and has_storage(t):
                     # A DTensor is gathered on every rank alike, once (its "tp" ranks take part in it).

@@ -1,13 +1,11 @@
-"""Stage 3 at run time: the hooks that gather a unit while it is used, and the unit buffers whose
-storage exists only while gathered. Which parameters form a unit is planned in units.py.
-
-The schedule (when each unit is gathered, waited for, kept and released) is decided in
-schedule.py, as data; this module carries its actions out on the unit buffers and hooks the modules
-so that the schedule hears of every call ([Note: stage 3 lifecycle] in schedule.py). Releasing a
-unit resizes its flat buffer's storage to 0 bytes, gathering resizes it back and fills it (each rank
-copies in its own shard, then the gather collective brings the rest). The model's parameters are
-views into these buffers, and so are the tensors autograd saved in forward: they share the storage,
-so the re-gather before backward makes them valid again without touching the graph.
+"""Stage 3 at run time (units are planned in units.py, their schedule decided in schedule.py):
+  UnitBuffers  the unit buffers, whose storage exists only while gathered, and this rank's shards
+  UnitTracker  the hooks: tell the schedule of every call, carry out its actions on the buffers
+               ([Note: stage 3 lifecycle] in schedule.py)
+Releasing a unit resizes its flat buffer's storage to 0 bytes; gathering resizes it back, copies in
+this rank's shard and lets the gather collective bring the rest. The parameters, and the tensors
+autograd saved in forward, are views of these buffers, so the re-gather before backward makes them
+valid again without touching the graph.
 
 [Note: stage 3 under torch.compile]
 Users compile the whole model (torch.compile(model)) or each block (block.compile()). Dynamo
@@ -17,10 +15,9 @@ graph. So each hook is torch.compiler.disable'd: Dynamo breaks the graph around 
 eagerly, the compiled code between two hooks reads parameters whose storage the hook has just
 gathered, and autograd's saved tensors share that storage as in eager mode. The cost is one graph
 break per gathering module call (two per block under whole-model compile; counted in docs/design.md).
-A hooked module's call is therefore never inlined into a graph: Dynamo breaks the graph at it and
-calls the module eagerly, so its own hooks run, whichever model the frame was compiled for; a frame
-compiled with our hooks in place is safe to reuse for another stage-3 model. The opposite is not:
-see [Note: code compiled before stage 3].
+So a hooked module's call is never inlined: its own hooks run, whichever model the frame was compiled
+for, and a frame compiled with our hooks in place is safe to reuse for another stage-3 model. The
+opposite is not: see [Note: code compiled before stage 3].
 
 [Note: code compiled before stage 3]
 The crash (SIGSEGV in each rank's first compiled step, torch 2.14): compile and run a model of a
@@ -47,13 +44,12 @@ modules' classes too); stage 3 compiled alone traces with the hooks in place; bl
 before wrapping (block.compile()) were spared only because a block's frame runs inside the block's
 own hooks, which gather its whole unit.
 The fix: UnitTracker moves every module it hooks to a subclass of the module's class (own_classes
-in zerofast/_hook_classes.py:
-same name, module and qualified name, made once per class, as FSDP2's fully_shard and
-torch.nn.utils.parametrize swap classes). Every compiled frame guards the type of each module it
-inlined, or that it is the forward of, so a frame compiled before fails its guards and Dynamo
-traces again, meeting the hooks; nothing else recompiles (torch._dynamo.reset() would throw away
-every compiled function of the process, and flipping skip_nnmodule_hook_guards now would not
-reach the frames already compiled). Frames compiled for a stage-3 model are shared by the next
+in zerofast/_hook_classes.py: same name, module and qualified name, made once per class, as FSDP2's
+fully_shard and torch.nn.utils.parametrize swap classes). Every compiled frame guards the type of
+each module it inlined, or that it is the forward of, so a frame compiled before fails its guards
+and Dynamo traces again, meeting the hooks; nothing else recompiles (torch._dynamo.reset() would
+throw away every compiled function of the process, and flipping skip_nnmodule_hook_guards now would
+not reach the frames already compiled). Frames compiled for a stage-3 model are shared by the next
 stage-3 model of the class: correct by the note above. isinstance is unchanged; type(m) is the
 subclass; remove() puts the original classes back. Tested by tests/test_compile.py
 (test_stage3_after_code_compiled_without_it).
@@ -80,12 +76,10 @@ from .schedule import Action, CallRef, Schedule, UnitOp, UnitState
 
 @dataclass
 class UnitPart:
-    """One kind of parameter storage of the units (trainable or frozen: [Note: frozen parameters in
-    stage 3]): its flat buffers (one per bucket; the model's parameters are views of them), this
-    rank's shard, the layout addressing both, the BucketComm that gathers its buckets, and which
-    bucket holds each unit's part (None: the unit has no parameter of this kind). `follow`: called
-    after this rank's shard [offset, offset + numel) was written outside a step: the fp32 master
-    follows (the trainable part; None for the frozen one)."""
+    """The units' trainable or frozen storage ([Note: frozen parameters in stage 3]): flat buffers
+    per bucket (the parameters are views of them), this rank's shard, their layout, the BucketComm
+    that gathers them, and each unit's bucket (None: no parameter of this kind). `follow` (trainable
+    only): the fp32 master follows a write of the shard's [offset, offset + numel) outside a step."""
 
     buffers: list[torch.Tensor]
     shard: torch.Tensor
@@ -96,19 +90,17 @@ class UnitPart:
 
 
 class UnitBuffers:
-    """Stage 3's parameter memory: one flat buffer per unit (bucket), whose storage exists only while
-    the unit is gathered, and this rank's shard of every unit, which the optimizer updates. With
-    unit_buckets None, unit u is bucket num_units - 1 - u: buckets follow backward order ([Note:
-    bucket order]). `frozen`: a second UnitPart for the frozen parameters, gathered and released
-    with their unit ([Note: frozen parameters in stage 3]); then unit_buckets maps each unit to its
-    trainable bucket (None: the unit is frozen only). A model sharded for inference only has a
-    frozen part alone, given as the first ([Note: models sharded for inference only] in
+    """Stage 3's parameter memory: one flat buffer per unit (bucket), with storage only while the unit
+    is gathered, and this rank's shard of every unit, which the optimizer updates. With unit_buckets
+    None, unit u is bucket num_units - 1 - u ([Note: bucket order]). `frozen`: a second UnitPart,
+    gathered and released with its unit ([Note: frozen parameters in stage 3]); unit_buckets then
+    maps a unit to its trainable bucket (None: frozen only). A model sharded for inference only has
+    a frozen part alone, given as the first ([Note: models sharded for inference only] in
     inference.py).
 
-    It is also the Shards of the parameters' slots (zerofast/guard/params.py, given by guard()):
-    each slot's parameter is moved to its guarded class when its unit is released and back when
-    its gather is waited for, and a write to a released parameter reaches this rank's pieces of the
-    shard ([Note: the model stays a torch model] in zerofast/guard/__init__.py)."""
+    Also the Shards of the parameters' slots (zerofast/guard/params.py, given by guard()): a slot's
+    parameter is guarded while its unit is released, and a write to it reaches this rank's pieces
+    of the shard ([Note: the model stays a torch model] in zerofast/guard/__init__.py)."""
 
     def __init__(
         self,
@@ -229,12 +221,10 @@ class UnitBuffers:
             self._uses_at_pin[k] = [_storage_uses(b) if b.untyped_storage().nbytes() else None for b in part.buffers]
 
     def keep_writes(self, unit: int) -> None:
-        """Before a gathered unit is released at the end of gathered_params(): what was written into
-        its parameters there (this rank's owned ranges that differ from the shard) becomes the shard,
-        and the master follows; and if more tensors share the buffer's storage than when the block
-        began (a view taken inside it, or autograd's saved tensors of a forward with gradients), the
-        buffer gets a storage of its own, so that the release leaves the old one, whole, to them
-        instead of freeing it under them."""
+        """At the end of gathered_params(), before the release: what was written into the unit's
+        owned ranges becomes the shard (the master follows); if more tensors share the buffer's
+        storage than when the block began (a view taken inside, autograd's saved tensors), the buffer
+        gets a new storage, so the release leaves the old one whole to them."""
         for k, (part, offsets) in enumerate(zip(self.parts, self._offsets)):
             b = part.bucket_of[unit]
             if b is None or part.buffers[b].untyped_storage().nbytes() == 0:
@@ -264,8 +254,7 @@ class UnitBuffers:
         part.buffers[b] = new
 
     def materialized_bytes(self, first: int = 0) -> int:
-        """Bytes of the parts from `first` on (1: the frozen part) that exist now: their gathered
-        buffers and their shards."""
+        """Bytes existing now (gathered buffers and shards) of the parts from `first` on (1: frozen)."""
         return sum(
             sum(b.untyped_storage().nbytes() for b in part.buffers) + part.shard.numel() * part.shard.element_size()
             for part in self.parts[first:]
@@ -306,10 +295,9 @@ class UnitTracker:
         self._callback_queued = False
         self.gathers = 0  # unit gathers started since built (a unit with frozen parameters too: one)
         self.handles = []
-        # [Note: stage 3 under torch.compile]: the hooks always run eagerly. Disabled here, on this
-        # tracker's bound methods, rather than by decorating the methods: torch.compiler.disable
-        # imports Dynamo (1.6 s, 40% of `import zerofast`), which a process that makes no optimizer
-        # (a launcher, the estimator) should not pay; a torch optimizer imports it when made.
+        # [Note: stage 3 under torch.compile]. Disabled on the bound methods, not by decorating them:
+        # torch.compiler.disable imports Dynamo (1.6 s, 40% of `import zerofast`), which a process
+        # making no optimizer (a launcher, the estimator) should not pay; a torch optimizer imports it.
         for name in ("_pre_forward", "_post_forward", "_pre_backward"):
             setattr(self, name, torch.compiler.disable(getattr(self, name)))
         for module in needs:
@@ -337,14 +325,12 @@ class UnitTracker:
         self._carry_out(self.schedule.gather_all())
 
     def pin(self) -> None:
-        """Gather every unit and keep it gathered through any forwards until unpin(): [Note:
-        generation on stage 3] in schedule.py."""
+        """Every unit gathered until unpin(): [Note: generation on stage 3] in schedule.py."""
         self._carry_out(self.schedule.pin())
         self.buffers.note_pinned()
 
     def unpin(self) -> None:
-        """End the pin: what was written into the parameters inside is kept (UnitBuffers.keep_writes),
-        then every unit no running call holds is released."""
+        """End the pin, keeping what was written inside (UnitBuffers.keep_writes)."""
         for unit, state in enumerate(self.schedule.state):
             if state is UnitState.GATHERED:
                 self.buffers.keep_writes(unit)
@@ -375,8 +361,7 @@ class UnitTracker:
                 self.schedule.not_carried_out(actions[i:])
                 raise
 
-    # --- hooks ----------------------------------------------------------------------------------
-    # See [Note: stage 3 under torch.compile]: the hooks always run eagerly (disabled in __init__).
+    # --- hooks (run eagerly: disabled in __init__) ----------------------------------------------
 
     def _pre_forward(self, module, args, kwargs):
         if module is self.model and not self.schedule.pinned:  # pinned: no collective ([Note: generation on stage 3])

@@ -1,9 +1,7 @@
-"""Stage 3's schedule: when each unit is gathered, waited for, kept and released, decided from the
-module calls alone. Pure: no process group, no tensors; its decisions are data (a list of Actions per
-event). Two drivers run it: the runtime's hooks (runtime.py) feed it the calls as they happen and
-carry out its actions on the unit buffers; the estimator (zerofast/estimate/traffic.py) feeds it the
-calls a forward is expected to make and counts the gathers. One model of the behaviour, so the
-estimate cannot drift from what a step does.
+"""Stage 3's schedule (Schedule): when each unit is gathered, waited for, kept and released, decided
+from the module calls alone. Pure: no process group, no tensors; each event returns a list of Actions.
+The runtime's hooks (runtime.py) carry them out; the estimator (zerofast/estimate/traffic.py) feeds it
+a forward's expected calls and counts the gathers, so the estimate cannot drift from a step.
 
 [Note: who gathers what]
 A unit module gathers its unit while it runs. Any other module gathers only the units of the
@@ -29,20 +27,19 @@ in the order a step meets them, and what the schedule decides at each:
   end of backward (end_backward): release whatever is still gathered (the first module's inputs,
     token ids, need no gradient, so its post-backward never runs).
 So at most two block units are gathered at once, the current one and the prefetched one, plus the
-root unit. A unit's state is an enum, and the code switches on it. The forward order is that of
-the previous step; if a step runs modules in another order, prefetching stops for the rest of that
-forward: a missed prefetch costs latency, never correctness, since every module acquires what it
-needs itself. A unit whose next call is of the same unit (another module of a merged unit, or the
-same module called again) is carried: kept gathered past its release, and taken over by that call
-([Note: merging small units] in units.py).
+root unit. The forward order is that of the previous step; if a step runs modules in another order,
+prefetching stops for the rest of that forward: a missed prefetch costs latency, never correctness,
+since every module acquires what it needs itself. A unit whose next call is of the same unit
+(another module of a merged unit, or the same module called again) is carried: kept gathered past
+its release, and taken over by that call ([Note: merging small units] in units.py).
 
 [Note: forward hands over to backward]
 Backward starts with the modules forward ended with: the root (its output head) and the last
-gathering call (the last block). Both were released at the end of forward and gathered again at
-once, with nothing to overlap the second gather (no prefetch reaches the first call of backward).
-So when backward follows (gradients enabled, an output that needs one), the root's units and
-those of the last call of the previous step's forward are carried into backward instead, like a
-merged unit handed to its next module: the first acquire in backward takes them over. FSDP2 does
+gathering call (the last block). Released at the end of forward, both would be gathered again at
+once, the second with nothing to overlap it (no prefetch reaches the first call of backward). So
+when backward follows (gradients enabled, an output that needs one), the root's units and those of
+the last call of the previous step's forward are carried into backward instead, as a merged unit
+is handed to its next module: the first acquire in backward takes them over. FSDP2 does
 the same for its root (reshard_after_forward=False). Peak memory is unchanged: between forward and
 backward they are the root and one block, and backward's first block acquires itself and
 prefetches the next anyway. A forward with gradients and no backward after it leaves them to the
@@ -81,9 +78,8 @@ that runs one forward more than another would wait in a gather nobody joins. Two
     stage-3 extension points] in extensions.py), turns it on for a stage-3 model outside the block,
     and off inside it, where the flag's all_reduce would be the only collective; synced_gpus=False
     outside the block raises GenerationSyncError on every rank at once. A generate() that no host
-    serves raises at once outside the block, on every rank that calls it. A loop of one's own that
-    calls the model must either run inside the block or run the same number of forwards on every
-    rank.
+    serves raises at once outside the block, on every rank that calls it. A loop of one's own runs
+    inside the block or runs the same number of forwards on every rank.
 """
 
 from __future__ import annotations
@@ -104,7 +100,7 @@ class UnitOp(enum.Enum):
     """What the schedule asks of one unit's buffers."""
 
     GATHER = "gather"  # allocate the unit's buffer and start its gather collective
-    WAIT = "wait"  # wait for the unit's gather in flight
+    WAIT = "wait"
     RELEASE = "release"  # free the unit's buffer: only this rank's shard remains
 
 
@@ -126,11 +122,10 @@ class Call:
 
 
 class CallList(list):
-    """The gathering calls of one forward, in order, and for each call what to prefetch: the units of
-    the first call after it (step +1, forward) or before it (step -1, backward) that needs others
-    than it (the calls in between share its units: a merged unit). Computed once per direction, in
-    one pass: a scan per call was quadratic in the calls of a merged unit (1,024 modules of one
-    unit: 0.27 s of Python per step)."""
+    """The gathering calls of one forward, in order, and what each prefetches: the units of the first
+    call after it (step +1, forward) or before it (step -1, backward) that needs others than it (the
+    calls between share its units: a merged unit). One pass per direction: a scan per call was
+    quadratic in a merged unit's calls (1,024 modules of one unit: 0.27 s of Python per step)."""
 
     def __init__(self):
         super().__init__()
@@ -150,7 +145,7 @@ class CallList(list):
         n = len(self)
         out: list[tuple[int, ...]] = [()] * n
         order = range(n - 2, -1, -1) if step > 0 else range(1, n)
-        for i in order:  # from the far end towards the start of the walk
+        for i in order:
             j = i + step
             out[i] = self[j].units if self[j].units != self[i].units else out[j]
         return out
@@ -265,8 +260,8 @@ class Schedule:
         return actions
 
     def release_all(self, keep: Iterable[int] = frozenset()) -> list[Action]:
-        """Release every unit but those in `keep`, which stay gathered for the next call that
-        acquires them ([Note: forward hands over to backward])."""
+        """Release every unit but `keep`'s, left to the next call that acquires them ([Note: forward
+        hands over to backward])."""
         keep = set(keep)
         self.refs = [0] * len(self.refs)
         self.carried = [u in keep for u in range(len(self.refs))]
@@ -301,16 +296,14 @@ class Schedule:
         return self._pins > 0
 
     def not_carried_out(self, actions: list[Action]) -> None:
-        """The runtime could not carry out `actions` (the first of them raised: a collective that
-        failed): their units go back to the state they were in before them, so that the states stay
-        what the buffers hold. A wait that failed is waited for again before its buffer is freed,
-        never freed under a gather still in flight."""
+        """The first of `actions` raised (a failed collective): their units go back to their states
+        before them, so the states stay what the buffers hold. A failed wait is waited for again
+        before its buffer is freed, never freed under a gather in flight."""
         for op, u in reversed(actions):
             self.state[u] = _STATE_BEFORE[op]
 
     def _predicted_next(self, call: CallRef) -> tuple[int, ...]:
-        """What to prefetch in forward: the units of the next other call of the previous forward,
-        while this forward follows its order."""
+        """The units of the previous forward's next other call, while this forward follows its order."""
         prev, k = self._previous, call.index
         if k + 1 < len(prev) and prev[k].module is call.module:
             return prev.next_other(k, +1)
@@ -350,8 +343,7 @@ class Schedule:
         return actions
 
     def _release_unclaimed(self) -> list[Action]:
-        """Release the units kept for a backward that never ran (a forward with gradients enabled
-        and no backward after it): [Note: forward hands over to backward]."""
+        """Release the units kept for a backward that never ran: [Note: forward hands over to backward]."""
         actions = []
         for u in range(len(self.state)):
             if self.carried[u] and self.refs[u] == 0:
@@ -363,16 +355,14 @@ class Schedule:
         return all(self.refs[u] > 0 and self.state[u] is UnitState.GATHERED for u in units)
 
     def _carry(self, units: tuple[int, ...], following: Call) -> None:
-        """Keep the units that the following call needs (another module of a merged unit, or the
-        same module called again) gathered past this release: [Note: merging small units] in
-        units.py. It acquires them at once; a call order that changes leaves them to the next
-        release_all (the end of forward or of backward)."""
+        """Keep the units `following` needs gathered past this release ([Note: merging small units]
+        in units.py); if the call order changes, the next release_all (end of forward or backward)
+        frees them."""
         for u in set(units) & set(following.units):
             self.carried[u] = True
 
     def _carry_into_backward(self, units: tuple[int, ...]) -> None:
-        """Keep the units of the root and of the last call in forward gathered for backward, which
-        starts with them: [Note: forward hands over to backward]."""
+        """Kept for backward, which starts with them: [Note: forward hands over to backward]."""
         for u in units:
             self.carried[u] = True
             self._into_backward.add(u)

@@ -1,8 +1,8 @@
-"""Stage 3 planning, the one planner: which parameters form a unit, which units each module must hold
-while it runs, and how the units are laid out (the trainable part's buckets and the frozen part's:
-[Note: frozen parameters in stage 3] in zerofast/stage3/frozen.py; a model sharded for inference
-only: inference_plan). Pure functions of the module tree and the managed parameters (no process
-group, no storage, no compiled code: the estimator plans with them).
+"""Stage 3's one planner, pure functions of the module tree (no process group, no storage: the estimator
+plans with them): find_units (which parameters form a unit: [Note: choosing units],
+[Note: merging small units]), hook_needs (the units each module holds while it runs), unit_layout and
+frozen_layout (the trainable and frozen buckets: [Note: frozen parameters in stage 3] in frozen.py),
+inference_plan (shard_frozen's plan).
 
 [Note: choosing units]
 A unit is a group of parameters gathered and released together, one bucket (one collective) each
@@ -20,7 +20,6 @@ Every such parameter that no unit module holds joins one more unit, the root's: 
 final norm, an output head. It is unit 0, the last in backward order, because a tied embedding's
 gradient is complete only at the very end of backward ([Note: bucket order]).
 `opt.report().units` lists what each unit holds.
-
 """
 
 from __future__ import annotations
@@ -192,9 +191,9 @@ def find_units(
 # units below min_unit_mb are merged with their neighbours in module order (as FSDP's size-based
 # auto-wrap policy groups modules), so a handful of collectives move the model each way. A unit at
 # or above the threshold stays alone; consecutive small ones join until the group reaches it. The
-# modules of a merged unit gather it while they run, and the unit is handed from one to the next
-# (carried: [Note: stage 3 lifecycle] in schedule.py) instead of being released and gathered again between them; so is a
-# unit whose module runs twice in a row. Consecutive calls of one unit cost one gather.
+# merged unit is handed from one of its modules to the next (carried: [Note: stage 3 lifecycle] in
+# schedule.py), not released and gathered again between them; so is a unit whose module runs twice
+# in a row: consecutive calls of one unit cost one gather.
 
 
 def _merge_small(singles, min_bytes: int, nbytes: list[int]):
@@ -239,8 +238,7 @@ def hook_needs(model: nn.Module, params: list[nn.Parameter], plan: UnitPlan) -> 
 
 
 def split_units(groups: list[list[int]], trainable: list[bool]) -> tuple[list[list[int]], list[list[int]]]:
-    """Each unit's group (indices into the unit plan's parameter list) split into its trainable and
-    frozen members (still indices into that list), in the group's order."""
+    """Each unit's group split into its trainable and its frozen members, in the group's order."""
     return ([[i for i in g if trainable[i]] for g in groups], [[i for i in g if not trainable[i]] for g in groups])
 
 
@@ -286,10 +284,9 @@ def inference_plan(
     who: str,
     element_size: int | None = None,
 ) -> tuple[list[tuple[str, torch.nn.Parameter]], UnitPlan, Layout, list[int | None]]:
-    """A model sharded for inference only (zerofast.shard_frozen), planned without a process group
-    (the estimator plans the same): the parameters it shards, its units, their layout over `world`
-    ranks and each unit's bucket. element_size: the sharded dtype's, where the model is not
-    converted to it yet (the estimator); else the parameters'."""
+    """shard_frozen's plan, also the estimator's: the parameters it shards, its units, their layout
+    over `world` ranks and each unit's bucket. element_size: the sharded dtype's where the model is
+    not converted yet (the estimator); None: the parameters'."""
     named = sharded_params(model, param_dtype, who)
     params = [p for _, p in named]
     min_unit_mb = unit_p.min_unit_mb if unit_p.min_unit_mb is not None else DEFAULT_MIN_UNIT_MB

@@ -1,13 +1,12 @@
-"""The full weights, one tensor at a time: what an inference engine that receives fresh weights
-after each step (vLLM's load_weights) reads, without any rank ever holding the whole model.
+"""The full weights one tensor at a time (named_full_tensors): what an inference engine receiving
+fresh weights after each step reads (vLLM's load_weights), with no rank ever holding the whole model.
 
-Stage 3 gathers one unit at a time and hands out copies of the tensors that unit brings into
-existence, then releases it; stages 1 and 2 hold the full parameters and hand out copies of them.
-So a rank holds at most one gathered unit plus the copy being handed over (if the receiver drops
-each before asking for the next). By default the names and order are model.state_dict()'s (tied
-tensors under each of their names), grouped by unit; the tensors are bitwise those state_dict()
-holds. Another view of the model (a PEFT model's merged weights or its adapter alone:
-zerofast/integrations/peft_weights.py) passes its own entries, each made from tensors of the model.
+Stage 3 gathers one unit at a time, hands out copies of the tensors it brings into existence, then
+releases it; stages 1 and 2 copy their whole parameters. So a rank holds at most one gathered unit
+plus the copy being handed over (if the receiver drops each before asking for the next). By default
+the entries are model.state_dict()'s, bitwise (tied tensors under each name), grouped by unit;
+another view (a PEFT model's merged weights or adapter: zerofast/integrations/peft_weights.py)
+passes its own.
 """
 
 from __future__ import annotations
@@ -29,10 +28,9 @@ def state_dict_entries(model: nn.Module, gather_tp: bool = True) -> list[tuple[s
 
 
 def entries_for(model: nn.Module, peft: str | None, who: str, gather_tp: bool = True) -> list[tuple[str, Entry]]:
-    """The entries the weight iterator hands out: state_dict()'s (peft=None), or another view of the
-    model registered by an integration ([Note: stage-3 extension points] in extensions.py): a PEFT
-    model's merged weights ("merged") or adapter ("adapter"), zerofast/integrations/peft_weights.py.
-    gather_tp=False (state_dict's entries only): each DTensor's local tensor, not gathered over "tp"."""
+    """state_dict()'s entries (peft=None), or a view an integration registered ([Note: stage-3
+    extension points] in extensions.py): PEFT's "merged" weights or "adapter". gather_tp=False
+    (state_dict's entries only): each DTensor's local tensor, not gathered over "tp"."""
     if peft is None:
         return state_dict_entries(model, gather_tp)
     if not gather_tp:
@@ -53,7 +51,7 @@ def named_full_tensors(
     pending = dict(entries if entries is not None else state_dict_entries(model))
 
     def present() -> Iterator[tuple[str, torch.Tensor]]:
-        """The entries whose tensors all have storage now (stage 3: those of the unit gathered now)."""
+        """The entries whose tensors all have storage now (stage 3: the gathered unit's)."""
         for name, entry in list(pending.items()):
             if all(_has_storage(t) for t in entry.needs):
                 del pending[name]

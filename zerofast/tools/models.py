@@ -1,7 +1,6 @@
-"""A small GPT (token + position embeddings, pre-norm blocks, tied output head) for demos, tests
-and benchmarks. Its input embedding and output head share one weight, so a tied parameter is always
-exercised. TitanLlama: a Llama shaped as torchtitan's, with torchtitan's tensor-parallel plan
-(titan_plan), for tensor parallelism's tests, benchmark and the main job's --tp."""
+"""A small GPT (token + position embeddings, pre-norm blocks, an output head sharing the input embedding's
+weight, so a tied parameter is always exercised) for demos, tests and benchmarks; TitanLlama, a Llama shaped as
+torchtitan's, with its tensor-parallel plan (titan_plan), for tensor parallelism's tests, benchmark and --tp."""
 
 from __future__ import annotations
 

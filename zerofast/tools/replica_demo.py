@@ -92,10 +92,9 @@ def worker(args) -> None:
     say("asking")
     opt.zero_grad()
     say("joined", step=replicas.step)
-    # Every group stops after the same committed step, one with every group in it: a group that
-    # stepped alone while the lost one came back steps on until the relaunched group has healed from
-    # it and joined (on a loaded machine its first quorum can come after the others' last step, and
-    # then it would have no live peer to heal from), as tests/jobs/ft_job.py's groups do.
+    # Every group stops after the same committed step, one with every group in it (as tests/jobs/ft_job.py's
+    # groups do): on a loaded machine the relaunched group's first quorum can come after the others' last
+    # step, and it would then have no live peer to heal from.
     together = 0  # groups in the last step this group took (none yet: every group takes one)
     while replicas.step < args.steps or together < args.replica_groups:
         if replicas.step in gates and not os.path.exists(gates[replicas.step]):

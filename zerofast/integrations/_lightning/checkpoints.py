@@ -1,6 +1,5 @@
-"""The checkpoint folder ZeroStrategy writes: its layout (ZERO_DIR, the sharded zerofast checkpoint,
-beside LIGHTNING_FILE, Lightning's own state; WRITING, the folder while it is written) and
-_into_place, which renames a complete folder over the old one."""
+"""The checkpoint folder ZeroStrategy writes: its layout (the names below) and _into_place, which renames
+a complete folder over the old one."""
 
 from __future__ import annotations
 

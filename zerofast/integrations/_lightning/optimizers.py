@@ -1,6 +1,5 @@
-"""configure_optimizers' optimizer as a ZeroAdam: zero_from (torch.optim.AdamW / Adam converted with
-their parameter groups and hyper-parameters, or a ZeroAdam built on the module taken as it is) and
-what re-points the LR schedulers at it (_schedulers, _track_step)."""
+"""configure_optimizers' optimizer as a ZeroAdam (zero_from), and what re-points the LR schedulers at it
+(_schedulers, _track_step)."""
 
 from __future__ import annotations
 
@@ -21,10 +20,9 @@ _HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
 def _track_step(opt: torch.optim.Optimizer) -> None:
-    """What torch's LRScheduler does to the optimizer it is built with (torch 2.14's lr_scheduler.py,
-    patch_track_step_called; torch has no public way to re-point a scheduler): mark step() so that
-    the scheduler can tell whether it ran, and so does not warn wrongly that lr_scheduler.step()
-    came first. Were torch to change these private marks, the cost is that warning, nothing more."""
+    """Mark opt.step as torch's LRScheduler marks its optimizer's (torch 2.14's lr_scheduler.py,
+    patch_track_step_called; torch has no public way to re-point a scheduler), so the scheduler does not warn
+    wrongly that lr_scheduler.step() came first. Were torch to change these private marks, that warning is the cost."""
     if hasattr(opt.step, "_wrapped_by_lr_sched"):
         return
     ref, func = weakref.ref(opt), type(opt).step

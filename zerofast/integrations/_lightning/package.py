@@ -1,6 +1,5 @@
-"""The two classes a Lightning package gets, made once for either (`lightning.pytorch` or
-`pytorch_lightning`): its Precision and DDPStrategy with the mixins in front, after checking that
-the package has what they rely on (zerofast.integrations.hosts)."""
+"""classes_for: the two classes a Lightning package (`lightning.pytorch` or `pytorch_lightning`) gets, its
+Precision and DDPStrategy with the mixins in front, once the package is checked (zerofast.integrations.hosts)."""
 
 from __future__ import annotations
 

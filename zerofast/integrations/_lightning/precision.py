@@ -1,6 +1,5 @@
-"""Lightning's precision flag as ZeroAdam's mixed precision: PRECISIONS (flag -> mixed_precision),
-the plugins Lightning builds from a flag alone, and ZeroPrecisionMixin, which each of the two modules
-puts before its package's Precision."""
+"""Lightning's precision flag as ZeroAdam's mixed precision: PRECISIONS (flag -> mixed_precision) and
+ZeroPrecisionMixin, which each of the two modules puts before its package's Precision."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""What ZeroStrategy relies on in Lightning, checked at import by each of the two modules
-(zerofast.integrations.hosts): the versions, the members the mixins override, read and call, and
-relies_on, which builds the table for one of the two packages."""
+"""What ZeroStrategy relies on in Lightning (the versions, the members the mixins override, read and call)
+and relies_on, which builds the table that each of the two modules checks at import (zerofast.integrations.hosts)."""
 
 from __future__ import annotations
 

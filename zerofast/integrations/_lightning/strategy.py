@@ -1,6 +1,5 @@
-"""ZeroStrategyMixin: ZeroAdam's sharding as a Lightning strategy, put before the package's
-DDPStrategy by each of the two modules: its arguments, the precision plugin, setup (no DDP wrapper;
-the optimizer becomes a ZeroAdam), the steps routed through the module ([Note: the root unit in
+"""ZeroStrategyMixin, put before the package's DDPStrategy: its arguments, the precision plugin, setup (no DDP
+wrapper; the optimizer becomes a ZeroAdam), the steps routed through the module ([Note: the root unit in
 Lightning]), and saving and loading the checkpoint folders."""
 
 from __future__ import annotations
@@ -120,8 +119,8 @@ class ZeroStrategyMixin:
         hosts.check_instance(self._relies_on, self)
 
     # --- precision: whatever the connector builds from the flag becomes a ZeroPrecision -----------
-    # Lightning 2.6.6's connector builds the plugin from the flag and sets it here, with no hook to
-    # choose its class: the setter converts it, and both halves keep Strategy's property underneath.
+    # Lightning 2.6.6's connector sets the plugin here with no hook to choose its class: the setter
+    # converts it, and both halves keep Strategy's property underneath.
 
     def _strategy_precision_plugin(self) -> property:
         return super(ZeroStrategyMixin, type(self)).precision_plugin  # Strategy's, not this class's
@@ -178,15 +177,13 @@ class ZeroStrategyMixin:
             self.accelerator.setup(trainer)
             self.setup_precision_plugin()
             return
-        # DDPStrategy's: the module to the device, no DDP wrapper (configure_ddp), and when fitting the
-        # optimizer (setup_optimizers: a ZeroAdam); otherwise the plain module on every rank.
+        # DDPStrategy's: the module to the device, then when fitting configure_ddp and setup_optimizers.
         super().setup(trainer)
         if not fitting and self.precision_plugin.dtype is not None:
             self.model.to(self.precision_plugin.dtype)  # evaluation only: in the precision's dtype
 
     def configure_ddp(self) -> None:
-        """No DDP wrapper: ZeroAdam reduces the gradients (DDPStrategy.setup calls this when fitting,
-        before setup_optimizers builds the ZeroAdam)."""
+        """No DDP wrapper: ZeroAdam reduces the gradients (called before setup_optimizers builds it)."""
 
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
@@ -284,10 +281,9 @@ class ZeroStrategyMixin:
         if self.zero is None:
             return super().teardown()
         zckpt.wait()  # the last asynchronous save is complete when fit / validate returns
-        # Not DDPStrategy.teardown, whose Strategy.teardown moves the module and the optimizer's state to
-        # the CPU: the parameters are views of ZeroAdam's flat buffers (stage 3: shards), which must stay
-        # where ZeroAdam put them for later validate / test / predict calls and checkpoints. The rest of
-        # what it does, as Lightning 2.6.6's own sharded strategies (FSDPStrategy, ModelParallelStrategy) do:
+        # Not DDPStrategy.teardown: Strategy.teardown moves the module and optimizer state to the CPU, but the
+        # parameters are views of ZeroAdam's flat buffers (stage 3: shards), kept in place for later validate /
+        # test / predict and checkpoints. The rest, as Lightning 2.6.6's FSDPStrategy and ModelParallelStrategy do:
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

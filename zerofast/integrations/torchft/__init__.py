@@ -12,6 +12,10 @@ relaunched group heals from a live peer.
         loss.backward()
         opt.step()                    # applied only if torchft commits the step
 
+The package: replicas.py (ReplicaGroups: the quorum, the agreement, the commit and the state that heals, through
+zerofast.topology's Replication) and transport.py (SafeTransport: the state on the wire without pickle). Written
+against torchft 0.2.0 (the Makefile's FT_DEPS): RELIES_ON below is checked at import (zerofast.integrations.hosts).
+
 [Note: replica groups on torchft]
 Hybrid sharding ([Note: hybrid sharding] in zerofast/topology.py) makes every replica group hold the
 whole training state, so a replica group is the unit of fault tolerance. Here a replica group is its
@@ -45,12 +49,6 @@ membership the Lighthouse's quorum sets anew each step. The parts:
   parses JSON and checks dtypes and sizes, so nothing a peer sends is unpickled. torchft's own
   transports both unpickle what a peer sends (HTTPTransport the whole state, PGTransport its header),
   which runs any code a compromised or mismatched peer chooses.
-
-The package: transport.py (SafeTransport, the state on the wire without pickle), replicas.py
-(ReplicaGroups: the quorum, the agreement, the commit and the state that heals, through
-zerofast.topology's Replication). Written against torchft 0.2.0 (the Makefile's FT_DEPS): Manager's start_quorum, should_commit,
-num_participants, current_step, allreduce, errored, report_error, register_state_dict_fn;
-ManagedProcessGroup; CheckpointTransport's interface. Checked at import (zerofast.integrations.hosts).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""ReplicaGroups: this replica group on torchft, given to ZeroAdam as process_group, plugged in
-through zerofast.topology's ReplicaSource and Replication ([Note: replica groups on torchft] in
-zerofast/integrations/torchft/__init__.py)."""
+"""ReplicaGroups: this replica group on torchft, given to ZeroAdam as process_group, as zerofast.topology's
+ReplicaSource and Replication ([Note: replica groups on torchft] in __init__.py)."""
 
 from __future__ import annotations
 
@@ -22,13 +21,12 @@ class ReplicaGroups:
     """This process's replica group on torchft, given to ZeroAdam or ZeroMuon as process_group. See
     [Note: replica groups on torchft].
 
-    replica_id: this group's name (the same on its K ranks). lighthouse: the Lighthouse's address
-    (default: $TORCHFT_LIGHTHOUSE). The replica group's K ranks are the default group's: one c10d
-    world (and TCPStore, which torchft's Manager joins unprefixed) per replica group, e.g. one torchrun
-    per machine; they shard the state. min_replicas: a step commits
-    only with at least this many groups. timeout: every collective and the quorum's wait; a
-    Lighthouse that does not answer within it is a named error. manager: a torchft Manager made by
-    the caller instead (its pg, transport and callbacks as this class would make them)."""
+    replica_id: this group's name (the same on its K ranks). lighthouse: the Lighthouse's address (default:
+    $TORCHFT_LIGHTHOUSE). The replica group's K ranks are the default group's: one c10d world (and TCPStore,
+    which torchft's Manager joins unprefixed) per replica group, e.g. one torchrun per machine; they shard the
+    state. min_replicas: a step commits only with at least this many groups. timeout: every collective and the
+    quorum's wait; a Lighthouse that does not answer within it is a named error. manager: a torchft Manager
+    made by the caller instead (its pg, transport and callbacks as this class would make them)."""
 
     def __init__(
         self,

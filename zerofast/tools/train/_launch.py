@@ -1,6 +1,5 @@
-"""Starting the main job's ranks: launch (the local ranks through torch.distributed.run, which
-restarts them after a failure), _without_nproc (the arguments the ranks get) and
-_init_process_group (each rank's process group, with keys of its own after a restart)."""
+"""Starting the main job's ranks: launch (the local ranks through torch.distributed.run, which restarts them
+after a failure), _without_nproc (the ranks' arguments) and _init_process_group (each rank's process group)."""
 
 from __future__ import annotations
 
@@ -49,10 +48,9 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 def _init_process_group(backend: str, timeout: timedelta) -> None:
     """init_process_group from torchrun's environment. After a restart by torchrun's agent
-    (TORCHELASTIC_RESTART_COUNT > 0) the rendezvous store can still hold the previous attempt's keys,
-    among them the addresses of workers that are gone, and gloo then fails to connect to them
-    (measured: "connectFullMesh failed ... Connection refused" on every restart); each attempt gets
-    keys of its own under a prefix."""
+    (TORCHELASTIC_RESTART_COUNT > 0) the rendezvous store can still hold the previous attempt's keys, among
+    them the addresses of workers that are gone, and gloo then fails to connect to them (measured:
+    "connectFullMesh failed ... Connection refused" on every restart); so each attempt gets its own prefix."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if attempt == 0:
         dist.init_process_group(backend, timeout=timeout)

@@ -1,7 +1,6 @@
-"""The main job's training loop: run (a fresh model trained with ZeroAdam, DDP or the reference
-stage, measuring each step's time and the bytes each rank holds, saving and resuming checkpoints),
-the model, device and optimizer it builds from the arguments, and the one-line error of a failed
-collective of the job's own."""
+"""The main job's training loop: run (a fresh model trained with ZeroAdam, DDP or the reference stage, measuring
+each step's time and each rank's bytes, saving and resuming checkpoints), the model, device and optimizer it
+builds from the arguments, and _job_fault (the one-line error of a failed collective of the job's own)."""
 
 from __future__ import annotations
 

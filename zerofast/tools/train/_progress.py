@@ -1,6 +1,5 @@
-"""Rank 0's progress bar on stderr (Progress), whether its line is still open, which the fault
-exit reads so that its line starts on a new one, and the words for where an offloaded optimizer state
-lives and what its I/O cost (placement, io_cost), which the bar and the closing report print."""
+"""Rank 0's progress bar on stderr (Progress; the fault exit reads line_open), and the words for where an
+offloaded optimizer state lives and what its I/O cost (placement, io_cost) for the bar and the closing report."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The main job's closing table: report (each rank's measured bytes next to the ZeRO paper's memory
-table, with --offload where the optimizer state lives and what the last step's I/O cost, and the
-communication per step next to its 2Φ / 3Φ) and _median (a step time, warm-up left out)."""
+"""The main job's closing table: report (each rank's measured bytes next to the ZeRO paper's memory table, the
+offloaded state and its I/O, the communication per step next to 2Φ / 3Φ) and _median (warm-up left out)."""
 
 from __future__ import annotations
 
