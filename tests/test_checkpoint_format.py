@@ -286,6 +286,9 @@ def test_chunked_tensor_describes_chunks_and_computes_nothing():
         t.__get_tensor_shard__(MetadataIndex("w", (2, 0)))
     with pytest.raises(TypeError, match="not a tensor to compute with"):
         t.clone()
+    # What moves an optimizer's state (Accelerate's prepare() moves it to the device) is named, with the fix.
+    with pytest.raises(TypeError, match="zerofast.integrations.accelerate.ZeroAccelerator"):
+        t.to(torch.float16)
     with pytest.raises(ValueError, match="outside"):
         ck.ChunkedTensor((3, 4), torch.float32, [((2, 3), flat[:2].view(1, 2))])
     with pytest.raises(ValueError, match="float64"):

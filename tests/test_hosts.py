@@ -228,8 +228,9 @@ def test_a_table_that_names_a_member_we_do_not_define_is_a_bug():
 def _tables():
     tables = []
     if _importable("transformers", "accelerate"):
-        from zerofast.integrations import hf
+        from zerofast.integrations import accelerate, hf
 
+        tables.append(accelerate.RELIES_ON)
         tables.append(hf.RELIES_ON)
         if _importable("trl"):
             from zerofast.integrations import _trl

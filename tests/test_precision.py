@@ -374,7 +374,7 @@ BAD = [
     (
         "fp8",
         lambda: dict(mixed_precision="fp8"),
-        "mixed_precision must be None, 'bf16', 'fp16' or a MixedPrecisionPolicy; got 'fp8'",
+        "mixed_precision must be None, 'no', 'bf16', 'fp16' or a MixedPrecisionPolicy; got 'fp8'",
     ),
     (
         "int8 param",

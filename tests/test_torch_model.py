@@ -146,6 +146,9 @@ def _zero_rank(rank, world, stage, precision):
     _expect(errors, "half or float", ModelConversionError, lambda: model.to(other))
     _expect(errors, "assign", ModelConversionError, lambda: model.load_state_dict(plain.state_dict(), assign=True))
     _expect(errors, "replace", ModelConversionError, lambda: setattr(model.ln_f, "bias", nn.Parameter(torch.zeros(16))))
+    # DDP over the model ZeroAdam trains would reduce its gradients a second time: refused before DDP starts.
+    _expect(errors, "DDP", ModelConversionError, lambda: nn.parallel.DistributedDataParallel(model))
+    out["DDP's attribute for others"] = hasattr(model, "_ddp_params_and_buffers_to_ignore")
     out["dtypes after errors"] = sorted({str(p.dtype) for p in model.parameters()})
     # model.state_dict(): saved with torch.save, loaded into the plain model.
     buf = io.BytesIO()
@@ -259,8 +262,10 @@ def test_torch_calls_on_the_model_match_the_plain_model(stage, precision):
         # What torch.save wrote loads into the plain model: the whole parameters (buffers too).
         assert max_abs_diff(out["saved"], out["whole"]) == 0, f"{at}: saved state_dict"
         errors = out["errors"]
-        for key in ("double", "half or float", "assign", "replace"):
+        for key in ("double", "half or float", "assign", "replace", "DDP"):
             assert errors[key].startswith("ModelConversionError"), f"{at}: {key}: {errors[key]}"
+        assert "DistributedDataParallel cannot wrap" in errors["DDP"] and "ZeroAccelerator" in errors["DDP"]
+        assert out["DDP's attribute for others"] is False, at
         assert "mixed_precision=" in errors["double"] and "ZeroAdam(stage=" in errors["double"]
         assert out["dtypes after errors"] == [str(dtype)], f"{at}: a refused conversion changed the model"
         assert errors["grad read"].startswith("ShardedGradientError") and "clip_grad_norm_" in errors["grad read"]

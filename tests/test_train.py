@@ -96,7 +96,7 @@ def test_estimate_formulas():
         (lambda: dict(model_or_param_count=10, world=2, stage=4), "stage must be 0, 1, 2 or 3; got 4"),
         (
             lambda: dict(model_or_param_count=10, world=2, stage=1, mixed_precision="fp8"),
-            "mixed_precision must be None, 'bf16', 'fp16' or a MixedPrecisionPolicy; got 'fp8'",
+            "mixed_precision must be None, 'no', 'bf16', 'fp16' or a MixedPrecisionPolicy; got 'fp8'",
         ),
         # ZeroAdam's own checks, through the same code: what it rejects, the estimator rejects
         (

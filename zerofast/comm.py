@@ -53,11 +53,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import _C, exit_drain  # noqa: F401  (exit_drain: the drain at the interpreter's exit)
+from . import _C, exit_drain
 from .collectives import collective_names
 from .errors import CollectiveError, GradientError, OutOfStepError  # noqa: F401  (raised here, and re-exported)
 from .layout import Layout
 from .topology import group_timeout
+
+exit_drain.install(_C.drain_kept_works)  # a process that used the core ends cleanly: [Note: clean exit]
 
 
 @dataclass

@@ -102,7 +102,8 @@ class MixedPrecisionPolicy:
       fp32 scale per block, [Note: quantized state] in zerofast/quant.py); the fp32 master is kept.
       ZeroMuon: its matrices' momentum buffers too ([Note: Muon's 8-bit momentum]).
     state_block: elements per scale of 8-bit state, a power of two >= 32 (default 256).
-    `mixed_precision="bf16"` is MixedPrecisionPolicy(torch.bfloat16), "fp16" MixedPrecisionPolicy(torch.float16).
+    `mixed_precision="bf16"` is MixedPrecisionPolicy(torch.bfloat16), "fp16" MixedPrecisionPolicy(torch.float16),
+    and "no" (Accelerate's spelling: `mixed_precision=accelerator.mixed_precision`) the same as None.
     """
 
     param_dtype: torch.dtype = torch.float32
@@ -386,15 +387,15 @@ class Plan:
 
 
 def precision_policy(mixed_precision, who: str = "ZeroAdam") -> MixedPrecisionPolicy:
-    """mixed_precision= as ZeroAdam takes it: None, "bf16", "fp16" or a MixedPrecisionPolicy."""
-    if mixed_precision is None:
+    """mixed_precision= as ZeroAdam takes it: None (or "no"), "bf16", "fp16" or a MixedPrecisionPolicy."""
+    if mixed_precision is None or (isinstance(mixed_precision, str) and mixed_precision == "no"):
         return MixedPrecisionPolicy()
     if isinstance(mixed_precision, MixedPrecisionPolicy):
         return mixed_precision
     if isinstance(mixed_precision, str) and mixed_precision in LOW_DTYPES:
         return MixedPrecisionPolicy(LOW_DTYPES[mixed_precision])
     raise ValueError(
-        f"{who}: mixed_precision must be None, 'bf16', 'fp16' or a MixedPrecisionPolicy; got {mixed_precision!r}"
+        f"{who}: mixed_precision must be None, 'no', 'bf16', 'fp16' or a MixedPrecisionPolicy; got {mixed_precision!r}"
     )
 
 

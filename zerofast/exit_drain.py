@@ -1,6 +1,6 @@
 """The drain at the interpreter's exit, so that a process that trained ends cleanly ([Note: clean
-exit] in csrc/work_keeper.cpp). Registered with atexit when the compiled core is first used
-(zerofast/comm.py imports this module)."""
+exit] in csrc/work_keeper.cpp). Installed with atexit when the compiled core is first used
+(zerofast/comm.py passes it the core's drain); this module imports nothing of zerofast."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import atexit
 import os
 import sys
 import time
-
-from . import _C
+from collections.abc import Callable
 
 # How long the exit waits for collectives still in flight, in all: the peers are finishing the same
 # step; one that died or is stuck must not hold this rank's exit for a process group's timeout.
@@ -20,13 +19,22 @@ _SETTLE_S = 1.0
 _BACKEND_THREADS = ("pt_gloo_runloop",)
 
 
-@atexit.register
+_DRAIN: list[Callable] = []  # the compiled core's drain_kept_works, once installed
+
+
+def install(drain_kept_works: Callable) -> None:
+    """Drain at the interpreter's exit with the compiled core's drain_kept_works (once per process)."""
+    if not _DRAIN:
+        _DRAIN.append(drain_kept_works)
+        atexit.register(_drain_at_exit)
+
+
 def _drain_at_exit() -> None:
     """Before finalization (the checkpoint writer's thread is joined before this): our collectives
     still in flight are waited for (_EXIT_WAIT_S in all) and released on this thread, then c10d's
     worker threads get the moment they need to drop the Works they completed, ours or not. A
     collective that failed or still runs is said on stderr; the exit status stays the program's."""
-    report = _C.drain_kept_works(_EXIT_WAIT_S)
+    report = _DRAIN[0](_EXIT_WAIT_S)
     for error in report.errors:
         first = error.strip().splitlines()[0] if error.strip() else "(no message)"
         print(f"zerofast: a collective still in flight at exit failed: {first}", file=sys.stderr)

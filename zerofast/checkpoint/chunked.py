@@ -75,7 +75,10 @@ class ChunkedTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         raise TypeError(
             f"ChunkedTensor does not support {func}: it describes this rank's chunks of a tensor for "
-            f"torch.distributed.checkpoint (its chunks are .chunks), it is not a tensor to compute with"
+            f"torch.distributed.checkpoint (its chunks are .chunks), it is not a tensor to compute with. "
+            f"A ZeroAdam state_dict() holds these: code that moves or copies an optimizer's state cannot "
+            f"take it (Hugging Face Accelerate's prepare() does: use "
+            f"zerofast.integrations.accelerate.ZeroAccelerator; save with zerofast.checkpoint)"
         )
 
     # --- DCP's checkpointable protocol (torch.distributed._checkpointable._Checkpointable) ---------

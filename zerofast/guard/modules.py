@@ -14,14 +14,18 @@ the mixin of the class every module holding a managed parameter (and the root) i
     keep_vars=True gives the parameters themselves, as torch does.
   - load_state_dict(assign=True), torch.__future__'s swap_module_params_on_conversion, and a managed
     parameter replaced by another object (module.weight = nn.Parameter(...)): ModelConversionError.
+  - DistributedDataParallel(model): ModelConversionError ([Note: DDP over a managed model]).
     load_state_dict itself copies into each parameter (params.py takes the copy at stage 3; at
     stages 1 and 2 the parameter is its buffer's view and the master follows).
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ModelConversionError
 from .params import ParamState, conversion_message, same_device, slot_of
@@ -78,6 +82,35 @@ class ModuleGuard:
                 )
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
+    @property
+    def _ddp_params_and_buffers_to_ignore(self):
+        """[Note: DDP over a managed model]
+        torch's DistributedDataParallel would reduce the gradients of a model ZeroAdam already
+        reduces (stages 1 and 2: each gradient averaged twice, the two reduces racing on the same
+        buffers; stage 3: its constructor reads the released parameters). Its constructor reads this
+        attribute of the module it wraps first (`hasattr`, torch 2.11-2.14), before it touches a
+        parameter: here that read, and only from DDP's constructor, is a ModelConversionError naming
+        what serves the framework instead. Anyone else finds no attribute, or the one they set (DDP's
+        own _set_params_and_buffers_to_ignore_for_model). A DDP over a wrapper module that holds the
+        model as a child (Lightning wraps its module so) reaches no guarded root: not detected."""
+        if sys._getframe(1).f_code is _DDP_INIT:
+            slot = next(s for s in map(slot_of, self.parameters()) if s is not None)
+            raise ModelConversionError(
+                f"torch.nn.parallel.DistributedDataParallel cannot wrap a model that {slot.who} trains: "
+                "ZeroAdam reduces its gradients itself, and DDP would reduce them a second time. Train the "
+                "model unwrapped; with a framework, use its zerofast integration: "
+                "zerofast.integrations.accelerate.ZeroAccelerator (Hugging Face Accelerate), "
+                "zerofast.integrations.hf.ZeroTrainer (transformers), "
+                "zerofast.integrations.lightning.ZeroStrategy (Lightning)"
+            )
+        if "_ddp_ignore" in self.__dict__:
+            return self.__dict__["_ddp_ignore"]
+        raise AttributeError(f"{type(self).__name__} has no attribute '_ddp_params_and_buffers_to_ignore'")
+
+    @_ddp_params_and_buffers_to_ignore.setter
+    def _ddp_params_and_buffers_to_ignore(self, names):
+        self.__dict__["_ddp_ignore"] = names
+
     def register_parameter(self, name: str, param) -> None:
         params = self.__dict__.get("_parameters")
         old = params.get(name) if params is not None else None
@@ -90,6 +123,9 @@ class ModuleGuard:
                 "the model is final (tie weights before)"
             )
         super().register_parameter(name, param)
+
+
+_DDP_INIT = DistributedDataParallel.__init__.__code__
 
 
 def check_conversion(module: nn.Module, fn) -> None:

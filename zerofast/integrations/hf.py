@@ -19,7 +19,6 @@ in another release is an ImportError naming it, never an override silently skipp
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import sys
@@ -41,6 +40,7 @@ from ..optim.base import ZeroOptimizer
 from ..optim.zero_adam import ZeroAdam
 from ..stage3.inference import shard_frozen, sharded_frozen_of
 from . import hf_generation, hosts  # noqa: F401 (hf_generation: generate() on stage 3 syncs the ranks)
+from .accelerate import ACCELERATE, ZeroAccelerating
 from .hosts import IncompatibleHostError
 
 __all__ = [
@@ -63,29 +63,29 @@ _FROM_ARGS = {
 }
 
 
-class _ZeroAccelerator(Accelerator):
-    """[Note: the Trainer's accelerator]
+class _ZeroAccelerator(ZeroAccelerating):
+    """The Trainer's accelerator: ZeroAccelerating's overrides ([Note: Accelerate's calls onto ZeroAdam]
+    in accelerate.py), with the optimizer handed back as it is and the Trainer's frozen models
+    prepared for inference.
+
+    [Note: the Trainer's accelerator]
     Trainer 5.24 calls five things on its Accelerator inline, with no Trainer method around them:
     prepare (trainer.py, _prepare_for_training), no_sync (the accumulation loop), backward
     (training_step), clip_grad_norm_ (_clip_grad_norm and _get_grad_norm) and
     optimizer_step_was_skipped. Accelerate 1.15 has no public way to change what they do, and the
     Trainer builds a plain Accelerator inline (create_accelerator_and_postprocess, with no factory to
-    override); so the trainer's accelerator is moved into this subclass once built. The subclass
-    overrides public methods only and adds no state beyond `_zero` (the optimizer once it exists) and
-    `_for_inference` (the trainer's hook for frozen models):
-    prepare_model never adds DDP (evaluation_mode=True: Accelerate 1.15's prepare_model then only
-    places the model) and never moves a model ZeroAdam manages; prepare_optimizer returns ZeroAdam as
-    it is, outside the accelerator's optimizers (Accelerate's AcceleratedOptimizer would round-trip
-    its state_dict, a DCP dict of shards, through move_to_device); no_sync, backward,
-    clip_grad_norm_ and optimizer_step_was_skipped are ZeroAdam's."""
+    override); so the trainer's accelerator is moved into this subclass once built (its constructor
+    never runs: the subclass adds no state beyond the class attributes `_zero`, the optimizer once it
+    exists, and `_for_inference`, the trainer's hook for frozen models). prepare_optimizer returns
+    ZeroAdam as it is: the Trainer steps it only at its own sync points, and reads trainer.optimizer
+    as the ZeroAdam."""
 
-    _zero: ZeroAdam | None = None
     _for_inference = None  # the trainer's _prepare_for_inference: [Note: frozen models in the Trainer]
 
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
         if self._zero is not None:
             device_placement = False
-        prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        prepared = super().prepare_model(model, device_placement=device_placement)
         if evaluation_mode and self._for_inference is not None:
             prepared = self._for_inference(prepared)
         return prepared
@@ -94,36 +94,6 @@ class _ZeroAccelerator(Accelerator):
         if isinstance(optimizer, ZeroOptimizer):
             return optimizer
         return super().prepare_optimizer(optimizer, device_placement=device_placement)
-
-    @property
-    def optimizer_step_was_skipped(self):
-        if self._zero is None:
-            return super().optimizer_step_was_skipped
-        return self._zero.step_was_skipped  # fp16: an overflow skipped the step, so the schedule waits
-
-    @contextlib.contextmanager
-    def no_sync(self, model):
-        if self._zero is None:
-            with super().no_sync(model):
-                yield
-            return
-        with self._zero.no_sync():
-            yield
-
-    def backward(self, loss, **kwargs):
-        if self._zero is None:
-            return super().backward(loss, **kwargs)
-        kwargs.pop("scale_wrt_gas", None)
-        # Accelerate divides by its own gradient_accumulation_steps (1 under the Trainer, which
-        # divides the loss itself), as its backward does.
-        self._zero.backward(loss / self.gradient_accumulation_steps, **kwargs)
-
-    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
-        if self._zero is None:
-            return super().clip_grad_norm_(parameters, max_norm, norm_type)
-        if norm_type != 2:
-            raise ValueError(f"ZeroTrainer: clip_grad_norm_ supports the 2-norm only; got norm_type={norm_type!r}")
-        return self._zero.clip_grad_norm_(max_norm)
 
 
 def _units_for(units):
@@ -474,7 +444,6 @@ class ZeroTrainer(ZeroTrainerMixin, Trainer):
 # --- what this module relies on in its hosts, checked at import (zerofast.integrations.hosts) ------
 # The versions: the Makefile's HF_DEPS pins (tested) and pyproject.toml's extra `hf` (supported).
 TRANSFORMERS = hosts.Pin("transformers", tested="5.24.0", supported=">=5.24.0,<5.25")
-ACCELERATE = hosts.Pin("accelerate", tested="1.15.0", supported=">=1.15.0,<1.16")
 # The Trainer methods ZeroTrainerMixin replaces; the private ones are named after transformers 5.24.0.
 TRAINER_OVERRIDES = (
     "create_accelerator_and_postprocess",
@@ -494,18 +463,7 @@ RELIES_ON = hosts.Reliance(
     pins=(TRANSFORMERS, ACCELERATE),
     entries=(
         hosts.Overrides(ZeroTrainerMixin, Trainer, TRAINER_OVERRIDES),
-        hosts.Overrides(
-            _ZeroAccelerator,
-            Accelerator,
-            (
-                "prepare_model",
-                "prepare_optimizer",
-                "no_sync",
-                "backward",
-                "clip_grad_norm_",
-                "optimizer_step_was_skipped",
-            ),
-        ),
+        hosts.Overrides(_ZeroAccelerator, Accelerator, ("prepare_model", "prepare_optimizer")),
         # What the overrides pass on, and what ZeroTrainerMixin reads from the Trainer's arguments.
         hosts.Calls(Trainer, "__init__", keywords=("optimizers", "optimizer_cls_and_kwargs")),
         hosts.Calls(Accelerator, "prepare_model", 1, ("device_placement", "evaluation_mode")),
