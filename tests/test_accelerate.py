@@ -98,6 +98,15 @@ def test_bf16_is_zero_adams_mixed_precision(jobs):
     assert d <= lp_param_tol(torch.bfloat16, STEPS, theirs), f"bf16: parameters {d:.3g} from Accelerate's autocast"
 
 
+def test_fp16_is_zero_adams_with_its_loss_scale(jobs):
+    """fp16 (which Accelerate's own path runs with a GradScaler on a GPU): ZeroAdam's fp16 model and loss
+    scaling. Each loss within 8 fp16 roundings (2^-10 relative: the 8 chained products) of the fp32 run's."""
+    _, res, _ = jobs
+    r = res["zero2-fp16"]
+    assert (r["mixed_precision"], r["dtype"]) == ("fp16", "torch.float16") and r["loss_scale"] > 1.0, r
+    _close_logs(r["logs"], res["ddp"]["logs"], "fp16", rel=8 * 2.0**-10 + LOG_REL)
+
+
 def test_lora_at_stage_3_equals_lora_with_ddp(jobs):
     out, res, _ = jobs
     assert res["zero3-lora"]["model"] == "PeftModelForCausalLM"

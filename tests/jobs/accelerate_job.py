@@ -138,6 +138,7 @@ def run(zero, stage=None, precision="no", peft=False, save_at=None, resume=None,
         out["saved"] = sorted(os.listdir(save_model)) if accelerator.is_main_process else None
     if zero:
         out["report_units"] = len(optimizer.report().units)  # ZeroAdam's own methods through the wrapper
+        out["loss_scale"] = optimizer.loss_scale
     accelerator.wait_for_everyone()
     accelerator.free_memory()
     return out, {k: v.detach().float().clone() for k, v in state.items()}
@@ -208,6 +209,7 @@ def train():
         "zero3": dict(zero=True, stage=3, save_at=SAVE_AT, save_model=os.path.join(OUT, "saved")),
         "ddp-bf16": dict(zero=False, precision="bf16"),
         "zero3-bf16": dict(zero=True, stage=3, precision="bf16"),
+        "zero2-fp16": dict(zero=True, stage=2, precision="fp16"),
         "ddp-lora": dict(zero=False, peft=True),
         "zero3-lora": dict(zero=True, stage=3, peft=True),
     }
