@@ -17,6 +17,7 @@ SLOWEST_FIRST = (
     "test_checkpoint.py",
     "test_lightning.py",
     "test_hf.py",
+    "test_accelerate.py",
     "test_faults.py",
     "test_zero_adam.py",
     "test_gpu_check.py",

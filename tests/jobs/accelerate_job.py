@@ -1,5 +1,6 @@
 """ZeroAccelerator's jobs, run by tests/test_accelerate.py (CPU, gloo):
-`accelerate launch --multi_gpu --num_processes 2 tests/jobs/accelerate_job.py train OUT` and
+`accelerate launch --multi_gpu --num_processes 2 tests/jobs/accelerate_job.py train OUT` (which also runs
+examples/accelerate_nlp_example.py as a script, last) and
 `torchrun --nproc-per-node 1 tests/jobs/accelerate_job.py resume OUT`. Rank 0 writes OUT/<job>.json and the
 tensors the test compares (OUT/<run>.pt).
 
@@ -14,6 +15,7 @@ run.
 
 import json
 import os
+import runpy
 import sys
 
 import torch
@@ -220,6 +222,20 @@ def train():
     res["world"] = dist.get_world_size()
     res["errors"] = errors_on_ranks()
     dump("train", res)
+    example()
+
+
+def example():
+    """examples/accelerate_nlp_example.py run as a script in this launch (2 epochs), last: it ends with
+    accelerator.end_training(), which destroys the process group."""
+    fresh_state()
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+    argv = sys.argv
+    sys.argv = ["accelerate_nlp_example.py", "--cpu", "--epochs", "2", "--out", os.path.join(OUT, "example.json")]
+    try:
+        runpy.run_path(os.path.join(path, "accelerate_nlp_example.py"), run_name="__main__")
+    finally:
+        sys.argv = argv
 
 
 def resume():
