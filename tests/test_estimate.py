@@ -338,7 +338,9 @@ def test_offload_arguments():
     assert disk.total == plain.total - plain.optimizer - ALIGN * 4 * 1 * 12  # the state and its padding
     fp32 = estimate_memory(phi, 4, 1, mixed_precision=None, offload="host", device=torch.device("cuda", 1))
     assert (fp32.host_bytes, fp32.optimizer) == (12 * phi // 4, 0)  # the master apart, in fp32 too
-    with pytest.raises(ValueError, match="offload must be None, 'host', 'disk:PATH' or an OffloadPolicy"):
+    with pytest.raises(
+        ValueError, match="offload must be None, 'host', 'disk:PATH', 'infinity:PATH' or an OffloadPolicy"
+    ):
         estimate_memory(phi, 4, 2, offload="nvme")
     with pytest.raises(ValueError, match="offload applies to ZeroAdam's stages 1-3; stage 0 is DDP"):
         estimate_memory(phi, 4, 0, offload="host")

@@ -465,7 +465,7 @@ def _one_rank_cannot_place(rank, world, root):
 def test_a_rank_that_cannot_place_its_state_is_named_on_every_rank(root):
     (zero, left), (one, _) = run_ranks(_one_rank_cannot_place, 2, args=(root,))
     assert "cannot be created or written" in one and "a-file/state" in one, one
-    assert "rank 1 could not place its optimizer state" in zero and "no rank built its optimizer" in zero, zero
+    assert "rank 1 could not place its files" in zero and "no rank built its optimizer" in zero, zero
     assert left == [], "rank 0's files are removed with its optimizer"
 
 
@@ -502,5 +502,6 @@ def test_bad_input_is_named_at_construction(root):
     )
     kind, message = out["shortcut"]
     assert (
-        kind == "ValueError" and "offload must be None, 'host', 'disk:PATH' or an OffloadPolicy; got 'nvme'" in message
+        kind == "ValueError"
+        and "offload must be None, 'host', 'disk:PATH', 'infinity:PATH' or an OffloadPolicy; got 'nvme'" in message
     )

@@ -271,7 +271,14 @@ class OffloadPolicy:
       zerofast/offload/__init__.py). The next step(), gathered_params(), a checkpoint or opt.flush()
       applies the update in flight. Needs "host" or "disk" (on a CPU model "host" then keeps the
       state apart from the parameters, for the thread to update).
-    `offload="host"` / `offload="disk:PATH"` on ZeroAdam are shortcuts for the policy.
+    params: stage 3's parameter shard and gradient shard (ZeRO-Infinity), independent of `state`:
+      None (default: on the device), "host" (host memory: a CPU model's are there already, so nothing
+      moves) or "disk" (files under `path`, mapped: a unit's shard is read as its gather starts, a
+      gradient's as the step reads it, and each leaves resident memory then: [Note: parameters on
+      disk] in zerofast/offload/__init__.py). Stage 3 only: stages 1 and 2 hold whole parameters.
+    `offload="host"` / `offload="disk:PATH"` on ZeroAdam are shortcuts for the state's policy;
+    `offload="infinity:PATH"` for OffloadPolicy("disk", PATH, params="disk"): the state and stage 3's
+    parameters and gradients on disk.
     """
 
     state: str | None = None
@@ -281,22 +288,27 @@ class OffloadPolicy:
     pin_memory: bool = True
     direct_io: bool = False
     delayed_update: bool = False
+    params: str | None = None
 
     def __post_init__(self):
         if self.state not in OFFLOAD_STATES:
             raise ValueError(f"OffloadPolicy: state must be None, 'host' or 'disk'; got {self.state!r}")
+        if self.params not in OFFLOAD_STATES:
+            raise ValueError(f"OffloadPolicy: params must be None, 'host' or 'disk'; got {self.params!r}")
         if self.path is not None:
             if not isinstance(self.path, (str, PathLike)) or not fspath(self.path):
                 raise ValueError(f"OffloadPolicy: path must be a folder's path (str or os.PathLike); got {self.path!r}")
             object.__setattr__(self, "path", fspath(self.path))
-        if self.state == "disk" and self.path is None:
+        on_disk = [f"{k}='disk'" for k in ("state", "params") if getattr(self, k) == "disk"]
+        if on_disk and self.path is None:
             raise ValueError(
-                "OffloadPolicy: state='disk' needs path=, the folder for the state's files (a local disk, "
+                f"OffloadPolicy: {' and '.join(on_disk)} needs path=, the folder for the files (a local disk, "
                 "not a RAM-backed /tmp); got path=None"
             )
-        if self.state != "disk" and self.path is not None:
+        if not on_disk and self.path is not None:
             raise ValueError(
-                f"OffloadPolicy: path applies to state='disk'; got path={self.path!r} with state={self.state!r}"
+                f"OffloadPolicy: path applies to state='disk' or params='disk'; got path={self.path!r} with "
+                f"state={self.state!r}, params={self.params!r}"
             )
         if not (_is_number(self.window_mb) and self.window_mb > 0):
             raise ValueError(f"OffloadPolicy: window_mb must be a number > 0; got {self.window_mb!r}")
@@ -311,7 +323,12 @@ class OffloadPolicy:
 
     @property
     def active(self) -> bool:
+        """The optimizer state leaves the parameters."""
         return self.state is not None
+
+    @property
+    def params_on_disk(self) -> bool:
+        return self.params == "disk"
 
 
 def offload_policy(offload, who: str = "ZeroAdam") -> OffloadPolicy:
@@ -322,9 +339,12 @@ def offload_policy(offload, who: str = "ZeroAdam") -> OffloadPolicy:
         return offload
     if offload == "host":
         return OffloadPolicy("host")
-    if isinstance(offload, str) and offload.startswith("disk:") and len(offload) > len("disk:"):
-        return OffloadPolicy("disk", offload[len("disk:") :])
-    raise ValueError(f"{who}: offload must be None, 'host', 'disk:PATH' or an OffloadPolicy; got {offload!r}")
+    for prefix, params in (("disk:", None), ("infinity:", "disk")):
+        if isinstance(offload, str) and offload.startswith(prefix) and len(offload) > len(prefix):
+            return OffloadPolicy("disk", offload[len(prefix) :], params=params)
+    raise ValueError(
+        f"{who}: offload must be None, 'host', 'disk:PATH', 'infinity:PATH' or an OffloadPolicy; got {offload!r}"
+    )
 
 
 # --- the plan -------------------------------------------------------------------------------------
@@ -453,6 +473,12 @@ def resolve_plan(
             f"{who}: CommPolicy.overlap_param_gather applies to stages 1 and 2 (stage 3 gathers "
             "each unit in the next forward anyway); got it with stage=3"
         )
+    offload_p = offload_policy(offload, who)
+    if stage < 3 and offload_p.params is not None:
+        raise ValueError(
+            f"{who}: OffloadPolicy(params=...) applies to stage 3, whose parameters are sharded; stages 1 and 2 "
+            f"hold every parameter whole on every rank; got params={offload_p.params!r} with stage={stage}"
+        )
     param_dtype = precision.param_dtype
     reduce_dtype = precision.reduce_dtype or param_dtype
     reduce_size = reduce_dtype.itemsize
@@ -487,7 +513,7 @@ def resolve_plan(
         separate_master=param_dtype != torch.float32,
         state_bits=precision.state_bits,
         state_block=precision.state_block,
-        offload=offload_policy(offload, who),
+        offload=offload_p,
     )
 
 

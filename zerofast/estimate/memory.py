@@ -51,7 +51,7 @@ from ..config import (
     unit_policy,
 )
 from ..layout import ALIGN
-from ..offload import file_bytes, is_offloaded, state_specs, window_layout
+from ..offload import file_bytes, is_offloaded, shard_specs, state_specs, window_layout
 from ..optim.placement import plan_layouts
 from ..quant import num_blocks
 from ..stage3.units import inference_plan
@@ -73,6 +73,16 @@ class MemoryEstimate:
     host_bytes: int = 0  # "host": the state in pinned host memory; "disk": the window
     disk_bytes: int = 0  # "disk": the state's files, two generations
     window_bytes: int = 0  # "disk": the window's three chunks of every kind of state
+    # As report().offload.params: stage 3's parameter, gradient and frozen shards "device", "host" (a
+    # CPU model's: nothing moves) or "disk" (then not in params, grads and zerofast_extra, but in
+    # params_disk_bytes: report().offload.params_disk_bytes).
+    params_placement: str = "device"
+    params_disk_bytes: int = 0
+
+    @property
+    def disk_total(self) -> int:
+        """Bytes on disk per rank: the state's files and stage 3's shards'."""
+        return self.disk_bytes + self.params_disk_bytes
 
     @property
     def total(self) -> int:
@@ -130,7 +140,9 @@ def estimate_memory(
     (stages 1-3; DDP has no offload), `optimizer` is 0 and `placement`, host_bytes, disk_bytes and
     window_bytes say where the state is, as report().offload does after a step. device: the type of
     device the model trains on ("cuda" by default, "cpu", a torch.device, ...); "host" moves nothing
-    off a CPU model. rank: whose shard a module's estimate counts (shards differ by their padding;
+    off a CPU model. OffloadPolicy(params="disk") (stage 3, a CPU model, as ZeroAdam takes it): the
+    parameter, gradient and frozen shards (padding included) leave `params`, `grads` and
+    `zerofast_extra` for params_disk_bytes. rank: whose shard a module's estimate counts (shards differ by their padding;
     None: the largest); a count's shards are all ceil(Φ/K).
     tp: the tensor-parallel degree ([Note: tensor parallelism] in zerofast/tensor_parallel.py): each
     rank holds 1/tp of every split parameter, which ZeRO shards over the world/tp data-parallel ranks
@@ -214,22 +226,48 @@ def estimate_memory(
         padding_elements = ALIGN * shards * max(1, -(-r_bytes * numel // bucket_bytes))
         extra += padding_elements * (p_bytes + r_bytes + o_bytes)
     placement, host, disk, window = "device", 0, 0, 0
+    params_placement, params_disk = "device", 0
+    exact_shard, frozen_shard = shard, -(-frozen // shards)  # a count's: ceil(Φ/K); a module's, exact:
+    if stage >= 1 and isinstance(model_or_param_count, nn.Module) and (plan.offload.active or plan.offload.params):
+        shard_rank = None if rank is None else rank % shards
+        exact_shard, frozen_shard = _module_shard(model_or_param_count, plan, shards, shard_rank)
     if stage >= 1 and plan.offload.active:
         placement = plan.offload.state
         if offloaded(plan.offload, device_type):  # the state, its padding included, leaves the device
-            state_shard = shard  # a count's: ceil(Φ/K); a module's, exact:
-            if isinstance(model_or_param_count, nn.Module):
-                shard_rank = None if rank is None else rank % shards
-                state_shard = _module_shard(model_or_param_count, plan, shards, shard_rank)
-            host, disk, window = offloaded_state(state_shard, plan)
+            host, disk, window = offloaded_state(exact_shard, plan)
             optimizer = 0
             extra -= padding_elements * o_bytes
+    if stage == 3 and plan.offload.params is not None:
+        params_placement = plan.offload.params
+        if device_type != "cpu":
+            raise NotImplementedError(
+                f"estimate_memory: OffloadPolicy(params={params_placement!r}) is built for models on the CPU "
+                f"(ZeroAdam refuses it on {device_type!r}: its GPU schedule is not built yet); got device={device!r}"
+            )
+        if params_placement == "disk":
+            params_disk = file_bytes(shard_specs(plan, exact_shard, frozen_shard))
+            params, grads = 0, 0
+            extra -= padding_elements * (p_bytes + r_bytes)
     if isinstance(frozen_models, (nn.Module, int)) or not isinstance(frozen_models, (list, tuple)):
         raise ValueError(
             f"estimate_memory: frozen_models must be a list of modules or parameter counts; got {frozen_models!r}"
         )
     inference = sum(frozen_model_bytes(m, world, param_dtype, units) for m in frozen_models)
-    return MemoryEstimate(stage, world, params, grads, optimizer, extra, inference, placement, host, disk, window)
+    return MemoryEstimate(
+        stage,
+        world,
+        params,
+        grads,
+        optimizer,
+        extra,
+        inference,
+        placement,
+        host,
+        disk,
+        window,
+        params_placement,
+        params_disk,
+    )
 
 
 def _device_type(device) -> str:
@@ -249,12 +287,16 @@ def offloaded(policy: OffloadPolicy, device_type: str) -> bool:
     return is_offloaded(policy.state, policy.delayed_update, device_type)
 
 
-def _module_shard(model: nn.Module, plan, shards: int, shard_rank: int | None) -> int:
-    """Elements of the shard ZeroAdam builds for `shard_rank` (None: the largest), padding included."""
-    layout = plan_layouts(model, plan, shards).layout
-    if shard_rank is None:
-        return max(layout.shard_numel(r) for r in range(shards))
-    return layout.shard_numel(shard_rank)
+def _module_shard(model: nn.Module, plan, shards: int, shard_rank: int | None) -> tuple[int, int]:
+    """Elements of the shard ZeroAdam builds for `shard_rank` (None: the largest), padding included,
+    and of stage 3's frozen parameters' shard (0: none)."""
+    layouts = plan_layouts(model, plan, shards, unconverted=True)
+    ranks = range(shards) if shard_rank is None else [shard_rank]
+    frozen = layouts.frozen_layout
+    return (
+        max(layouts.layout.shard_numel(r) for r in ranks),
+        max(frozen.shard_numel(r) for r in ranks) if frozen is not None else 0,
+    )
 
 
 def offloaded_state(shard: int, plan) -> tuple[int, int, int]:

@@ -1,6 +1,7 @@
 """Where the optimizer state lives (OffloadPolicy in zerofast/config.py), and everything a step does
 because of it:
-  stores.py  DeviceState, HostState (pinned host memory), DiskState (files, through a bounded window)
+  stores.py  DeviceState, HostState (pinned host memory), DiskState (files, through a bounded window);
+             ShardFiles: stage 3's parameter and gradient shards in files ([Note: parameters on disk])
   update.py  the offloaded step, called by zerofast/optim/step.py at fixed points: phase 3 through a
              store, its all-or-none commit, the delayed update's thread, the model's writes
 ShardState (zerofast/optim/state.py) and the checkpoint view read the store's tensors wherever they are.
@@ -47,6 +48,24 @@ full_state_dict(), a checkpoint) and so does opt.flush(). It costs a copy of the
 of the owned parameters on the host. A failed write of the delayed update raises at the next step()
 (or flush) on every rank, which then drops that step's gradients too.
 
+[Note: parameters on disk]
+OffloadPolicy(params="disk") at stage 3 (ZeRO-Infinity's offload_param): this rank's parameter shard,
+gradient shard and frozen parameters' shard are files under `path` (stores.py's ShardFiles), mapped
+shared and handed to the optimizer as its flat tensors, so every reader and writer of a shard (the
+unit gathers, the reduces in the compiled BucketComm, the fused kernel, the guard's writes,
+checkpoints, generation) runs unchanged and the run is bitwise the same as in memory. What stays
+resident is bounded, not the model's size: a unit's shard pages are read as its gather starts (the
+copy into the unit buffer, as far ahead as stage 3 prefetches) and dropped once copied; the pages the
+reduces wrote are dropped at every unit's release (a reduce still in flight is safe: a shared file
+mapping's dirty pages stay in the page cache); the step drops each run's (each window chunk's)
+parameter and gradient pages after the kernel wrote them. So a rank holds the units in flight, the
+gradient buckets in flight and, state on disk, the window; the files and the page cache hold the rest
+(the kernel writes dirty pages back and reclaims clean ones under memory pressure). Not done here:
+the files are read by page faults, not by explicit reads, so a failing disk is the kernel's SIGBUS,
+not an OffloadError (the files are preallocated at construction, so a full disk is named then, with
+the bytes needed and free); the GPU's pinned buffers and side-stream copies are not built (a CUDA
+model's params= is a named error).
+
 [Note: files of a killed job]
 Each optimizer writes under PATH/zerofast-<host>-<pid>-<id>/ with a lock file it holds (flock) for
 its life; the folder is removed when the optimizer is collected or the process exits. A folder
@@ -60,13 +79,14 @@ from .stores import (
     HostState,
     OffloadError,
     OffloadStats,
+    ShardFiles,
     StateSpec,
     file_bytes,
     is_offloaded,
     state_specs,
     window_layout,
 )
-from .update import OffloadedUpdate, agreed, open_store
+from .update import OffloadedUpdate, agreed, open_shard_files, open_store, shard_specs
 
 __all__ = [
     "DeviceState",
@@ -77,7 +97,10 @@ __all__ = [
     "open_store",
     "OffloadError",
     "OffloadStats",
+    "ShardFiles",
     "StateSpec",
+    "open_shard_files",
+    "shard_specs",
     "file_bytes",
     "is_offloaded",
     "state_specs",

@@ -28,6 +28,8 @@ from ..errors import OffloadError
 __all__ = [
     "DiskState",
     "HostState",
+    "ShardFiles",
+    "resident_bytes_under",
     "OffloadError",
     "OffloadStats",
     "StateSpec",
@@ -414,6 +416,92 @@ class DiskState:
         self._finalizer()
 
 
+class ShardFiles:
+    """Stage 3's shards in files under `root` (OffloadPolicy(params="disk"): [Note: parameters on disk]
+    in __init__.py): one preallocated file per spec (the parameter shard, the gradient shard, the
+    frozen parameters' shard), each mapped shared and handed out as a flat tensor, so that every
+    reader and writer of a shard (the gathers, the reduces, the kernel, the guard, checkpoints) works
+    on it unchanged. A page is read where a reader touches it and counts as this process's resident
+    memory until let_go() (the bytes stay in the file and the page cache)."""
+
+    placement = "disk"
+
+    def __init__(self, specs: list[StateSpec], root: str, rank: int):
+        self.specs, self.root = [s for s in specs if s.numel], root
+        self.folder, self._lock = _make_folder(root)
+        self._finalizer = weakref.finalize(self, _remove_folder, self.folder, self._lock)
+        need, free = file_bytes(self.specs), shutil.disk_usage(self.folder).free
+        if need > free:
+            self.close()
+            raise OffloadError(
+                f"OffloadPolicy(path={root!r}, params='disk'): rank {rank}'s parameter and gradient shards need "
+                f"{need} bytes on disk and the filesystem has {free} free"
+            )
+        self._maps: dict[str, mmap.mmap] = {}
+        self.tensors: dict[str, torch.Tensor] = {s.name: torch.zeros(0, dtype=s.dtype) for s in specs}
+        for s in self.specs:
+            path = os.path.join(self.folder, s.name)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                try:
+                    _preallocate(fd, _round_up(s.nbytes, PAGE))
+                    self._maps[s.name] = mmap.mmap(fd, s.nbytes, access=mmap.ACCESS_WRITE)
+                finally:
+                    os.close(fd)  # the mapping keeps the file: nothing is left open but it
+            except OSError as e:
+                self.close()
+                raise OffloadError(
+                    f"OffloadPolicy(path={root!r}, params='disk'): rank {rank} could not create {path}: {e}"
+                ) from e
+            self.tensors[s.name] = torch.frombuffer(self._maps[s.name], dtype=s.dtype, count=s.numel)
+
+    @property
+    def disk_bytes(self) -> int:
+        return file_bytes(self.specs)
+
+    def let_go(self, name: str, lo: int = 0, numel: int | None = None) -> None:
+        """Drop the resident pages of elements [lo, lo + numel) of `name` (None: to its end), the pages
+        at both ends whole: a page another range shares is read again where it is next touched. Safe
+        while another thread writes the range (a shared file mapping's dirty pages stay in the page
+        cache), so it never waits for a collective in flight."""
+        mapped = self._maps.get(name)
+        if mapped is None:
+            return
+        size = self.tensors[name].element_size()
+        start = lo * size // mmap.PAGESIZE * mmap.PAGESIZE
+        end = len(mapped) if numel is None else min(len(mapped), (lo + numel) * size)
+        if end > start:
+            mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def let_go_all(self) -> None:
+        for name in self._maps:
+            self.let_go(name)
+
+    def resident_bytes(self) -> int:
+        """Bytes of the files' pages this process holds resident now (/proc/self/smaps: Linux)."""
+        return resident_bytes_under(self.folder)
+
+    def close(self) -> None:
+        """Remove the folder (the mappings end with the last tensor over them; idempotent)."""
+        self._finalizer()
+
+
+def resident_bytes_under(folder: str) -> int:
+    """Resident bytes of this process's mappings of files under `folder`, from /proc/self/smaps."""
+    total, inside = 0, False
+    prefix = os.path.join(folder, "")
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(None, 5)
+            if (
+                head and "-" in head[0] and len(head) >= 5
+            ):  # a mapping's first line: range perms offset dev inode [path]
+                inside = len(head) == 6 and head[5].strip().startswith(prefix)
+            elif inside and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
 def _bytes_of(t: torch.Tensor, nbytes: int) -> memoryview:
     """The first `nbytes` of a contiguous CPU tensor's memory, for os.pwrite/preadv; valid while `t`
     lives. Not through numpy(): that marks the storage not resizable for good, and stage 3 releases
@@ -495,6 +583,10 @@ def _close(fds: dict, direct: dict, folder: str, lock: int, pool: cf.ThreadPoolE
         os.close(fd)
     fds.clear()
     direct.clear()
+    _remove_folder(folder, lock)
+
+
+def _remove_folder(folder: str, lock: int) -> None:
     shutil.rmtree(folder, ignore_errors=True)
     try:
         os.close(lock)

@@ -22,9 +22,9 @@ from typing import Protocol
 import torch
 
 from ..errors import OffloadError, StepNotAppliedError
-from .stores import DeviceState, DiskState, HostState, StateSpec, is_offloaded
+from .stores import DeviceState, DiskState, HostState, ShardFiles, StateSpec, is_offloaded
 
-__all__ = ["OffloadedUpdate", "ShardSide", "StepSide", "open_store", "agreed"]
+__all__ = ["OffloadedUpdate", "ShardSide", "StepSide", "open_store", "open_shard_files", "agreed", "shard_specs"]
 
 
 class ShardSide(Protocol):
@@ -49,6 +49,8 @@ class ShardSide(Protocol):
     def count_steps(self, used: list[bool]) -> None: ...
 
     def sync_params_from_master(self) -> None: ...
+
+    def let_go(self, lo: int = 0, numel: int | None = None) -> None: ...
 
 
 class StepSide(Protocol):
@@ -83,11 +85,44 @@ def open_store(specs: list[StateSpec], shard_numel: int, plan, device: torch.dev
     )
 
 
+def shard_specs(plan, shard_numel: int, frozen_numel: int) -> list[StateSpec]:
+    """The files of OffloadPolicy(params="disk"): stage 3's parameter shard (the parameters' dtype),
+    gradient shard (the reduce's) and frozen parameters' shard ([Note: parameters on disk])."""
+    return [
+        StateSpec("param_shard", plan.param_dtype, shard_numel),
+        StateSpec("grad_shard", plan.reduce_dtype, shard_numel),
+        StateSpec("frozen_shard", plan.param_dtype, frozen_numel),
+    ]
+
+
+def open_shard_files(plan, shard_numel: int, frozen_numel: int, device: torch.device, rank: int, tp: bool):
+    """OffloadPolicy(params=...) at stage 3 (resolve_plan refused it at stages 1 and 2): ShardFiles for
+    "disk", None for "host" on a CPU model (its shards are in host memory already) and without it; the
+    combinations not built are named errors here, at construction."""
+    policy = plan.offload
+    if policy.params is None:
+        return None
+    if device.type != "cpu":
+        raise NotImplementedError(
+            f"{plan.front}: OffloadPolicy(params={policy.params!r}) is built for models on the CPU; on {device} the "
+            "shards' copies to and from the device on side streams are not built yet (ZeRO-Infinity's GPU "
+            "schedule): use params=None there"
+        )
+    if tp:
+        raise ValueError(
+            f"{plan.front}: OffloadPolicy(params={policy.params!r}) does not apply to tensor parallelism's "
+            "DTensor parameters: shard over 'dp' with params=None"
+        )
+    if policy.params == "host":
+        return None
+    return ShardFiles(shard_specs(plan, shard_numel, frozen_numel), policy.path, rank)
+
+
 def agreed(build: Callable[[], tuple], plan, rank: int, agree: Callable[[int], int]) -> tuple:
     """build() -> (store, ...). On disk every rank first learns whether every other placed its files
     (agree: the largest failed rank, one small all_reduce), so a rank's full or unwritable disk is
     named on every rank at construction, not later as a dead peer."""
-    if plan.offload.state != "disk":
+    if plan.offload.state != "disk" and plan.offload.params != "disk":
         return build()
     built, error = None, None
     try:
@@ -98,9 +133,11 @@ def agreed(build: Callable[[], tuple], plan, rank: int, agree: Callable[[int], i
     if error is not None:
         raise error
     if failed >= 0:
-        built[0].close()  # its files go now, not when the traceback lets go of it
+        for part in built:  # their files go now, not when the traceback lets go of them
+            if hasattr(part, "close"):
+                part.close()
         raise OffloadError(
-            f"{plan.front}: rank {failed} could not place its optimizer state under OffloadPolicy(path="
+            f"{plan.front}: rank {failed} could not place its files under OffloadPolicy(path="
             f"{plan.offload.path!r}) (see that rank's error); no rank built its optimizer"
         )
     return built
@@ -258,6 +295,7 @@ class OffloadedUpdate:
                 staged.append((dest, copy, lo))
             elif not direct:
                 dest.copy_(copy)
+            shard.let_go(lo, hi - lo)  # shards in files: this chunk's pages leave memory
 
         self._pending_used = list(used)
         if isinstance(self.store, DiskState):

@@ -23,7 +23,7 @@ from ..guard.modules import holders
 from ..guard.params import ParamSlot, forget, manage
 from ..layout import Layout
 from ..model_setup import check_plain_parameters, in_precision, join_ranks
-from ..offload import OffloadedUpdate, agreed, is_offloaded, open_store, state_specs
+from ..offload import OffloadedUpdate, ShardFiles, agreed, is_offloaded, open_shard_files, open_store, state_specs
 from ..stage3.frozen import FrozenShard, frozen_part
 from ..stage3.module import ShardedModule
 from ..stage3.runtime import UnitBuffers, UnitTracker
@@ -65,6 +65,7 @@ class Parts:
     trainable_at_build: list[tuple[str, nn.Parameter, bool]]  # every parameter, and whether it was trainable
     layout: Layout  # the trainable parameters' buckets, owners and slices, over the shard group
     store: object  # where the state lives (zerofast/offload/stores.py: device, host or disk)
+    files: ShardFiles | None  # stage 3's shards in files (OffloadPolicy(params="disk"))
     shard: ShardState  # this rank's part of the training state
     offload: OffloadedUpdate | None  # the offloaded step (None: the state is on the device)
     comm: BucketComm  # the trainable parameters' collectives
@@ -137,7 +138,8 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
     layouts = plan_layouts(
         model, plan, topology.shard_size, rule.partition_costs, list(zip(names, params)), tp.standin_of if tp else None
     )
-    store, shard = _state(layouts.layout, topology, names, params, plan)
+    frozen_numel = layouts.frozen_layout.shard_numel(topology.shard_rank) if layouts.frozen_layout else 0
+    store, shard, files = _state(layouts.layout, topology, names, params, plan, frozen_numel, tp is not None)
     offload = (
         OffloadedUpdate(store, shard, layouts.layout.shard_numel(topology.shard_rank)) if store.offloaded else None
     )
@@ -171,10 +173,10 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
         hooks += gather.register_waits(model, params)
     frozen = frozen_comm = units = None
     if plan.params_sharded:
-        frozen, frozen_comm = _frozen_part(layouts, topology, plan, comm, tp)
+        frozen, frozen_comm = _frozen_part(layouts, topology, plan, comm, tp, files)
         if tp is not None:
             tp.relink()  # the frozen DTensors too, before their storage is released
-        units = _shard_params(model, layouts, topology, shard, comm, frozen, frozen_comm, offload)
+        units = _shard_params(model, layouts, topology, shard, comm, frozen, frozen_comm, offload, files)
     grads = GradReducer(params, names, layouts.layout, comm, shard, plan, scaler=scaler, gather=gather, tp=tp)
     parts = Parts(
         model=model,
@@ -187,6 +189,7 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
         trainable_at_build=trainable_at_build,
         layout=layouts.layout,
         store=store,
+        files=files,
         shard=shard,
         offload=offload,
         comm=comm,
@@ -225,8 +228,9 @@ def _guard(parts: Parts) -> None:
     window.attach(slots)
 
 
-def _state(layout: Layout, topology: Topology, names, params, plan: Plan) -> tuple[object, ShardState]:
-    """Where the state lives (zerofast/offload) and this rank's ShardState over it; on disk agreed first."""
+def _state(layout: Layout, topology: Topology, names, params, plan: Plan, frozen_numel: int, tp: bool) -> tuple:
+    """Where the state lives (zerofast/offload), stage 3's shards' files (if any) and this rank's
+    ShardState over them: (store, shard, files); on disk agreed first."""
     shard_numel = layout.shard_numel(topology.shard_rank)
     # Offloaded, the master is a tensor of its own even in fp32 (ShardState.master_apart says why).
     offloaded = is_offloaded(plan.offload.state, plan.offload.delayed_update, params[0].device.type)
@@ -235,7 +239,12 @@ def _state(layout: Layout, topology: Topology, names, params, plan: Plan) -> tup
 
     def build():
         store = open_store(specs, shard_numel, plan, params[0].device)
-        return store, ShardState(layout, topology.shard_rank, names, params, plan, store)
+        try:
+            files = open_shard_files(plan, shard_numel, frozen_numel, params[0].device, topology.rank, tp)
+        except BaseException:
+            store.close()
+            raise
+        return store, ShardState(layout, topology.shard_rank, names, params, plan, store, files), files
 
     def agree(failed: int) -> int:
         flag = torch.tensor([failed + 1], dtype=torch.int64, device=params[0].device)
@@ -245,7 +254,7 @@ def _state(layout: Layout, topology: Topology, names, params, plan: Plan) -> tup
     return agreed(build, plan, topology.rank, agree)
 
 
-def _frozen_part(layouts, topology: Topology, plan: Plan, comm: BucketComm, tp: TensorParallel | None):
+def _frozen_part(layouts, topology: Topology, plan: Plan, comm: BucketComm, tp: TensorParallel | None, files):
     """Stage 3's frozen parameters ([Note: frozen parameters in stage 3]): their FrozenShard and the
     BucketComm that gathers them, on the trainable part's gather group (no reduce, no gradient
     shard); (None, None) when there are none. A frozen DTensor is sharded through its stand-in."""
@@ -262,13 +271,14 @@ def _frozen_part(layouts, topology: Topology, plan: Plan, comm: BucketComm, tp: 
         plan.check_collectives,
         dp_rank=topology.rank,
         dp_world=topology.world,
+        shard=files.tensors["frozen_shard"] if files is not None else None,
     )
     frozen_comm.share_bookkeeping(comm)
     return frozen, frozen_comm
 
 
 def _shard_params(
-    model, layouts, topology: Topology, shard: ShardState, comm, frozen, frozen_comm, offload
+    model, layouts, topology: Topology, shard: ShardState, comm, frozen, frozen_comm, offload, files
 ) -> UnitTracker:
     """Stage 3: copy this rank's shards out, release every unit, and install the hooks."""
     buffers = UnitBuffers(
@@ -281,6 +291,7 @@ def _shard_params(
         frozen.unit_part(frozen_comm) if frozen is not None else None,
         follow=shard.follow_shard,
         before_write=offload.check_writable if offload is not None else None,
+        let_go=files.let_go_all if files is not None else None,
     )
     buffers.shard_out()
     return UnitTracker(model, hook_needs(model, layouts.unit_params, layouts.unit_plan), buffers)

@@ -38,6 +38,7 @@ def plan_layouts(
     costs: list[int] | None = None,
     named=None,
     core_of: Callable[[nn.Parameter], torch.Tensor] | None = None,
+    unconverted: bool = False,
 ) -> Layouts:
     """The layouts an optimizer with `plan` builds when `world` ranks share the state.
     costs: per trainable parameter, greedy's step cost (ZeroMuon's Newton-Schulz FLOPs:
@@ -70,10 +71,15 @@ def plan_layouts(
     # Stage 3 shards the frozen parameters too: [Note: frozen parameters in stage 3] (those in the
     # parameters' dtype and on their device; any other is left to the model).
     device = params[0].device
+    # unconverted: the model as given to the estimator, before mixed precision converts its frozen
+    # floating parameters (model_setup.in_precision).
+    converts = unconverted and plan.separate_master
     frozen_named = [
         (n, p)
         for n, p in model.named_parameters()
-        if not p.requires_grad and p.dtype == plan.param_dtype and p.device == device
+        if not p.requires_grad
+        and (plan.param_dtype if converts and p.is_floating_point() else p.dtype) == plan.param_dtype
+        and p.device == device
     ]
     trainable_index = {id(p): i for i, p in enumerate(params)}
     sharded = {id(p) for _, p in frozen_named}

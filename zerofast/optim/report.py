@@ -91,6 +91,13 @@ class OffloadReport:
     delayed_update: bool = False  # OffloadPolicy(delayed_update=True): parameters one update behind
     delayed_bytes: int = 0  # host memory of the delayed update in flight: its gradient and parameter copies
     direct_io: bool = False  # disk: the window's reads and writes bypass the page cache (O_DIRECT)
+    # OffloadPolicy(params=...), stage 3's parameter, gradient and frozen shards: "device" (None),
+    # "host" (a CPU model's: where they were, nothing moved) or "disk" (files, mapped; then not
+    # counted in report().memory: [Note: parameters on disk] in zerofast/offload/__init__.py).
+    params: str = "device"
+    params_folder: str | None = None  # "disk": the shards' folder (removed with the optimizer)
+    params_disk_bytes: int = 0  # "disk": the shards' files
+    params_resident_bytes: int = 0  # "disk": of those, pages this process holds resident now
 
     @property
     def io_bandwidth(self) -> float:
@@ -114,7 +121,7 @@ class Report:
 
 
 def offload_report(parts) -> OffloadReport:
-    store, offload = parts.store, parts.offload
+    store, offload, files = parts.store, parts.offload, parts.files
     stats = store.stats
     return OffloadReport(
         state=store.placement,
@@ -129,6 +136,10 @@ def offload_report(parts) -> OffloadReport:
         delayed_update=parts.plan.offload.delayed_update,
         delayed_bytes=offload.delayed_bytes if offload is not None else 0,
         direct_io=getattr(store, "direct_io", False),
+        params=parts.plan.offload.params or "device",
+        params_folder=files.folder if files is not None else None,
+        params_disk_bytes=files.disk_bytes if files is not None else 0,
+        params_resident_bytes=files.resident_bytes() if files is not None else 0,
     )
 
 

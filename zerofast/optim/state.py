@@ -37,7 +37,14 @@ class Run:
 
 class ShardState:
     def __init__(
-        self, layout: Layout, rank: int, names: list[str], params: list[torch.nn.Parameter], plan: Plan, store
+        self,
+        layout: Layout,
+        rank: int,
+        names: list[str],
+        params: list[torch.nn.Parameter],
+        plan: Plan,
+        store,
+        files=None,
     ):
         """Build the buffers and make every parameter in `params` a view of its slot; the fp32 master
         starts from the user's exact values. plan.params_sharded (stage 3) keeps the parameters in a
@@ -45,7 +52,8 @@ class ShardState:
         persistent buckets that .grad views, reduced in place, with no separate gradient shard
         ([Note: grads as bucket views] in csrc/buckets.cpp); plan.separate_master keeps an fp32
         master shard. The master and moments are `store`'s tensors (zerofast/offload: on the device,
-        in host memory or in files), wherever it put them."""
+        in host memory or in files), wherever it put them; `files` (stage 3, OffloadPolicy(params=
+        "disk")) holds the parameter and gradient shards ([Note: parameters on disk])."""
         self.plan = plan
         self.layout, self.rank, self.names = layout, rank, names
         device = params[0].device
@@ -54,7 +62,12 @@ class ShardState:
         self.param_buffers = [torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buckets]
         # Stage 3's parameter shard, in the parameters' dtype, which the next forward gathers
         # (stages 1 and 2 update the owned range of the parameter buffers in place instead).
-        self.param_shard = torch.zeros(shard if plan.params_sharded else 0, dtype=dtype, device=device)
+        self.files = files
+        self.param_shard = (
+            files.tensors["param_shard"]
+            if files is not None
+            else torch.zeros(shard if plan.params_sharded else 0, dtype=dtype, device=device)
+        )
         # The moments: fp32, or 8-bit (one code index per element, one fp32 scale per block, block k
         # at state offsets [k * block, (k + 1) * block): [Note: quantized state]). Offloaded, the
         # master is a tensor of its own: the parameters stay with the model, and a failed step is
@@ -94,7 +107,17 @@ class ShardState:
         self.grad_buckets = (
             [torch.zeros(b.numel, dtype=reduce_dtype, device=device) for b in layout.buckets] if grad_views else []
         )
-        self.grad_shard = torch.zeros(0 if grad_views else shard, dtype=reduce_dtype, device=device)
+        self.grad_shard = (
+            files.tensors["grad_shard"]
+            if files is not None
+            else torch.zeros(0 if grad_views else shard, dtype=reduce_dtype, device=device)
+        )
+
+    def let_go(self, lo: int = 0, numel: int | None = None) -> None:
+        """Shards in files: the pages of shard elements [lo, lo + numel) (None: all) leave resident memory."""
+        if self.files is not None:
+            for name in ("param_shard", "grad_shard"):
+                self.files.let_go(name, lo, numel)
 
     @staticmethod
     def storage_of(kind: str) -> str:
@@ -129,6 +152,7 @@ class ShardState:
             self.step_range(
                 views, grad, param_copy=copy, follow_copy=follow, **self.hyper(run, param_groups, adamw, grad_scale)
             )
+            self.let_go(run.state_lo, run.numel)
         self.count_steps(used)
 
     def step_range(self, views: Mapping[str, torch.Tensor], grad: torch.Tensor, **kw) -> None:
@@ -409,9 +433,9 @@ class ShardState:
     def materialized_param_bytes(self) -> int:
         """Bytes of parameter storage that exist now: the parameter buffers' (stage 3: the units
         gathered now) plus stage 3's own shard."""
-        return (
-            sum(b.untyped_storage().nbytes() for b in self.param_buffers)
-            + self.param_shard.numel() * self.param_shard.element_size()
+        in_files = self.files is not None  # counted by the files (report().offload)
+        return sum(b.untyped_storage().nbytes() for b in self.param_buffers) + (
+            0 if in_files else self.param_shard.numel() * self.param_shard.element_size()
         )
 
     def nbytes(self) -> dict[str, int]:
@@ -428,7 +452,7 @@ class ShardState:
             "params": self.materialized_param_bytes(),
             "param_padding": sum(b.numel - self.layout.used_numel(b.index) for b in self.layout.buckets)
             * self.param_buffers[0].element_size(),
-            "grad_shard": size(self.grad_shard),
+            "grad_shard": 0 if self.files is not None else size(self.grad_shard),
             "optimizer": state_size(self.exp_avg)
             + state_size(self.exp_avg_sq)
             + state_size(self.exp_avg_scale)

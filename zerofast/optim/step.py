@@ -96,10 +96,13 @@ class Stepper:
     def apply(self, used: list[bool], param_groups: list[dict], grad_scale) -> None:
         """Phase 3: the rule's update over the shard; offloaded, with what makes it all or none."""
         parts = self.parts
-        if parts.offload is None:
-            parts.update(used, param_groups, grad_scale)
-        else:
-            parts.offload.apply(lambda: parts.update(used, param_groups, grad_scale), self)
+        try:
+            if parts.offload is None:
+                parts.update(used, param_groups, grad_scale)
+            else:
+                parts.offload.apply(lambda: parts.update(used, param_groups, grad_scale), self)
+        finally:
+            parts.shard.let_go()  # stage 3's shards in files: what the update touched leaves memory
 
     # --- the state at rest ------------------------------------------------------------------------------
 

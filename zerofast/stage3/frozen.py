@@ -50,11 +50,13 @@ def frozen_part(
     check_collectives: bool = False,
     dp_rank: int | None = None,
     dp_world: int | None = None,
+    shard: torch.Tensor | None = None,
 ):
     """The FrozenShard (the parameters become views of its buffers) and the gather-only BucketComm on
     `gather_group`; the runtime's UnitPart is FrozenShard.unit_part(comm). Used by ZeroAdam's stage 3
-    (zerofast/optim/builder.py) and shard_frozen (inference.py)."""
-    frozen = FrozenShard(layout, rank, [n for n, _ in named], [p for _, p in named], bucket_of)
+    (zerofast/optim/builder.py) and shard_frozen (inference.py). shard: the tensor to hold this rank's
+    shard (a file's: [Note: parameters on disk]; None: a new one in memory)."""
+    frozen = FrozenShard(layout, rank, [n for n, _ in named], [p for _, p in named], bucket_of, shard)
     comm = BucketComm(
         group,
         layout,
@@ -75,12 +77,19 @@ class FrozenShard:
     this rank's shard. Built full: UnitBuffers.shard_out fills the shard and releases the buffers."""
 
     def __init__(
-        self, layout: Layout, rank: int, names: list[str], params: list[torch.nn.Parameter], bucket_of: list[int | None]
+        self,
+        layout: Layout,
+        rank: int,
+        names: list[str],
+        params: list[torch.nn.Parameter],
+        bucket_of: list[int | None],
+        shard: torch.Tensor | None = None,
     ):
         self.layout, self.rank, self.names, self.bucket_of = layout, rank, names, bucket_of
         dtype, device = params[0].dtype, params[0].device
         self.buffers = [torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buckets]
-        self.shard = torch.zeros(layout.shard_numel(rank), dtype=dtype, device=device)
+        self.in_files = shard is not None
+        self.shard = shard if shard is not None else torch.zeros(layout.shard_numel(rank), dtype=dtype, device=device)
         self.pieces: list[Piece] = layout.pieces(rank)
         bind_views(params, layout, self.buffers)
 
@@ -90,7 +99,7 @@ class FrozenShard:
 
     def unit_part(self, comm):
         """The runtime's view of these buffers (runtime.py's UnitPart), gathered by `comm`."""
-        return UnitPart(self.buffers, self.shard, self.layout, comm, self.bucket_of)
+        return UnitPart(self.buffers, self.shard, self.layout, comm, self.bucket_of, in_files=self.in_files)
 
     @property
     def device(self) -> torch.device:

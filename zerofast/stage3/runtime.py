@@ -87,6 +87,7 @@ class UnitPart:
     comm: object
     bucket_of: list[int | None]
     follow: Callable[[int, int], None] | None = None
+    in_files: bool = False  # the shard is a file's mapping ([Note: parameters on disk]): not counted as memory
 
 
 class UnitBuffers:
@@ -113,16 +114,20 @@ class UnitBuffers:
         frozen: UnitPart | None = None,
         follow: Callable[[int, int], None] | None = None,
         before_write: Callable[[], None] | None = None,
+        let_go: Callable[[], None] | None = None,
     ):
         """follow: the trainable part's UnitPart.follow; before_write: raises if the shard may not be
-        written now (the delayed update in flight)."""
+        written now (the delayed update in flight); let_go: the shards are files' mappings, whose
+        resident pages this drops after each gather starts and each release ([Note: parameters on
+        disk] in zerofast/offload/__init__.py)."""
         self.buffers = buffers  # per bucket, 1D; the model's parameters are views of them
         self.shard = shard  # 1D, layout.shard_numel(rank): this rank's owned ranges
         self.layout, self.rank, self.comm = layout, rank, comm
         if unit_buckets is None:
             unit_buckets = [len(buffers) - 1 - u for u in range(len(buffers))]
         self.num_units = len(unit_buckets)
-        self.parts = [UnitPart(buffers, shard, layout, comm, list(unit_buckets), follow)]
+        self.parts = [UnitPart(buffers, shard, layout, comm, list(unit_buckets), follow, in_files=let_go is not None)]
+        self._let_go = let_go
         if frozen is not None:
             self.parts.append(frozen)
         self._offsets = [part.layout.shard_offsets(rank) for part in self.parts]
@@ -169,6 +174,8 @@ class UnitBuffers:
             lo, hi = part.layout.owned_range(b, self.rank)
             buf[lo:hi].copy_(part.shard[offsets[b] : offsets[b] + hi - lo])
             part.comm.gather_start(b, buf)
+        if self._let_go is not None:
+            self._let_go()
 
     def gather_wait(self, unit: int) -> None:
         for part in self.parts:
@@ -181,6 +188,8 @@ class UnitBuffers:
             if part.bucket_of[unit] is not None:
                 part.buffers[part.bucket_of[unit]].untyped_storage().resize_(0)
         self._set_state(unit, ParamState.SHARDED)
+        if self._let_go is not None:  # the gradients the reduces wrote since, too
+            self._let_go()
 
     def _set_state(self, unit: int, state: ParamState) -> None:
         for k, part in enumerate(self.parts):
@@ -256,7 +265,8 @@ class UnitBuffers:
     def materialized_bytes(self, first: int = 0) -> int:
         """Bytes existing now (gathered buffers and shards) of the parts from `first` on (1: frozen)."""
         return sum(
-            sum(b.untyped_storage().nbytes() for b in part.buffers) + part.shard.numel() * part.shard.element_size()
+            sum(b.untyped_storage().nbytes() for b in part.buffers)
+            + (0 if part.in_files else part.shard.numel() * part.shard.element_size())
             for part in self.parts[first:]
         )
 

@@ -20,7 +20,7 @@ def format_table(rows: list[MemoryEstimate]) -> str:
     """Bytes per rank by kind; a column for the models sharded for inference only when any are.
     With the optimizer state offloaded the total is the device's, and host and disk follow it."""
     frozen = any(r.frozen_models for r in rows)
-    offload = any(r.placement != "device" for r in rows)
+    offload = any(r.placement != "device" or r.params_placement != "device" for r in rows)
     head = f"{'':10s} {'params':>12s} {'grads':>12s} {'optimizer':>12s} {'zerofast+':>12s}"
     head += f" {'frozen models':>14s}" if frozen else ""
     head += f" {'device':>12s} {'host':>12s} {'disk':>12s}" if offload else f" {'total':>12s}"
@@ -32,7 +32,7 @@ def format_table(rows: list[MemoryEstimate]) -> str:
             f"{format_bytes(r.zerofast_extra):>12s}"
             + (f" {format_bytes(r.frozen_models):>14s}" if frozen else "")
             + f" {format_bytes(r.total):>12s}"
-            + (f" {format_bytes(r.host_bytes):>12s} {format_bytes(r.disk_bytes):>12s}" if offload else "")
+            + (f" {format_bytes(r.host_bytes):>12s} {format_bytes(r.disk_total):>12s}" if offload else "")
         )
     return "\n".join(lines)
 
@@ -54,7 +54,7 @@ def _link_table(
             s,
             mixed_precision=precision,
             backend=backend,
-            offload=offload,
+            offload=offload if s == 3 else _without_params(offload),
             comm=CommPolicy(shard_size=shard_size),
         ):
             row = totals.setdefault(op.key, [0, link_of(op.group, world, k, cluster).name])
@@ -152,15 +152,33 @@ def _state_policy(args):
 def _offload_policy(args):
     """--offload (and --window-mb) as ZeroAdam's OffloadPolicy. The estimate never touches the files,
     so the policy's path, which "disk" requires, is a placeholder."""
-    if args.offload is None:
+    params = args.offload_params
+    if args.offload is None and params is None:
         return None
-    if args.offload == "host":
-        return OffloadPolicy("host")
-    return OffloadPolicy("disk", ".", window_mb=OffloadPolicy.window_mb if args.window_mb is None else args.window_mb)
+    window = OffloadPolicy.window_mb if args.window_mb is None else args.window_mb
+    path = "." if "disk" in (args.offload, params) else None
+    return OffloadPolicy(args.offload, path, window_mb=window, params=params)
+
+
+def _without_params(offload):
+    """The policy for a stage 1 or 2 row of the table: the state's placement only."""
+    if offload is None or offload.params is None:
+        return offload
+    return OffloadPolicy(offload.state, offload.path if offload.state == "disk" else None, offload.window_mb)
 
 
 def _offload_words(args) -> tuple[str, str]:
     """What the title says of --offload, and the line under the table that says where each column is."""
+    params = {
+        None: ("", ""),
+        "host": (", --offload-params host on a CPU model", "; stage 3's shards: nothing moves (host memory already)"),
+        "disk": (", stage 3's shards on disk", "; stage 3's parameter, gradient and frozen shards: files on disk"),
+    }[args.offload_params]
+    title, line = _state_words(args)
+    return title + params[0], (line + params[1]).lstrip("; ")
+
+
+def _state_words(args) -> tuple[str, str]:
     if args.offload is None:
         return "", ""
     if args.offload == "host" and args.device == "cpu":
@@ -240,6 +258,13 @@ def main(argv=None) -> int:
         default=None,
         help="where the optimizer state (fp32 master, moments, 8-bit scales) lives: pinned host memory or files "
         "on disk (ZeroAdam's offload=); default: on the device, with the parameters",
+    )
+    p.add_argument(
+        "--offload-params",
+        choices=("host", "disk"),
+        default=None,
+        help="stage 3: where the parameter and gradient shards live (OffloadPolicy(params=...), ZeRO-Infinity; a "
+        "CPU model: --device cpu); the table's disk column counts their files",
     )
     p.add_argument(
         "--window-mb",
@@ -345,6 +370,8 @@ def main(argv=None) -> int:
         p.error(f"--global-tokens must be at least --world ({args.world}); got {args.global_tokens}")
     if args.tokens_per_rank < 1:
         p.error(f"--tokens-per-rank must be at least 1; got {args.tokens_per_rank}")
+    if args.offload_params is not None and args.stage not in (None, 3):
+        p.error(f"--offload-params applies to stage 3 (its parameters are sharded); got --stage {args.stage}")
     if args.window_mb is not None and args.offload != "disk":
         p.error(f"--window-mb applies to --offload disk; got --window-mb {args.window_mb:g} without it")
     try:
@@ -375,6 +402,8 @@ def main(argv=None) -> int:
             p.error("--time needs --params of 1 or more")
         if args.offload is not None:
             p.error("--time models the update on the device; --offload's CPU update and disk I/O are not modelled")
+        if args.offload_params is not None:
+            p.error("--time models the shards on the device; --offload-params' disk I/O is not modelled")
         print(_time_table(args, p))
         return 0
     stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
@@ -391,13 +420,14 @@ def main(argv=None) -> int:
                     s,
                     mixed_precision=_state_policy(args),
                     comm=dataclasses.replace(stage_comm or CommPolicy(), shard_size=args.shard_size),
-                    offload=offload if s > 0 else None,  # DDP keeps its state with the parameters
+                    # DDP keeps its state with the parameters; stages 1 and 2 their parameters whole
+                    offload=None if s == 0 else offload if s == 3 else _without_params(offload),
                     tp=args.tp,
                     frozen_models=args.frozen_models,
                     device=args.device,
                 )
             )
-        except ValueError as e:
+        except (ValueError, NotImplementedError) as e:
             p.error(str(e))
     k = f", sharded over K = {args.shard_size} (x{dp // args.shard_size} replicas)" if args.shard_size else ""
     if args.tp > 1:

@@ -1,0 +1,360 @@
+"""Stage 3's parameters and gradients on disk (OffloadPolicy(params="disk"), ZeRO-Infinity's
+offload_param: [Note: parameters on disk] in zerofast/offload/__init__.py), on real gloo ranks:
+- bitwise the same run with the shards in memory, 1 and 2 ranks, fp32 / bf16 / fp16 with clipping and
+  accumulation, flat and owner partitions, the state in memory, on the host or on disk, the delayed
+  update, frozen parameters (their shard on disk too); the model's writes outside a step and inside
+  gathered_params() reach the files;
+- what stays resident is the units in flight, not the shards (sampled at every unit's forward and
+  backward, from /proc/self/smaps; the same run without the releases holds the whole files);
+- report() and estimate_memory() agree on the bytes on disk; the files go with the optimizer;
+- checkpoints move between runs with the shards on disk and in memory, across world sizes, bitwise;
+- bad input is named at construction: stages 1 and 2, a CUDA model, tensor parallelism, a disk
+  without room (both numbers).
+The comparisons are bitwise because both runs do the same arithmetic on the same elements in the same
+order: only where the shards' bytes live differs (in-memory stage 3 is itself checked against
+torch.optim.AdamW in tests/test_zero_adam.py).
+Cost: about 25 s on 2 cores."""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import run_ranks
+from models import Nested, model_loss
+from tolerances import HYPER
+from training import rank_batch, zero_options
+
+from zerofast import OffloadError, OffloadPolicy, ZeroAdam, estimate_memory
+from zerofast import checkpoint as ck
+from zerofast.config import resolve_plan
+from zerofast.offload import ShardFiles, open_shard_files, shard_specs
+from zerofast.optim.zero_adam import parts_of
+
+STEPS, MICRO = 3, 2
+
+
+@pytest.fixture
+def root():
+    path = tempfile.mkdtemp(prefix="zerofast-params-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _nested(frozen: bool = False):
+    model = Nested(width=48, layers=4)
+    if frozen:  # a frozen block: stage 3's frozen part ([Note: frozen parameters in stage 3])
+        model.backbone.layers[1].requires_grad_(False)
+    return model
+
+
+def _options(precision, clip, **comm):
+    scaling = dict(init_scale=2.0**8, growth_interval=2) if precision == "fp16" else {}
+    return dict(zero_options(3, mixed_precision=precision, **scaling, **comm), max_grad_norm=clip, **HYPER)
+
+
+def _train(model, opt, rank, start, steps):
+    for step in range(start, start + steps):
+        for m in range(MICRO):
+            x, y = rank_batch(model, 10 * step + m, rank)
+            if m < MICRO - 1:
+                with opt.no_sync():
+                    opt.backward(model_loss(model, x, y))
+            else:
+                opt.backward(model_loss(model, x, y))
+        opt.step()
+        opt.zero_grad()
+
+
+def _writes(model, opt):
+    """What users do between steps: a write outside forward (the guard's path into the shard) and one
+    inside gathered_params() (kept at its end); the delayed update's in flight applied first, as its
+    error asks."""
+    opt.flush()
+    with torch.no_grad():
+        model.backbone.layers[2][1].weight.mul_(0.5)
+    with opt.gathered_params(), torch.no_grad():
+        model.backbone.layers[0][3].bias.add_(0.25)
+
+
+def _snapshot(model, opt) -> dict:
+    with opt.gathered_params():
+        params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    view = opt.checkpoint_view
+    return dict(
+        params=params,
+        **{k: view.trainable.state_pieces(k) for k in ("master", "exp_avg", "exp_avg_sq")},
+        steps=view.step_counts(),
+        scale=opt.loss_scale,
+    )
+
+
+def _differs(a: dict, b: dict) -> list[str]:
+    bad = [n for n in a["params"] if not torch.equal(a["params"][n], b["params"][n])]
+    for kind in ("master", "exp_avg", "exp_avg_sq"):
+        if not all(x[:2] == y[:2] and torch.equal(x[2], y[2]) for x, y in zip(a[kind], b[kind])):
+            bad.append(kind)
+    if a["steps"] != b["steps"] or a["scale"] != b["scale"]:
+        bad.append("steps/scale")
+    return bad
+
+
+# --- bitwise the shards in memory ----------------------------------------------------------------------
+
+CASES = [  # (world, precision, max_grad_norm, state, delayed, frozen, CommPolicy fields)
+    (2, None, 1.0, None, False, False, {}),
+    (2, "bf16", 0.5, "disk", False, True, {}),
+    (2, "fp16", 1.0, "host", False, False, {"partition": "greedy"}),
+    (2, None, None, "host", True, False, {}),  # the delayed update's thread writes the mapped shard
+    (2, "bf16", None, None, False, False, {"partition": "round_robin"}),
+    (1, "bf16", 1.0, None, False, True, {}),
+    (1, None, None, "disk", False, False, {}),
+]
+
+
+def _bitwise_cases(rank, world, root, cases):
+    out = {}
+    for case in cases:
+        _, precision, clip, state, delayed, frozen, comm = case
+        path = os.path.join(root, "state")
+        in_memory = OffloadPolicy(state, path if state == "disk" else None, delayed_update=delayed)
+        on_disk = OffloadPolicy(state, path, delayed_update=delayed, params="disk")
+        runs = []
+        for policy in (in_memory, on_disk):
+            model = _nested(frozen)
+            group = dist.new_group(list(range(world)))
+            opt = ZeroAdam(model, **_options(precision, clip, **comm), process_group=group, offload=policy)
+            _train(model, opt, rank, 0, STEPS)
+            _writes(model, opt)
+            _train(model, opt, rank, STEPS, 1)
+            runs.append((model, opt))
+        (a, oa), (b, ob) = runs
+        report = ob.report()
+        opts = _options(precision, None, **comm)
+        estimate = estimate_memory(
+            _nested(frozen),
+            world,
+            3,
+            mixed_precision=opts.get("mixed_precision"),
+            comm=opts["comm"],
+            offload=on_disk,
+            device="cpu",
+            rank=rank,
+        )
+        parts = parts_of(ob)
+        out[str(case)] = dict(
+            differs=_differs(_snapshot(a, oa), _snapshot(b, ob)),
+            frozen=frozen,
+            offload=report.offload,
+            memory=report.memory,
+            memory_in_ram=oa.report().memory,
+            estimate=estimate,
+            files=sorted(os.listdir(report.offload.params_folder)),
+            frozen_in_files=parts.frozen is not None and parts.frozen.in_files,
+        )
+        folder = report.offload.params_folder
+        del oa, ob, parts, runs, a, b, model, opt
+        gc.collect()
+        out[str(case)]["removed"] = not os.path.exists(folder)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_parameters_on_disk_are_bitwise_the_shards_in_memory(world, root):
+    cases = [c for c in CASES if c[0] == world]
+    for rank, out in enumerate(run_ranks(_bitwise_cases, world, args=(root, cases), timeout=300)):
+        for case, got in out.items():
+            where = f"{case} rank {rank}"
+            assert got["differs"] == [], f"{where}: {got['differs']} differ from the run with the shards in memory"
+            off, mem, ram = got["offload"], got["memory"], got["memory_in_ram"]
+            assert off.params == "disk" and off.params_folder is not None, where
+            # The shards are counted on disk, not in memory: what the in-memory run holds as its
+            # parameter and gradient shards (no unit is gathered after a step) is on disk here.
+            assert mem.params == 0 and mem.grad_shard == 0 and mem.frozen_params == 0, (where, mem)
+            assert ram.params > 0 and ram.grad_shard > 0, (where, ram)
+            shards = ram.params + ram.grad_shard + ram.frozen_params
+            assert 0 <= off.params_disk_bytes - shards < 3 * 4096, (where, off, shards)  # each file: whole pages
+            assert off.params_disk_bytes == got["estimate"].params_disk_bytes, (where, got["estimate"])
+            assert got["estimate"].params == got["estimate"].grads == 0, where
+            assert off.params_resident_bytes <= 3 * 4096, f"{where}: pages left resident after the step: {off}"
+            want = ["grad_shard", "lock", "param_shard"] + (["frozen_shard"] if got["frozen"] else [])
+            assert got["files"] == sorted(want), where
+            assert got["frozen_in_files"] == got["frozen"], where
+            assert got["removed"], f"{where}: the shards' folder outlived its optimizer"
+
+
+# --- what stays resident --------------------------------------------------------------------------------
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+
+def _resident(rank, world, root, where):
+    """A 16-block model, one unit per block (16 x 2 x 4 MiB of parameter and gradient shards on one
+    rank, fp32; the state on disk in every run, so that the shards are most of what training holds),
+    two steps; where: "disk", "kept" (on disk, the pages never let go: the control) or
+    "memory". The shards' files' resident bytes at every block's forward and backward and after each
+    step (/proc/self/smaps), and the process's peak resident memory in training (VmHWM, restarted
+    through /proc/self/clear_refs once the optimizer is built; fresh processes alike up to then)."""
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Tanh()) for _ in range(16)]
+    model = torch.nn.Sequential(*blocks)
+    x = torch.randn(4, 1024)
+    policy = OffloadPolicy("disk", root, window_mb=4, params=None if where == "memory" else "disk")
+    opt = ZeroAdam(model, stage=3, offload=policy, **HYPER)
+    files = parts_of(opt).files
+    if where == "kept":
+        files.let_go = lambda *a, **k: None
+        files.let_go_all = lambda: None
+    samples = []
+
+    def sample(*_):
+        if files is not None:
+            samples.append(files.resident_bytes())
+
+    def after_block(module, args, output):
+        sample()  # forward
+        output.register_hook(sample)  # backward
+
+    for block in blocks:
+        block.register_forward_hook(after_block)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+        sample()
+        opt.zero_grad()
+    unit = 2 * (1024 * 1024 + 1024) * 4  # a unit's parameter and gradient shards
+    return samples, files.disk_bytes if files else 0, unit, _rss("VmHWM:")
+
+
+def test_what_stays_resident_is_the_units_in_flight(root):
+    [(samples, disk, unit, peak)] = run_ranks(_resident, 1, args=(root, "disk"), fresh=True)
+    [(held, _, _, kept_peak)] = run_ranks(_resident, 1, args=(root, "kept"), fresh=True)
+    [(_, _, _, memory_peak)] = run_ranks(_resident, 1, args=(root, "memory"), fresh=True)
+    assert disk >= 16 * unit and len(samples) == 2 * (2 * 16 + 1), (disk, len(samples))
+    # At every hook: what the last unit's gather read and the reduces wrote since the last release,
+    # at most two units' shards; at the end of a step, nothing but the pages at the ranges' ends.
+    assert max(samples) <= 2 * unit, [s // 1024 for s in samples]
+    assert samples[-1] <= 3 * 4096, samples[-1]
+    # The control: without the releases every page of both files ends resident (the check can fail).
+    assert max(held) >= disk - 3 * 4096 > 2 * unit, (max(held), disk)
+    # The process's peak: the shards (32 MiB) are what the in-memory run and the control hold beyond
+    # the run on disk; a quarter of them is slack for what the allocator and the page tables keep.
+    for other in (memory_peak, kept_peak):
+        assert other - peak >= 0.75 * disk, (peak, kept_peak, memory_peak, disk)
+
+
+# --- checkpoints ----------------------------------------------------------------------------------------
+
+
+def _save(rank, world, path, offload, precision):
+    model = _nested(frozen=True)
+    opt = ZeroAdam(model, **_options(precision, 1.0), offload=offload)
+    _train(model, opt, rank, 0, STEPS)
+    ck.save(path, model, opt)
+    return _snapshot(model, opt)
+
+
+def _load(rank, world, path, offload, precision):
+    torch.manual_seed(5)
+    model = _nested(frozen=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()  # other values: everything must come from the checkpoint
+    opt = ZeroAdam(model, **_options(precision, 1.0), offload=offload)
+    ck.load(path, model, opt)
+    return _snapshot(model, opt)
+
+
+def test_checkpoints_move_between_shards_on_disk_and_in_memory(root):
+    disk = OffloadPolicy(path=os.path.join(root, "shards"), params="disk")
+    trips = [((2, disk, "bf16"), (1, None, "bf16")), ((1, None, None), (2, disk, None))]
+    for i, (saved, loaded) in enumerate(trips):
+        path = os.path.join(root, f"ckpt-{i}")
+        before = run_ranks(_save, saved[0], args=(path, *saved[1:]))
+        after = run_ranks(_load, loaded[0], args=(path, *loaded[1:]))
+        for snap in after:
+            assert snap["steps"] == before[0]["steps"], (saved, loaded)
+            for n, want in before[0]["params"].items():  # frozen ones included
+                assert torch.equal(snap["params"][n], want), f"{n} differs after {saved} -> {loaded}"
+
+
+# --- bad input ------------------------------------------------------------------------------------------
+
+
+def test_bad_input_is_named_at_construction(root, monkeypatch):
+    for stage in (1, 2):
+        with pytest.raises(ValueError, match=rf"params=\.\.\.\) applies to stage 3.*params='host' with stage={stage}"):
+            resolve_plan(stage, offload=OffloadPolicy(params="host"))
+    with pytest.raises(ValueError, match="params must be None, 'host' or 'disk'; got 'nvme'"):
+        OffloadPolicy(params="nvme")
+    with pytest.raises(ValueError, match="params='disk' needs path="):
+        OffloadPolicy(params="disk")
+    assert resolve_plan(3, offload=f"infinity:{root}").offload == OffloadPolicy("disk", root, params="disk")
+    plan = resolve_plan(3, offload=OffloadPolicy(path=root, params="disk"))
+    with pytest.raises(NotImplementedError, match=r"params='disk'\) is built for models on the CPU; on cuda:0"):
+        open_shard_files(plan, 10, 0, torch.device("cuda", 0), 0, False)
+    with pytest.raises(ValueError, match="does not apply to tensor parallelism"):
+        open_shard_files(plan, 10, 0, torch.device("cpu"), 0, True)
+    assert (
+        open_shard_files(resolve_plan(3, offload=OffloadPolicy(params="host")), 10, 0, torch.device("cpu"), 0, False)
+        is None
+    )
+    with pytest.raises(NotImplementedError, match="built for models on the CPU"):
+        estimate_memory(1000, 2, 3, offload=OffloadPolicy(params="host"))
+    # A disk without room: both numbers, nothing left behind.
+    specs = shard_specs(plan, 10_000, 0)
+    need = sum(-(-s.nbytes // 4096) * 4096 for s in specs if s.numel)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 30, 1 << 30, need - 1))
+    with pytest.raises(
+        OffloadError,
+        match=rf"rank 3's parameter and gradient shards need {need} bytes on disk and the filesystem has {need - 1} free",
+    ):
+        ShardFiles(specs, root, 3)
+    assert os.listdir(root) == []
+    monkeypatch.undo()
+    files = ShardFiles(specs, root, 0)
+    assert files.disk_bytes == need and sorted(files.tensors) == ["frozen_shard", "grad_shard", "param_shard"]
+    files.tensors["param_shard"].fill_(1.0)
+    assert files.resident_bytes() >= 40_000 - 4096
+    files.let_go_all()
+    assert files.resident_bytes() == 0 and bool((files.tensors["param_shard"] == 1.0).all())  # kept in the file
+    folder = files.folder
+    files.close()
+    assert not os.path.exists(folder)
+
+
+def test_the_estimators_cli_counts_the_shards_on_disk(capsys):
+    from zerofast.tools.estimate import main
+    from zerofast.tools.quantities import format_bytes
+
+    argv = ["--params", "2B", "--world", "2", "--stage", "3", "--offload", "disk", "--device", "cpu"]
+    assert main([*argv, "--offload-params", "disk"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("stage 3"))
+    policy = OffloadPolicy("disk", ".", params="disk")
+    want = estimate_memory(2 * 10**9, 2, 3, mixed_precision="bf16", offload=policy, device="cpu")  # the CLI's "mixed"
+    # the row: params, grads, optimizer, zerofast+, device, host, disk (the state's files and the shards')
+    assert want.params == want.grads == 0 and row.endswith(f" {format_bytes(want.disk_total)}"), row
+    assert want.disk_total == want.disk_bytes + want.params_disk_bytes > want.disk_bytes > 0
+    shard_bytes = 10**9 * 2  # a rank's half of 2B elements, bf16; each file rounded up to a page
+    assert want.params_disk_bytes == 2 * -(-shard_bytes // 4096) * 4096  # the parameter and gradient shards
+    for extra, named in (
+        (["--offload-params", "disk", "--stage", "2"], "--offload-params applies to stage 3"),
+        (["--offload-params", "disk", "--time"], "--offload-params' disk I/O is not modelled"),
+        (["--offload-params", "nvme"], "--offload-params: invalid choice: 'nvme'"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["--params", "2B", "--world", "2", *extra])
+        assert named in capsys.readouterr().err, extra
+    with pytest.raises(SystemExit):
+        main(["--params", "2B", "--world", "2", "--stage", "3", "--offload-params", "host"])
+    assert "built for models on the CPU" in capsys.readouterr().err
