@@ -1,7 +1,15 @@
 """A training job whose optimizer state on disk is several times the process's peak resident memory.
 
     python scripts/offload_demo.py --path DIR [--params 1B] [--steps 3] [--stage 2|3] [--compare]
+    python scripts/offload_demo.py --path DIR --infinity --params 2B --state-bits 8   # ZeRO-Infinity
     torchrun --nproc-per-node 2 scripts/offload_demo.py --path DIR ...
+
+--infinity (ZeRO-Infinity): stage 3 with the parameter and gradient shards on disk too
+(OffloadPolicy("disk", DIR, params="disk")), the GPT built on the meta device and initialized once
+ZeroAdam has sharded it (GPT.init_weights through the guard: [Note: models built on the meta device]
+in zerofast/model_setup.py), so no rank ever holds the model: what stays resident is the units in
+flight, the window and torch's own. At 2B parameters, bf16 and --state-bits 8 the files take about 32
+GB (2 + 2 bytes of shards and 2 x 6 of state per parameter).
 
 At the default 1B parameters the files take 24 GB (DIR needs that much free) and the process about
 6 GiB of memory at its peak; on a CPU without native bf16 arithmetic (no AVX512-BF16 or AMX) bf16
@@ -44,7 +52,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from zerofast import OffloadPolicy, ZeroAdam
+from zerofast import MixedPrecisionPolicy, OffloadPolicy, ZeroAdam
 from zerofast.tools.models import make_gpt, random_batch
 
 HYPER = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
@@ -119,11 +127,17 @@ def init_group() -> tuple[int, int]:
 def build(args, offload):
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # parameters created and initialised in bf16: no fp32 model
+    meta = args.infinity and offload is not None
     try:
-        model = make_gpt("small", seed=0, **shape(count(args.params)))
+        with torch.device("meta" if meta else "cpu"):  # meta: no values until ZeroAdam has sharded it
+            model = make_gpt("small", seed=0, **shape(count(args.params)))
     finally:
         torch.set_default_dtype(previous)
-    opt = ZeroAdam(model, stage=args.stage, mixed_precision="bf16", offload=offload, lr=args.lr, **HYPER)
+    precision = MixedPrecisionPolicy(torch.bfloat16, state_bits=args.state_bits)
+    opt = ZeroAdam(model, stage=args.stage, mixed_precision=precision, offload=offload, lr=args.lr, **HYPER)
+    if meta:
+        torch.manual_seed(0)
+        model.init_weights()  # each rank writes its pieces of the shards and the master, unit by unit
     return model, opt
 
 
@@ -168,7 +182,13 @@ def main():
         help="glibc's M_MMAP_THRESHOLD in MiB, so that freed blocks return to the system (0: glibc's default)",
     )
     parser.add_argument("--compare", action="store_true", help="then train again in memory, compare the losses")
+    parser.add_argument(
+        "--infinity", action="store_true", help="stage 3, the parameter and gradient shards on disk, built on meta"
+    )
+    parser.add_argument("--state-bits", type=int, default=32, choices=(32, 8), help="Adam's moments (default 32)")
     args = parser.parse_args()
+    if args.infinity:
+        args.stage = 3
 
     tuned = args.mmap_threshold_mb > 0 and mmap_threshold(args.mmap_threshold_mb)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
@@ -180,14 +200,21 @@ def main():
 
     start_rss = status("VmRSS")
     policy = OffloadPolicy(
-        "disk", args.path, window_mb=args.window_mb, io_threads=args.io_threads, direct_io=bool(args.direct_io)
+        "disk",
+        args.path,
+        window_mb=args.window_mb,
+        io_threads=args.io_threads,
+        direct_io=bool(args.direct_io),
+        params="disk" if args.infinity else None,
     )
     model, opt = build(args, policy)
     n = sum(p.numel() for p in model.parameters())
     cfg = model.cfg
     log(
         f"GPT {n / 1e6:.1f}M parameters (width {cfg.n_embd}, {cfg.n_layer} blocks), bf16 mixed precision, "
-        f"ZeroAdam stage {args.stage}, {world} rank(s), state on disk under {args.path} "
+        f"ZeroAdam stage {args.stage}, {world} rank(s), {args.state_bits}-bit state, state "
+        + ("and stage 3's parameter and gradient shards " if args.infinity else "")
+        + f"on disk under {args.path} "
         f"(window {args.window_mb:g} MiB, {args.io_threads} I/O threads, direct_io={bool(args.direct_io)}); "
         "glibc's mmap threshold " + (f"{args.mmap_threshold_mb:g} MiB" if tuned else "its default")
     )
@@ -203,7 +230,10 @@ def main():
     train_peak = status("VmHWM") if training_peak else None
     peak = max(built_peak, status("VmHWM"))
     one = off.disk_bytes // 2
+    shards = (off.params_disk_bytes, *files_on_disk(off.params_folder)) if off.params_folder else None
     figures = dict(
+        shards=shards,
+        resident_shards=off.params_resident_bytes,
         one=one,
         files=off.disk_bytes,
         size=size,
@@ -229,6 +259,15 @@ def main():
                 f"rank {r}: optimizer state on disk: {f['one'] / gib:.2f} GiB per generation, {f['files'] / gib:.2f} GiB "
                 f"in both (files: {f['size'] / gib:.2f} GiB apparent, {f['allocated'] / gib:.2f} GiB allocated)"
             )
+            if f["shards"] is not None:
+                nbytes, size, allocated = f["shards"]
+                total = f["files"] + nbytes
+                print(
+                    f"rank {r}: parameter and gradient shards on disk: {nbytes / gib:.2f} GiB (files: {size / gib:.2f} "
+                    f"GiB apparent, {allocated / gib:.2f} GiB allocated; {f['resident_shards'] / 2**20:.1f} MiB of them "
+                    f"resident now); with the state {total / gib:.2f} GiB on disk, "
+                    f"{total / f['peak']:.1f}x the process's peak resident memory"
+                )
             print(
                 f"rank {r}: peak resident memory of the whole process {f['peak'] / gib:.2f} GiB (VmHWM): "
                 f"{f['start'] / gib:.2f} GiB before the model was built, "

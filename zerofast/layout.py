@@ -197,10 +197,19 @@ def layout_from_groups(
 
 def bind_views(params: list, layout: Layout, buffers: list) -> None:
     """Make each parameter a view of its slot in `buffers` (one flat buffer per bucket of `layout`),
-    its values copied in first: what the optimizer's and stage 3's frozen flat buffers both do."""
+    its values copied in first: what the optimizer's and stage 3's frozen flat buffers both do. A
+    parameter on the meta device has no values: it is swapped into a view of its slot, the same
+    object on the buffers' device ([Note: models built on the meta device] in zerofast/model_setup.py)."""
     with torch.no_grad():
         for i, p in enumerate(params):
             s = layout.slots[i]
-            view = buffers[s.bucket].narrow(0, s.offset, s.numel).view_as(p)
+            view = buffers[s.bucket].narrow(0, s.offset, s.numel).view(p.shape)
+            if p.is_meta:
+                # Its own version counter, as p.data = view keeps one: a Parameter made from the view
+                # would share the buffer's, which each gather's copy bumps under autograd's saved tensors.
+                fresh = torch.nn.Parameter(view.new_empty(0), requires_grad=p.requires_grad)
+                fresh.data = view
+                torch.utils.swap_tensors(p, fresh)
+                continue
             view.copy_(p)
             p.data = view

@@ -1,7 +1,8 @@
 """What ZeroAdam and shard_frozen do to a model before sharding it, written once for both: every
 rank holds the same model (checked: one all_gather_object, the first mismatch named on every rank)
 with rank 0's values (broadcast), and in low precision the model converted and its inputs cast
-([Note: mixed precision] in zerofast/optim/precision.py)."""
+([Note: mixed precision] in zerofast/optim/precision.py); a model built on the meta device trains on
+the device its process group's backend implies ([Note: models built on the meta device])."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from .tensor_parallel import is_dtensor, set_local
 from .topology import broadcast_from_rank0
 
 __all__ = [
+    "meta_device",
     "check_plain_parameters",
     "join_ranks",
     "check_same_across_ranks",
@@ -48,11 +50,50 @@ def check_plain_parameters(model: nn.Module, who: str, tensor_parallel: bool = F
             )
 
 
-def join_ranks(model: nn.Module, group: dist.ProcessGroup, who: str, tp_group=None) -> None:
+def meta_device(params: list[nn.Parameter], group, stage: int, who: str, tensor_parallel: bool = False):
+    """None when the trainable parameters hold values; when they are all on the meta device, the device
+    the model trains on: the backend's (nccl: this process's current CUDA device; otherwise the CPU).
+
+    [Note: models built on the meta device]
+    A model larger than memory cannot be built whole first (FSDP2's answer: build it under
+    torch.device("meta"), shard, then materialize each shard). ZeroAdam at stage 3 takes such a model
+    as it is: no rank broadcasts values, the flat buffers are allocated untouched and released at
+    once (no page of the whole model is ever resident), each parameter is swapped into a view of its
+    buffer (torch.utils.swap_tensors: the same Parameter object, now on the training device), and the
+    shards, the fp32 master and the moments start at zero. The values come after, as for the plain
+    model: model.apply(init_fn) / nn.init on each parameter (the guard writes each rank's pieces and
+    the master: [Note: the model stays a torch model] in zerofast/guard/__init__.py), or a checkpoint
+    loaded. The model's other meta tensors (buffers, frozen parameters of another dtype) are the
+    user's to materialize (model.to_empty(device=...) passes the managed parameters by, as it finds
+    them where it would move them), then to recompute (a rotary table). Stages 1 and 2 keep whole
+    parameters on every rank: a meta model there is a named error, as is one mixing meta and real
+    parameters."""
+    meta = [p.is_meta for p in params]
+    if not any(meta):
+        return None
+    if not all(meta):
+        raise ValueError(
+            f"{who}: some trainable parameters are on the meta device and some are not; build the whole model "
+            "under torch.device('meta') (or none of it)"
+        )
+    if stage != 3 or tensor_parallel:
+        why = "tensor parallelism's DTensors" if tensor_parallel else f"stage={stage} (whole parameters on every rank)"
+        raise ValueError(
+            f"{who}: a model on the meta device is built at stage 3, shard by shard; got it with {why}: "
+            "materialize it first (model.to_empty(device=...) and its init) or use stage=3"
+        )
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def join_ranks(model: nn.Module, group: dist.ProcessGroup, who: str, tp_group=None, meta: bool = False) -> None:
     """The same model on every rank of `group`, with rank 0's values (with tensor parallelism: global
-    rank 0's, broadcast_from_rank0). Collective."""
+    rank 0's, broadcast_from_rank0); meta: the model has no values yet, only their shapes are checked.
+    Collective."""
     check_same_across_ranks(model, group, who)
-    broadcast_from_rank0(model, group, tp_group)
+    if not meta:
+        broadcast_from_rank0(model, group, tp_group)
 
 
 def check_same_across_ranks(model: nn.Module, group, who: str = "ZeroAdam") -> None:

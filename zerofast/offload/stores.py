@@ -249,7 +249,7 @@ class DiskState:
             ) from e
         self.direct_io = direct_io and self._open_direct()
         self.gen = 0
-        self._mmaps: list[mmap.mmap] = []
+        self._mmaps: dict[tuple[int, str], mmap.mmap] = {}
         self._maps = [self._map(0), self._map(1)]
         self._slots: list[Views] | None = None  # the window, allocated at the first step
         self.stats = OffloadStats()
@@ -283,15 +283,23 @@ class DiskState:
         out = {}
         for s in self.specs:
             mapped = mmap.mmap(self._fds[(g, s.name)], s.nbytes, access=mmap.ACCESS_WRITE)
-            self._mmaps.append(mapped)
+            self._mmaps[(g, s.name)] = mapped
             out[s.name] = torch.frombuffer(mapped, dtype=s.dtype, count=s.numel)
         return out
 
     def release(self) -> None:
         """Drop the mapped pages a checkpoint touched from this process's resident memory (the bytes
         stay in the files and the page cache)."""
-        for mapped in self._mmaps:
+        for mapped in self._mmaps.values():
             mapped.madvise(mmap.MADV_DONTNEED)
+
+    def let_go(self, lo: int = 0, numel: int | None = None) -> None:
+        """Drop the live generation's mapped pages of shard elements [lo, lo + numel) (None: to the end)
+        from resident memory: what a write through the model's parameters made the master follow
+        ([Note: parameters on disk] in __init__.py)."""
+        for s in self.specs:
+            r = s.range(lo, self.shard if numel is None else min(self.shard, lo + numel))
+            _let_go(self._mmaps[(self.gen, s.name)], r.start * s.dtype.itemsize, r.stop * s.dtype.itemsize)
 
     def write(self, name: str, offset: int, values: torch.Tensor) -> None:
         """`values` at element `offset` of the live generation, through the file, not the mapping
@@ -468,10 +476,7 @@ class ShardFiles:
         if mapped is None:
             return
         size = self.tensors[name].element_size()
-        start = lo * size // mmap.PAGESIZE * mmap.PAGESIZE
-        end = len(mapped) if numel is None else min(len(mapped), (lo + numel) * size)
-        if end > start:
-            mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
+        _let_go(mapped, lo * size, len(mapped) if numel is None else (lo + numel) * size)
 
     def let_go_all(self) -> None:
         for name in self._maps:
@@ -484,6 +489,15 @@ class ShardFiles:
     def close(self) -> None:
         """Remove the folder (the mappings end with the last tensor over them; idempotent)."""
         self._finalizer()
+
+
+def _let_go(mapped: mmap.mmap, start: int, end: int) -> None:
+    """MADV_DONTNEED over bytes [start, end) of a shared file mapping, widened to whole pages (what
+    another range shares of them is read again from the page cache where it is next touched)."""
+    start = start // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(len(mapped), end)
+    if end > start:
+        mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def resident_bytes_under(folder: str) -> int:

@@ -1,7 +1,7 @@
 """The offloaded step: everything a step does because the optimizer state is not on the device, behind
 the calls the optimizer makes at fixed points of its step (zerofast/optim/step.py):
 
-  open_store(...)        where the state lives (a store of stores.py), its files agreed on at construction
+  open_store(...)        where the state lives (a store of stores.py) and stage 3's shards' files, agreed on at construction
   OffloadedUpdate.apply  phase 3 through the store ([Note: offload schedule] in __init__.py), then on
                          disk the agreement that every rank wrote it ([Note: the all-or-none offloaded step]);
                          with the delayed update only its start, on a thread ([Note: the delayed update])
@@ -66,9 +66,19 @@ class StepSide(Protocol):
         ...
 
 
-def open_store(specs: list[StateSpec], shard_numel: int, plan, device: torch.device):
-    """The store plan.offload places the state in: DeviceState (also "host" for a CPU model, unless the
-    update is delayed), HostState or DiskState."""
+def open_store(specs: list[StateSpec], shard_numel: int, plan, device, frozen_numel: int, rank: int, tp: bool):
+    """(the store plan.offload places the state in, stage 3's shards' files or None): DeviceState (also
+    "host" for a CPU model, unless the update is delayed), HostState or DiskState; open_shard_files.
+    The store is closed if the files fail."""
+    store = _open_store(specs, shard_numel, plan, device)
+    try:
+        return store, open_shard_files(plan, shard_numel, frozen_numel, device, rank, tp)
+    except BaseException:
+        store.close()
+        raise
+
+
+def _open_store(specs: list[StateSpec], shard_numel: int, plan, device: torch.device):
     policy = plan.offload
     if not is_offloaded(policy.state, policy.delayed_update, device.type):
         return DeviceState(specs, device, "host" if policy.state == "host" else "device")

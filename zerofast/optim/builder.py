@@ -22,8 +22,8 @@ from ..config import Plan
 from ..guard.modules import holders
 from ..guard.params import ParamSlot, forget, manage
 from ..layout import Layout
-from ..model_setup import check_plain_parameters, in_precision, join_ranks
-from ..offload import OffloadedUpdate, ShardFiles, agreed, is_offloaded, open_shard_files, open_store, state_specs
+from ..model_setup import check_plain_parameters, in_precision, join_ranks, meta_device
+from ..offload import OffloadedUpdate, ShardFiles, agreed, is_offloaded, open_store, state_specs
 from ..stage3.frozen import FrozenShard, frozen_part
 from ..stage3.module import ShardedModule
 from ..stage3.runtime import UnitBuffers, UnitTracker
@@ -116,7 +116,8 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
     topology = (
         source.topology(group, plan) if source else resolve_topology(group, shard_size, group_timeout(group), mesh)
     )
-    join_ranks(model, group, plan.front, topology.tp_group)
+    meta = meta_device([p for _, p in named], group, plan.stage, plan.front, has_tp_dim(process_group))
+    join_ranks(model, group, plan.front, topology.tp_group, meta=meta is not None)
     tp = TensorParallel.of(model, named, topology.tp_group, topology.tp_size, plan.front)
     names = [n for n, _ in named]
     # The parameters as the core shards them: plain tensors ([Note: tensor parallelism]).
@@ -138,8 +139,7 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
     layouts = plan_layouts(
         model, plan, topology.shard_size, rule.partition_costs, list(zip(names, params)), tp.standin_of if tp else None
     )
-    frozen_numel = layouts.frozen_layout.shard_numel(topology.shard_rank) if layouts.frozen_layout else 0
-    store, shard, files = _state(layouts.layout, topology, names, params, plan, frozen_numel, tp is not None)
+    store, shard, files = _state(layouts, topology, names, params, plan, tp is not None, meta)
     offload = (
         OffloadedUpdate(store, shard, layouts.layout.shard_numel(topology.shard_rank)) if store.offloaded else None
     )
@@ -173,7 +173,7 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
         hooks += gather.register_waits(model, params)
     frozen = frozen_comm = units = None
     if plan.params_sharded:
-        frozen, frozen_comm = _frozen_part(layouts, topology, plan, comm, tp, files)
+        frozen, frozen_comm = _frozen_part(layouts, topology, plan, comm, tp, files, meta)
         if tp is not None:
             tp.relink()  # the frozen DTensors too, before their storage is released
         units = _shard_params(model, layouts, topology, shard, comm, frozen, frozen_comm, offload, files)
@@ -228,33 +228,30 @@ def _guard(parts: Parts) -> None:
     window.attach(slots)
 
 
-def _state(layout: Layout, topology: Topology, names, params, plan: Plan, frozen_numel: int, tp: bool) -> tuple:
+def _state(layouts, topology: Topology, names, params, plan: Plan, tp: bool, meta) -> tuple:
     """Where the state lives (zerofast/offload), stage 3's shards' files (if any) and this rank's
     ShardState over them: (store, shard, files); on disk agreed first."""
-    shard_numel = layout.shard_numel(topology.shard_rank)
+    rank, frozen = topology.shard_rank, layouts.frozen_layout
+    shard_numel, frozen_numel = layouts.layout.shard_numel(rank), frozen.shard_numel(rank) if frozen else 0
     # Offloaded, the master is a tensor of its own even in fp32 (ShardState.master_apart says why).
-    offloaded = is_offloaded(plan.offload.state, plan.offload.delayed_update, params[0].device.type)
+    device = meta or params[0].device  # meta: the device a model built on the meta device trains on
+    offloaded = is_offloaded(plan.offload.state, plan.offload.delayed_update, device.type)
     master_apart = plan.separate_master or offloaded
     specs = state_specs(shard_numel, master_apart, plan.state_bits, plan.state_block)
 
     def build():
-        store = open_store(specs, shard_numel, plan, params[0].device)
-        try:
-            files = open_shard_files(plan, shard_numel, frozen_numel, params[0].device, topology.rank, tp)
-        except BaseException:
-            store.close()
-            raise
-        return store, ShardState(layout, topology.shard_rank, names, params, plan, store, files), files
+        store, files = open_store(specs, shard_numel, plan, device, frozen_numel, topology.rank, tp)
+        return store, ShardState(layouts.layout, rank, names, params, plan, store, files, meta), files
 
     def agree(failed: int) -> int:
-        flag = torch.tensor([failed + 1], dtype=torch.int64, device=params[0].device)
+        flag = torch.tensor([failed + 1], dtype=torch.int64, device=device)
         dist.all_reduce(flag, dist.ReduceOp.MAX, group=topology.group)
         return int(flag.item()) - 1
 
     return agreed(build, plan, topology.rank, agree)
 
 
-def _frozen_part(layouts, topology: Topology, plan: Plan, comm: BucketComm, tp: TensorParallel | None, files):
+def _frozen_part(layouts, topology: Topology, plan: Plan, comm: BucketComm, tp: TensorParallel | None, files, meta):
     """Stage 3's frozen parameters ([Note: frozen parameters in stage 3]): their FrozenShard and the
     BucketComm that gathers them, on the trainable part's gather group (no reduce, no gradient
     shard); (None, None) when there are none. A frozen DTensor is sharded through its stand-in."""
@@ -272,6 +269,7 @@ def _frozen_part(layouts, topology: Topology, plan: Plan, comm: BucketComm, tp: 
         dp_rank=topology.rank,
         dp_world=topology.world,
         shard=files.tensors["frozen_shard"] if files is not None else None,
+        meta_device=meta,
     )
     frozen_comm.share_bookkeeping(comm)
     return frozen, frozen_comm
@@ -292,6 +290,7 @@ def _shard_params(
         follow=shard.follow_shard,
         before_write=offload.check_writable if offload is not None else None,
         let_go=files.let_go_all if files is not None else None,
+        empty=shard.meta,
     )
     buffers.shard_out()
     return UnitTracker(model, hook_needs(model, layouts.unit_params, layouts.unit_plan), buffers)

@@ -45,6 +45,7 @@ class ShardState:
         plan: Plan,
         store,
         files=None,
+        meta_device: torch.device | None = None,
     ):
         """Build the buffers and make every parameter in `params` a view of its slot; the fp32 master
         starts from the user's exact values. plan.params_sharded (stage 3) keeps the parameters in a
@@ -53,16 +54,21 @@ class ShardState:
         ([Note: grads as bucket views] in csrc/buckets.cpp); plan.separate_master keeps an fp32
         master shard. The master and moments are `store`'s tensors (zerofast/offload: on the device,
         in host memory or in files), wherever it put them; `files` (stage 3, OffloadPolicy(params=
-        "disk")) holds the parameter and gradient shards ([Note: parameters on disk])."""
+        "disk")) holds the parameter and gradient shards ([Note: parameters on disk]). meta_device: the
+        parameters are on the meta device and train there ([Note: models built on the meta device] in
+        zerofast/model_setup.py): nothing is copied, the buffers are allocated untouched, the master is zero."""
         self.plan = plan
         self.layout, self.rank, self.names = layout, rank, names
-        device = params[0].device
+        self.meta = meta = meta_device is not None
+        device = meta_device if meta else params[0].device
         dtype, reduce_dtype, grad_views = plan.param_dtype, plan.reduce_dtype, plan.grads_as_bucket_views
         shard = layout.shard_numel(rank)
-        self.param_buffers = [torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buckets]
+        alloc = torch.empty if meta else torch.zeros  # untouched pages are not resident: stage 3 releases them
+        self.param_buffers = [alloc(b.numel, dtype=dtype, device=device) for b in layout.buckets]
         # Stage 3's parameter shard, in the parameters' dtype, which the next forward gathers
         # (stages 1 and 2 update the owned range of the parameter buffers in place instead).
         self.files = files
+        self._store_let_go = getattr(store, "let_go", None)  # a store on disk: its mapped pages
         self.param_shard = (
             files.tensors["param_shard"]
             if files is not None
@@ -92,10 +98,10 @@ class ShardState:
         # read back from its slot, so that its own storage is freed as it is rebound (building holds
         # the model's parameters once, not twice); one in another dtype (fp32 given, bf16 buffers)
         # is kept until its master is written.
-        originals = [p.detach() if self.master_apart and p.dtype != dtype else None for p in params]
+        originals = [p.detach() if self.master_apart and p.dtype != dtype and not meta else None for p in params]
         bind_views(params, layout, self.param_buffers)
         with torch.no_grad():
-            for pc in self.pieces if self.master_apart else []:
+            for pc in self.pieces if self.master_apart and not meta else []:
                 if originals[pc.param] is None:
                     src = self.param_buffers[pc.bucket].narrow(0, pc.bucket_offset, pc.numel)
                 else:
@@ -114,10 +120,13 @@ class ShardState:
         )
 
     def let_go(self, lo: int = 0, numel: int | None = None) -> None:
-        """Shards in files: the pages of shard elements [lo, lo + numel) (None: all) leave resident memory."""
+        """Shards and state in files: the mapped pages of shard elements [lo, lo + numel) (None: all)
+        leave resident memory ([Note: parameters on disk] in zerofast/offload/__init__.py)."""
         if self.files is not None:
             for name in ("param_shard", "grad_shard"):
                 self.files.let_go(name, lo, numel)
+        if self._store_let_go is not None:
+            self._store_let_go(lo, numel)
 
     @staticmethod
     def storage_of(kind: str) -> str:
@@ -395,6 +404,7 @@ class ShardState:
         offload the shard is the master."""
         if self.master_apart:
             follow(self.master[lo : lo + numel], self.param_shard[lo : lo + numel])
+        self.let_go(lo, numel)  # in files: the written pages need not stay (an init of a model larger than memory)
 
     # [Note: block tails]
     # A parameter whose size is not a multiple of the block ends inside its last block; the rest of

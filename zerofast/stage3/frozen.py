@@ -51,12 +51,13 @@ def frozen_part(
     dp_rank: int | None = None,
     dp_world: int | None = None,
     shard: torch.Tensor | None = None,
+    meta_device: torch.device | None = None,
 ):
     """The FrozenShard (the parameters become views of its buffers) and the gather-only BucketComm on
     `gather_group`; the runtime's UnitPart is FrozenShard.unit_part(comm). Used by ZeroAdam's stage 3
     (zerofast/optim/builder.py) and shard_frozen (inference.py). shard: the tensor to hold this rank's
     shard (a file's: [Note: parameters on disk]; None: a new one in memory)."""
-    frozen = FrozenShard(layout, rank, [n for n, _ in named], [p for _, p in named], bucket_of, shard)
+    frozen = FrozenShard(layout, rank, [n for n, _ in named], [p for _, p in named], bucket_of, shard, meta_device)
     comm = BucketComm(
         group,
         layout,
@@ -84,10 +85,14 @@ class FrozenShard:
         params: list[torch.nn.Parameter],
         bucket_of: list[int | None],
         shard: torch.Tensor | None = None,
+        meta_device: torch.device | None = None,
     ):
         self.layout, self.rank, self.names, self.bucket_of = layout, rank, names, bucket_of
-        dtype, device = params[0].dtype, params[0].device
-        self.buffers = [torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buckets]
+        # meta_device: [Note: models built on the meta device] in zerofast/model_setup.py; values come later
+        self.meta = meta_device is not None
+        dtype, device = params[0].dtype, meta_device or params[0].device
+        alloc = torch.empty if self.meta else torch.zeros
+        self.buffers = [alloc(b.numel, dtype=dtype, device=device) for b in layout.buckets]
         self.in_files = shard is not None
         self.shard = shard if shard is not None else torch.zeros(layout.shard_numel(rank), dtype=dtype, device=device)
         self.pieces: list[Piece] = layout.pieces(rank)
@@ -99,7 +104,9 @@ class FrozenShard:
 
     def unit_part(self, comm):
         """The runtime's view of these buffers (runtime.py's UnitPart), gathered by `comm`."""
-        return UnitPart(self.buffers, self.shard, self.layout, comm, self.bucket_of, in_files=self.in_files)
+        return UnitPart(
+            self.buffers, self.shard, self.layout, comm, self.bucket_of, in_files=self.in_files, empty=self.meta
+        )
 
     @property
     def device(self) -> torch.device:

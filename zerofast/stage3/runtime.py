@@ -88,6 +88,7 @@ class UnitPart:
     bucket_of: list[int | None]
     follow: Callable[[int, int], None] | None = None
     in_files: bool = False  # the shard is a file's mapping ([Note: parameters on disk]): not counted as memory
+    empty: bool = False  # built on the meta device: the buffers hold nothing to shard out (the shard stays 0)
 
 
 class UnitBuffers:
@@ -115,18 +116,22 @@ class UnitBuffers:
         follow: Callable[[int, int], None] | None = None,
         before_write: Callable[[], None] | None = None,
         let_go: Callable[[], None] | None = None,
+        empty: bool = False,
     ):
         """follow: the trainable part's UnitPart.follow; before_write: raises if the shard may not be
         written now (the delayed update in flight); let_go: the shards are files' mappings, whose
         resident pages this drops after each gather starts and each release ([Note: parameters on
-        disk] in zerofast/offload/__init__.py)."""
+        disk] in zerofast/offload/__init__.py); empty: the trainable buffers were never written ([Note:
+        models built on the meta device] in zerofast/model_setup.py)."""
         self.buffers = buffers  # per bucket, 1D; the model's parameters are views of them
         self.shard = shard  # 1D, layout.shard_numel(rank): this rank's owned ranges
         self.layout, self.rank, self.comm = layout, rank, comm
         if unit_buckets is None:
             unit_buckets = [len(buffers) - 1 - u for u in range(len(buffers))]
         self.num_units = len(unit_buckets)
-        self.parts = [UnitPart(buffers, shard, layout, comm, list(unit_buckets), follow, in_files=let_go is not None)]
+        self.parts = [
+            UnitPart(buffers, shard, layout, comm, list(unit_buckets), follow, in_files=let_go is not None, empty=empty)
+        ]
         self._let_go = let_go
         if frozen is not None:
             self.parts.append(frozen)
@@ -158,7 +163,7 @@ class UnitBuffers:
     def shard_out(self) -> None:
         """Copy this rank's owned ranges into the shard, then free every unit buffer."""
         for part, offsets in zip(self.parts, self._offsets):
-            for b in range(len(part.buffers)):
+            for b in range(len(part.buffers)) if not part.empty else ():
                 lo, hi = part.layout.owned_range(b, self.rank)
                 part.shard[offsets[b] : offsets[b] + hi - lo].copy_(part.buffers[b][lo:hi])
         for u in range(self.num_units):

@@ -69,16 +69,24 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: one parameter, two uses
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """The initial values (from torch's RNG): what a model built on the meta device runs once ZeroAdam
+        has sharded it ([Note: models built on the meta device] in zerofast/model_setup.py)."""
         self.apply(self._init)
         for name, p in self.named_parameters():
             if name.endswith("out.weight") or name.endswith("proj.weight"):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
 
     @staticmethod
     def _init(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.LayerNorm):  # as LayerNorm builds them (no RNG): for a meta-built model
+            nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
