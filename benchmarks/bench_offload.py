@@ -129,10 +129,17 @@ def build(case, root, rank, world):
         counter[0] += 1
         return x, y
 
-    if kind in ("memory", "disk"):
-        from zerofast import ZeroAdam
+    if kind in ("memory", "disk", "s3"):
+        from zerofast import OffloadPolicy, ZeroAdam
 
-        opt = ZeroAdam(model, stage=2, offload=None if kind == "memory" else _policy(words, root), **HYPER)
+        if kind == "s3":  # stage 3: the shards in memory, the state on disk, both on disk (ZeRO-Infinity)
+            place = words[0]
+            state = "disk" if place in ("state", "infinity") else None
+            params = "disk" if place in ("params", "infinity") else None
+            path = os.path.join(root, f"rank{rank}") if state or params else None
+            opt = ZeroAdam(model, stage=3, offload=OffloadPolicy(state, path, params=params), **HYPER)
+        else:
+            opt = ZeroAdam(model, stage=2, offload=None if kind == "memory" else _policy(words, root), **HYPER)
 
         def step():
             x, y = batch()
@@ -191,11 +198,14 @@ def build(case, root, rank, world):
 
         zero = {"stage": int(words[0])}
         device = next((w.split("=")[1] for w in words if w.startswith("offload_optimizer=")), None)
+        nvme = os.path.join(root, f"deepspeed-nvme-{'-'.join(words)}")  # its own: the cases run side by side
+        swaps = device == "nvme" or "offload_param=nvme" in words
         if device == "cpu":
             zero["offload_optimizer"] = {"device": "cpu"}
         elif device == "nvme":
-            nvme = os.path.join(root, "deepspeed-nvme")
             zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme}
+        if "offload_param=nvme" in words:  # ZeRO-Infinity's parameter offload
+            zero["offload_param"] = {"device": "nvme", "nvme_path": nvme}
         cfg = {
             "train_micro_batch_size_per_gpu": BATCH,
             "zero_optimization": zero,
@@ -210,7 +220,7 @@ def build(case, root, rank, world):
             t = time.perf_counter()
             engine.step()
             records.append(dict(step=time.perf_counter() - t))
-            if device == "nvme":  # the swap files DeepSpeed keeps under nvme_path
+            if swaps:  # the swap files DeepSpeed keeps under nvme_path
                 records[-1]["disk"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(nvme) for f in fs)
 
         step.info = lambda: records
@@ -331,6 +341,44 @@ def test_offload_step_interleaved(benchmark, record_ratios, record_not_run):
     record_ratios(f"{GROUP}, interleaved", lines)
     for case, reason in errors.items():
         record_not_run(GROUP, case, reason)
+    benchmark.extra_info.update({f"{case} ms": 1e3 * m for case, m in medians.items()})
+
+
+# Stage 3 with the parameter and gradient shards on disk too (OffloadPolicy(params="disk"), ZeRO-Infinity):
+# the whole step (forward's and backward's gathers read the shards' files, the reduces write them).
+PARAMS_CASES = [
+    "s3 memory",
+    "s3 state",  # the state on disk
+    "s3 params",  # the shards on disk, the state in memory
+    "s3 infinity",  # both
+    "deepspeed 3",
+    "deepspeed 3 offload_optimizer=nvme offload_param=nvme",
+]
+PARAMS_GROUP = "offload: 2 gloo ranks x 1 thread, GPT 6.4M params, batch 8x64, stage 3"
+
+
+def _params_base(case: str) -> str:
+    return "s3 memory" if case.startswith("s3") else "deepspeed 3"
+
+
+def test_offload_params_interleaved(benchmark, record_ratios, record_not_run):
+    """ZeRO-Infinity: the step with stage 3's shards and state on disk against the same in memory,
+    DeepSpeed ZeRO 3 with offload_param and offload_optimizer on nvme against itself without."""
+    root = _offload_root()
+    try:
+        times, records, errors = benchmark.pedantic(
+            _interleaved, args=(PARAMS_CASES, root, ROUNDS, STEPS_PER_ROUND), rounds=1, iterations=1
+        )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    medians, lines = _lines(times, records, {case: _params_base(case) for case in times}, STEPS_PER_ROUND)
+    lines.append(
+        f"files on {filesystem(root)}; step ms: the whole step (forward, backward, opt.step()), medians over "
+        f"{ROUNDS} rounds x {STEPS_PER_ROUND} steps; x base: against the same library in memory"
+    )
+    record_ratios(f"{PARAMS_GROUP}, interleaved", lines)
+    for case, reason in errors.items():
+        record_not_run(PARAMS_GROUP, case, reason)
     benchmark.extra_info.update({f"{case} ms": 1e3 * m for case, m in medians.items()})
 
 

@@ -116,6 +116,7 @@ CASES = [  # (world, precision, max_grad_norm, state, delayed, frozen, CommPolic
     (2, "fp16", 1.0, "host", False, False, {"partition": "greedy"}),
     (2, None, None, "host", True, False, {}),  # the delayed update's thread writes the mapped shard
     (2, "bf16", None, None, False, False, {"partition": "round_robin"}),
+    (2, None, 1.0, "disk", False, False, {"shard_size": 1}),  # hybrid: two replicas of one shard
     (1, "bf16", 1.0, None, False, True, {}),
     (1, None, None, "disk", False, False, {}),
 ]
@@ -138,6 +139,9 @@ def _bitwise_cases(rank, world, root, cases):
             _train(model, opt, rank, STEPS, 1)
             runs.append((model, opt))
         (a, oa), (b, ob) = runs
+        x, _ = rank_batch(a, 99, rank)
+        with torch.no_grad():  # inference outside gathered_params(): gathered unit by unit from the files
+            logits = [model(x, x)[0] for model in (a, b)]
         report = ob.report()
         opts = _options(precision, None, **comm)
         estimate = estimate_memory(
@@ -153,6 +157,7 @@ def _bitwise_cases(rank, world, root, cases):
         parts = parts_of(ob)
         out[str(case)] = dict(
             differs=_differs(_snapshot(a, oa), _snapshot(b, ob)),
+            same_logits=torch.equal(*logits),
             frozen=frozen,
             offload=report.offload,
             memory=report.memory,
@@ -161,6 +166,15 @@ def _bitwise_cases(rank, world, root, cases):
             files=sorted(os.listdir(report.offload.params_folder)),
             frozen_in_files=parts.frozen is not None and parts.frozen.in_files,
         )
+        # "host" on a CPU model: the shards are in host memory already; the same optimizer, reported so
+        host_policy = OffloadPolicy(state, path if state == "disk" else None, delayed_update=delayed, params="host")
+        model = _nested(frozen)
+        opt = ZeroAdam(model, **_options(precision, clip, **comm), offload=host_policy)
+        _train(model, opt, rank, 0, STEPS)
+        _writes(model, opt)
+        _train(model, opt, rank, STEPS, 1)
+        host = opt.report()
+        out[str(case)]["host"] = (_differs(_snapshot(a, oa), _snapshot(model, opt)), host.offload.params, host.memory)
         folder = report.offload.params_folder
         del oa, ob, parts, runs, a, b, model, opt
         gc.collect()
@@ -175,6 +189,10 @@ def test_parameters_on_disk_are_bitwise_the_shards_in_memory(world, root):
         for case, got in out.items():
             where = f"{case} rank {rank}"
             assert got["differs"] == [], f"{where}: {got['differs']} differ from the run with the shards in memory"
+            assert got["same_logits"], f"{where}: a forward without gradients differs"
+            host_differs, host_placement, host_memory = got["host"]
+            assert host_differs == [] and host_placement == "host", (where, got["host"])
+            assert host_memory.params == got["memory_in_ram"].params > 0, where  # nothing moved
             off, mem, ram = got["offload"], got["memory"], got["memory_in_ram"]
             assert off.params == "disk" and off.params_folder is not None, where
             # The shards are counted on disk, not in memory: what the in-memory run holds as its
@@ -264,28 +282,39 @@ def test_what_stays_resident_is_the_units_in_flight(root):
 # --- checkpoints ----------------------------------------------------------------------------------------
 
 
-def _save(rank, world, path, offload, precision):
+def _stage_options(stage, precision):
+    if stage == 3:
+        return _options(precision, 1.0)
+    return dict(zero_options(stage, mixed_precision=precision), max_grad_norm=1.0, **HYPER)
+
+
+def _save(rank, world, path, offload, precision, stage=3):
     model = _nested(frozen=True)
-    opt = ZeroAdam(model, **_options(precision, 1.0), offload=offload)
+    opt = ZeroAdam(model, **_stage_options(stage, precision), offload=offload)
     _train(model, opt, rank, 0, STEPS)
     ck.save(path, model, opt)
     return _snapshot(model, opt)
 
 
-def _load(rank, world, path, offload, precision):
+def _load(rank, world, path, offload, precision, stage=3):
     torch.manual_seed(5)
     model = _nested(frozen=True)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_()  # other values: everything must come from the checkpoint
-    opt = ZeroAdam(model, **_options(precision, 1.0), offload=offload)
+    opt = ZeroAdam(model, **_stage_options(stage, precision), offload=offload)
     ck.load(path, model, opt)
     return _snapshot(model, opt)
 
 
 def test_checkpoints_move_between_shards_on_disk_and_in_memory(root):
     disk = OffloadPolicy(path=os.path.join(root, "shards"), params="disk")
-    trips = [((2, disk, "bf16"), (1, None, "bf16")), ((1, None, None), (2, disk, None))]
+    trips = [  # (world, offload, precision, stage)
+        ((2, disk, "bf16", 3), (1, None, "bf16", 3)),
+        ((1, None, None, 3), (2, disk, None, 3)),
+        ((2, disk, None, 3), (2, None, None, 2)),
+        ((2, None, "bf16", 1), (1, disk, "bf16", 3)),
+    ]
     for i, (saved, loaded) in enumerate(trips):
         path = os.path.join(root, f"ckpt-{i}")
         before = run_ranks(_save, saved[0], args=(path, *saved[1:]))
