@@ -5,6 +5,8 @@ compile. Stages 1 and 2 against compiled DDP + torch AdamW, stage 3 against eage
 
 import functools
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from harness import run_ranks
 from tolerances import HYPER, max_abs_diff
 from training import rank_batch, train_steps
 
-from zerofast import CommPolicy, ZeroAdam, ZeroMuon
+from zerofast import CommPolicy, OffloadPolicy, ZeroAdam, ZeroMuon
 from zerofast.tools.models import make_gpt
 
 STEPS = 4
@@ -34,11 +36,12 @@ def _compile(model, wrapped, how):
     return wrapped
 
 
-def _train(rank, how, make_opt):
+def _train(rank, how, make_opt, reset=True):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
+    if reset:  # else: the frames compiled for the last stage-3 model of the class serve this one too
+        torch._dynamo.reset()
     counters.clear()
     model = make_gpt("tiny")
     opt, wrapped = make_opt(model)
@@ -86,6 +89,10 @@ def _cases(rank, world):
         out["ddp", how] = _train(rank, how, _ddp)
         for stage in (1, 2, 3):
             out[stage, how] = _train(rank, how, _zero(stage))
+        # stage 3's shards in files (ZeRO-Infinity: [Note: parameters on disk]), the same compiled frames
+        infinity = OffloadPolicy(path=tempfile.mkdtemp(prefix="zerofast-compile-"), params="disk")
+        out["infinity", how] = _train(rank, how, _zero(3, offload=infinity), reset=False)
+        shutil.rmtree(infinity.path, ignore_errors=True)
     # hybrid sharding (replicated on the 2 ranks: the replicas' all_reduce in backward) and ZeroMuon,
     # the whole model compiled
     out["hybrid", "whole"] = _train(rank, "whole", _zero(2, comm=CommPolicy(shard_size=1)))
@@ -269,6 +276,8 @@ def test_compiled_stages_match_compiled_ddp_and_eager_stage3():
                 assert out[stage, how][1] == {}, f"stage {stage}, compiled {how}: graph breaks {out[stage, how][1]}"
             breaks = out[3, how][1]
             assert breaks and all("UnitTracker._pre_forward" in reason for reason in breaks), breaks
+            # the shards on disk: bitwise the same compiled run in memory
+            assert all(torch.equal(out["infinity", how][0][n], p) for n, p in out[3, how][0].items()), how
         d = max_abs_diff(out["hybrid", "whole"][0], out["ddp", "whole"][0])
         assert d <= TOL and out["hybrid", "whole"][1] == {}, f"hybrid, compiled: {d:.3g}, {out['hybrid', 'whole'][1]}"
         # ZeroMuon compiled against eager ZeroMuon: Newton-Schulz in bf16 can turn the compiled

@@ -207,7 +207,9 @@ def test_strategy_argument_errors():
         ZeroStrategy(stage=1, units=[torch.nn.Linear(2, 2)])
     with pytest.raises(ValueError, match="shard_size must be None or an integer >= 1; got 0"):
         ZeroStrategy(shard_size=0)
-    with pytest.raises(ValueError, match="offload must be None, 'host', 'disk:PATH' or an OffloadPolicy; got 'nvme'"):
+    with pytest.raises(
+        ValueError, match="offload must be None, 'host', 'disk:PATH', 'infinity:PATH' or an OffloadPolicy; got 'nvme'"
+    ):
         ZeroStrategy(offload="nvme")
     with pytest.raises(TypeError, match="save_full_weights must be a bool; got 'yes'"):
         ZeroStrategy(save_full_weights="yes")
