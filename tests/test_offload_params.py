@@ -31,7 +31,7 @@ from models import Nested, model_loss
 from tolerances import HYPER
 from training import rank_batch, zero_options
 
-from zerofast import OffloadError, OffloadPolicy, ZeroAdam, estimate_memory
+from zerofast import OffloadError, OffloadPolicy, UnitPolicy, ZeroAdam, estimate_memory
 from zerofast import checkpoint as ck
 from zerofast.config import resolve_plan
 from zerofast.offload import ShardFiles, open_shard_files, shard_specs
@@ -478,3 +478,63 @@ def test_a_meta_model_is_a_named_error_where_it_cannot_be_built():
     with pytest.raises(ValueError, match="tensor parallelism's DTensors"):
         meta_device(list(meta.parameters()), None, 3, "ZeroAdam", tensor_parallel=True)
     assert meta_device(list(real.parameters()), None, 3, "ZeroAdam") is None
+
+
+# --- a model sharded for inference only (shard_frozen), its shard on disk ----------------------------
+
+
+def _frozen_reference(rank, world, root):
+    from zerofast import shard_frozen
+
+    x, y = rank_batch(_nested(), 5, rank)
+    out = []
+    for offload in (None, OffloadPolicy(path=root, params="disk")):
+        model = _nested().eval()
+        handle = shard_frozen(model, mixed_precision="bf16", units=UnitPolicy(min_unit_mb=0), offload=offload)
+        with torch.no_grad():
+            logits = [model(x, y)[0] for _ in range(2)]  # unit by unit, twice
+        with handle.gathered_params():
+            whole = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out.append((logits, whole, handle.parameter_bytes()))
+    return out
+
+
+def test_a_reference_model_sharded_for_inference_keeps_its_shard_on_disk(root):
+    for rank, (memory, disk) in enumerate(run_ranks(_frozen_reference, 2, args=(root,))):
+        assert all(torch.equal(a, b) for a, b in zip(memory[0], disk[0])), f"rank {rank}: logits differ"
+        assert all(torch.equal(memory[1][n], disk[1][n]) for n in memory[1]), f"rank {rank}: parameters differ"
+        in_memory, on_disk = memory[2], disk[2]
+        assert on_disk["shard"] == 0 and 0 <= on_disk["disk"] - in_memory["shard"] < 4096, (in_memory, on_disk)
+        assert on_disk["resident"] <= 2 * 4096, on_disk  # the pages at the ends of the last ranges read
+    from zerofast import shard_frozen
+
+    with pytest.raises(ValueError, match="it has no optimizer state to offload"):
+        shard_frozen(torch.nn.Linear(2, 2), offload="disk:/x")
+
+
+def _failed_read(rank, world, root):
+    model = _nested()
+    opt = ZeroAdam(model, **_options(None, 1.0), offload=OffloadPolicy(path=root, params="disk"))
+    _train(model, opt, rank, 0, 1)
+    files = parts_of(opt).files
+    before = [p[2].clone() for p in opt.checkpoint_view.trainable.state_pieces("master")]
+
+    def fail(path):
+        raise OSError(5, "Input/output error")
+
+    files.fail_read = fail
+    x, y = rank_batch(model, 1, rank)
+    try:
+        model_loss(model, x, y)
+        error = None
+    except OffloadError as e:
+        error = str(e)
+    after = [p[2] for p in opt.checkpoint_view.trainable.state_pieces("master")]
+    return error, files.folder, all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_a_failed_read_names_the_file_and_the_rank(root):
+    [(error, folder, unchanged)] = run_ranks(_failed_read, 1, args=(root,), fresh=True)
+    assert error is not None and "rank 0 could not read" in error and "Input/output error" in error, error
+    assert os.path.join(folder, "param_shard") in error, error
+    assert unchanged  # nothing was applied

@@ -54,17 +54,19 @@ gradient shard and frozen parameters' shard are files under `path` (stores.py's 
 shared and handed to the optimizer as its flat tensors, so every reader and writer of a shard (the
 unit gathers, the reduces in the compiled BucketComm, the fused kernel, the guard's writes,
 checkpoints, generation) runs unchanged and the run is bitwise the same as in memory. What stays
-resident is bounded, not the model's size: a unit's shard pages are read as its gather starts (the
-copy into the unit buffer, as far ahead as stage 3 prefetches) and dropped once copied; the pages the
+resident is bounded, not the model's size: a unit's shard is read as its gather starts (explicit
+reads of the file into the unit buffer, as far ahead as stage 3 prefetches: no page of the mapping
+becomes resident, and a failed read is an OffloadError naming the file and the rank); the pages the
 reduces wrote are dropped at every unit's release (a reduce still in flight is safe: a shared file
 mapping's dirty pages stay in the page cache); the step drops each run's (each window chunk's)
 parameter and gradient pages after the kernel wrote them. So a rank holds the units in flight, the
 gradient buckets in flight and, state on disk, the window; the files and the page cache hold the rest
 (the kernel writes dirty pages back and reclaims clean ones under memory pressure). Not done here:
-the files are read by page faults, not by explicit reads, so a failing disk is the kernel's SIGBUS,
-not an OffloadError (the files are preallocated at construction, so a full disk is named then, with
-the bytes needed and free); the GPU's pinned buffers and side-stream copies are not built (a CUDA
-model's params= is a named error).
+the step reads the gradient shard and writes the parameter shard through the mapping, so a disk
+failing there is the kernel's SIGBUS, or an error the kernel reports at its writeback, not an
+OffloadError (the files are preallocated at construction, so a full disk is named then, with the
+bytes needed and free); the GPU's pinned buffers and side-stream copies are not built (a CUDA model's
+params= is a named error).
 
 [Note: files of a killed job]
 Each optimizer writes under PATH/zerofast-<host>-<pid>-<id>/ with a lock file it holds (flock) for

@@ -435,9 +435,11 @@ class ShardFiles:
     placement = "disk"
 
     def __init__(self, specs: list[StateSpec], root: str, rank: int):
-        self.specs, self.root = [s for s in specs if s.numel], root
+        self.specs, self.root, self.rank = [s for s in specs if s.numel], root, rank
         self.folder, self._lock = _make_folder(root)
-        self._finalizer = weakref.finalize(self, _remove_folder, self.folder, self._lock)
+        self._fds: dict[str, int] = {}  # read-only: the gathers' explicit reads (read_into)
+        self._finalizer = weakref.finalize(self, _close_files, self._fds, self.folder, self._lock)
+        self.fail_read: Callable[[str], None] | None = None  # a test's fault: (file) -> raise
         need, free = file_bytes(self.specs), shutil.disk_usage(self.folder).free
         if need > free:
             self.close()
@@ -455,7 +457,8 @@ class ShardFiles:
                     _preallocate(fd, _round_up(s.nbytes, PAGE))
                     self._maps[s.name] = mmap.mmap(fd, s.nbytes, access=mmap.ACCESS_WRITE)
                 finally:
-                    os.close(fd)  # the mapping keeps the file: nothing is left open but it
+                    os.close(fd)  # the mapping keeps the file
+                self._fds[s.name] = os.open(path, os.O_RDONLY)
             except OSError as e:
                 self.close()
                 raise OffloadError(
@@ -466,6 +469,34 @@ class ShardFiles:
     @property
     def disk_bytes(self) -> int:
         return file_bytes(self.specs)
+
+    def reader(self, name: str) -> Callable[[int, torch.Tensor], None]:
+        """read_into for `name`'s file (a no-op reader for an empty one)."""
+        return lambda lo, dst: self.read_into(name, lo, dst)
+
+    def read_into(self, name: str, lo: int, dst: torch.Tensor) -> None:
+        """Elements [lo, lo + dst.numel()) of `name` into the contiguous CPU tensor `dst`, by explicit
+        reads of the file (through the page cache, coherent with the mapping's writes; no page of the
+        mapping becomes resident): a unit's gather. A failed read is an OffloadError naming the file
+        and the rank."""
+        nbytes = dst.numel() * dst.element_size()
+        if nbytes == 0:
+            return
+        path, offset, done = os.path.join(self.folder, name), lo * dst.element_size(), 0
+        view = _bytes_of(dst, nbytes)
+        try:
+            if self.fail_read is not None:
+                self.fail_read(path)
+            while done < nbytes:
+                n = os.preadv(self._fds[name], [view[done:]], offset + done)
+                if n <= 0:
+                    raise OSError(f"read returned {n} at byte {offset + done}")
+                done += n
+        except OSError as e:
+            raise OffloadError(
+                f"OffloadPolicy(path={self.root!r}, params='disk'): rank {self.rank} could not read {nbytes} bytes at "
+                f"byte {offset} of {path}: {e}"
+            ) from e
 
     def let_go(self, name: str, lo: int = 0, numel: int | None = None) -> None:
         """Drop the resident pages of elements [lo, lo + numel) of `name` (None: to its end), the pages
@@ -597,6 +628,13 @@ def _close(fds: dict, direct: dict, folder: str, lock: int, pool: cf.ThreadPoolE
         os.close(fd)
     fds.clear()
     direct.clear()
+    _remove_folder(folder, lock)
+
+
+def _close_files(fds: dict, folder: str, lock: int) -> None:
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
     _remove_folder(folder, lock)
 
 

@@ -292,5 +292,7 @@ def _shard_params(
         let_go=files.let_go_all if files is not None else None,
         empty=shard.meta,
     )
+    for part, name in zip(buffers.parts, ("param_shard", "frozen_shard")) if files is not None else ():
+        part.read = files.reader(name)
     buffers.shard_out()
     return UnitTracker(model, hook_needs(model, layouts.unit_params, layouts.unit_plan), buffers)

@@ -35,10 +35,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .._hook_classes import own_classes, restore_classes
-from ..config import precision_policy, unit_policy
+from ..config import offload_policy, precision_policy, unit_policy
 from ..guard.modules import holders
 from ..guard.params import forget, manage
 from ..model_setup import check_plain_parameters, in_precision, join_ranks
+from ..offload import ShardFiles, StateSpec
 from ..topology import ReplicaSource, check_process_group, data_parallel_group, second_group
 from .frozen import FrozenShard, frozen_part
 from .module import ShardedModule
@@ -55,10 +56,17 @@ class ShardedFrozenModel(ShardedModule):
     full_state_dict(): the same handle, zerofast/stage3/module.py)."""
 
     def __init__(
-        self, model: nn.Module, units: UnitTracker, frozen: FrozenShard, hooks: list, slots: list, module_classes: dict
+        self,
+        model: nn.Module,
+        units: UnitTracker,
+        frozen: FrozenShard,
+        hooks: list,
+        slots: list,
+        module_classes: dict,
+        files: ShardFiles | None = None,
     ):
         super().__init__(model, units, hooks)
-        self._frozen = frozen
+        self._frozen, self.files = frozen, files  # files: the shard on disk (offload=), removed with the model
         self._slots, self._module_classes = slots, module_classes  # [Note: the model stays a torch model]
 
     @property
@@ -67,13 +75,17 @@ class ShardedFrozenModel(ShardedModule):
         return self._frozen.dtype
 
     def parameter_bytes(self) -> dict[str, int]:
-        """This rank's parameter storage now: "shard" (its part of every unit) and "gathered" (the
-        unit buffers that exist at the moment)."""
+        """This rank's parameter storage now: "shard" (its part of every unit, in memory) and
+        "gathered" (the unit buffers that exist at the moment); with the shard on disk "shard" is 0,
+        "disk" the file's bytes and "resident" its pages this process holds now."""
         shard = self._frozen.shard
-        return {
-            "shard": shard.numel() * shard.element_size(),
+        out = {
+            "shard": 0 if self.files else shard.numel() * shard.element_size(),
             "gathered": sum(b.untyped_storage().nbytes() for b in self._frozen.buffers),
         }
+        if self.files is not None:
+            out.update(disk=self.files.disk_bytes, resident=self.files.resident_bytes())
+        return out
 
     def remove_hooks(self) -> None:
         """Take every hook off the model (its parameters stay views of released unit buffers: the
@@ -86,7 +98,7 @@ class ShardedFrozenModel(ShardedModule):
 
 
 def shard_frozen(
-    model: nn.Module, process_group: dist.ProcessGroup | None = None, *, mixed_precision=None, units=None
+    model: nn.Module, process_group: dist.ProcessGroup | None = None, *, mixed_precision=None, units=None, offload=None
 ) -> ShardedFrozenModel:
     """Shard `model` for inference only across `process_group` (None: the world; a 2-D DeviceMesh:
     every rank of it), as stage-3 units with no optimizer: each rank keeps 1/N of the parameters,
@@ -94,9 +106,13 @@ def shard_frozen(
     Every parameter is frozen; every rank calls it, with the same model (rank 0's values are
     broadcast). mixed_precision: None (the model's own dtype), "bf16", "fp16" or a
     MixedPrecisionPolicy: the policy's, so that a reference model loaded from the same weights
-    gives the policy's log-probs bitwise. units: stage 3's units as ZeroAdam takes them."""
+    gives the policy's log-probs bitwise. units: stage 3's units as ZeroAdam takes them. offload:
+    OffloadPolicy(params="disk", path=PATH) (or "host": on a CPU model nothing moves): this rank's
+    shard in a file, as ZeroAdam's stage 3 keeps its own ([Note: parameters on disk] in
+    zerofast/offload/__init__.py); a frozen model has no optimizer state, so state= is an error."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"{WHO}: model must be an nn.Module; got {type(model).__name__}")
+    placement = _params_placement(offload)
     if model in _SHARDED:
         raise ValueError(
             f"{WHO}: this {type(model).__name__} is sharded already (shard_frozen was called on it before)"
@@ -118,17 +134,46 @@ def shard_frozen(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     named, plan, layout, bucket_of = inference_plan(model, param_dtype, unit_p, world, WHO)
     params = [p for _, p in named]
-    frozen, comm = frozen_part(named, layout, bucket_of, rank, group, second_group(group, group), params[0].dtype)
-    buffers = UnitBuffers(frozen.buffers, frozen.shard, frozen.layout, rank, comm, frozen.bucket_of)
+    files = None
+    if placement is not None:
+        if params[0].device.type != "cpu":
+            raise NotImplementedError(
+                f"{WHO}: offload=OffloadPolicy(params={placement.params!r}) is built for models on the CPU; on "
+                f"{params[0].device} the shard's copies to and from the device are not built yet"
+            )
+        if placement.params == "disk":
+            spec = StateSpec("frozen_shard", params[0].dtype, layout.shard_numel(rank))
+            files = ShardFiles([spec], placement.path, dist.get_rank())
+    shard = files.tensors["frozen_shard"] if files is not None else None
+    frozen, comm = frozen_part(
+        named, layout, bucket_of, rank, group, second_group(group, group), params[0].dtype, shard=shard
+    )
+    let_go = files.let_go_all if files is not None else None
+    buffers = UnitBuffers(frozen.buffers, frozen.shard, frozen.layout, rank, comm, frozen.bucket_of, let_go=let_go)
+    if files is not None:
+        buffers.parts[0].read = files.reader("frozen_shard")
     buffers.shard_out()
     # [Note: the model stays a torch model] in zerofast/guard/__init__.py
     slots = manage(named, WHO)
     module_classes = own_classes(holders(model, params))
     buffers.guard([slots])
     tracker = UnitTracker(model, hook_needs(model, params, plan), buffers)
-    handle = ShardedFrozenModel(model, tracker, frozen, hooks, slots, module_classes)
+    handle = ShardedFrozenModel(model, tracker, frozen, hooks, slots, module_classes, files)
     _SHARDED[model] = handle
     return handle
+
+
+def _params_placement(offload):
+    """shard_frozen's offload=: None, or an OffloadPolicy with params= and no state."""
+    if offload is None:
+        return None
+    policy = offload_policy(offload, WHO)
+    if policy.state is not None or policy.params is None:
+        raise ValueError(
+            f"{WHO}: offload places the parameters of a model sharded for inference: OffloadPolicy(params='disk', "
+            f"path=PATH) or params='host'; it has no optimizer state to offload; got {offload!r}"
+        )
+    return policy
 
 
 def sharded_frozen_of(model: nn.Module) -> ShardedFrozenModel | None:

@@ -89,6 +89,8 @@ class UnitPart:
     follow: Callable[[int, int], None] | None = None
     in_files: bool = False  # the shard is a file's mapping ([Note: parameters on disk]): not counted as memory
     empty: bool = False  # built on the meta device: the buffers hold nothing to shard out (the shard stays 0)
+    # the shard in a file: read (offset, into) by explicit reads, a failure named ([Note: parameters on disk])
+    read: Callable[[int, torch.Tensor], None] | None = None
 
 
 class UnitBuffers:
@@ -177,7 +179,10 @@ class UnitBuffers:
             buf = part.buffers[b]
             buf.untyped_storage().resize_(buf.numel() * buf.element_size())
             lo, hi = part.layout.owned_range(b, self.rank)
-            buf[lo:hi].copy_(part.shard[offsets[b] : offsets[b] + hi - lo])
+            if part.read is not None:
+                part.read(offsets[b], buf[lo:hi])
+            else:
+                buf[lo:hi].copy_(part.shard[offsets[b] : offsets[b] + hi - lo])
             part.comm.gather_start(b, buf)
         if self._let_go is not None:
             self._let_go()
