@@ -438,8 +438,10 @@ class ShardFiles:
         self.specs, self.root, self.rank = [s for s in specs if s.numel], root, rank
         self.folder, self._lock = _make_folder(root)
         self._fds: dict[str, int] = {}  # read-only: the gathers' explicit reads (read_into)
-        self._finalizer = weakref.finalize(self, _close_files, self._fds, self.folder, self._lock)
+        self._wfds: dict[str, int] = {}  # the offloaded step's explicit writes (write_from)
+        self._finalizer = weakref.finalize(self, _close_files, [self._fds, self._wfds], self.folder, self._lock)
         self.fail_read: Callable[[str], None] | None = None  # a test's fault: (file) -> raise
+        self.fail_write: Callable[[str], None] | None = None
         need, free = file_bytes(self.specs), shutil.disk_usage(self.folder).free
         if need > free:
             self.close()
@@ -459,6 +461,7 @@ class ShardFiles:
                 finally:
                     os.close(fd)  # the mapping keeps the file
                 self._fds[s.name] = os.open(path, os.O_RDONLY)
+                self._wfds[s.name] = os.open(path, os.O_WRONLY)
             except OSError as e:
                 self.close()
                 raise OffloadError(
@@ -495,6 +498,27 @@ class ShardFiles:
         except OSError as e:
             raise OffloadError(
                 f"OffloadPolicy(path={self.root!r}, params='disk'): rank {self.rank} could not read {nbytes} bytes at "
+                f"byte {offset} of {path}: {e}"
+            ) from e
+
+    def write_from(self, name: str, lo: int, src: torch.Tensor) -> None:
+        """The contiguous CPU tensor `src` into elements [lo, lo + src.numel()) of `name`, by explicit
+        writes (coherent with the mapping): the offloaded step's updated parameters. A failed write is
+        an OffloadError naming the file and the rank."""
+        nbytes = src.numel() * src.element_size()
+        path, offset, done = os.path.join(self.folder, name), lo * src.element_size(), 0
+        view = _bytes_of(src, nbytes)
+        try:
+            if self.fail_write is not None:
+                self.fail_write(path)
+            while done < nbytes:
+                n = os.pwrite(self._wfds[name], view[done:], offset + done)
+                if n <= 0:
+                    raise OSError(f"write returned {n} at byte {offset + done}")
+                done += n
+        except OSError as e:
+            raise OffloadError(
+                f"OffloadPolicy(path={self.root!r}, params='disk'): rank {self.rank} could not write {nbytes} bytes at "
                 f"byte {offset} of {path}: {e}"
             ) from e
 
@@ -631,10 +655,11 @@ def _close(fds: dict, direct: dict, folder: str, lock: int, pool: cf.ThreadPoolE
     _remove_folder(folder, lock)
 
 
-def _close_files(fds: dict, folder: str, lock: int) -> None:
-    for fd in fds.values():
-        os.close(fd)
-    fds.clear()
+def _close_files(tables: list[dict], folder: str, lock: int) -> None:
+    for fds in tables:
+        for fd in fds.values():
+            os.close(fd)
+        fds.clear()
     _remove_folder(folder, lock)
 
 

@@ -33,6 +33,7 @@ class ShardSide(Protocol):
     plan: object
     pieces: list
     follows_params: bool
+    files: object  # stage 3's shards in files (stores.ShardFiles), or None
 
     def runs(self, used: list[bool], group_of: list[int]) -> list: ...
 
@@ -282,10 +283,27 @@ class OffloadedUpdate:
             self._follow_writes(())
         grads = self._grad_snapshot(runs) if delayed else None
         staged: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        # Stage 3's shards in files beside the state on disk: the step reads the gradients and writes
+        # the parameters by explicit I/O, so a failure is an OffloadError naming the file and the rank,
+        # settled all or none with the state's ([Note: parameters on disk] in __init__.py).
+        files = shard.files if isinstance(self.store, DiskState) and not delayed else None
+        scratch: dict[str, torch.Tensor] = {}
+
+        def buffer(name: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
+            if name not in scratch or scratch[name].numel() < numel:
+                scratch[name] = torch.empty(max(numel, self.store.chunk), dtype=dtype)
+            return scratch[name][:numel]
 
         def step(payload, lo: int, hi: int, views: dict[str, torch.Tensor]) -> None:
             run, hyper = payload
             at = run.bucket_lo + lo - run.state_lo
+            if files is not None:  # stage 3: the shards' index is the state's; no copy to follow
+                grad = buffer("grad", shard.grad_shard.dtype, hi - lo)
+                files.read_into("grad_shard", lo, grad)
+                copy = buffer("param", shard.param_shard.dtype, hi - lo)
+                shard.step_range(views, grad, param_copy=copy, follow_copy=False, **hyper)
+                files.write_from("param_shard", lo, copy)
+                return
             if grads is None:
                 grad = shard.grad_range(run.bucket, at, slice(lo, hi))
                 grad = grad if grad.device.type == "cpu" else grad.to("cpu")
