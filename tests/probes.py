@@ -71,3 +71,28 @@ def held_tensor_bytes(root) -> int:
         elif hasattr(obj, "__dict__"):
             stack.extend(vars(obj).values())
     return sum(n for ptr, n in storages.items() if ptr)
+
+
+def state_snapshot(model, opt) -> dict:
+    """Everything a step leaves behind, rank-local: the parameters (gathered), the fp32 master and
+    the moments as this rank's pieces, the step counts and the loss scale."""
+    with opt.gathered_params():
+        params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    view = opt.checkpoint_view
+    return dict(
+        params=params,
+        **{k: view.trainable.state_pieces(k) for k in ("master", "exp_avg", "exp_avg_sq")},
+        steps=view.step_counts(),
+        scale=opt.loss_scale,
+    )
+
+
+def snapshot_differs(a: dict, b: dict) -> list[str]:
+    """What differs, bitwise, between two state_snapshot()s: parameter names, then state kinds."""
+    bad = [n for n in a["params"] if not torch.equal(a["params"][n], b["params"][n])]
+    for kind in ("master", "exp_avg", "exp_avg_sq"):
+        if not all(x[:2] == y[:2] and torch.equal(x[2], y[2]) for x, y in zip(a[kind], b[kind])):
+            bad.append(kind)
+    if a["steps"] != b["steps"] or a["scale"] != b["scale"]:
+        bad.append("steps/scale")
+    return bad

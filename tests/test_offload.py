@@ -31,16 +31,16 @@ import torch.distributed as dist
 from harness import free_port, run_ranks
 from models import Nested, model_loss
 from oracles import single_process, single_process_delayed
-from probes import full_master
+from probes import full_master, snapshot_differs, state_snapshot
 from tolerances import HYPER, fp32_tol, max_abs_diff
-from training import rank_batch, zero_options
+from training import rank_batch, train_accumulated, zero_options
 
 from zerofast import MixedPrecisionPolicy, OffloadError, OffloadPolicy, StepNotAppliedError, ZeroAdam, ZeroMuon
 from zerofast import checkpoint as ck
 from zerofast.config import OFFLOAD_STATES
 from zerofast.optim.zero_adam import parts_of
 
-STEPS, MICRO = 3, 2
+STEPS = 3
 WINDOW_MB = 0.15  # ~157 KB: chunks of 4096 elements (the least), so the Nested model's shard spans several
 
 
@@ -80,42 +80,6 @@ def _pair(stage, precision, bits, clip, offload, **comm):
     return out
 
 
-def _train(model, opt, rank, start, steps, micro=MICRO):
-    for step in range(start, start + steps):
-        for m in range(micro):
-            x, y = rank_batch(model, 10 * step + m, rank)
-            if m < micro - 1:
-                with opt.no_sync():
-                    opt.backward(model_loss(model, x, y))
-            else:
-                opt.backward(model_loss(model, x, y))
-        opt.step()
-        opt.zero_grad()
-
-
-def _snapshot(model, opt) -> dict:
-    with opt.gathered_params():
-        params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    view = opt.checkpoint_view
-    return dict(
-        params=params,
-        **{k: view.trainable.state_pieces(k) for k in ("master", "exp_avg", "exp_avg_sq")},
-        steps=view.step_counts(),
-        scale=opt.loss_scale,
-    )
-
-
-def _same(a: dict, b: dict) -> list[str]:
-    """What differs between two snapshots (bitwise)."""
-    bad = [n for n in a["params"] if not torch.equal(a["params"][n], b["params"][n])]
-    for kind in ("master", "exp_avg", "exp_avg_sq"):
-        if not all(x[:2] == y[:2] and torch.equal(x[2], y[2]) for x, y in zip(a[kind], b[kind])):
-            bad.append(kind)
-    if a["steps"] != b["steps"] or a["scale"] != b["scale"]:
-        bad.append("steps/scale")
-    return bad
-
-
 # --- bitwise equal to the state in memory ------------------------------------------------------------
 
 CASES = [  # (world, stage, precision, state bits, max_grad_norm, CommPolicy fields)
@@ -138,10 +102,10 @@ def _bitwise_cases(rank, world, root, cases):
         disk = OffloadPolicy("disk", root, window_mb=WINDOW_MB, direct_io=True)  # the page cache: below
         (a, oa), (b, ob) = _pair(stage, precision, bits, clip, disk, **comm)
         for model, opt in ((a, oa), (b, ob)):
-            _train(model, opt, rank, 0, STEPS)
+            train_accumulated(model, opt, rank, 0, STEPS)
         report = ob.report()
         out[str(case)] = dict(
-            differs=_same(_snapshot(a, oa), _snapshot(b, ob)),
+            differs=snapshot_differs(state_snapshot(a, oa), state_snapshot(b, ob)),
             offload=report.offload,
             memory=report.memory,
             shard=parts_of(ob).shard.exp_avg.numel(),
@@ -151,8 +115,11 @@ def _bitwise_cases(rank, world, root, cases):
         )
         # "host" on the CPU: the state is in host memory already; the same optimizer
         (c, oc) = _pair(stage, precision, bits, clip, "host", **comm)[1]
-        _train(c, oc, rank, 0, STEPS)
-        out[str(case)]["host"] = (_same(_snapshot(a, oa), _snapshot(c, oc)), oc.report().offload.state)
+        train_accumulated(c, oc, rank, 0, STEPS)
+        out[str(case)]["host"] = (
+            snapshot_differs(state_snapshot(a, oa), state_snapshot(c, oc)),
+            oc.report().offload.state,
+        )
     return out
 
 
@@ -181,8 +148,8 @@ def _through_the_page_cache(rank, world, roots):
     for root, direct in roots:
         (a, oa), (b, ob) = _pair(2, "bf16", 8, 1.0, OffloadPolicy("disk", root, window_mb=WINDOW_MB, direct_io=direct))
         for model, opt in ((a, oa), (b, ob)):
-            _train(model, opt, rank, 0, STEPS)
-        out.append((_same(_snapshot(a, oa), _snapshot(b, ob)), ob.report().offload.direct_io))
+            train_accumulated(model, opt, rank, 0, STEPS)
+        out.append((snapshot_differs(state_snapshot(a, oa), state_snapshot(b, ob)), ob.report().offload.direct_io))
     return out
 
 
@@ -197,9 +164,9 @@ def test_without_direct_io_the_step_is_the_same(root):
 
 def _failed_write(rank, world, root, stage, precision):
     (a, oa), (b, ob) = _pair(stage, precision, 32, 1.0, OffloadPolicy("disk", root, window_mb=WINDOW_MB))
-    _train(a, oa, rank, 0, STEPS)
-    _train(b, ob, rank, 0, 1)
-    before = _snapshot(b, ob)
+    train_accumulated(a, oa, rank, 0, STEPS)
+    train_accumulated(b, ob, rank, 0, 1)
+    before = state_snapshot(b, ob)
     store = parts_of(ob).store
 
     def full_disk(path, chunk):
@@ -208,14 +175,19 @@ def _failed_write(rank, world, root, stage, precision):
 
     store.fail_write = full_disk
     try:
-        _train(b, ob, rank, 1, 1)
+        train_accumulated(b, ob, rank, 1, 1)
         raised = None
     except (OffloadError, StepNotAppliedError) as e:
         raised = (type(e).__name__, str(e), "\n".join(getattr(e, "__notes__", [])))
-    after = _snapshot(b, ob)
+    after = state_snapshot(b, ob)
     store.fail_write = None
-    _train(b, ob, rank, 1, STEPS - 1)  # the same batches again: the failed step never happened
-    return raised, _same(before, after), _same(_snapshot(a, oa), _snapshot(b, ob)), ob.report().offload.folder
+    train_accumulated(b, ob, rank, 1, STEPS - 1)  # the same batches again: the failed step never happened
+    return (
+        raised,
+        snapshot_differs(before, after),
+        snapshot_differs(state_snapshot(a, oa), state_snapshot(b, ob)),
+        ob.report().offload.folder,
+    )
 
 
 @pytest.mark.parametrize("stage, precision", [(2, "bf16"), (3, None)])
@@ -335,9 +307,9 @@ def test_the_resident_state_is_the_window(root):
 def _save(rank, world, path, offload, stage, precision):
     model = _nested()
     opt = ZeroAdam(model, **_options(stage, precision, 32, 1.0), offload=offload)
-    _train(model, opt, rank, 0, STEPS)
+    train_accumulated(model, opt, rank, 0, STEPS)
     ck.save(path, model, opt)
-    return _snapshot(model, opt)
+    return state_snapshot(model, opt)
 
 
 def _load(rank, world, path, offload, stage, precision):
@@ -348,7 +320,7 @@ def _load(rank, world, path, offload, stage, precision):
             p.normal_()  # other values: everything must come from the checkpoint
     opt = ZeroAdam(model, **_options(stage, precision, 32, 1.0), offload=offload)
     ck.load(path, model, opt)
-    return _snapshot(model, opt)
+    return state_snapshot(model, opt)
 
 
 def _full(snapshots, kind):

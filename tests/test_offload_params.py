@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 from harness import run_ranks
 from models import Nested, model_loss
+from probes import snapshot_differs, state_snapshot
 from tolerances import HYPER
-from training import rank_batch, zero_options
+from training import rank_batch, train_accumulated, zero_options
 
 from zerofast import OffloadError, OffloadPolicy, StepNotAppliedError, UnitPolicy, ZeroAdam, estimate_memory
 from zerofast import checkpoint as ck
@@ -37,7 +38,7 @@ from zerofast.config import resolve_plan
 from zerofast.offload import ShardFiles, open_shard_files, shard_specs
 from zerofast.optim.zero_adam import parts_of
 
-STEPS, MICRO = 3, 2
+STEPS = 3
 
 
 @pytest.fixture
@@ -62,19 +63,6 @@ def _options(precision, clip, **comm):
     return dict(kw, max_grad_norm=clip, **HYPER)
 
 
-def _train(model, opt, rank, start, steps):
-    for step in range(start, start + steps):
-        for m in range(MICRO):
-            x, y = rank_batch(model, 10 * step + m, rank)
-            if m < MICRO - 1:
-                with opt.no_sync():
-                    opt.backward(model_loss(model, x, y))
-            else:
-                opt.backward(model_loss(model, x, y))
-        opt.step()
-        opt.zero_grad()
-
-
 def _writes(model, opt):
     """What users do between steps: a write outside forward (the guard's path into the shard) and one
     inside gathered_params() (kept at its end); the delayed update's in flight applied first, as its
@@ -84,28 +72,6 @@ def _writes(model, opt):
         model.backbone.layers[2][1].weight.mul_(0.5)
     with opt.gathered_params(), torch.no_grad():
         model.backbone.layers[0][3].bias.add_(0.25)
-
-
-def _snapshot(model, opt) -> dict:
-    with opt.gathered_params():
-        params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    view = opt.checkpoint_view
-    return dict(
-        params=params,
-        **{k: view.trainable.state_pieces(k) for k in ("master", "exp_avg", "exp_avg_sq")},
-        steps=view.step_counts(),
-        scale=opt.loss_scale,
-    )
-
-
-def _differs(a: dict, b: dict) -> list[str]:
-    bad = [n for n in a["params"] if not torch.equal(a["params"][n], b["params"][n])]
-    for kind in ("master", "exp_avg", "exp_avg_sq"):
-        if not all(x[:2] == y[:2] and torch.equal(x[2], y[2]) for x, y in zip(a[kind], b[kind])):
-            bad.append(kind)
-    if a["steps"] != b["steps"] or a["scale"] != b["scale"]:
-        bad.append("steps/scale")
-    return bad
 
 
 # --- bitwise the shards in memory ----------------------------------------------------------------------
@@ -134,9 +100,9 @@ def _bitwise_cases(rank, world, root, cases):
             model = _nested(frozen)
             group = dist.new_group(list(range(world)))
             opt = ZeroAdam(model, **_options(precision, clip, **comm), process_group=group, offload=policy)
-            _train(model, opt, rank, 0, STEPS)
+            train_accumulated(model, opt, rank, 0, STEPS)
             _writes(model, opt)
-            _train(model, opt, rank, STEPS, 1)
+            train_accumulated(model, opt, rank, STEPS, 1)
             runs.append((model, opt))
         (a, oa), (b, ob) = runs
         x, _ = rank_batch(a, 99, rank)
@@ -156,7 +122,7 @@ def _bitwise_cases(rank, world, root, cases):
         )
         parts = parts_of(ob)
         out[str(case)] = dict(
-            differs=_differs(_snapshot(a, oa), _snapshot(b, ob)),
+            differs=snapshot_differs(state_snapshot(a, oa), state_snapshot(b, ob)),
             same_logits=torch.equal(*logits),
             frozen=frozen,
             offload=report.offload,
@@ -170,11 +136,15 @@ def _bitwise_cases(rank, world, root, cases):
         host_policy = OffloadPolicy(state, path if state == "disk" else None, delayed_update=delayed, params="host")
         model = _nested(frozen)
         opt = ZeroAdam(model, **_options(precision, clip, **comm), offload=host_policy)
-        _train(model, opt, rank, 0, STEPS)
+        train_accumulated(model, opt, rank, 0, STEPS)
         _writes(model, opt)
-        _train(model, opt, rank, STEPS, 1)
+        train_accumulated(model, opt, rank, STEPS, 1)
         host = opt.report()
-        out[str(case)]["host"] = (_differs(_snapshot(a, oa), _snapshot(model, opt)), host.offload.params, host.memory)
+        out[str(case)]["host"] = (
+            snapshot_differs(state_snapshot(a, oa), state_snapshot(model, opt)),
+            host.offload.params,
+            host.memory,
+        )
         folder = report.offload.params_folder
         del oa, ob, parts, runs, a, b, model, opt
         gc.collect()
@@ -293,9 +263,9 @@ def _stage_options(stage, precision):
 def _save(rank, world, path, offload, precision, stage=3):
     model = _nested(frozen=True)
     opt = ZeroAdam(model, **_stage_options(stage, precision), offload=offload)
-    _train(model, opt, rank, 0, STEPS)
+    train_accumulated(model, opt, rank, 0, STEPS)
     ck.save(path, model, opt)
-    return _snapshot(model, opt)
+    return state_snapshot(model, opt)
 
 
 def _load(rank, world, path, offload, precision, stage=3):
@@ -306,7 +276,7 @@ def _load(rank, world, path, offload, precision, stage=3):
             p.normal_()  # other values: everything must come from the checkpoint
     opt = ZeroAdam(model, **_stage_options(stage, precision), offload=offload)
     ck.load(path, model, opt)
-    return _snapshot(model, opt)
+    return state_snapshot(model, opt)
 
 
 def test_checkpoints_move_between_shards_on_disk_and_in_memory(root):
@@ -442,10 +412,10 @@ def _meta_cases(rank, world, root, cases):
         pieces = [o.checkpoint_view.trainable.state_pieces("master") for o in (oa, ob)]
         initial = all(x[:2] == y[:2] and torch.equal(x[2], y[2]) for x, y in zip(*pieces))
         for model, opt in runs:
-            _train(model, opt, rank, 0, STEPS)
+            train_accumulated(model, opt, rank, 0, STEPS)
         out[str((precision, on_disk, frozen))] = dict(
             initial=initial,
-            trained=_differs(_snapshot(a, oa), _snapshot(b, ob)),
+            trained=snapshot_differs(state_snapshot(a, oa), state_snapshot(b, ob)),
             devices={p.device.type for p in b.parameters()},
         )
     return out
@@ -517,7 +487,7 @@ def test_a_reference_model_sharded_for_inference_keeps_its_shard_on_disk(root):
 def _failed_read(rank, world, root):
     model = _nested()
     opt = ZeroAdam(model, **_options(None, 1.0), offload=OffloadPolicy(path=root, params="disk"))
-    _train(model, opt, rank, 0, 1)
+    train_accumulated(model, opt, rank, 0, 1)
     files = parts_of(opt).files
     before = [p[2].clone() for p in opt.checkpoint_view.trainable.state_pieces("master")]
 
@@ -551,9 +521,9 @@ def _failed_step_io(rank, world, root, which):
         group = dist.new_group(list(range(world)))
         runs.append((model, ZeroAdam(model, **_options("bf16", 1.0), process_group=group, offload=policy)))
     (a, oa), (b, ob) = runs
-    _train(a, oa, rank, 0, STEPS)
-    _train(b, ob, rank, 0, 1)
-    before = _snapshot(b, ob)
+    train_accumulated(a, oa, rank, 0, STEPS)
+    train_accumulated(b, ob, rank, 0, 1)
+    before = state_snapshot(b, ob)
     files = parts_of(ob).files
 
     def fault(path):
@@ -562,14 +532,19 @@ def _failed_step_io(rank, world, root, which):
 
     setattr(files, f"fail_{which}", fault)
     try:
-        _train(b, ob, rank, 1, 1)
+        train_accumulated(b, ob, rank, 1, 1)
         raised = None
     except (OffloadError, StepNotAppliedError) as e:
         raised = (type(e).__name__, str(e), "\n".join(getattr(e, "__notes__", [])))
-    after = _snapshot(b, ob)
+    after = state_snapshot(b, ob)
     setattr(files, f"fail_{which}", None)
-    _train(b, ob, rank, 1, STEPS - 1)  # the same batches again: the failed step never happened
-    return raised, _differs(before, after), _differs(_snapshot(a, oa), _snapshot(b, ob)), files.folder
+    train_accumulated(b, ob, rank, 1, STEPS - 1)  # the same batches again: the failed step never happened
+    return (
+        raised,
+        snapshot_differs(before, after),
+        snapshot_differs(state_snapshot(a, oa), state_snapshot(b, ob)),
+        files.folder,
+    )
 
 
 @pytest.mark.parametrize("which", ["read", "write"])

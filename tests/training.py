@@ -55,6 +55,23 @@ def train_steps(
     return losses
 
 
+def train_accumulated(model, opt, rank: int, start: int, steps: int, micro: int = 2) -> None:
+    """Steps [start, start + steps), each `micro` micro-batches of rank_batch(model, 10 * step + m), the
+    earlier backwards inside opt.no_sync(), through opt.backward (a model_loss model: Nested, GPT)."""
+    from models import model_loss
+
+    for step in range(start, start + steps):
+        for m in range(micro):
+            x, y = rank_batch(model, 10 * step + m, rank)
+            if m < micro - 1:
+                with opt.no_sync():
+                    opt.backward(model_loss(model, x, y))
+            else:
+                opt.backward(model_loss(model, x, y))
+        opt.step()
+        opt.zero_grad()
+
+
 def two_groups(model: torch.nn.Module) -> list[dict]:
     """Matrices in one group, vectors (biases, norms, rank0_only) in another with its own lr and wd."""
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -400,18 +400,11 @@ class DiskState:
         else:  # whole pages: the last chunk's tail reads and writes the file's padding
             nbytes = _round_up(nbytes, PAGE)
         view = _bytes_of(buf, nbytes)
-        offset, done = r.start * s.dtype.itemsize, 0
+        offset = r.start * s.dtype.itemsize
         try:
             if kind == "write" and self.fail_write is not None:
                 self.fail_write(self._path(g, s), k)
-            while done < nbytes:
-                if kind == "read":
-                    n = os.preadv(fd, [view[done:]], offset + done)
-                else:
-                    n = os.pwrite(fd, view[done:], offset + done)
-                if n <= 0:
-                    raise OSError(f"{kind} returned {n} at byte {offset + done} of {s.nbytes}")
-                done += n
+            _whole_io(kind, fd, view, offset)
         except OSError as e:
             raise OffloadError(
                 f"OffloadPolicy(path={self.root!r}): the {kind} of chunk {k} of {self._path(g, s)} "
@@ -480,46 +473,29 @@ class ShardFiles:
     def read_into(self, name: str, lo: int, dst: torch.Tensor) -> None:
         """Elements [lo, lo + dst.numel()) of `name` into the contiguous CPU tensor `dst`, by explicit
         reads of the file (through the page cache, coherent with the mapping's writes; no page of the
-        mapping becomes resident): a unit's gather. A failed read is an OffloadError naming the file
-        and the rank."""
-        nbytes = dst.numel() * dst.element_size()
-        if nbytes == 0:
-            return
-        path, offset, done = os.path.join(self.folder, name), lo * dst.element_size(), 0
-        view = _bytes_of(dst, nbytes)
-        try:
-            if self.fail_read is not None:
-                self.fail_read(path)
-            while done < nbytes:
-                n = os.preadv(self._fds[name], [view[done:]], offset + done)
-                if n <= 0:
-                    raise OSError(f"read returned {n} at byte {offset + done}")
-                done += n
-        except OSError as e:
-            raise OffloadError(
-                f"OffloadPolicy(path={self.root!r}, params='disk'): rank {self.rank} could not read {nbytes} bytes at "
-                f"byte {offset} of {path}: {e}"
-            ) from e
+        mapping becomes resident): a unit's gather, the offloaded step's gradients."""
+        self._transfer("read", name, lo, dst)
 
     def write_from(self, name: str, lo: int, src: torch.Tensor) -> None:
         """The contiguous CPU tensor `src` into elements [lo, lo + src.numel()) of `name`, by explicit
-        writes (coherent with the mapping): the offloaded step's updated parameters. A failed write is
-        an OffloadError naming the file and the rank."""
-        nbytes = src.numel() * src.element_size()
-        path, offset, done = os.path.join(self.folder, name), lo * src.element_size(), 0
-        view = _bytes_of(src, nbytes)
+        writes (coherent with the mapping): the offloaded step's updated parameters."""
+        self._transfer("write", name, lo, src)
+
+    def _transfer(self, kind: str, name: str, lo: int, t: torch.Tensor) -> None:
+        """One explicit read or write; a failure is an OffloadError naming the file and the rank."""
+        nbytes = t.numel() * t.element_size()
+        if nbytes == 0:
+            return
+        path, offset = os.path.join(self.folder, name), lo * t.element_size()
+        fault = self.fail_read if kind == "read" else self.fail_write
         try:
-            if self.fail_write is not None:
-                self.fail_write(path)
-            while done < nbytes:
-                n = os.pwrite(self._wfds[name], view[done:], offset + done)
-                if n <= 0:
-                    raise OSError(f"write returned {n} at byte {offset + done}")
-                done += n
+            if fault is not None:
+                fault(path)
+            _whole_io(kind, (self._fds if kind == "read" else self._wfds)[name], _bytes_of(t, nbytes), offset)
         except OSError as e:
             raise OffloadError(
-                f"OffloadPolicy(path={self.root!r}, params='disk'): rank {self.rank} could not write {nbytes} bytes at "
-                f"byte {offset} of {path}: {e}"
+                f"OffloadPolicy(path={self.root!r}, params='disk'): rank {self.rank} could not {kind} {nbytes} bytes "
+                f"at byte {offset} of {path}: {e}"
             ) from e
 
     def let_go(self, name: str, lo: int = 0, numel: int | None = None) -> None:
@@ -569,6 +545,20 @@ def resident_bytes_under(folder: str) -> int:
             elif inside and head[0] == "Rss:":
                 total += int(head[1]) * 1024
     return total
+
+
+def _whole_io(kind: str, fd: int, view: memoryview, offset: int) -> None:
+    """All of `view` read from (kind "read") or written to `fd` at byte `offset`, as many calls as the
+    kernel needs; OSError if one moves nothing."""
+    done = 0
+    while done < len(view):
+        if kind == "read":
+            n = os.preadv(fd, [view[done:]], offset + done)
+        else:
+            n = os.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(f"{kind} returned {n} at byte {offset + done}")
+        done += n
 
 
 def _bytes_of(t: torch.Tensor, nbytes: int) -> memoryview:
