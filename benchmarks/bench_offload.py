@@ -119,8 +119,10 @@ def build(case, root, rank, world):
 
     from zerofast.tools.models import make_gpt, random_batch
 
-    model = make_gpt("small")
     kind, *words = case.split()
+    wide = words[-1:] == ["@wide"]  # the GPT 1024 wide: parameter partitions DeepSpeed swaps (>= 1 MiB)
+    words = words[:-1] if wide else words
+    model = make_gpt("small", **WIDE) if wide else make_gpt("small")
     records = []
     counter = [0]
 
@@ -355,19 +357,27 @@ PARAMS_CASES = [
     "deepspeed 3 offload_optimizer=nvme offload_param=nvme",
 ]
 PARAMS_GROUP = "offload: 2 gloo ranks x 1 thread, GPT 6.4M params, batch 8x64, stage 3"
+# 1024 wide, 2 blocks (25.5M parameters, its MLP matrices 16 MiB in fp32): DeepSpeed's parameter
+# swapper takes partitions of 1 MiB and more only (MIN_AIO_BYTES), which the 256-wide GPT has none of.
+WIDE = dict(n_embd=1024, n_head=16, n_layer=2)
+WIDE_CASES = [f"{case} @wide" for case in ("s3 memory", "s3 infinity", "deepspeed 3", PARAMS_CASES[-1])]
+WIDE_GROUP = "offload: 2 gloo ranks x 1 thread, GPT 1024 wide x 2 blocks (25.5M), batch 8x64, stage 3"
 
 
 def _params_base(case: str) -> str:
-    return "s3 memory" if case.startswith("s3") else "deepspeed 3"
+    wide = " @wide" if case.endswith("@wide") else ""
+    return ("s3 memory" if case.startswith("s3") else "deepspeed 3") + wide
 
 
-def test_offload_params_interleaved(benchmark, record_ratios, record_not_run):
+@pytest.mark.parametrize("cases, group", [(PARAMS_CASES, PARAMS_GROUP), (WIDE_CASES, WIDE_GROUP)], ids=["", "wide"])
+def test_offload_params_interleaved(cases, group, benchmark, record_ratios, record_not_run):
     """ZeRO-Infinity: the step with stage 3's shards and state on disk against the same in memory,
-    DeepSpeed ZeRO 3 with offload_param and offload_optimizer on nvme against itself without."""
+    DeepSpeed ZeRO 3 with offload_param and offload_optimizer on nvme against itself without; "wide":
+    a model whose parameter partitions DeepSpeed swaps too."""
     root = _offload_root()
     try:
         times, records, errors = benchmark.pedantic(
-            _interleaved, args=(PARAMS_CASES, root, ROUNDS, STEPS_PER_ROUND), rounds=1, iterations=1
+            _interleaved, args=(cases, root, ROUNDS, STEPS_PER_ROUND), rounds=1, iterations=1
         )
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -376,9 +386,9 @@ def test_offload_params_interleaved(benchmark, record_ratios, record_not_run):
         f"files on {filesystem(root)}; step ms: the whole step (forward, backward, opt.step()), medians over "
         f"{ROUNDS} rounds x {STEPS_PER_ROUND} steps; x base: against the same library in memory"
     )
-    record_ratios(f"{PARAMS_GROUP}, interleaved", lines)
+    record_ratios(f"{group}, interleaved", lines)
     for case, reason in errors.items():
-        record_not_run(PARAMS_GROUP, case, reason)
+        record_not_run(group, case, reason)
     benchmark.extra_info.update({f"{case} ms": 1e3 * m for case, m in medians.items()})
 
 
