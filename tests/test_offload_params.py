@@ -560,3 +560,44 @@ def test_a_failed_read_or_write_in_the_step_applies_it_on_no_rank(which, root):
             assert kind == "StepNotAppliedError" and "rank 1 could not write" in message, message
         assert changed == [], f"rank {rank}: the failed step changed {changed}"
         assert differs == [], f"rank {rank}: after the failure, training differs from the run in memory: {differs}"
+
+
+# --- a Hugging Face model from its config: training, then generation of another length per rank -------
+
+
+def _hf_llama(rank, world, root):
+    from models import tiny_llama
+
+    runs = []
+    for policy in (None, OffloadPolicy("disk", os.path.join(root, "hf"), params="disk")):
+        model = tiny_llama()
+        group = dist.new_group(list(range(world)))
+        opt = ZeroAdam(
+            model, stage=3, mixed_precision="bf16", max_grad_norm=1.0, process_group=group, offload=policy, **HYPER
+        )
+        for step in range(2):
+            ids = torch.randint(4, 32, (2, 8), generator=torch.Generator().manual_seed(100 * step + rank))
+            opt.backward(model(ids, labels=ids).loss)
+            opt.step()
+            opt.zero_grad()
+        model.eval()
+        prompt = torch.randint(4, 32, (1, 4), generator=torch.Generator().manual_seed(rank))
+        with torch.no_grad():  # outside the block, unit by unit; each rank its own length (synced_gpus)
+            generated = model.generate(prompt, max_new_tokens=2 + 2 * rank, do_sample=False, synced_gpus=True)
+            with opt.gathered_params():  # inside: a plain loop, another number of forwards per rank
+                ids = prompt
+                for _ in range(1 + rank):
+                    ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
+        runs.append((state_snapshot(model, opt), generated, ids))
+    (a, gen_a, loop_a), (b, gen_b, loop_b) = runs
+    return snapshot_differs(a, b), torch.equal(gen_a, gen_b), gen_b.shape[1], torch.equal(loop_a, loop_b)
+
+
+def test_a_hugging_face_model_trains_and_generates_with_its_shards_on_disk(root):
+    """tiny_llama built from its config (random weights, no download), bf16 with clipping: bitwise the
+    run with the shards in memory; then generate() of a different length per rank outside
+    gathered_params() and a plain loop of a different number of forwards inside it, the same tokens."""
+    for rank, (differs, same_generated, length, same_loop) in enumerate(run_ranks(_hf_llama, 2, args=(root,))):
+        assert differs == [], (rank, differs)
+        assert same_generated and length == 4 + 2 + 2 * rank, (rank, length)
+        assert same_loop, rank
