@@ -122,8 +122,8 @@ class UnitBuffers:
     ):
         """follow: the trainable part's UnitPart.follow; before_write: raises if the shard may not be
         written now (the delayed update in flight); let_go: the shards are files' mappings, whose
-        resident pages this drops after each gather starts and each release ([Note: parameters on
-        disk] in zerofast/offload/__init__.py); empty: the trainable buffers were never written ([Note:
+        resident pages (the reduces' and the model's writes; a gather reads the file, not the mapping)
+        this drops at each release ([Note: parameters on disk] in zerofast/offload/__init__.py); empty: the trainable buffers were never written ([Note:
         models built on the meta device] in zerofast/model_setup.py)."""
         self.buffers = buffers  # per bucket, 1D; the model's parameters are views of them
         self.shard = shard  # 1D, layout.shard_numel(rank): this rank's owned ranges
@@ -184,8 +184,6 @@ class UnitBuffers:
             else:
                 buf[lo:hi].copy_(part.shard[offsets[b] : offsets[b] + hi - lo])
             part.comm.gather_start(b, buf)
-        if self._let_go is not None:
-            self._let_go()
 
     def gather_wait(self, unit: int) -> None:
         for part in self.parts:
@@ -198,7 +196,7 @@ class UnitBuffers:
             if part.bucket_of[unit] is not None:
                 part.buffers[part.bucket_of[unit]].untyped_storage().resize_(0)
         self._set_state(unit, ParamState.SHARDED)
-        if self._let_go is not None:  # the gradients the reduces wrote since, too
+        if self._let_go is not None:  # the pages the reduces and the model's writes made resident
             self._let_go()
 
     def _set_state(self, unit: int, state: ParamState) -> None:
