@@ -157,7 +157,8 @@ step_pids() {
   } | sort -u
 }
 
-# stop_step PGID TAG: TERM to every process of the step, KILL to those left after KILL_GRACE seconds.
+# stop_step PGID TAG: TERM to every process of the step, KILL to those left after KILL_GRACE seconds,
+# then the wait until none runs.
 stop_step() {
   local pids end=$((SECONDS + KILL_GRACE))
   pids=$(step_pids "$1" "$2")
@@ -165,7 +166,12 @@ stop_step() {
   kill -TERM -- "-$1" $pids 2>/dev/null
   while [ $SECONDS -lt $end ] && [ -n "$(step_pids "$1" "$2")" ]; do sleep 0.2; done
   pids=$(step_pids "$1" "$2")
-  [ -n "$pids" ] && kill -KILL -- "-$1" $pids 2>/dev/null
+  [ -z "$pids" ] && return 0
+  kill -KILL -- "-$1" $pids 2>/dev/null
+  # SIGKILL takes effect when the process next runs: on a loaded machine a killed process can still
+  # show as running for a moment, so the step ends only once none does (bounded, as the TERM wait).
+  end=$((SECONDS + KILL_GRACE + 5))
+  while [ $SECONDS -lt $end ] && [ -n "$(step_pids "$1" "$2")" ]; do sleep 0.1; done
   return 0
 }
 
