@@ -393,11 +393,14 @@ class BucketComm:
             self.group,
         )
 
-    def all_reduce_tp(self, t: torch.Tensor, op, tp_group: dist.ProcessGroup, kind: str, what: str) -> None:
-        """Tensor parallelism's small all_reduce over "tp" (the norm's and the overflow flag's sum, the
-        agreement joined: [Note: tensor parallelism] in zerofast/tensor_parallel.py), issued as this
-        comm's own (_collective) and counted as "tp/all_reduce_<kind>"."""
-        self._agreements[f"tp/all_reduce_{kind}"] += t.numel() * t.element_size()
+    def all_reduce_tp(
+        self, t: torch.Tensor, op, tp_group: dist.ProcessGroup, kind: str, what: str, dim: str = "tp"
+    ) -> None:
+        """The step's small all_reduce over a model-parallel dim, "tp" or "pp" (the norm's and the
+        overflow flag's sum, the agreement joined: [Note: tensor parallelism] in
+        zerofast/tensor_parallel.py, [Note: pipeline accumulation] in zerofast/pipelining.py), issued
+        as this comm's own (_collective) and counted as "<dim>/all_reduce_<kind>"."""
+        self._agreements[f"{dim}/all_reduce_{kind}"] += t.numel() * t.element_size()
         self._collective(what, dist.all_reduce, t, op, tp_group)
 
     def all_reduce_replicas(self, shards: list[torch.Tensor]) -> None:

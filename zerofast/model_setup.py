@@ -20,6 +20,7 @@ __all__ = [
     "check_plain_parameters",
     "join_ranks",
     "check_same_across_ranks",
+    "check_pipeline_parts",
     "in_precision",
     "cast_unmanaged",
     "InputCast",
@@ -94,6 +95,24 @@ def join_ranks(model: nn.Module, group: dist.ProcessGroup, who: str, tp_group=No
     check_same_across_ranks(model, group, who)
     if not meta:
         broadcast_from_rank0(model, group, tp_group)
+
+
+def check_pipeline_parts(names: list[str], pp_group: dist.ProcessGroup, who: str) -> None:
+    """Each "pp" rank's part holds parameters no other stage holds (a pipeline cut keeps the original
+    names: [Note: pipeline accumulation] in zerofast/pipelining.py); the whole model, or the same part,
+    on two stages is an error on every rank. Collective over "pp"."""
+    everyone: list = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(everyone, names, group=pp_group)
+    owner: dict[str, int] = {}
+    for r, theirs in enumerate(everyone):
+        for name in theirs:
+            if name in owner:
+                raise ValueError(
+                    f'{who}: with a "pp" mesh dim each rank gives ZeroAdam its pipeline stage\'s part of the model; '
+                    f"{name} is in the parts of pp ranks {owner[name]} and {r} (the whole model on every stage?). "
+                    f"Cut the model into stages (a copy per stage with the other stages' layers removed) first"
+                )
+            owner[name] = r
 
 
 def check_same_across_ranks(model: nn.Module, group, who: str = "ZeroAdam") -> None:

@@ -142,6 +142,10 @@ class Topology:
     # Tensor parallelism: every rank of the mesh (data parallel x "tp"), which a checkpoint is saved
     # and loaded by (each holds other parts of the model); None: `group` is every rank of the model.
     model_group: dist.ProcessGroup | None = None
+    # Pipeline parallelism: the ranks holding the other stages of the model, at this rank's place on
+    # the other dims ([Note: pipeline accumulation] in zerofast/pipelining.py); None: no "pp" dim.
+    pp_group: dist.ProcessGroup | None = None
+    pp_size: int = 1
 
     def __post_init__(self):
         if self.replication is None:
@@ -187,12 +191,20 @@ def _global(group: dist.ProcessGroup, r: int) -> int:
 # The meshes ZeroAdam takes as process_group, by mesh_dim_names: hybrid sharding's (FSDP2's HSDP), and
 # with tensor parallelism the data-parallel dims beside a "tp" dim ([Note: tensor parallelism] in
 # zerofast/tensor_parallel.py). "dp" and "shard" name the same thing: the ranks that shard the state.
-MESH_LAYOUTS = (
+# A "pp" dim in front cuts the model into pipeline stages, each rank's ZeroAdam given its stage's part
+# ([Note: pipeline accumulation] in zerofast/pipelining.py).
+_DP_LAYOUTS = (
     ("replicate", "shard"),
     ("dp", "tp"),
     ("shard", "tp"),
     ("replicate", "dp", "tp"),
     ("replicate", "shard", "tp"),
+)
+MESH_LAYOUTS = (
+    *_DP_LAYOUTS,
+    ("pp", "dp"),
+    ("pp", "shard"),
+    *(("pp", *names) for names in _DP_LAYOUTS),
 )
 
 
@@ -204,6 +216,7 @@ class MeshDims:
     replicate: str | None
     shard: str
     tp: str | None
+    pp: str | None = None
 
 
 def mesh_dims(mesh, who: str = "ZeroAdam") -> MeshDims:
@@ -217,11 +230,15 @@ def mesh_dims(mesh, who: str = "ZeroAdam") -> MeshDims:
         raise ValueError(
             f"{who}: a DeviceMesh as process_group must have mesh_dim_names ('replicate', 'shard') (hybrid "
             f"sharding, as FSDP2's HSDP), ('dp', 'tp') or ('replicate', 'dp', 'tp') (tensor parallelism; "
-            f"'shard' may stand for 'dp'); got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)} with "
-            f"mesh_dim_names={mesh.mesh_dim_names}"
+            f"'shard' may stand for 'dp'), each with 'pp' in front (pipeline parallelism; also ('pp', 'dp')); "
+            f"got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)} with mesh_dim_names={mesh.mesh_dim_names}"
         )
-    replicate = "replicate" if names[0] == "replicate" else None
-    return MeshDims(replicate, "shard" if "shard" in names else "dp", "tp" if "tp" in names else None)
+    return MeshDims(
+        "replicate" if "replicate" in names else None,
+        "shard" if "shard" in names else "dp",
+        "tp" if "tp" in names else None,
+        "pp" if "pp" in names else None,
+    )
 
 
 def mesh_groups(mesh, who: str = "ZeroAdam") -> tuple[int, int]:
@@ -250,6 +267,7 @@ def resolve_topology(group: dist.ProcessGroup, shard_size: int, timeout: timedel
         shard_group = mesh.get_group(dims.shard)
         replicate_group = mesh.get_group(dims.replicate) if dims.replicate else None
         tp_group = mesh.get_group(dims.tp) if dims.tp else None
+        model_group = _mesh_group(mesh) if dims.tp or dims.pp else None
         return Topology(
             group,
             rank,
@@ -261,7 +279,9 @@ def resolve_topology(group: dist.ProcessGroup, shard_size: int, timeout: timedel
             replicas,
             tp_group=tp_group,
             tp_size=mesh.size(mesh.mesh_dim_names.index(dims.tp)) if dims.tp else 1,
-            model_group=_mesh_group(mesh) if dims.tp else None,
+            model_group=model_group,
+            pp_group=mesh.get_group(dims.pp) if dims.pp else None,
+            pp_size=mesh.size(0) if dims.pp else 1,
         )
     if shard_size == world:
         return Topology(group, rank, world, group, rank, world, None, 1)
@@ -317,10 +337,12 @@ def data_parallel_group(process_group, shard_size):
     _replicas, k = mesh_groups(mesh)
     dims = mesh_dims(mesh)
     ranks = mesh.mesh
-    if dims.tp:  # the data-parallel ranks are those at this rank's coordinate on "tp"
+    if dims.tp:  # the data-parallel ranks are those at this rank's coordinate on "tp" (and "pp")
         ranks = ranks.select(mesh.ndim - 1, mesh.get_local_rank(dims.tp))
-        if ranks.ndim == 1:
-            return mesh.get_group(dims.shard), k, mesh
+    if dims.pp:
+        ranks = ranks.select(0, mesh.get_local_rank(dims.pp))
+    if ranks.ndim == 1:
+        return mesh.get_group(dims.shard), k, mesh
     ranks = [int(r) for r in ranks.flatten().tolist()]
     if sorted(ranks) == list(range(dist.get_world_size())):
         return dist.group.WORLD, k, mesh

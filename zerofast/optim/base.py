@@ -22,7 +22,17 @@ from .report import Report, build_report
 from .step import Stepper
 from .update import UpdateRule
 
-__all__ = ["ZeroOptimizer", "parts_of"]
+__all__ = ["ZeroOptimizer", "parts_of", "optimizer_of"]
+
+# Each model a front trains -> that front, held weakly: how a pipeline stage built over the model finds
+# the optimizer its backwards feed (zerofast/pipelining.py), whichever of the two was built first.
+_FRONTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def optimizer_of(module: torch.nn.Module) -> ZeroOptimizer | None:
+    """The ZeroAdam or ZeroMuon training `module` (None: none, or it was garbage-collected)."""
+    ref = _FRONTS.get(module)
+    return ref() if ref is not None else None
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -51,6 +61,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._constructed = True  # add_param_group after this is an error
         self._view = checkpoint_view(parts, self._stepper, self.param_groups)
         parts.topology.replication.attach(self)  # the extension point: zerofast/topology.py
+        _FRONTS[model] = weakref.ref(self)
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_constructed", False):
@@ -124,13 +135,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         backward, before step(); the fused kernel applies it through its grad_scale ([Note: global
         gradient clipping] in zerofast/optim/grads.py). max_norm=float("inf") only measures: the norm
         is returned, nothing clipped (what trainers call to log the norm)."""
-        grads, world = self._parts.grads, self._parts.topology.divisor()
+        grads, world = self._parts.grads, self._parts.divisor()
         prep = grads.prepare_to_clip("clip_grad_norm_", "max_norm", max_norm, True, world, self._check_update)
         return grads.clip(prep, float(max_norm))
 
     def _prepare_grads(self):
         """Phase 2 for the gradient window (grad_view.py), as clip_grad_norm_() runs it."""
-        grads, world = self._parts.grads, self._parts.topology.divisor()
+        grads, world = self._parts.grads, self._parts.divisor()
         return grads.prepare_to_clip("clip_grad_norm_", "max_norm", 1.0, False, world, self._check_update)
 
     def clip_grad_value_(self, clip_value: float) -> None:
@@ -138,7 +149,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         as torch.nn.utils.clip_grad_value_ on the whole model after DDP's average would. Call it after a
         step's last backward, before step(); each rank clamps its own reduced shard, so it costs no
         communication beyond the step's."""
-        grads, world = self._parts.grads, self._parts.topology.divisor()
+        grads, world = self._parts.grads, self._parts.divisor()
         prep = grads.prepare_to_clip("clip_grad_value_", "clip_value", clip_value, False, world, self._check_update)
         grads.clamp(prep, float(clip_value), world)
 
@@ -148,6 +159,40 @@ class ZeroOptimizer(torch.optim.Optimizer):
         (torch.amp.GradScaler's skipped step; the same on every rank), or on torchft's replica groups
         the step was not committed (a replica group failed in it). False otherwise."""
         return self._stepper.skipped
+
+    # --- a pipeline stage's calls ([Note: pipeline accumulation] in zerofast/pipelining.py) -------
+
+    @contextlib.contextmanager
+    def _pipeline_backward(self, stage: int, last: bool):
+        """A backward of pipeline stage `stage` (its gradients local until its last), scaled as
+        opt.backward(loss) scales under fp16."""
+        scaler = self._parts.scaler
+        with self._parts.grads.pipeline_backward(stage, last):
+            scaler.in_scaled_backward = True
+            try:
+                yield scaler.scale if scaler.enabled else None
+            finally:
+                scaler.in_scaled_backward = False
+
+    def _pipeline_weights(self, stage: int, last: bool, params) -> None:
+        """A weight pass of stage `stage` assigned .grad of its `params` outside autograd's hooks:
+        take them."""
+        if self._parts.topology.tp_group is not None:
+            raise NotImplementedError(
+                f"{self.plan.front}: the zero-bubble schedules' weight passes with tensor parallelism are not "
+                "supported yet (their gradients reach the DTensors, not the shards' stand-ins); use a schedule "
+                "with full backwards (GPipe, 1F1B, Interleaved1F1B, LoopedBFS)"
+            )
+        index = {id(p): i for i, p in enumerate(self._parts.params)}
+        indices = [index[id(p)] for p in params if id(p) in index and p.grad is not None]
+        self._parts.grads.take_assigned(indices, stage, last)
+
+    def _pipeline_group(self):
+        """The "pp" dim's group of this rank (None: no "pp" dim)."""
+        return self._parts.topology.pp_group
+
+    def _pipeline_stage_done(self, stage: int, divisor: int) -> None:
+        self._parts.grads.pipeline_stage_done(stage, divisor)
 
     # --- the model, reports, checkpoints ----------------------------------------------------------
 

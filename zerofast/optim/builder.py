@@ -10,6 +10,7 @@ gradient path and the rule's phase 3; the guard on the model's parameters
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +23,7 @@ from ..config import Plan
 from ..guard.modules import holders
 from ..guard.params import ParamSlot, forget, manage
 from ..layout import Layout
-from ..model_setup import check_plain_parameters, in_precision, join_ranks, meta_device
+from ..model_setup import check_pipeline_parts, check_plain_parameters, in_precision, join_ranks, meta_device
 from ..offload import OffloadedUpdate, ShardFiles, agreed, is_offloaded, open_store, state_specs
 from ..stage3.frozen import FrozenShard, frozen_part
 from ..stage3.module import ShardedModule
@@ -85,6 +86,11 @@ class Parts:
     module_classes: dict = field(default_factory=dict)  # the modules moved to their guarded class, and their own
     module: ShardedModule = None  # type: ignore[assignment]  # the model side (the front makes it: its rest)
 
+    def divisor(self) -> int:
+        """What the step divides the summed gradient by: the data-parallel ranks (Topology.divisor), times
+        a pipeline schedule's micro-batches where it scales its gradients (torch's scale_grads)."""
+        return self.topology.divisor() * self.grads.step_divisor
+
     def remove_hooks(self) -> None:
         # Undone in the reverse order of build(): the guard's classes went on last, over the units'.
         restore_classes(self.module_classes)
@@ -118,6 +124,8 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
     )
     meta = meta_device([p for _, p in named], group, plan.stage, plan.front, has_tp_dim(process_group))
     join_ranks(model, group, plan.front, topology.tp_group, meta=meta is not None)
+    if topology.pp_group is not None:
+        check_pipeline_parts([n for n, _ in named], topology.pp_group, plan.front)
     tp = TensorParallel.of(model, named, topology.tp_group, topology.tp_size, plan.front)
     names = [n for n, _ in named]
     # The parameters as the core shards them: plain tensors ([Note: tensor parallelism]).
@@ -177,7 +185,18 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
         if tp is not None:
             tp.relink()  # the frozen DTensors too, before their storage is released
         units = _shard_params(model, layouts, topology, shard, comm, frozen, frozen_comm, offload, files)
-    grads = GradReducer(params, names, layouts.layout, comm, shard, plan, scaler=scaler, gather=gather, tp=tp)
+    grads = GradReducer(
+        params,
+        names,
+        layouts.layout,
+        comm,
+        shard,
+        plan,
+        scaler=scaler,
+        gather=gather,
+        tp=tp,
+        pp_group=topology.pp_group,
+    )
     parts = Parts(
         model=model,
         plan=plan,
@@ -224,7 +243,12 @@ def _guard(parts: Parts) -> None:
         parts.gather.guard_in_flight(slots)
     if plan.params_sharded:
         parts.units.buffers.guard([slots, frozen_slots])
-    window = parts.grads.window = GradWindow(who, parts.shard, parts.comm, parts.scaler, parts.topology.divisor)
+    # The window is reached from the model (its parameters' slots); its divisor holds the topology and
+    # the reducer weakly, never the parts, whose stepper holds the optimizer.
+    topology, grads = parts.topology, weakref.ref(parts.grads)
+    window = parts.grads.window = GradWindow(
+        who, parts.shard, parts.comm, parts.scaler, lambda: topology.divisor() * grads().step_divisor
+    )
     window.attach(slots)
 
 

@@ -103,9 +103,11 @@ class GradReducer:
         scaler: LossScaler,
         gather: ParamGather,
         tp: TensorParallel | None = None,
+        pp_group: dist.ProcessGroup | None = None,
     ):
         self.params, self.names, self.layout, self.comm = params, names, layout, comm
         self.tp = tp  # [Note: tensor parallelism] in zerofast/tensor_parallel.py
+        self.pp_group = pp_group  # [Note: pipeline accumulation] in zerofast/pipelining.py
         self.plan = plan
         self.shard = shard  # where the reduces leave this rank's owned gradients
         # Stage 1: each parameter's slot in the persistent buckets, which .grad is pointed at
@@ -155,6 +157,12 @@ class GradReducer:
                 p.grad = None
         self.reduced_micro_batches = 0  # no_sync micro-batches already reduced into the shard
         self.micro_batches = 0  # backwards that gave gradients in this step
+        # A pipeline schedule's step ([Note: pipeline accumulation] in zerofast/pipelining.py): each
+        # stage seen, whether its last backward is done; the schedule's gradient divisor (torch's
+        # scale_grads: its micro-batches, or 1); whether the backward running keeps .grad local.
+        self.pipeline_stages: dict[int, bool] = {}
+        self.step_divisor = 1
+        self._pipeline_local = False
         self.comm.where.micro_batch = 0
         self._prepared: Prepared | None = None  # phase 2's result, in PREPARED
         self.path.begin_step()  # every slot empty, nothing used, no backward running
@@ -169,7 +177,7 @@ class GradReducer:
         self.phase = phase
         self.comm.set_last_micro_batch(not phase.in_no_sync)  # hybrid sharding: [Note: replicas in backward]
         self.path.python_decides = self.always_python or phase is StepPhase.PREPARED
-        self.path.keep_local = phase is StepPhase.NO_SYNC and self.accumulates_locally
+        self.path.keep_local = (phase is StepPhase.NO_SYNC and self.accumulates_locally) or self._pipeline_local
         self.path.accumulate = self.reduced_micro_batches > 0
 
     def take_every_gradient_in_python(self) -> None:
@@ -247,7 +255,7 @@ class GradReducer:
         self.comm.where.phase = "after backward"
         if self.phase is StepPhase.NO_SYNC_REDUCING:
             self._end_micro_batch()
-        elif self.phase is StepPhase.REDUCING and self.window is not None:
+        elif self.phase is StepPhase.REDUCING and self.window is not None and not self.pipeline_stages:
             self.window.open_window()  # the step's gradients: .grad is the reduced one now
 
     def _end_micro_batch(self) -> None:
@@ -287,6 +295,66 @@ class GradReducer:
                 self._enter(StepPhase.IDLE)
             elif self.phase is StepPhase.NO_SYNC_REDUCING:
                 self._enter(StepPhase.REDUCING)
+
+    # --- a pipeline schedule's step ([Note: pipeline accumulation] in zerofast/pipelining.py) ----------
+
+    @contextlib.contextmanager
+    def pipeline_backward(self, stage: int, last: bool):
+        """One backward (or weight pass) of pipeline stage `stage`'s part in a schedule's step: all but
+        the stage's last leave their gradients in .grad; the last hands them to the buckets as they
+        come, each bucket's reduce starting when it is complete."""
+        if self.phase.in_no_sync:
+            raise RuntimeError(
+                f"{self.plan.front}: a pipeline schedule ran a backward inside `with opt.no_sync():`; the "
+                "schedule accumulates its micro-batches itself: call schedule.step() outside no_sync()"
+            )
+        if self.phase is StepPhase.PREPARED:
+            raise RuntimeError(
+                f"{self.plan.front}: pipeline stage {stage} ran a backward after clip_grad_norm_() and before "
+                "step(); clip after schedule.step()"
+            )
+        if self.pipeline_stages.get(stage):
+            raise RuntimeError(
+                f"{self.plan.front}: pipeline stage {stage} ran a backward after its last one of this step; call "
+                "opt.step() (and opt.zero_grad()) after each schedule.step()"
+            )
+        self.pipeline_stages.setdefault(stage, False)
+        self._pipeline_local = not last
+        self._enter(self.phase)
+        try:
+            yield
+        finally:
+            self._pipeline_local = False
+            self._enter(self.phase)
+
+    def take_assigned(self, indices: list[int], stage: int, last: bool) -> None:
+        """Gradients a weight pass assigned to .grad without autograd's accumulation, so no hook saw
+        them (torch's stage_backward_weight, in the zero-bubble schedules): taken as the hook takes
+        them, local until the stage's last pass."""
+        with self.pipeline_backward(stage, last):
+            if self.phase is StepPhase.IDLE:
+                self._enter(StepPhase.REDUCING)
+            for i in indices:
+                if self.params[i].grad is not None:
+                    self._check_grad_allowed(i)
+                    bucket = self.layout.slots[i].bucket
+                    self.comm.run(lambda: f"the gradient path at bucket {bucket}", self.path.take, i)
+
+    def pipeline_stage_done(self, stage: int, divisor: int) -> None:
+        """Stage `stage`'s backwards of this step are done; the schedule divides its gradients by
+        `divisor` (torch's scale_grads). Once every stage seen is done, .grad reads as the reduced
+        gradient ([Note: the model stays a torch model])."""
+        if stage not in self.pipeline_stages:
+            return  # no backward of this stage gave this optimizer gradients
+        if any(self.pipeline_stages.values()) and divisor != self.step_divisor:
+            raise ValueError(
+                f"{self.plan.front}: pipeline stage {stage} scales its gradients by 1/{divisor}, another stage of "
+                f"this rank by 1/{self.step_divisor}; every stage of one optimizer must run the same schedule"
+            )
+        self.step_divisor = divisor
+        self.pipeline_stages[stage] = True
+        if all(self.pipeline_stages.values()) and self.window is not None:
+            self.window.open_window()
 
     def zero_grad(self, set_to_none: bool) -> None:
         if self.phase not in (StepPhase.IDLE, StepPhase.NO_SYNC):
@@ -352,10 +420,7 @@ class GradReducer:
                 sumsq = torch.zeros(1, dtype=torch.float32, device=self.shard.grad_shard.device)
                 sumsq[0] = self._sumsq(self.shard.owned_grads())
                 self.comm.all_reduce_sum(sumsq)
-                if self.tp is not None:
-                    self.comm.all_reduce_tp(
-                        sumsq, dist.ReduceOp.SUM, self.tp.tp_group, "stats", "the gradient norm's sum over tp"
-                    )
+                self._sum_over_model(sumsq, "the gradient norm's sum")
                 self._prepared.norm = sumsq[0].sqrt() / (world_size * self.scaler.scale)
             return self._prepared
         failure = None
@@ -379,6 +444,8 @@ class GradReducer:
             self.comm.all_reduce_max(flags, (message.counter("reduces"), message.counter("gathers"), message.failed))
             if self.tp is not None:
                 self._agree_over_tp(flags, message)
+            if self.pp_group is not None:
+                self._agree_over_pp(flags, message)
             agreed = message.read(host_reads.to_list(flags, "agreement"))  # [Note: host syncs]
             if not (agreed.same("steps") and agreed.same("micro_batches")):
                 steps, micro = agreed.ranges["steps"], agreed.ranges["micro_batches"]
@@ -422,10 +489,7 @@ class GradReducer:
             if need_norm:  # padding is zero, and each element sits in exactly one rank's shard
                 stats[1] = self._sumsq(owned)
             self.comm.all_reduce_sum(stats)
-            if self.tp is not None:  # each rank of a "tp" group holds other elements, or counts none twice
-                self.comm.all_reduce_tp(
-                    stats, dist.ReduceOp.SUM, self.tp.tp_group, "stats", "the overflow flag's and norm's sum over tp"
-                )
+            self._sum_over_model(stats, "the overflow flag's and norm's sum")
             sumsq = stats[1] if need_norm else None  # stays on the device: [Note: host syncs]
             if self.scaler.enabled:
                 found_inf = host_reads.to_float(stats[0:1], "found_inf") > 0
@@ -446,6 +510,26 @@ class GradReducer:
         joined = flags[index]
         self.comm.all_reduce_tp(joined, dist.ReduceOp.MAX, self.tp.tp_group, "flags", "the step's agreement over tp")
         flags[index] = joined
+
+    def _agree_over_pp(self, flags: torch.Tensor, message: AgreementLayout) -> None:
+        """The agreement joined over "pp": the step counts and a failure, so every stage applies the
+        step or none does. The used flags, micro-batch counts and hashes stay per stage: each
+        stage's part holds other parameters, and a zero-bubble schedule's stages run their
+        backwards in other splits."""
+        index = [*range(message.counter("steps").start, message.counter("steps").stop), message.failed]
+        index = torch.tensor(index, device=flags.device)
+        joined = flags[index]
+        self.comm.all_reduce_tp(joined, dist.ReduceOp.MAX, self.pp_group, "flags", "the step's agreement over pp", "pp")
+        flags[index] = joined
+
+    def _sum_over_model(self, stats: torch.Tensor, what: str) -> None:
+        """The data-parallel group's sums (overflow flag, squared norm) over the model's other ranks: each
+        rank of a "tp" group holds other elements (or counts none twice), each "pp" stage other
+        parameters."""
+        if self.tp is not None:
+            self.comm.all_reduce_tp(stats, dist.ReduceOp.SUM, self.tp.tp_group, "stats", f"{what} over tp")
+        if self.pp_group is not None:
+            self.comm.all_reduce_tp(stats, dist.ReduceOp.SUM, self.pp_group, "stats", f"{what} over pp", "pp")
 
     def _sumsq(self, owned: list[torch.Tensor]) -> torch.Tensor:
         """The sum of squares of this rank's owned gradients, each element of the model counted on one

@@ -46,7 +46,7 @@ class Stepper:
                 f"{plan.front}.step() was called inside `with opt.no_sync():`; no_sync() wraps the micro-batches "
                 "whose gradients are only accumulated, and step() follows the last backward, outside it"
             )
-        where, world = parts.comm.where, parts.topology.divisor()
+        where, world = parts.comm.where, parts.divisor()
         where.phase = "step() (phase 2: the reduces and the agreement)"
         self.quiesce(flush=False)  # the flush comes after phase 2: [Note: the delayed update]
         prep = parts.grads.prepare(plan.max_grad_norm is not None, world, check=self.check_update)
@@ -146,10 +146,11 @@ class Stepper:
 
     def agree(self, this_failed: bool, what: str, everyone: bool) -> int:
         parts = self.parts
-        tp = parts.topology.tp_group
-        # With tensor parallelism the ranks agree over "tp" too (a step applied on some of a layer's
-        # parts only would leave the model split across two steps) and name a rank by its global rank.
-        failed = -1 if not this_failed else (parts.topology.rank if tp is None else dist.get_rank())
+        tp, pp = parts.topology.tp_group, parts.topology.pp_group
+        # With tensor or pipeline parallelism the ranks agree over "tp" and "pp" too (a step applied on
+        # some of the model's parts only would leave it split across two steps) and name a rank by its
+        # global rank.
+        failed = -1 if not this_failed else (parts.topology.rank if tp is None and pp is None else dist.get_rank())
         if not everyone:
             return failed
         parts.comm.where.phase = "step() (phase 3: the agreement that every rank wrote its offloaded state)"
@@ -157,6 +158,10 @@ class Stepper:
         parts.comm.all_reduce_max(flag)
         if tp is not None:
             parts.comm.all_reduce_tp(flag, dist.ReduceOp.MAX, tp, "flags", "the offloaded write's agreement over tp")
+        if pp is not None:
+            parts.comm.all_reduce_tp(
+                flag, dist.ReduceOp.MAX, pp, "flags", "the offloaded write's agreement over pp", "pp"
+            )
         return int(flag.item()) - 1
 
     def not_applied(self, what: str, failed: int) -> str:

@@ -4,6 +4,7 @@ torchtitan's, with its tensor-parallel plan (titan_plan), for tensor parallelism
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -177,13 +178,15 @@ LLAMA_CONFIGS = {
 class TitanLlama(nn.Module):
     """A Llama shaped as torchtitan's (tok_embeddings, layers[i].attention.wq..wo, feed_forward.w1..w3,
     attention_norm / ffn_norm, norm, output), the model whose tensor-parallel plan torchtitan
-    publishes (titan_plan). Norm weights start away from 1 so that their gradients matter."""
+    publishes (titan_plan). Norm weights start away from 1 so that their gradients matter. As
+    torchtitan's, its layers are a ModuleDict keyed by index and its ends may be None, so a pipeline
+    cuts it into copies with layers removed that keep the original names (titan_cut)."""
 
     def __init__(self, vocab: int = 32, dim: int = 16, heads: int = 4, hidden: int = 32, layers: int = 2):
         super().__init__()
         g = torch.Generator().manual_seed(0)
         self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(_Block(dim, heads, hidden) for _ in range(layers))
+        self.layers = nn.ModuleDict({str(i): _Block(dim, heads, hidden) for i in range(layers)})
         self.norm = _RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
         with torch.no_grad():
@@ -194,10 +197,31 @@ class TitanLlama(nn.Module):
         self.vocab = vocab
 
     def forward(self, ids):
-        h = self.tok_embeddings(ids)
-        for layer in self.layers:
+        h = self.tok_embeddings(ids) if self.tok_embeddings is not None else ids
+        for layer in self.layers.values():
             h = layer(h)
-        return self.output(self.norm(h))
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+
+def titan_cut(model: TitanLlama, stage: int, stages: int) -> TitanLlama:
+    """Pipeline stage `stage` of `stages`, cut as torchtitan cuts its Llama: a copy of the whole model
+    with the other stages' layers deleted and the embedding (all but the first stage) and the norm
+    and head (all but the last) set to None, so every parameter keeps its original name. The layers
+    go to the stages in equal consecutive runs (their number must divide evenly)."""
+    n = len(model.layers)
+    if not (isinstance(stage, int) and isinstance(stages, int) and 0 <= stage < stages and n % stages == 0):
+        raise ValueError(f"titan_cut: stage={stage!r} of stages={stages!r} must index {n} layers cut evenly")
+    part = copy.deepcopy(model)
+    per = n // stages
+    for i in range(n):
+        if not stage * per <= i < (stage + 1) * per:
+            del part.layers[str(i)]
+    if stage > 0:
+        part.tok_embeddings = None
+    if stage < stages - 1:
+        part.norm = part.output = None
+    return part
 
 
 def titan_loss(model, ids) -> torch.Tensor:
@@ -239,7 +263,7 @@ def titan_plan(
     if sp:
         top["norm"] = SequenceParallel()
     parallelize_module(model, tp_mesh, top)
-    for block in model.layers:
+    for block in model.layers.values():
         plan = {
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),

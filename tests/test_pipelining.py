@@ -1,0 +1,268 @@
+"""ZeroAdam under torch's pipeline schedules ([Note: pipeline accumulation] in zerofast/pipelining.py):
+TitanLlama cut as torchtitan cuts it (titan_cut: copies with layers removed, original names kept) into
+2 stages, pp 2 x dp 2 on 4 gloo ranks, each rank's part trained by ZeroAdam over the ("pp", "dp") mesh
+through ZeroPipelineStage. Two oracles: single-process AdamW on the whole model over the global batch
+(every micro-batch of every dp rank), and, bitwise, plain ZeroAdam on the whole model over the same dp
+ranks with the same micro-batches under no_sync (accumulate_locally=True: .grad summed in the same
+order, one reduce), where the schedule does not scale the gradients (scale_grads=False, a loss_fn that
+divides by the micro-batch count, as the plain loop divides its loss)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from harness import run_ranks
+from tolerances import HYPER, fp32_tol, lp_param_tol, max_abs_diff, norm_rel_tol
+
+from zerofast import ZeroAdam
+from zerofast.tools.models import TitanLlama, titan_cut
+
+PP, DP, M, ROWS, SEQ, STEPS, LAYERS = 2, 2, 4, 4, 8, 3, 4
+
+
+class Config(NamedTuple):
+    stage: int
+    schedule: str = "Schedule1F1B"
+    dtype: torch.dtype = torch.float32
+    max_norm: float | None = None
+    scale_grads: bool = True  # False: the loss_fn divides by M, and the plain run is the bitwise oracle
+    partition: str = "flat"
+
+
+CONFIGS = [
+    Config(1, max_norm=0.05),
+    Config(2, "ScheduleGPipe"),
+    Config(3, max_norm=0.05),
+    Config(3, "ScheduleGPipe", partition="round_robin"),
+    Config(1, "ScheduleInterleaved1F1B", scale_grads=False),
+    Config(2, "ScheduleInterleavedZeroBubble", max_norm=0.05),
+    Config(3, "ScheduleInterleavedZeroBubble", scale_grads=False),
+    Config(1, "ScheduleInterleavedZeroBubble", torch.bfloat16, scale_grads=False),
+    Config(2, dtype=torch.bfloat16, max_norm=0.05, scale_grads=False),
+    Config(3, dtype=torch.bfloat16, max_norm=0.05, scale_grads=False),
+    Config(2, "ScheduleGPipe", torch.float16, max_norm=0.05, scale_grads=False),
+    Config(3, dtype=torch.float32, max_norm=0.05, scale_grads=False, partition="greedy"),
+]
+MULTI = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")  # they take a list of stages
+
+
+def _batch(step: int, dp_rank: int | None = None) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, TitanLlama().vocab, (DP * ROWS, SEQ), generator=g)
+    return ids if dp_rank is None else ids[dp_rank * ROWS : (dp_rank + 1) * ROWS]
+
+
+def _loss(logits, ids):
+    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1))
+
+
+def _loss_summed(logits, ids):  # with scale_grads=False: the mean over the step's micro-batches
+    return _loss(logits, ids) / M
+
+
+def _oracle(max_norm):
+    """AdamW on one process over the global batch: the mean of the micro-batches' mean losses."""
+    model = TitanLlama(layers=LAYERS)
+    opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+    norms = []
+    for step in range(STEPS):
+        ids = _batch(step)
+        (sum(_loss(model(c), c) for c in ids.chunk(DP * M)) / (DP * M)).backward()
+        if max_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+def _policies(config):
+    from zerofast import CommPolicy, LossScalePolicy, MixedPrecisionPolicy
+
+    scale = {"loss_scale": LossScalePolicy(init_scale=2.0**4)} if config.dtype == torch.float16 else {}
+    mixed = None if config.dtype == torch.float32 else MixedPrecisionPolicy(config.dtype, **scale)
+    return mixed, CommPolicy(partition=config.partition, accumulate_locally=True)
+
+
+def _pipelined(config, mesh, pp_rank, dp_rank):
+    from torch.distributed.pipelining import schedules
+
+    from zerofast.estimate import estimate_traffic
+    from zerofast.pipelining import ZeroPipelineStage
+
+    mixed, comm = _policies(config)
+    part = titan_cut(TitanLlama(layers=LAYERS), pp_rank, PP)
+    opt = ZeroAdam(part, stage=config.stage, process_group=mesh, mixed_precision=mixed, comm=comm, **HYPER)
+    stage = ZeroPipelineStage(part, pp_rank, PP, torch.device("cpu"), group=mesh["pp"].get_group())
+    loss_fn = _loss if config.scale_grads else _loss_summed
+    schedule = getattr(schedules, config.schedule)(
+        [stage] if config.schedule in MULTI else stage, M, loss_fn=loss_fn, scale_grads=config.scale_grads
+    )
+    norms = []
+    for step in range(STEPS):
+        ids = _batch(step, dp_rank)
+        if pp_rank == 0:
+            schedule.step(ids)
+        else:
+            schedule.step(target=ids, losses=[])
+        if config.max_norm is not None:
+            norms.append(float(opt.clip_grad_norm_(config.max_norm)))
+        opt.step()
+        opt.zero_grad()
+    comm_bytes = opt.report().comm
+    with opt.gathered_params():
+        params = {n: p.detach().float().clone() for n, p in part.named_parameters()}
+    # Gradients crossed "dp" once per step: the same bytes as the part trained on the dp ranks with its
+    # micro-batches accumulated locally (one reduce), plus the step's own all_reduces over "pp". Stage
+    # 3's gathers are not compared: a schedule runs other micro-batches between a forward and its
+    # backward, so the unit a plain loop keeps gathered from its forward into its backward (the last)
+    # is gathered again, and the zero-bubble weight passes gather the part once more each.
+    gathers = ("shard/broadcast", "shard/all_gather")
+    if True:
+        want = estimate_traffic(
+            part,
+            DP,
+            config.stage,
+            mixed_precision=mixed,
+            comm=comm,
+            rank=dp_rank,
+            max_grad_norm=config.max_norm,
+            micro_batches=M,
+            backend="gloo",
+        )
+        got = {k: v for k, v in comm_bytes.items() if not k.startswith("pp/")}
+        if config.stage == 3:
+            got, want = ({k: v for k, v in d.items() if k not in gathers} for d in (got, want))
+        assert got == want, (config, got, want)
+    assert comm_bytes["pp/all_reduce_flags"] == 3 * 8, comm_bytes  # the step count (and its negation), a failure
+    stats = config.max_norm is not None or config.dtype == torch.float16
+    assert comm_bytes.get("pp/all_reduce_stats", 0) == (8 if stats else 0), comm_bytes
+    return params, norms
+
+
+def _plain(config, dp_group, dp_rank):
+    """ZeroAdam on the whole model over the dp ranks, the same micro-batches under no_sync."""
+    mixed, comm = _policies(config)
+    model = TitanLlama(layers=LAYERS)
+    opt = ZeroAdam(model, stage=config.stage, process_group=dp_group, mixed_precision=mixed, comm=comm, **HYPER)
+    norms = []
+    for step in range(STEPS):
+        chunks = _batch(step, dp_rank).chunk(M)
+        for m, c in enumerate(chunks):
+            with opt.no_sync() if m < M - 1 else contextlib.nullcontext():
+                opt.backward(_loss_summed(model(c), c))
+        if config.max_norm is not None:
+            norms.append(float(opt.clip_grad_norm_(config.max_norm)))
+        opt.step()
+        opt.zero_grad()
+    with opt.gathered_params():
+        return {n: p.detach().float().clone() for n, p in model.named_parameters()}, norms
+
+
+def _train(rank, world, configs):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    out = []
+    for config in configs:
+        got = _pipelined(config, mesh, pp_rank, dp_rank)
+        plain = None if config.scale_grads else _plain(config, mesh["dp"].get_group(), dp_rank)
+        out.append((got, plain))
+    dist.barrier()
+    return out
+
+
+def test_pp2_dp2_equals_adamw_and_plain_zero_adam():
+    results = run_ranks(_train, PP * DP, (CONFIGS,), timeout=300)
+    oracles = {c.max_norm: _oracle(c.max_norm) for c in CONFIGS if c.dtype == torch.float32}
+    numel = sum(p.numel() for p in TitanLlama(layers=LAYERS).parameters())
+    for rank, runs in enumerate(results):
+        names = set()
+        for config, ((params, norms), plain) in zip(CONFIGS, runs):
+            names = set(params)
+            if plain is not None:
+                plain_params, plain_norms = plain
+                if config.max_norm is None:  # bitwise: the same sums in the same order, one reduce a step
+                    assert all(torch.equal(t, plain_params[n]) for n, t in params.items()), (rank, config)
+                else:  # the squared norm summed per stage first: its rounding, and the clip's through it
+                    for got, w in zip(norms, plain_norms):
+                        assert abs(got - w) <= norm_rel_tol(numel) * w, (rank, config, got, w)
+                    tol = (
+                        fp32_tol(STEPS)
+                        if config.dtype == torch.float32
+                        else lp_param_tol(config.dtype, STEPS, plain_params)
+                    )
+                    assert max_abs_diff(params, {n: plain_params[n] for n in params}) <= tol, (rank, config)
+            if config.dtype == torch.float32:  # 16 ulps a step (tolerances.py)
+                want, want_norms = oracles[config.max_norm]
+                assert max_abs_diff(params, {n: want[n] for n in params}) <= fp32_tol(STEPS), (rank, config)
+                for got, w in zip(norms, want_norms):  # the global norm: summed over "pp" too
+                    assert abs(got - w) <= norm_rel_tol(numel) * w, (rank, config, got, w)
+        # Each rank holds its stage's part, by the original names: stage 0 the embedding and the first
+        # layers, stage 1 the rest, the norm and the head.
+        first = {"tok_embeddings.weight"} | {n for n in names if n.startswith(("layers.0.", "layers.1."))}
+        assert ("tok_embeddings.weight" in names) == (rank < DP) and (names == first) == (rank < DP), names
+
+
+def _errors(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import Schedule1F1B
+
+    from zerofast.pipelining import ZeroPipelineStage
+
+    mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
+    pp_rank = mesh["pp"].get_local_rank()
+    messages = []
+
+    def attempt(fn):
+        try:
+            fn()
+        except (ValueError, RuntimeError) as e:
+            messages.append(str(e))
+        else:
+            messages.append(None)
+
+    # The whole model on every stage: its names are on two "pp" ranks.
+    attempt(lambda: ZeroAdam(TitanLlama(layers=LAYERS), process_group=mesh, **HYPER))
+    part = titan_cut(TitanLlama(layers=LAYERS), pp_rank, PP)
+    # A stage over a part no ZeroAdam trains, at the schedule's first backward... and at construction
+    # when the optimizer was built over a dp group only (no "pp" dim: its step would not span the
+    # pipeline), or the stage's group is not the mesh's "pp".
+    plain = ZeroAdam(part, process_group=mesh["dp"].get_group(), **HYPER)
+    attempt(lambda: ZeroPipelineStage(part, pp_rank, PP, torch.device("cpu"), group=mesh["pp"].get_group()))
+    plain.remove_hooks()
+    part = titan_cut(TitanLlama(layers=LAYERS), pp_rank, PP)
+    ZeroAdam(part, process_group=mesh, **HYPER)
+    attempt(lambda: ZeroPipelineStage(part, pp_rank, PP, torch.device("cpu"), group=mesh["dp"].get_group()))
+    # Fewer micro-batches than the schedule needs (1F1B: one per stage): torch's own error, at
+    # construction, before any rank waits on another.
+    stage = ZeroPipelineStage(part, pp_rank, PP, torch.device("cpu"), group=mesh["pp"].get_group())
+    attempt(lambda: Schedule1F1B(stage, PP - 1, loss_fn=_loss))
+    dist.barrier()
+    return messages
+
+
+def test_named_errors():
+    for messages in run_ranks(_errors, PP * DP):
+        whole, no_pp, wrong_group, too_few = messages
+        assert "is in the parts of pp ranks 0 and 1" in whole, whole
+        assert 'built without a "pp" mesh dim' in no_pp, no_pp
+        assert 'pass group=mesh["pp"].get_group()' in wrong_group, wrong_group
+        assert "Number of microbatches (1) must be greater than" in too_few, too_few
+
+
+@pytest.mark.parametrize("n", [2])
+def test_titan_cut_keeps_the_names(n):
+    model = TitanLlama(layers=LAYERS)
+    parts = [titan_cut(model, s, n) for s in range(n)]
+    names = [set(dict(p.named_parameters())) for p in parts]
+    assert set().union(*names) == set(dict(model.named_parameters())) and sum(map(len, names)) == len(
+        dict(model.named_parameters())
+    )
+    with pytest.raises(ValueError, match="titan_cut: stage=2 of stages=2"):
+        titan_cut(model, 2, 2)

@@ -1,0 +1,133 @@
+"""ZeroAdam under torch.distributed.pipelining: ZeroPipelineStage, the one changed line of a pipelined
+training loop ([Note: pipeline accumulation]).
+
+    mesh = init_device_mesh("cuda", (pp, dp), mesh_dim_names=("pp", "dp"))
+    part = cut(model, mesh["pp"].get_local_rank(), pp)     # this rank's stage, original names kept
+    opt = ZeroAdam(part, stage=3, process_group=mesh)
+    stage = ZeroPipelineStage(part, stage_index, pp, device, group=mesh["pp"].get_group())   # was PipelineStage
+    schedule = Schedule1F1B(stage, n_microbatches, loss_fn=loss_fn)
+    schedule.step(x, target=y, losses=losses)   # on the first and last stages' ranks as torch documents
+    opt.step(); opt.zero_grad()
+
+[Note: pipeline accumulation]
+A schedule runs each stage's backward once per micro-batch, interleaved with other micro-batches'
+forwards, and tells the stage which backward is its last of the step (torch's `last_backward`). torch's
+PipelineStage turns that into DDP's no_sync or FSDP2's set_requires_gradient_sync by isinstance; this
+subclass turns it into ZeroAdam's: every backward but the stage's last keeps its gradients in .grad,
+accumulated by autograd as no_sync with accumulate_locally=True keeps them (full local gradients of the
+part: 2 bytes per parameter of the part in bf16, 4 in fp32; stage 1's are its bucket views anyway);
+the last backward hands each gradient, the sum over the micro-batches, to its bucket as autograd
+finishes it, and each bucket's reduce across "dp" starts when it is complete, overlapping the rest
+of that backward. So gradients cross "dp" once per step, Φ of reduce-scatter whatever the number of
+micro-batches, as the same part trained without pipelining; report().comm counts the same bytes.
+Several stages on one rank (Interleaved1F1B, LoopedBFS, the zero-bubble ones) are several backwards
+of one optimizer, each stage's last its own: a bucket whose parameters span two stages is reduced
+once both have handed theirs over.
+The zero-bubble schedules split a backward into an input pass (autograd.grad over the activations:
+no parameter gradient) and a weight pass that assigns each weight's .grad itself (torch's
+stage_backward_weight), which no autograd hook sees; the stage hands those gradients over after each
+weight pass (local before the last, to the buckets at the last), so they are reduced once too. A
+gradient left behind any other way is still taken at step(): flush hands over every local one.
+torch's scale_grads (after a stage's last backward, by the micro-batch count when scale_grads=True,
+the default, matching a loss_fn that averages over its micro-batch) would divide .grad, which here
+is a bucket being reduced (stage 1) or gone (stages 2 and 3); the stage instead gives the divisor to
+the optimizer, which folds it into the fused kernel's grad_scale with 1/N: the step uses the mean
+over every micro-batch of every data-parallel rank, what AdamW on the whole model over the global
+batch uses. With scale_grads=False (a loss_fn that sums) the divisor is 1. Once every stage of the
+optimizer is done, .grad reads as the reduced gradient, so torch's clip_grad_norm_ works as after a
+plain backward. The step is one step of the whole model: its agreement (steps, a failure) is joined
+over "pp" and the overflow flag and the squared norm are summed over "pp" (each stage holds other
+parameters), so clipping sees the global norm, an fp16 overflow on any rank skips the step on every
+rank of every stage, and every stage's loss scale moves together. Under fp16 the last stage's loss
+is multiplied by the loss scale before its backward, as opt.backward(loss) multiplies it.
+Stage 3 gathers each unit for each micro-batch's forward and again for its backward, as without
+pipelining.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+
+from .optim.base import ZeroOptimizer, optimizer_of
+
+__all__ = ["ZeroPipelineStage"]
+
+
+class ZeroPipelineStage(PipelineStage):
+    """torch.distributed.pipelining.PipelineStage over a part a ZeroAdam (or ZeroMuon) trains: the
+    same arguments; its backwards accumulate and reduce as [Note: pipeline accumulation] says. Build it
+    before or after the optimizer; the optimizer must exist before the schedule's first step."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._checked = None  # the optimizer whose "pp" group was checked against this stage's
+        if optimizer_of(self.submod) is not None:
+            self._optimizer()
+
+    def _optimizer(self) -> ZeroOptimizer:
+        opt = optimizer_of(self.submod)
+        if opt is None:
+            raise RuntimeError(
+                f"ZeroPipelineStage (stage {self.stage_index}): no ZeroAdam trains its module "
+                f"({type(self.submod).__name__}); build ZeroAdam(part, process_group=mesh) over the same module "
+                "before the schedule's first step, or use torch's PipelineStage for a part no ZeroAdam trains"
+            )
+        if self._checked is not opt:
+            _check_groups(opt, self)
+            self._checked = opt
+        return opt
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        opt = self._optimizer()
+        if backward_type == "weight":
+            # Stage 3: torch finds each weight's gradient accumulator through a view of it, which a
+            # released parameter refuses; the part is gathered for the pass (every rank of the stage
+            # runs it at the same point of the schedule).
+            gathered = opt.gathered_params() if opt.plan.params_sharded else contextlib.nullcontext()
+            with gathered, opt._pipeline_backward(self.stage_index, last_backward):
+                result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            opt._pipeline_weights(self.stage_index, last_backward, list(self.submod.parameters()))
+            return result
+        with opt._pipeline_backward(self.stage_index, last_backward) as loss_scale:
+            if loss_scale is not None and self.is_last:  # fp16: the loss, scaled as opt.backward(loss) does
+                bwd_kwargs = {**bwd_kwargs, "stage_output": _scaled(bwd_kwargs["stage_output"], loss_scale)}
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+    def scale_grads(self, grad_scale_factor: int) -> None:
+        self._optimizer()._pipeline_stage_done(self.stage_index, grad_scale_factor)
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        # torch's: FSDP2's post-backward, then scale_grads; the reduce is the optimizer's already.
+        self.scale_grads(grad_scale_factor)
+
+
+def _scaled(loss, scale: float):
+    """The last stage's loss (a tensor, or a tuple of them: torch's input pass) times the loss scale."""
+    if isinstance(loss, torch.Tensor):
+        return loss.float() * scale
+    return tuple(t.float() * scale for t in loss)
+
+
+def _check_groups(opt: ZeroOptimizer, stage: ZeroPipelineStage) -> None:
+    """The stage's point-to-point group is the "pp" dim ZeroAdam's step spans (the agreement, the
+    norm), so every stage of the model takes one step."""
+    pp = opt._pipeline_group()
+    if pp is None:
+        raise ValueError(
+            f'ZeroPipelineStage (stage {stage.stage_index}): its {opt.plan.front} was built without a "pp" mesh '
+            "dim, so its step would not span the pipeline (global norm, overflow, agreement); build it with "
+            'process_group=mesh, a DeviceMesh with dims ("pp", "dp") (or ("pp", "dp", "tp"))'
+        )
+    ours = dist.get_process_group_ranks(pp)
+    theirs = (
+        dist.get_process_group_ranks(stage.group) if stage.group is not None else list(range(dist.get_world_size()))
+    )
+    if sorted(ours) != sorted(theirs):
+        raise ValueError(
+            f"ZeroPipelineStage (stage {stage.stage_index}): group= holds ranks {sorted(theirs)}, but the mesh's "
+            f'"pp" dim given to {opt.plan.front} holds {sorted(ours)} on this rank; pass group=mesh["pp"].get_group()'
+        )
