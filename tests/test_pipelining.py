@@ -32,6 +32,7 @@ class Config(NamedTuple):
     max_norm: float | None = None
     scale_grads: bool = True  # False: the loss_fn divides by M, and the plain run is the bitwise oracle
     partition: str = "flat"
+    per_rank: int = 1  # stages on each rank: 2 cuts the model into 4 (looped; "ZBV": V-shaped)
 
 
 CONFIGS = [
@@ -47,8 +48,22 @@ CONFIGS = [
     Config(3, dtype=torch.bfloat16, max_norm=0.05, scale_grads=False),
     Config(2, "ScheduleGPipe", torch.float16, max_norm=0.05, scale_grads=False),
     Config(3, dtype=torch.float32, max_norm=0.05, scale_grads=False, partition="greedy"),
+    Config(2, "ScheduleInterleaved1F1B", max_norm=0.05, per_rank=2),
+    Config(3, "ScheduleLoopedBFS", scale_grads=False, per_rank=2),
+    Config(1, "ScheduleZBVZeroBubble", torch.bfloat16, scale_grads=False, per_rank=2),
+    Config(3, "ScheduleZBVZeroBubble", max_norm=0.05, per_rank=2),
 ]
-MULTI = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")  # they take a list of stages
+# The schedules that take a list of stages
+MULTI = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble")
+
+
+def _stages_of(config, pp_rank: int) -> list[int]:
+    """The stages a rank holds: one, or per_rank of them looped (r, r + PP, ...) or V-shaped (ZBV)."""
+    if config.per_rank == 1:
+        return [pp_rank]
+    if "ZBV" in config.schedule:
+        return [pp_rank, 2 * PP - 1 - pp_rank]
+    return [pp_rank + k * PP for k in range(config.per_rank)]
 
 
 def _batch(step: int, dp_rank: int | None = None) -> torch.Tensor:
@@ -95,34 +110,36 @@ def _pipelined(config, mesh, pp_rank, dp_rank):
     from zerofast.pipelining import ZeroPipelineStage
 
     mixed, comm = _policies(config)
-    part = titan_cut(TitanLlama(layers=LAYERS), pp_rank, PP)
+    n = PP * config.per_rank
+    indices = _stages_of(config, pp_rank)
+    parts = [titan_cut(TitanLlama(layers=LAYERS), s, n) for s in indices]
+    part = parts[0] if len(parts) == 1 else parts  # ZeroAdam takes a rank's parts as a list
     opt = ZeroAdam(part, stage=config.stage, process_group=mesh, mixed_precision=mixed, comm=comm, **HYPER)
-    stage = ZeroPipelineStage(part, pp_rank, PP, torch.device("cpu"), group=mesh["pp"].get_group())
+    group = mesh["pp"].get_group()
+    stages = [ZeroPipelineStage(p, s, n, torch.device("cpu"), group=group) for p, s in zip(parts, indices)]
     loss_fn = _loss if config.scale_grads else _loss_summed
     schedule = getattr(schedules, config.schedule)(
-        [stage] if config.schedule in MULTI else stage, M, loss_fn=loss_fn, scale_grads=config.scale_grads
+        stages if config.schedule in MULTI else stages[0], M, loss_fn=loss_fn, scale_grads=config.scale_grads
     )
+    first, last = 0 in indices, n - 1 in indices
     norms = []
     for step in range(STEPS):
         ids = _batch(step, dp_rank)
-        if pp_rank == 0:
-            schedule.step(ids)
-        else:
-            schedule.step(target=ids, losses=[])
+        schedule.step(*((ids,) if first else ()), **(dict(target=ids, losses=[]) if last else {}))
         if config.max_norm is not None:
             norms.append(float(opt.clip_grad_norm_(config.max_norm)))
         opt.step()
         opt.zero_grad()
     comm_bytes = opt.report().comm
     with opt.gathered_params():
-        params = {n: p.detach().float().clone() for n, p in part.named_parameters()}
+        params = {name: p.detach().float().clone() for m in parts for name, p in m.named_parameters()}
     # Gradients crossed "dp" once per step: the same bytes as the part trained on the dp ranks with its
     # micro-batches accumulated locally (one reduce), plus the step's own all_reduces over "pp". Stage
     # 3's gathers are not compared: a schedule runs other micro-batches between a forward and its
     # backward, so the unit a plain loop keeps gathered from its forward into its backward (the last)
     # is gathered again, and the zero-bubble weight passes gather the part once more each.
     gathers = ("shard/broadcast", "shard/all_gather")
-    if True:
+    if config.per_rank == 1:  # (the estimator takes one module)
         want = estimate_traffic(
             part,
             DP,
@@ -184,10 +201,14 @@ def test_pp2_dp2_equals_adamw_and_plain_zero_adam():
     for rank, runs in enumerate(results):
         names = set()
         for config, ((params, norms), plain) in zip(CONFIGS, runs):
-            names = set(params)
+            if config.per_rank == 1:
+                names = set(params)
             if plain is not None:
                 plain_params, plain_norms = plain
-                if config.max_norm is None:  # bitwise: the same sums in the same order, one reduce a step
+                # Bitwise where .grad sums the micro-batches in the plain loop's order, one reduce a step;
+                # LoopedBFS runs a stage's backwards in reverse, and the squared norm is summed per
+                # stage first (its rounding, and the clip's through it): within the tolerances then.
+                if config.max_norm is None and config.schedule != "ScheduleLoopedBFS":
                     assert all(torch.equal(t, plain_params[n]) for n, t in params.items()), (rank, config)
                 else:  # the squared norm summed per stage first: its rounding, and the clip's through it
                     for got, w in zip(norms, plain_norms):

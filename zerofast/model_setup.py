@@ -21,6 +21,8 @@ __all__ = [
     "join_ranks",
     "check_same_across_ranks",
     "check_pipeline_parts",
+    "ModelParts",
+    "as_model",
     "in_precision",
     "cast_unmanaged",
     "InputCast",
@@ -95,6 +97,60 @@ def join_ranks(model: nn.Module, group: dist.ProcessGroup, who: str, tp_group=No
     check_same_across_ranks(model, group, who)
     if not meta:
         broadcast_from_rank0(model, group, tp_group)
+
+
+class ModelParts(nn.Module):
+    """Several pipeline stages' parts of one model on one rank (the schedules with more than one stage
+    a rank: Interleaved1F1B, LoopedBFS, the zero-bubble ones), as the one model ZeroAdam trains: its
+    modules and parameters are the parts', by the parts' own names (a pipeline cut keeps the original
+    names, so they never collide: checked). The schedule calls each part; this is never called."""
+
+    def __init__(self, parts: list[nn.Module], who: str = "ZeroAdam"):
+        super().__init__()
+        if not parts or not all(isinstance(m, nn.Module) for m in parts):
+            raise TypeError(
+                f"{who}: model must be an nn.Module or a non-empty list of them (pipeline parts); got {parts!r}"
+            )
+        self.parts = nn.ModuleList(parts)
+        seen: dict[str, int] = {}
+        for i, part in enumerate(parts):
+            for name, _ in part.named_parameters():
+                if name in seen:
+                    raise ValueError(
+                        f"{who}: parts {seen[name]} and {i} both hold a parameter named {name}; the parts of one rank "
+                        "must be different stages of one model, cut with their original names"
+                    )
+                seen[name] = i
+
+    def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
+        if memo is None:
+            memo = set()
+        if self not in memo:
+            if remove_duplicate:
+                memo.add(self)
+            yield prefix, self
+        for part in self.parts:  # each part's root under this model's name: its parameters keep theirs
+            yield from part.named_modules(memo, prefix, remove_duplicate)
+
+    def get_submodule(self, target: str) -> nn.Module:
+        if not target:
+            return self
+        for part in self.parts:
+            try:
+                return part.get_submodule(target)
+            except AttributeError:
+                continue
+        raise AttributeError(f"no part of this ModelParts has a submodule {target!r}")
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("ModelParts is not called: the pipeline schedule runs each part")
+
+
+def as_model(model, who: str) -> nn.Module:
+    """The model a front trains: a module, or a list of pipeline parts as one (ModelParts)."""
+    if isinstance(model, (list, tuple)):
+        return ModelParts(list(model), who)
+    return model
 
 
 def check_pipeline_parts(names: list[str], pp_group: dist.ProcessGroup, who: str) -> None:

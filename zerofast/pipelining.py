@@ -83,16 +83,17 @@ class ZeroPipelineStage(PipelineStage):
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         opt = self._optimizer()
+        # Stage 3, a split backward (zero-bubble): torch finds each weight's gradient accumulator
+        # through a view of it, which a released parameter refuses; the parts are gathered for the
+        # pass (every rank of the stage runs it at the same point of the schedule).
+        split = backward_type in ("input", "weight") and opt.plan.params_sharded
+        gathered = opt.gathered_params() if split else contextlib.nullcontext()
         if backward_type == "weight":
-            # Stage 3: torch finds each weight's gradient accumulator through a view of it, which a
-            # released parameter refuses; the part is gathered for the pass (every rank of the stage
-            # runs it at the same point of the schedule).
-            gathered = opt.gathered_params() if opt.plan.params_sharded else contextlib.nullcontext()
             with gathered, opt._pipeline_backward(self.stage_index, last_backward):
                 result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
             opt._pipeline_weights(self.stage_index, last_backward, list(self.submod.parameters()))
             return result
-        with opt._pipeline_backward(self.stage_index, last_backward) as loss_scale:
+        with gathered, opt._pipeline_backward(self.stage_index, last_backward) as loss_scale:
             if loss_scale is not None and self.is_last:  # fp16: the loss, scaled as opt.backward(loss) does
                 bwd_kwargs = {**bwd_kwargs, "stage_output": _scaled(bwd_kwargs["stage_output"], loss_scale)}
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)

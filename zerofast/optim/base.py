@@ -15,6 +15,7 @@ import torch
 from ..checkpoint.binding import checkpoint_view
 from ..checkpoint.view import CheckpointView
 from ..config import Plan
+from ..model_setup import ModelParts
 from ..stage3.module import ShardedModule
 from . import checks
 from .builder import Parts, build
@@ -61,7 +62,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._constructed = True  # add_param_group after this is an error
         self._view = checkpoint_view(parts, self._stepper, self.param_groups)
         parts.topology.replication.attach(self)  # the extension point: zerofast/topology.py
-        _FRONTS[model] = weakref.ref(self)
+        for module in (model, *(model.parts if isinstance(model, ModelParts) else ())):
+            _FRONTS[module] = weakref.ref(self)
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_constructed", False):

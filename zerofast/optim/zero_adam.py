@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ..config import reject_moved, resolve_plan
+from ..model_setup import as_model
 from . import checks
 from .base import (
     ZeroOptimizer,
@@ -104,6 +105,7 @@ class ZeroAdam(ZeroOptimizer):
         **moved,
     ):
         reject_moved("ZeroAdam", moved)
+        model = as_model(model, "ZeroAdam")
         named = trainable_params(model, "ZeroAdam", process_group)
         plan = resolve_plan(
             stage,
