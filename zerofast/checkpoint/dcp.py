@@ -329,6 +329,7 @@ def state_dict(opt: Checkpointable) -> dict[str, Any]:
     """ZeroAdam.state_dict(): tensors() and "zerofast", small_state() as JSON bytes, one opaque item
     for DCP ([Note: safe checkpoints])."""
     view = opt.checkpoint_view
+    view.facts.check_not_pipelined("ZeroAdam.state_dict()")
     return {**tensors(view.model, view), "zerofast": safe.dumps(small_state(view), "ZeroAdam.state_dict()")}
 
 

@@ -89,6 +89,7 @@ def save(
             f"(choose a new folder per save, e.g. step-000100)"
         )
     view = opt.checkpoint_view
+    view.facts.check_not_pipelined("zerofast.checkpoint.save")
     small = safe.dumps_small(small_state(view), extra)  # every rank: a bad `extra` fails on all alike
     steps = view.step_counts()
     manifest = _manifest(view, step=max(steps.values(), default=0))
@@ -170,6 +171,7 @@ def load(path: str, model: nn.Module, opt: Checkpointable) -> dict:
     background.settle()
     path = os.fspath(path)
     view = opt.checkpoint_view
+    view.facts.check_not_pipelined("zerofast.checkpoint.load")
     manifest = _check_manifest(path, view)
     small = read_small(path)
     # fp32 and 8-bit state load into each other: [Note: 8-bit checkpoints] in dcp.py

@@ -75,7 +75,10 @@ class ZeroAdam(ZeroOptimizer):
       mesh_dim_names ("replicate", "shard") as FSDP2's HSDP takes it: hybrid sharding by its groups;
       or, for a model parallelized over mesh["tp"] (DTensor parameters), a mesh ("dp", "tp") or
       ("replicate", "dp", "tp"): ZeRO over the data-parallel dims, stages 1-3 ([Note: tensor
-      parallelism] in zerofast/tensor_parallel.py).
+      parallelism] in zerofast/tensor_parallel.py); any of these with "pp" in front (also ("pp",
+      "dp")) for a pipeline stage's part, trained through zerofast.pipelining.ZeroPipelineStage
+      ([Note: pipeline accumulation]). model may then be a list of this rank's parts (several
+      stages a rank), trained as one.
     offload: where the optimizer state lives: None (with the parameters), an OffloadPolicy, or its
       shortcuts "host" (pinned host memory, stepped by the fused CPU kernel) and "disk:PATH" (files
       under PATH streamed through a bounded window): [Note: offload schedule] in zerofast/offload.

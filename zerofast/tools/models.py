@@ -262,6 +262,8 @@ def titan_plan(
         del top["tok_embeddings"]
     if sp:
         top["norm"] = SequenceParallel()
+    # A pipeline stage's part (titan_cut) lacks the ends other stages hold.
+    top = {name: style for name, style in top.items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
         plan = {
