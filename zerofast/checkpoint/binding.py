@@ -56,7 +56,7 @@ def checkpoint_view(parts, stepper, param_groups: list[dict]) -> CheckpointView:
             topo.shard_rank,
             topo.shard_size,
             topo.shard_group,
-            topo.pp_size,
+            topo.pp_group,
         ),
         trainable=trainable,
         frozen=_frozen_view(parts),

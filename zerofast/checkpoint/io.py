@@ -89,10 +89,10 @@ def save(
             f"(choose a new folder per save, e.g. step-000100)"
         )
     view = opt.checkpoint_view
-    view.facts.check_not_pipelined("zerofast.checkpoint.save")
-    small = safe.dumps_small(small_state(view), extra)  # every rank: a bad `extra` fails on all alike
     steps = view.step_counts()
     manifest = _manifest(view, step=max(steps.values(), default=0))
+    state_small, manifest = _every_stage(view.facts, small_state(view), manifest)
+    small = safe.dumps_small(state_small, extra)  # every rank: a bad `extra` fails on all alike
     f = view.facts
     if f.rank == 0 and os.path.exists(path + INCOMPLETE):
         shutil.rmtree(path + INCOMPLETE)  # what a killed save left behind
@@ -171,7 +171,6 @@ def load(path: str, model: nn.Module, opt: Checkpointable) -> dict:
     background.settle()
     path = os.fspath(path)
     view = opt.checkpoint_view
-    view.facts.check_not_pipelined("zerofast.checkpoint.load")
     manifest = _check_manifest(path, view)
     small = read_small(path)
     # fp32 and 8-bit state load into each other: [Note: 8-bit checkpoints] in dcp.py
@@ -248,6 +247,29 @@ def _manifest(view: CheckpointView, step: int) -> dict:
     }
 
 
+def _every_stage(f, small: dict, manifest: dict) -> tuple[dict, dict]:
+    """A pipelined model's small state and manifest over every stage, in "pp" rank order (each rank
+    holds other parameters: [Note: pipeline accumulation] in zerofast/pipelining.py), so the files
+    rank 0 writes name the whole model. The stages' parameter groups with the same hyper-parameters
+    are one group of the model (each stage's part groups its parameters as the model does), so
+    to_torch gives one torch optimizer's groups. Collective over "pp"; unchanged without a "pp" dim."""
+    if f.pp_group is None:
+        return small, manifest
+    everyone: list = [None] * dist.get_world_size(f.pp_group)
+    dist.all_gather_object(everyone, (small["steps"], small["param_groups"], manifest["params"]), group=f.pp_group)
+    groups: dict[str, dict] = {}
+    for _, stage_groups, _ in everyone:
+        for g in stage_groups:
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            groups.setdefault(repr(sorted(hyper.items())), {**hyper, "params": []})["params"].extend(g["params"])
+    small = {
+        **small,
+        "steps": {n: s for steps, _, _ in everyone for n, s in steps.items()},
+        "param_groups": list(groups.values()),
+    }
+    return small, {**manifest, "params": [e for _, _, params in everyone for e in params], "pp": len(everyone)}
+
+
 def _check_manifest(path: str, view: CheckpointView) -> dict:
     """Every rank reads the manifest itself, so a mismatch is the same error everywhere, never a
     hang; returns it."""
@@ -262,6 +284,9 @@ def _check_manifest(path: str, view: CheckpointView) -> dict:
     saved = manifest["params"]
     mine = [(n, list(p.shape)) for n, p in view.trainable.params]
     theirs = [(e["name"], e["shape"]) for e in saved]
+    if view.facts.pp_group is not None or manifest.get("pp", 1) > 1:
+        _check_by_name(theirs, mine, whole=view.facts.pp_group is None)
+        return manifest
     for k, (a, b) in enumerate(zip(theirs, mine)):
         if a != b:
             raise ValueError(
@@ -273,6 +298,29 @@ def _check_manifest(path: str, view: CheckpointView) -> dict:
             f"zerofast.checkpoint.load: the checkpoint has {len(theirs)} trainable parameters, the model {len(mine)}"
         )
     return manifest
+
+
+def _check_by_name(theirs: list, mine: list, whole: bool) -> None:
+    """A pipelined save or load: the parameters by name (a stage's part is some of the model's, in
+    its own order): each of this rank's in the checkpoint with its shape; all of them for a model
+    that is not cut (whole)."""
+    saved = dict(theirs)
+    for name, shape in mine:
+        if name not in saved:
+            raise ValueError(
+                f"zerofast.checkpoint.load: the checkpoint has no parameter {name} (this rank's part has it)"
+            )
+        if saved[name] != shape:
+            raise ValueError(
+                f"zerofast.checkpoint.load: {name} has shape {tuple(saved[name])} in the checkpoint, "
+                f"{tuple(shape)} in the model"
+            )
+    if whole and len(mine) != len(saved):
+        missing = sorted(set(saved) - {n for n, _ in mine})
+        raise ValueError(
+            f"zerofast.checkpoint.load: the checkpoint has {len(saved)} trainable parameters, the model {len(mine)} "
+            f"(not in the model: {missing[:3]})"
+        )
 
 
 # --- looking inside without a process group -------------------------------------------------------
@@ -343,6 +391,7 @@ def _manifest_fields(manifest_path: str) -> dict:
             )
             and all(isinstance(m.get(k), str) for k in ("partition", "precision", "zerofast", "torch"))
             and _valid_shard_size(m)
+            and isinstance(m.get("pp", 1), int)
             and isinstance(m.get("state_block", 0), int)
             and not isinstance(m.get("state_block", 0), bool)
             and m.get("state_block", 0) >= 0

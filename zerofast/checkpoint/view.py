@@ -44,16 +44,16 @@ class Facts:
     shard_rank: int  # among the ranks sharing the state, which its layout is cut for
     shard_size: int  # ([Note: hybrid sharding] in zerofast/topology.py; the world when flat)
     shard_group: dist.ProcessGroup
-    pp_size: int = 1  # pipeline stages across the save's group (each rank's part its stage's)
+    # Pipeline parallelism: the ranks holding the other stages' parts at this rank's place (None: none).
+    pp_group: dist.ProcessGroup | None = None
 
     def check_not_pipelined(self, what: str) -> None:
-        """Checkpoints of a pipelined model (one part per stage) are not written yet: a named error
-        rather than a checkpoint holding one stage's manifest."""
-        if self.pp_size > 1:
+        """opt.state_dict() of a pipelined model: its one "zerofast" entry is per stage (its step counts
+        and groups name this stage's parameters), of which DCP would keep one rank's."""
+        if self.pp_group is not None:
             raise NotImplementedError(
-                f'{what}: checkpoints of a model cut into pipeline stages (a "pp" mesh dim) are not supported '
-                "yet ([Note: pipeline accumulation] in zerofast/pipelining.py); opt.full_state_dict() gathers this "
-                "stage's part whole (by the original names) for a consolidated save"
+                f'{what}: a model cut into pipeline stages (a "pp" mesh dim) is saved with zerofast.checkpoint.save '
+                "(which joins every stage's small state), not through opt.state_dict() and dcp.save"
             )
 
 
