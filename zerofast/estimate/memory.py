@@ -122,6 +122,7 @@ def estimate_memory(
     rank: int | None = None,
     frozen_models=(),
     device="cuda",
+    pp: int = 1,
     **moved,
 ) -> MemoryEstimate:
     """Per-rank bytes of parameters, gradients and optimizer state for DDP (stage 0) or a ZeRO stage, by
@@ -148,7 +149,11 @@ def estimate_memory(
     rank holds 1/tp of every split parameter, which ZeRO shards over the world/tp data-parallel ranks
     (shard_size counts those). A module parallelized over "tp" is counted exactly by its DTensors'
     local tensors; a count is divided by tp (weights replicated across "tp", such as norms under
-    SequenceParallel, counted as split: a count cannot tell them apart)."""
+    SequenceParallel, counted as split: a count cannot tell them apart).
+    pp: the pipeline degree ([Note: pipeline accumulation] in zerofast/pipelining.py): the module (or
+    count) is one stage's part, `world` every rank ("pp" outermost), ZeRO over the world/pp ranks of
+    the stage. At rest, as report() after a step; during a step a stage also holds its part's full
+    local gradients between micro-batches (stages 2 and 3: `grads` of stage 1's)."""
     for name in moved:
         if name in _MOVED:
             raise TypeError(f"estimate_memory: the keyword {name}= is now {_MOVED[name]}")
@@ -169,6 +174,11 @@ def estimate_memory(
         )
     if not (isinstance(world, int) and not isinstance(world, bool) and world >= 1):
         raise ValueError(f"estimate_memory: world must be an integer >= 1; got {world!r}")
+    if not (isinstance(pp, int) and not isinstance(pp, bool) and pp >= 1 and world % pp == 0):
+        raise ValueError(f"estimate_memory: pp must be an integer >= 1 that divides world ({world}); got {pp!r}")
+    if rank is not None and not (isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < world):
+        raise ValueError(f"estimate_memory: rank must be None or an integer in [0, {world}); got {rank!r}")
+    world, rank = world // pp, None if rank is None else rank % (world // pp)
     if not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 and world % tp == 0):
         raise ValueError(f"estimate_memory: tp must be an integer >= 1 that divides world ({world}); got {tp!r}")
     if tp > 1:

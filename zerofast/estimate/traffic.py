@@ -132,6 +132,7 @@ def traffic_ops(
     max_grad_norm=None,
     micro_batches: int = 1,
     backend: str = "nccl",
+    pp: int = 1,
     **moved,
 ) -> list[Op]:
     """The collectives behind estimate_traffic (its keywords, as estimate_memory's in the same order:
@@ -155,10 +156,15 @@ def traffic_ops(
         )
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"{who}: world must be an integer >= 1; got {world!r}")
-    if not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 and world % tp == 0):
-        raise ValueError(f"{who}: tp must be an integer >= 1 that divides world ({world}); got {tp!r}")
+    if not (isinstance(pp, int) and not isinstance(pp, bool) and pp >= 1 and world % pp == 0):
+        raise ValueError(f"{who}: pp must be an integer >= 1 that divides world ({world}); got {pp!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
         raise ValueError(f"{who}: rank must be an integer in [0, {world}); got {rank!r}")
+    # A pipeline stage's part ([Note: pipeline accumulation] in zerofast/pipelining.py): the ranks of
+    # this rank's stage, "pp" outermost in the mesh.
+    world, rank = world // pp, rank % (world // pp)
+    if not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 and world % tp == 0):
+        raise ValueError(f"{who}: tp must be an integer >= 1 that divides world ({world}); got {tp!r}")
     world, rank = world // tp, rank // tp  # ZeRO over the data-parallel ranks of this rank's "tp" coordinate
     if tp > 1 and not is_module:
         model_or_param_count = -(-model_or_param_count // tp)
@@ -176,7 +182,9 @@ def traffic_ops(
     disk_agreement = plan.offload.state == "disk"
     replicas, shard_rank = world // shards, rank % shards
     r_bytes, p_bytes = plan.reduce_dtype.itemsize, plan.param_dtype.itemsize
-    reduces = 1 if plan.accumulates_locally else micro_batches  # [Note: accumulation] in zerofast/optim/grads.py
+    # [Note: accumulation] in zerofast/optim/grads.py; a pipeline stage reduces once a step whatever
+    # the CommPolicy says ([Note: pipeline accumulation]).
+    reduces = 1 if plan.accumulates_locally or pp > 1 else micro_batches
     flat = plan.partition == "flat"
     reduce_name, gather_name = collective_names(backend, flat)
     gather_step: list[tuple[int, int]] = []  # stages 1, 2: (bytes, calls) after the update
@@ -268,6 +276,10 @@ def traffic_ops(
         ops.append(Op("tp", "all_reduce_flags", 8 * joined + (8 if disk_agreement else 0), 1, "step", tp))
         if plan.scales_loss or plan.max_grad_norm is not None:
             ops.append(Op("tp", "all_reduce_stats", 8, 1, "step", tp))
+    if pp > 1:  # the step joined over "pp": the step counts and a failure (GradReducer._agree_over_pp), the stats
+        ops.append(Op("pp", "all_reduce_flags", 8 * 3 + (8 if disk_agreement else 0), 1, "step", pp))
+        if plan.scales_loss or plan.max_grad_norm is not None:
+            ops.append(Op("pp", "all_reduce_stats", 8, 1, "step", pp))
     return ops
 
 
@@ -300,8 +312,12 @@ def estimate_traffic(model_or_param_count, world: int, stage: int, **options) ->
     exactly; ZeRO over the world/tp data-parallel ranks, rank counted among all); tp > 1 adds the
     optimizer's own all_reduces over "tp" (the step's agreement joined, and the overflow flag's and
     norm's sum when loss scaling or clipping). Keys: "shard/<collective>" (the K ranks sharing the
-    state), "replicate/<collective>" (the W/K copies of each shard, when K < world) and
-    "tp/<collective>".
+    state), "replicate/<collective>" (the W/K copies of each shard, when K < world), "tp/<collective>"
+    and "pp/<collective>". pp: the pipeline degree ("pp" outermost in the mesh; the module is this
+    rank's stage's part, `world` every rank): a stage reduces once a step whatever micro_batches, and
+    adds the step's all_reduces over "pp" (the agreement's step counts and failure; the overflow flag
+    and norm when loss scaling or clipping); stage 3's gathers are counted as a plain loop's (a
+    schedule that runs other micro-batches between a forward and its backward gathers more).
 
     Exact for an nn.Module: ZeroAdam's own layouts (zerofast.optim.placement), padding and agreement
     message included. Stage 3's gathers are those of the second step on, each gathering module run
