@@ -30,7 +30,7 @@ TITLE = (
     "pipeline parallelism: 4 gloo ranks x 1 thread as pp 2 x dp 2, TitanLlama 4.5M params (dim 256, "
     "4 layers, vocab 2048) cut into 2 stages, Schedule1F1B over 4 micro-batches, batch 8x64 per dp rank, fp32 AdamW"
 )
-CASES = ["ddp", "fsdp2", "zerofast stage 1", "zerofast stage 2", "zerofast stage 3"]
+CASES = ["ddp", "fsdp2", "zerofast stage 1", "zerofast stage 2", "zerofast stage 3", "zerofast stage 3 per mb"]
 
 
 def _local_bytes(t) -> int:
@@ -76,8 +76,9 @@ def build(case, rank, world):
         opt = torch.optim.AdamW(part.parameters(), **HYPER)
         stage = PipelineStage(part, s, PP, torch.device("cpu"), group=pp_group)
     else:
-        opt = ZeroAdam(part, stage=int(case.split()[-1]), process_group=mesh, **HYPER)
-        stage = ZeroPipelineStage(part, s, PP, torch.device("cpu"), group=pp_group)
+        per_mb = case.endswith("per mb")  # stage 3 gathering each unit per micro-batch, not once a step
+        opt = ZeroAdam(part, stage=int(case.split()[2]), process_group=mesh, **HYPER)
+        stage = ZeroPipelineStage(part, s, PP, torch.device("cpu"), group=pp_group, gather_per_micro_batch=per_mb)
     schedule = Schedule1F1B(stage, MICRO, loss_fn=_loss)
 
     def state_bytes() -> int:
@@ -141,7 +142,7 @@ def test_pp_against_ddp_and_fsdp2_interleaved(benchmark, record_ratios):
             pool.close()
     base = statistics.median(times["ddp"])
     lines = [
-        f"{'case':18s} {'step ms':>9s} {'x ddp':>7s} {'paired':>7s} {'state MiB/rank':>15s} "
+        f"{'case':24s} {'step ms':>9s} {'x ddp':>7s} {'paired':>7s} {'state MiB/rank':>15s} "
         f"{'peak RSS MiB':>13s} {'dp MiB/step':>12s}"
     ]
     for case in CASES:
@@ -151,7 +152,7 @@ def test_pp_against_ddp_and_fsdp2_interleaved(benchmark, record_ratios):
         rss = max(i["peak_rss"] for i in infos[case]) / 2**20
         sent = max(i["dp_bytes"] for i in infos[case]) / 2**20
         shown = f"{sent:12.2f}" if sent else f"{'-':>12s}"
-        lines.append(f"{case:18s} {med * 1e3:9.1f} {med / base:6.2f}x {paired:6.2f}x {state:15.2f} {rss:13.0f} {shown}")
+        lines.append(f"{case:24s} {med * 1e3:9.1f} {med / base:6.2f}x {paired:6.2f}x {state:15.2f} {rss:13.0f} {shown}")
         benchmark.extra_info[f"{case} ms"] = med * 1e3
         benchmark.extra_info[f"{case} state MiB"] = state
     lines.append(f"medians over {ROUNDS} interleaved rounds (one step of each case per round, order alternating)")

@@ -34,19 +34,21 @@ class Config(NamedTuple):
     scale_grads: bool = True  # False: the loss_fn divides by M, and the plain run is the bitwise oracle
     partition: str = "flat"
     per_rank: int = 1  # stages on each rank: 2 cuts the model into 4 (looped; "ZBV": V-shaped)
+    per_mb: bool = False  # stage 3: ZeroPipelineStage(gather_per_micro_batch=True)
 
 
 CONFIGS = [
     Config(1, max_norm=0.05),
     Config(2, "ScheduleGPipe"),
     Config(3, max_norm=0.05),
-    Config(3, "ScheduleGPipe", partition="round_robin"),
+    Config(3, "ScheduleGPipe", partition="round_robin", per_mb=True),
     Config(1, "ScheduleInterleaved1F1B", scale_grads=False),
     Config(2, "ScheduleInterleavedZeroBubble", max_norm=0.05),
     Config(3, "ScheduleInterleavedZeroBubble", scale_grads=False),
     Config(1, "ScheduleInterleavedZeroBubble", torch.bfloat16, scale_grads=False),
     Config(2, dtype=torch.bfloat16, max_norm=0.05, scale_grads=False),
     Config(3, dtype=torch.bfloat16, max_norm=0.05, scale_grads=False),
+    Config(3, dtype=torch.bfloat16, scale_grads=False, per_mb=True),
     Config(2, "ScheduleGPipe", torch.float16, max_norm=0.05, scale_grads=False),
     Config(3, dtype=torch.float32, max_norm=0.05, scale_grads=False, partition="greedy"),
     Config(2, "ScheduleInterleaved1F1B", max_norm=0.05, per_rank=2),
@@ -107,7 +109,7 @@ def _policies(config):
 def _pipelined(config, mesh, pp_rank, dp_rank):
     from torch.distributed.pipelining import schedules
 
-    from zerofast.estimate import estimate_memory, estimate_traffic
+    from zerofast.estimate import estimate_memory, estimate_traffic, traffic_ops
     from zerofast.layout import ALIGN
     from zerofast.optim.zero_adam import parts_of
     from zerofast.pipelining import ZeroPipelineStage
@@ -119,7 +121,10 @@ def _pipelined(config, mesh, pp_rank, dp_rank):
     part = parts[0] if len(parts) == 1 else parts  # ZeroAdam takes a rank's parts as a list
     opt = ZeroAdam(part, stage=config.stage, process_group=mesh, mixed_precision=mixed, comm=comm, **HYPER)
     group = mesh["pp"].get_group()
-    stages = [ZeroPipelineStage(p, s, n, torch.device("cpu"), group=group) for p, s in zip(parts, indices)]
+    stages = [
+        ZeroPipelineStage(p, s, n, torch.device("cpu"), group=group, gather_per_micro_batch=config.per_mb)
+        for p, s in zip(parts, indices)
+    ]
     loss_fn = _loss if config.scale_grads else _loss_summed
     schedule = getattr(schedules, config.schedule)(
         stages if config.schedule in MULTI else stages[0], M, loss_fn=loss_fn, scale_grads=config.scale_grads
@@ -150,6 +155,11 @@ def _pipelined(config, mesh, pp_rank, dp_rank):
         got = dict(comm_bytes)
         if config.stage == 3:
             gathers = ("shard/broadcast", "shard/all_gather")
+            if not (config.per_mb or "ZeroBubble" in config.schedule):  # the parts kept gathered for the step:
+                once = traffic_ops(part, world, 3, micro_batches=1, backend="gloo", **options)  # each unit once
+                assert sum(v for k, v in got.items() if k in gathers) == sum(
+                    op.nbytes for op in once if op.phase == "forward"
+                ), (config, got)
             got, want = ({k: v for k, v in d.items() if k not in gathers} for d in (got, want))
         assert got == want, (config, got, want)
         # estimate_memory with pp: this stage's part over its dp ranks; the optimizer state measured
@@ -480,3 +490,10 @@ def test_the_estimators_name_a_bad_pp():
                 fn(part, 4, 2, pp=bad)
     # pp 2 of 4 ranks: the part over its stage's 2 dp ranks, as over a world of 2 without "pp".
     assert estimate_memory(part, 4, 2, pp=2, rank=3) == estimate_memory(part, 2, 2, rank=1)
+
+
+def test_gather_per_micro_batch_must_be_a_bool():
+    from zerofast.pipelining import ZeroPipelineStage
+
+    with pytest.raises(TypeError, match="gather_per_micro_batch must be True or False; got 'yes'"):
+        ZeroPipelineStage(torch.nn.Linear(2, 2), 0, 1, torch.device("cpu"), gather_per_micro_batch="yes")

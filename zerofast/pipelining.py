@@ -40,8 +40,14 @@ over "pp" and the overflow flag and the squared norm are summed over "pp" (each 
 parameters), so clipping sees the global norm, an fp16 overflow on any rank skips the step on every
 rank of every stage, and every stage's loss scale moves together. Under fp16 the last stage's loss
 is multiplied by the loss scale before its backward, as opt.backward(loss) multiplies it.
-Stage 3 gathers each unit for each micro-batch's forward and again for its backward, as without
-pipelining.
+Stage 3 by default keeps the rank's parts gathered from the step's first forward to its stages' last
+backward (torchtitan's default under pipelining, FSDP2's reshard_after_forward=False): each unit is
+gathered once a step, at the cost of holding the whole part (as gathered_params() holds it; released
+before step()). ZeroPipelineStage(gather_per_micro_batch=True) gathers each unit for each
+micro-batch's forward and again for its backward, as without pipelining, holding only the units in
+use. A zero-bubble schedule's split passes gather the parts for each pass instead (torch finds each
+weight's gradient accumulator through a view of it, which a released parameter refuses), and once
+one is seen the optimizer's parts are no longer held across the step.
 """
 
 from __future__ import annotations
@@ -62,8 +68,17 @@ class ZeroPipelineStage(PipelineStage):
     same arguments; its backwards accumulate and reduce as [Note: pipeline accumulation] says. Build it
     before or after the optimizer; the optimizer must exist before the schedule's first step."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, gather_per_micro_batch: bool = False, **kwargs):
+        """gather_per_micro_batch (stage 3): gather each unit for each micro-batch's forward and
+        backward, as without pipelining (least memory); False, the default (torchtitan's under
+        pipelining): the parts stay gathered from the step's first forward to its last backward, each
+        unit gathered once a step."""
+        if not isinstance(gather_per_micro_batch, bool):
+            raise TypeError(
+                f"ZeroPipelineStage: gather_per_micro_batch must be True or False; got {gather_per_micro_batch!r}"
+            )
         super().__init__(*args, **kwargs)
+        self.gather_per_micro_batch = gather_per_micro_batch
         self._checked = None  # the optimizer whose "pp" group was checked against this stage's
         if optimizer_of(self.submod) is not None:
             self._optimizer()
@@ -81,12 +96,19 @@ class ZeroPipelineStage(PipelineStage):
             self._checked = opt
         return opt
 
+    def forward_one_chunk(self, *args, **kwargs):
+        if not self.gather_per_micro_batch and self.has_backward:  # [Note: pipeline accumulation]
+            self._optimizer()._pipeline_hold()
+        return super().forward_one_chunk(*args, **kwargs)
+
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         opt = self._optimizer()
         # Stage 3, a split backward (zero-bubble): torch finds each weight's gradient accumulator
         # through a view of it, which a released parameter refuses; the parts are gathered for the
         # pass (every rank of the stage runs it at the same point of the schedule).
         split = backward_type in ("input", "weight") and opt.plan.params_sharded
+        if split:  # the parts kept gathered do not survive torch's split passes: gathered per pass
+            opt._pipeline_split()
         gathered = opt.gathered_params() if split else contextlib.nullcontext()
         if backward_type == "weight":
             with gathered, opt._pipeline_backward(self.stage_index, last_backward):

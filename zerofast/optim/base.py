@@ -60,6 +60,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             parts.grads.window.prepare = weakref.WeakMethod(self._prepare_grads)
         super().__init__(rule.groups, rule.defaults)
         self._constructed = True  # add_param_group after this is an error
+        self._held: contextlib.ExitStack | None = None  # a pipeline step's parts kept gathered
+        self._split_passes = False  # a zero-bubble schedule's split backwards seen
         self._view = checkpoint_view(parts, self._stepper, self.param_groups)
         parts.topology.replication.attach(self)  # the extension point: zerofast/topology.py
         for module in (model, *(model.parts if isinstance(model, ModelParts) else ())):
@@ -108,6 +110,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._pipeline_release()  # a pipeline step whose stages never all finished their backwards
         with torch.no_grad():
             replication = self._parts.topology.replication
             replication.check_step(self._parts.comm.where.step)
@@ -194,7 +197,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._parts.topology.pp_group
 
     def _pipeline_stage_done(self, stage: int, divisor: int) -> None:
-        self._parts.grads.pipeline_stage_done(stage, divisor)
+        if self._parts.grads.pipeline_stage_done(stage, divisor):
+            self._pipeline_release()
+
+    def _pipeline_hold(self) -> None:
+        """Stage 3, a schedule's step keeping the parts gathered across its micro-batches (torchtitan's
+        default under pipelining): every unit gathered at the step's first forward, as gathered_params()
+        gathers it, until every stage's backwards are done."""
+        if self._held is None and self.plan.params_sharded and not self._split_passes:
+            held = contextlib.ExitStack()
+            held.enter_context(self.gathered_params())
+            self._held = held
+
+    def _pipeline_split(self) -> None:
+        """A zero-bubble schedule's split backward: from now on its parts are gathered per pass, never
+        held across the step (with units held gathered through them, torch failed an internal assert in
+        autograd's tensor teardown on the last stage, seen on torch 2.14)."""
+        self._split_passes = True
+        self._pipeline_release()
+
+    def _pipeline_release(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held.close()
 
     # --- the model, reports, checkpoints ----------------------------------------------------------
 

@@ -340,12 +340,12 @@ class GradReducer:
                     bucket = self.layout.slots[i].bucket
                     self.comm.run(lambda: f"the gradient path at bucket {bucket}", self.path.take, i)
 
-    def pipeline_stage_done(self, stage: int, divisor: int) -> None:
+    def pipeline_stage_done(self, stage: int, divisor: int) -> bool:
         """Stage `stage`'s backwards of this step are done; the schedule divides its gradients by
         `divisor` (torch's scale_grads). Once every stage seen is done, .grad reads as the reduced
-        gradient ([Note: the model stays a torch model])."""
+        gradient ([Note: the model stays a torch model]); returns whether they all are."""
         if stage not in self.pipeline_stages:
-            return  # no backward of this stage gave this optimizer gradients
+            return False  # no backward of this stage gave this optimizer gradients
         if any(self.pipeline_stages.values()) and divisor != self.step_divisor:
             raise ValueError(
                 f"{self.plan.front}: pipeline stage {stage} scales its gradients by 1/{divisor}, another stage of "
@@ -353,8 +353,10 @@ class GradReducer:
             )
         self.step_divisor = divisor
         self.pipeline_stages[stage] = True
-        if all(self.pipeline_stages.values()) and self.window is not None:
+        done = all(self.pipeline_stages.values())
+        if done and self.window is not None:
             self.window.open_window()
+        return done
 
     def zero_grad(self, set_to_none: bool) -> None:
         if self.phase not in (StepPhase.IDLE, StepPhase.NO_SYNC):
