@@ -497,3 +497,45 @@ def test_gather_per_micro_batch_must_be_a_bool():
 
     with pytest.raises(TypeError, match="gather_per_micro_batch must be True or False; got 'yes'"):
         ZeroPipelineStage(torch.nn.Linear(2, 2), 0, 1, torch.device("cpu"), gather_per_micro_batch="yes")
+
+
+def _muon(rank, world):
+    """ZeroMuon over a pipeline part (1F1B, stage 2) and plain ZeroMuon over the whole model on the same
+    dp ranks with the same micro-batches under no_sync: the same gradient sums in the same order, and
+    each matrix's Newton-Schulz the same computation wherever its owner is."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zerofast import CommPolicy, ZeroMuon
+
+    mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
+    s, d = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    comm = CommPolicy(partition="greedy", accumulate_locally=True)
+    part = titan_cut(TitanLlama(layers=LAYERS), s, PP)
+    opt = ZeroMuon(part, stage=2, process_group=mesh, comm=comm, lr=0.02)
+    from torch.distributed.pipelining import Schedule1F1B
+
+    from zerofast.pipelining import ZeroPipelineStage
+
+    stage = ZeroPipelineStage(part, s, PP, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = Schedule1F1B(stage, M, loss_fn=_loss_summed, scale_grads=False)
+    for step in range(STEPS):
+        ids = _batch(step, d)
+        schedule.step(ids) if s == 0 else schedule.step(target=ids, losses=[])
+        opt.step()
+        opt.zero_grad()
+    piped = _whole(opt, part)
+    model = TitanLlama(layers=LAYERS)
+    opt = ZeroMuon(model, stage=2, process_group=mesh["dp"].get_group(), comm=comm, lr=0.02)
+    for step in range(STEPS):
+        for m, c in enumerate(_batch(step, d).chunk(M)):
+            with opt.no_sync() if m < M - 1 else contextlib.nullcontext():
+                _loss_summed(model(c), c).backward()
+        opt.step()
+        opt.zero_grad()
+    plain = _whole(opt, model)
+    return [n for n, t in piped.items() if not torch.equal(t, plain[n])], len(piped)
+
+
+def test_zero_muon_under_a_pipeline_is_plain_zero_muon_bitwise():
+    for rank, (differ, count) in enumerate(run_ranks(_muon, PP * DP)):
+        assert count > 0 and differ == [], (rank, differ)
