@@ -62,6 +62,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._constructed = True  # add_param_group after this is an error
         self._held: contextlib.ExitStack | None = None  # a pipeline step's parts kept gathered
         self._split_passes = False  # a zero-bubble schedule's split backwards seen
+        self._index_of: dict[int, int] | None = None  # a managed parameter's id -> its index
         self._view = checkpoint_view(parts, self._stepper, self.param_groups)
         parts.topology.replication.attach(self)  # the extension point: zerofast/topology.py
         for module in (model, *(model.parts if isinstance(model, ModelParts) else ())):
@@ -188,8 +189,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "supported yet (their gradients reach the DTensors, not the shards' stand-ins); use a schedule "
                 "with full backwards (GPipe, 1F1B, Interleaved1F1B, LoopedBFS)"
             )
-        index = {id(p): i for i, p in enumerate(self._parts.params)}
-        indices = [index[id(p)] for p in params if id(p) in index and p.grad is not None]
+        if self._index_of is None:  # built once: a weight pass runs per micro-batch
+            self._index_of = {id(p): i for i, p in enumerate(self._parts.params)}
+        indices = [self._index_of[id(p)] for p in params if id(p) in self._index_of and p.grad is not None]
         self._parts.grads.take_assigned(indices, stage, last)
 
     def _pipeline_group(self):
