@@ -10,6 +10,11 @@ VENV        ?= .venv
 TORCH_SPEC  ?= torch==2.14.1
 ZEROFAST_CUDA ?= auto
 export ZEROFAST_CUDA
+# Byte-code: pip installs without compiling every module of every package (--no-compile: torch's and
+# transformers' alone cost 13 s of a core), and each module is compiled and cached the first time a
+# process imports it. That caching needs PYTHONDONTWRITEBYTECODE unset, which some machines set
+# (this one does): with it, every process compiled torch from source anew.
+export PYTHONDONTWRITEBYTECODE :=
 
 # Third-party packages. The Hugging Face stack is pinned to the versions zerofast.integrations.hf was
 # written and tested against (it hooks the Trainer's and the Accelerator's methods named there; the
@@ -55,7 +60,7 @@ $(PY):
 # Third-party packages: installed once; a second `make setup` reuses them.
 $(DEPS): | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(PIP_DEPS)
+	$(PY) -m pip install --quiet --no-compile $(PIP_DEPS)
 	rm -f $(VENV)/.zerofast-deps*
 	touch $@
 
@@ -112,7 +117,7 @@ $(OLDEST_PY):
 
 $(OLDEST_MARK): | $(OLDEST_PY)
 	$(OLDEST_PY) -m pip install --quiet --upgrade pip
-	$(OLDEST_PY) -m pip install --quiet $(OLDEST_DEPS)
+	$(OLDEST_PY) -m pip install --quiet --no-compile $(OLDEST_DEPS)
 	rm -f $(OLDEST_VENV)/.zerofast-deps*
 	touch $@
 

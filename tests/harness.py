@@ -97,10 +97,43 @@ class RankFailed(AssertionError):
     """One or more ranks raised or hung."""
 
 
+_PORT_BLOCK = 1000  # ports a pytest-xdist worker draws from
+_drawn = [0]  # ports this process has drawn
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a launch's store (MASTER_PORT, a rendezvous endpoint) that no other process is given
+    before the launch binds it. Not bind(0)'s: the kernel hands that port out again as soon as it is
+    closed, to the next ephemeral port asked for, and under load the suite opens gloo connections by
+    the hundred, so another test's connection could take it before this launch's store bound it (a
+    store that could not bind, its clients reaching another job's socket: a launch that hung now and
+    then on the loaded CI machine). These come from below the kernel's ephemeral range
+    (/proc/sys/net/ipv4/ip_local_port_range), where it never picks one itself, a block of its own
+    for each pytest-xdist worker, in turn; one still bound (a job left running, a connection in
+    TIME_WAIT) is passed over."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) % 8 if worker[2:].isdigit() else 0
+    start = _ephemeral_low() - _PORT_BLOCK * (index + 1)
+    for _ in range(_PORT_BLOCK):
+        port = start + _drawn[0] % _PORT_BLOCK
+        _drawn[0] += 1
+        if port < 1024:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"free_port: no free port in this worker's block below {_ephemeral_low()}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def _run_one(rank, world_size, path, fn, args, pooled: bool = False) -> bool:

@@ -189,9 +189,10 @@ def _compiled_before(rank, world):
 
 
 def _tensor_parallel(rank, world):
-    """TitanLlama under torchtitan's plan over a (dp 2, tp 2) mesh, ZeroAdam stages 1 and 2, the
-    whole model compiled and eager: the parameters after STEPS steps and the compiled run's graph
-    breaks. Stage 3 with the embedding left plain: a Rowwise embedding compiled whole meets DTensor's
+    """TitanLlama under torchtitan's plan over a (dp 2, tp 2) mesh, ZeroAdam stage 1, the whole model
+    compiled and eager: the parameters after STEPS steps and the compiled run's graph breaks (stage 2
+    adds to stage 1 only its gradient hooks, compiled whole without tp in _cases: not repeated here,
+    each compile costs ~20 s of the suite). Stage 3 with the embedding left plain: a Rowwise embedding compiled whole meets DTensor's
     embedding mask across stage 3's graph breaks, torch's issue, which FSDP2 + TP meets too
     (docs/many-machines.md)."""
     import torch._dynamo
@@ -201,7 +202,7 @@ def _tensor_parallel(rank, world):
     from zerofast.tools.models import TitanLlama, titan_loss, titan_plan
 
     out = {}
-    for stage in (1, 2, 3):
+    for stage in (1, 3):
         for how in ("whole", "eager"):
             torch._dynamo.reset()
             counters.clear()
@@ -229,11 +230,10 @@ def test_a_tensor_parallel_model_compiled_whole_equals_eager():
     # Fresh processes: DTensor caches its sharding decisions with the mesh (tests/test_tensor_parallel.py).
     results = run_ranks(_tensor_parallel, 4, timeout=600, fresh=True)
     for rank, out in enumerate(results):
-        for stage in (1, 2, 3):
+        for stage in (1, 3):
             d = max_abs_diff(out[stage, "whole"][0], out[stage, "eager"][0])
             assert d <= TOL, f"stage {stage} under tp, compiled whole, rank {rank}: {d:.3g} from eager"
-        for stage in (1, 2):
-            assert out[stage, "whole"][1] == {}, f"stage {stage} under tp: graph breaks {out[stage, 'whole'][1]}"
+        assert out[1, "whole"][1] == {}, f"stage 1 under tp: graph breaks {out[1, 'whole'][1]}"
         breaks = out[3, "whole"][1]  # stage 3's only at its unit hook ([Note: stage 3 under torch.compile])
         assert breaks and all("UnitTracker._pre_forward" in reason for reason in breaks), breaks
 
