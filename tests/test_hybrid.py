@@ -337,8 +337,8 @@ def test_a_mesh_equals_shard_size_and_bad_input_is_named_on_every_rank():
         "a 2-D mesh of shape (2, 2) with mesh_dim_names=('shard', 'replicate')",
         "pass it without CommPolicy.shard_size (got shard_size=2)",
         "TypeError: ZeroAdam: process_group must be a torch.distributed ProcessGroup, a 2-D DeviceMesh",
-        "('dp', 'tp') or ('replicate', 'dp', 'tp') (tensor parallelism; 'shard' may stand for 'dp'), each with "
-        "'pp' in front (pipeline parallelism; also ('pp', 'dp')); got a 2-D mesh of shape (2, 2) with "
+        "('dp', 'tp') or ('replicate', 'dp', 'tp') (tensor parallelism), 'shard' and 'dp' naming the same dim, "
+        "each with 'pp' in front (pipeline parallelism; also ('pp', 'dp')); got a 2-D mesh of shape (2, 2) with "
         "mesh_dim_names=('tp', 'dp')",
         "ZeroAdam: parameter '0.weight' is a DTensor (placements (Shard(dim=0),) on a 1-D DeviceMesh",
         "shard_frozen: parameter '0.weight' is a DTensor (placements (Shard(dim=0),)",

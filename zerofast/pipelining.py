@@ -81,7 +81,8 @@ class ZeroPipelineStage(PipelineStage):
         self.gather_per_micro_batch = gather_per_micro_batch
         self._checked = None  # the optimizer whose "pp" group was checked against this stage's
         if optimizer_of(self.submod) is not None:
-            self._optimizer()
+            self._optimizer()  # group= first: another group than the mesh's "pp" says so
+        _check_place(self)
 
     def _optimizer(self) -> ZeroOptimizer:
         opt = optimizer_of(self.submod)
@@ -126,6 +127,21 @@ class ZeroPipelineStage(PipelineStage):
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         # torch's: FSDP2's post-backward, then scale_grads; the reduce is the optimizer's already.
         self.scale_grads(grad_scale_factor)
+
+
+def _check_place(stage: PipelineStage) -> None:
+    """A stage index this rank holds under torch's schedules: s % pp == its place in group= (the
+    looped ones), or 2 * pp - 1 - its place (the V-shaped ZBV, two stages a rank). Another would have
+    its schedule exchange activations with the wrong ranks and wait on them."""
+    s, n, rank, pp = stage.stage_index, stage.num_stages, stage.group_rank, stage.group_size
+    if s % pp != rank and not (n == 2 * pp and s == 2 * pp - 1 - rank):
+        looped = ", ".join(str(i) for i in range(rank, n, pp))
+        raise ValueError(
+            f"ZeroPipelineStage: stage_index={s} (of num_stages={n}) is not this rank's: it is rank {rank} of the "
+            f"{pp} in group=, whose stages are {looped} (torch's looped schedules)"
+            + (f" or {rank} and {2 * pp - 1 - rank} (ZBV)" if n == 2 * pp else "")
+            + '; give each rank the part of its own stage (mesh["pp"].get_local_rank())'
+        )
 
 
 def _scaled(loss, scale: float):

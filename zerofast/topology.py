@@ -195,6 +195,7 @@ def _global(group: dist.ProcessGroup, r: int) -> int:
 # ([Note: pipeline accumulation] in zerofast/pipelining.py).
 _DP_LAYOUTS = (
     ("replicate", "shard"),
+    ("replicate", "dp"),
     ("dp", "tp"),
     ("shard", "tp"),
     ("replicate", "dp", "tp"),
@@ -229,8 +230,8 @@ def mesh_dims(mesh, who: str = "ZeroAdam") -> MeshDims:
     if names not in MESH_LAYOUTS:
         raise ValueError(
             f"{who}: a DeviceMesh as process_group must have mesh_dim_names ('replicate', 'shard') (hybrid "
-            f"sharding, as FSDP2's HSDP), ('dp', 'tp') or ('replicate', 'dp', 'tp') (tensor parallelism; "
-            f"'shard' may stand for 'dp'), each with 'pp' in front (pipeline parallelism; also ('pp', 'dp')); "
+            f"sharding, as FSDP2's HSDP), ('dp', 'tp') or ('replicate', 'dp', 'tp') (tensor parallelism), "
+            f"'shard' and 'dp' naming the same dim, each with 'pp' in front (pipeline parallelism; also ('pp', 'dp')); "
             f"got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)} with mesh_dim_names={mesh.mesh_dim_names}"
         )
     return MeshDims(
