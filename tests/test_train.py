@@ -249,9 +249,88 @@ def test_train_command_with_tensor_parallelism_hybrid_sharding_and_the_state_on_
     assert 1.0 <= moved < 1.1, line  # the replicas' all_reduce of a tp rank's part, plus padding
 
 
+def _pipeline_oracle(steps: int, data_world: int, batch: int) -> list[float]:
+    """The main job's losses, step by step, by single-process AdamW on the tiny Llama over the job's
+    global batch (every data-parallel rank's text_batch), clipped at 1.0 as the job is told."""
+    import torch.nn.functional as F
+
+    from zerofast.tools.data import corpus_tokens, text_batch
+    from zerofast.tools.models import LLAMA_CONFIGS, TitanLlama
+    from zerofast.tools.train._loop import TP_SEQ
+
+    model, tokens, losses = TitanLlama(**LLAMA_CONFIGS["tiny"]), corpus_tokens(), []
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    for step in range(steps):
+        ids = torch.cat([text_batch(tokens, batch, TP_SEQ, seed=step * data_world + r)[0] for r in range(data_world)])
+        logits = model(ids)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_train_command_with_pipeline_parallelism():
+    """--pp 2 on 4 ranks (pp 2 x dp 2, the tiny Llama cut in two, 1F1B over 4 micro-batches, ZeroAdam
+    stage 3): the job's losses are single-process AdamW's over its global batch, each rank's bytes
+    its stage's part's estimate, and its data-parallel traffic 2Φ of the part (the parts kept gathered
+    for the step: one gather, one reduce). (--pp with --tp and --shard-size: the mesh below, and the
+    library under those meshes in tests/test_pipelining.py; a launch each costs ~20 s of the suite.)"""
+    common = ["zerofast.train", "--nproc", "4", "--pp", "2", "--model", "tiny", "--batch", "4", "--lr", "1e-2"]
+    out = _run(*common, "--steps", "6", "--stage", "3", "--max-grad-norm", "1.0")
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert "2 pipeline stages x 4 micro-batches (1F1B) (dp 2 x pp 2)" in text, text
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) over 6 steps", text).groups())
+    want = _pipeline_oracle(6, 2, 4)
+    # Printed to 4 decimals (5e-5), the run within 16 ulps a step of AdamW (tests/test_pipelining.py).
+    assert abs(first - want[0]) <= 1e-4 and abs(last - want[-1]) <= 1e-4, (first, last, want)
+    rows = [t.split() for t in text.splitlines() if re.match(r"^ {3}[0-3] +[\d,]+ ", t)]
+    assert len(rows) == 4 and all(r[1] == r[2] and r[3] == r[4] and r[5] == r[6] for r in rows), rows
+    assert rows[0][1] != rows[2][1], rows  # the stages hold different parts
+    line = next(t for t in text.splitlines() if t.startswith("communication per step, shard"))
+    assert "(formula: 2Φ" in line and 2.0 <= float(re.search(r"= ([\d.]+) Φ", line).group(1)) < 2.1, line
+
+
+def test_the_main_jobs_mesh_puts_pp_outermost_and_tp_innermost():
+    from argparse import Namespace
+
+    from zerofast.tools.train._loop import mesh_layout
+
+    for (pp, tp, k), want in (
+        ((2, None, None), ((2, 4), ("pp", "dp"))),
+        ((2, 2, None), ((2, 2, 2), ("pp", "dp", "tp"))),
+        ((2, None, 2), ((2, 2, 2), ("pp", "replicate", "dp"))),
+        ((2, 2, 1), ((2, 2, 1, 2), ("pp", "replicate", "dp", "tp"))),
+        ((None, 2, 1), ((4, 1, 2), ("replicate", "dp", "tp"))),
+    ):
+        assert mesh_layout(Namespace(pp=pp, tp=tp, shard_size=k), 8) == want, (pp, tp, k)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
+        (
+            ["--nproc", "4", "--pp", "3"],
+            "--pp must be at least 1 and divide the ranks (4) and the small Llama's 8 layers",
+        ),
+        (["--nproc", "4", "--pp", "2", "--micro-batches", "3"], "--micro-batches must be at least --pp (2) and divide"),
+        (
+            ["--nproc", "4", "--pp", "4", "--batch", "2"],
+            "--micro-batches must be at least --pp (4) and divide --batch (2)",
+        ),
+        (["--micro-batches", "2"], "--micro-batches applies to --pp; got --micro-batches 2 without it"),
+        (["--nproc", "4", "--pp", "2", "--compare"], "--compare is not available with --pp"),
+        (
+            ["--nproc", "4", "--pp", "2", "--shard-size", "3"],
+            "--shard-size must divide each stage's data-parallel ranks (2) with --pp; got 3",
+        ),
+        (
+            ["--nproc", "8", "--pp", "2", "--tp", "2", "--shard-size", "3"],
+            "--shard-size must divide the data-parallel ranks (--nproc / --tp = 4) with --tp; got 3",
+        ),
         (
             ["--nproc", "4", "--tp", "3"],
             "--tp must be at least 1 and divide the ranks (4) and the small Llama's 8 heads; got 3",

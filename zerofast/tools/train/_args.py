@@ -107,6 +107,22 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--shard-size K a ('replicate', 'dp', 'tp') mesh, K ranks to a shard)",
     )
     p.add_argument(
+        "--pp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="pipeline parallelism: the Llama (as --tp's) cut into N stages as torchtitan cuts it, torch's "
+        'Schedule1F1B over --micro-batches, ZeroAdam over each stage\'s data-parallel ranks ("pp" outermost '
+        "of the mesh; with --tp and --shard-size as without it)",
+    )
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        metavar="M",
+        help="--pp: micro-batches a step, at least --pp and dividing --batch (default: --batch)",
+    )
+    p.add_argument(
         "--max-restarts",
         type=int,
         default=0,
@@ -148,6 +164,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--max-grad-norm must be positive; got {args.max_grad_norm}")
     if args.tp is not None:
         _check_tp(p, args)
+    if args.pp is not None or args.micro_batches is not None:
+        _check_pp(p, args)
     args.offload_default = args.offload == "disk"  # the job chose the folder: it removes it once empty
     if args.offload is not None:
         args.offload = _resolve_offload(p, args.offload, args.save_dir)
@@ -176,12 +194,13 @@ def _check_tp(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     from ..models import LLAMA_CONFIGS
 
     heads = LLAMA_CONFIGS[args.model]["heads"]
-    if args.tp < 1 or args.nproc % args.tp or heads % args.tp:
+    ranks = _ranks(args)
+    if args.tp < 1 or ranks % args.tp or heads % args.tp:
         p.error(
-            f"--tp must be at least 1 and divide the ranks ({args.nproc}) and the {args.model} Llama's "
+            f"--tp must be at least 1 and divide the ranks ({ranks}) and the {args.model} Llama's "
             f"{heads} heads; got {args.tp}"
         )
-    dp = args.nproc // args.tp
+    dp = ranks // args.tp
     if args.shard_size is not None and dp % args.shard_size:
         p.error(
             f"--shard-size must divide the data-parallel ranks (--nproc / --tp = {dp}) with --tp; got {args.shard_size}"
@@ -193,6 +212,41 @@ def _check_tp(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     ):
         if given:
             p.error(f"{flag} is not available with --tp yet (docs/many-machines.md#tensor-parallelism)")
+
+
+def _check_pp(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--pp N: N divides the ranks (after --tp) and the Llama's layers; --micro-batches M is at least N
+    (1F1B runs one micro-batch per stage in flight) and divides --batch."""
+    from ..models import LLAMA_CONFIGS
+
+    if args.pp is None:
+        p.error(f"--micro-batches applies to --pp; got --micro-batches {args.micro_batches} without it")
+    layers, tp = LLAMA_CONFIGS[args.model]["layers"], args.tp or 1
+    ranks = _ranks(args)
+    if args.pp < 1 or ranks % (args.pp * tp) or layers % args.pp:
+        p.error(
+            f"--pp must be at least 1 and divide the ranks ({ranks}{f' / --tp {tp}' if tp > 1 else ''}) and "
+            f"the {args.model} Llama's {layers} layers; got {args.pp}"
+        )
+    dp = ranks // (args.pp * tp)
+    if args.shard_size is not None and dp % args.shard_size:
+        p.error(f"--shard-size must divide each stage's data-parallel ranks ({dp}) with --pp; got {args.shard_size}")
+    if args.micro_batches is None:
+        args.micro_batches = args.batch
+    if args.micro_batches < args.pp or args.batch % args.micro_batches:
+        p.error(
+            f"--micro-batches must be at least --pp ({args.pp}) and divide --batch ({args.batch}); "
+            f"got {args.micro_batches}"
+        )
+    for flag, given in (("--compare", args.compare), ("--plot", args.plot), ("--replica-groups", args.replica_groups)):
+        if given:
+            p.error(f"{flag} is not available with --pp (docs/many-machines.md#pipeline-parallelism)")
+
+
+def _ranks(args: argparse.Namespace) -> int:
+    """Every rank of the job: --nproc's before the launch, torchrun's WORLD_SIZE in a rank (whose
+    command line has no --nproc; on several machines the world, not this machine's ranks)."""
+    return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else args.nproc
 
 
 def _resolve_offload(p: argparse.ArgumentParser, value: str, save_dir: str | None) -> str:

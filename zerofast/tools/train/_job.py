@@ -21,7 +21,7 @@ from ...optim.grads import StepNotAppliedError
 from .. import replica_demo
 from ._args import parse_args
 from ._launch import _init_process_group, _without_nproc, launch
-from ._loop import _device, _model, run, tp_mesh_layout
+from ._loop import _device, _llama, _model, mesh_layout, run
 from ._plot import plot
 from ._progress import Progress
 from ._report import _median, report
@@ -58,19 +58,21 @@ def _worker(args: argparse.Namespace) -> None:
     if rank == 0:
         n = sum(p.numel() for p in _model(args).parameters())
         log.info(
-            "training a %s %s (%.2fM parameters) on %d ranks (%s): ZeroAdam stage %d, %s partition%s%s%s",
+            "training a %s %s (%.2fM parameters) on %d ranks (%s): ZeroAdam stage %d, %s partition%s%s%s%s%s",
             args.model,
-            "Llama" if args.tp else "GPT",
+            "Llama" if _llama(args) else "GPT",
             n / 1e6,
             world,
             backend,
             args.stage,
             args.partition,
             f", sharded in groups of {args.shard_size}"
-            if args.shard_size not in (None, world // (args.tp or 1))
+            if args.shard_size not in (None, world // ((args.tp or 1) * (args.pp or 1)))
             else "",
             f", optimizer state {_where(args.offload)}" if args.offload else "",
-            f", tensor parallel over {args.tp} ranks ({_tp_mesh_words(args, world)})" if args.tp else "",
+            f", tensor parallel over {args.tp} ranks" if args.tp else "",
+            f", {args.pp} pipeline stages x {args.micro_batches} micro-batches (1F1B)" if args.pp else "",
+            f" ({_mesh_words(args, world)})" if _llama(args) else "",
         )
     losses, times, measured, comm, numel = run("zero", args, device, args.steps, progress=True)
     everyone: list = [None] * world
@@ -145,7 +147,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def _tp_mesh_words(args, world: int) -> str:
-    """--tp's mesh in words, innermost first: "tp 2 x dp 2", "tp 2 x dp 1 x replicate 2"."""
-    shape, names = tp_mesh_layout(args, world)
+def _mesh_words(args, world: int) -> str:
+    """--tp's and --pp's mesh in words, innermost first: "tp 2 x dp 2", "tp 2 x dp 1 x replicate 2",
+    "dp 2 x pp 2"."""
+    shape, names = mesh_layout(args, world)
     return " x ".join(f"{name} {size}" for size, name in reversed(list(zip(shape, names))))

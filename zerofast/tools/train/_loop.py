@@ -20,38 +20,77 @@ from ...optim.base import ZeroOptimizer
 from ...optim.zero_adam import ZeroAdam
 from ...reference import ReferenceZero
 from ..data import corpus_tokens, text_batch
-from ..models import LLAMA_CONFIGS, TitanLlama, make_gpt, titan_loss, titan_plan
+from ..models import LLAMA_CONFIGS, TitanLlama, make_gpt, titan_cut, titan_loss, titan_plan
 from ..quantities import format_bytes
 from ._progress import Progress
 
 log = logging.getLogger("zerofast.train")
 
-TP_SEQ = 64  # --tp: the Llama's sequence length (it has no position table to bound it)
+TP_SEQ = 64  # --tp, --pp: the Llama's sequence length (it has no position table to bound it)
+
+
+def _llama(args) -> bool:
+    """--tp and --pp train the Llama (shaped as torchtitan's, whose plan and cut they use)."""
+    return bool(getattr(args, "tp", None) or getattr(args, "pp", None))
 
 
 def _model(args):
-    """The GPT of the chosen size, over byte tokens (vocabulary 256) of the shipped text; with --tp the
-    Llama of that size (LLAMA_CONFIGS), not yet parallelized (_tp_mesh, then titan_plan)."""
-    if getattr(args, "tp", None):
+    """The GPT of the chosen size, over byte tokens (vocabulary 256) of the shipped text; with --tp or
+    --pp the Llama of that size (LLAMA_CONFIGS), whole (run cuts it and parallelizes it)."""
+    if _llama(args):
         return TitanLlama(**LLAMA_CONFIGS[args.model])
     return make_gpt(args.model, vocab_size=256)
 
 
-def tp_mesh_layout(args, world: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """--tp N's mesh over `world` ranks, its shape and dim names: ("dp", "tp"), "tp" innermost (a
-    machine's consecutive ranks); with --shard-size K below the data-parallel ranks, ("replicate",
-    "dp", "tp"), "dp" of size K."""
-    dp = world // args.tp
-    if args.shard_size in (None, dp):
-        return (dp, args.tp), ("dp", "tp")
-    return (dp // args.shard_size, args.shard_size, args.tp), ("replicate", "dp", "tp")
+def mesh_layout(args, world: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The mesh of --tp N and --pp P over `world` ranks, its shape and dim names: "pp" outermost (each
+    stage's ranks consecutive), "tp" innermost (a machine's consecutive ranks), "dp" between; with
+    --shard-size K below the data-parallel ranks, "replicate" before "dp", "dp" of size K."""
+    pp, tp = getattr(args, "pp", None), getattr(args, "tp", None)
+    dp = world // ((pp or 1) * (tp or 1))
+    shape, names = ((pp,), ("pp",)) if pp else ((), ())
+    if args.shard_size not in (None, dp):
+        shape, names = shape + (dp // args.shard_size,), names + ("replicate",)
+        dp = args.shard_size
+    shape, names = shape + (dp,), names + ("dp",)
+    return (shape + (tp,), names + ("tp",)) if tp else (shape, names)
 
 
-def _tp_mesh(args, device):
+def _mesh(args, device):
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape, names = tp_mesh_layout(args, dist.get_world_size())
+    shape, names = mesh_layout(args, dist.get_world_size())
     return init_device_mesh(device.type, shape, mesh_dim_names=names)
+
+
+def _pipeline_loss(logits, ids):
+    """The schedule's loss_fn on the last stage: titan_loss's, from the logits (gathered under --tp)."""
+    if hasattr(logits, "full_tensor"):
+        logits = logits.full_tensor()
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1)
+    )
+
+
+class _Pipeline:
+    """--pp: this rank's stage of the cut Llama under torch's Schedule1F1B over --micro-batches
+    (zerofast.pipelining.ZeroPipelineStage: [Note: pipeline accumulation]). step(ids) runs the step's
+    forwards and backwards and returns the mean loss of its micro-batches on the last stage, else None."""
+
+    def __init__(self, part, mesh, args, device):
+        from torch.distributed.pipelining import Schedule1F1B
+
+        from ...pipelining import ZeroPipelineStage
+
+        self.index, self.stages = mesh["pp"].get_local_rank(), args.pp
+        stage = ZeroPipelineStage(part, self.index, self.stages, device, group=mesh["pp"].get_group())
+        self.schedule = Schedule1F1B(stage, args.micro_batches, loss_fn=_pipeline_loss)
+
+    def step(self, ids):
+        first, last = self.index == 0, self.index == self.stages - 1
+        losses: list = []
+        self.schedule.step(*((ids,) if first else ()), **(dict(target=ids, losses=losses) if last else {}))
+        return torch.stack(losses).mean().detach() if last else None
 
 
 def _device(backend: str) -> torch.device:
@@ -64,7 +103,7 @@ def _device(backend: str) -> torch.device:
 
 def _make_optimizer(kind: str, model, args, stage: int, mesh=None):
     """kind: "zero" (ZeroAdam at `stage`), "ddp", or "reference" (the reference stage `stage`); mesh:
-    --tp's, the model already parallelized over its "tp" dim."""
+    --tp's and --pp's, the model already cut to this rank's stage and parallelized over its "tp" dim."""
     if kind == "ddp":
         wrapped = DDP(model)
         return wrapped, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
@@ -77,7 +116,7 @@ def _make_optimizer(kind: str, model, args, stage: int, mesh=None):
         weight_decay=0.1,
         mixed_precision=_precision(args),
         max_grad_norm=args.max_grad_norm,
-        # With --tp the mesh's "dp" dim is the shard group (_tp_mesh), which ZeroAdam takes from it.
+        # With --tp or --pp the mesh's "dp" dim is the shard group (_mesh), which ZeroAdam takes from it.
         comm=CommPolicy(partition=args.partition, shard_size=None if mesh is not None else args.shard_size),
         offload=args.offload,
         process_group=mesh,
@@ -131,15 +170,22 @@ def run(kind: str, args, device, steps: int, progress: bool, stage: int | None =
     seconds per step, measured bytes, comm."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _model(args).to(device)
-    mesh = _tp_mesh(args, device) if getattr(args, "tp", None) else None
-    if mesh is not None:
+    mesh = _mesh(args, device) if _llama(args) else None
+    pp, tp = getattr(args, "pp", None) or 1, getattr(args, "tp", None) or 1
+    if mesh is not None and "pp" in mesh.mesh_dim_names:  # this rank's stage, the original names kept
+        model = titan_cut(model, mesh["pp"].get_local_rank(), pp)
+    if mesh is not None and "tp" in mesh.mesh_dim_names:
         model = titan_plan(model, mesh["tp"])
     module, opt = _make_optimizer(kind, model, args, args.stage if stage is None else stage, mesh)
+    pipeline = _Pipeline(model, mesh, args, device) if pp > 1 or getattr(args, "pp", None) else None
     tokens = corpus_tokens()
     seq = TP_SEQ if mesh is not None else model.cfg.block_size
-    # The data's rank: a "tp" group's ranks read the same batch ([Note: tensor parallelism]); "tp" is
-    # innermost, so a rank's place among the data-parallel ranks (replicas included) is rank // tp.
-    data_rank, data_world = (rank // args.tp, world // args.tp) if mesh is not None else (rank, world)
+    # The data's rank: a "tp" group's ranks read the same batch ([Note: tensor parallelism]), and so do
+    # a pipeline's stages (the first reads the ids, the last the targets); "pp" is outermost and "tp"
+    # innermost, so a rank's place among the data-parallel ranks (replicas included) is its place in
+    # its stage's ranks over tp.
+    data_world = world // (pp * tp)
+    data_rank = (rank % (world // pp)) // tp
     losses, times, measured = [], [], {}
     checkpoints = kind == "zero" and args.save_dir is not None
     start = _resume(args, model, opt, rank) if checkpoints and _resuming(args) else 0
@@ -155,27 +201,31 @@ def run(kind: str, args, device, steps: int, progress: bool, stage: int | None =
     for step in range(start, steps):
         x, y = text_batch(tokens, args.batch, seq, seed=step * data_world + data_rank)  # the data position is the step
         t0 = time.perf_counter()
-        if mesh is not None:
+        if pipeline is not None:  # the schedule runs the backwards (scaled under fp16 by the stage)
+            loss = pipeline.step(x.to(device))
+        elif mesh is not None:
             loss = titan_loss(module, x.to(device))
         else:
             _, loss = module(x.to(device), y.to(device))
-        if isinstance(opt, ZeroOptimizer):
+        if pipeline is None and isinstance(opt, ZeroOptimizer):
             opt.backward(loss)  # scales the loss under fp16
-        else:
+        elif pipeline is None:
             loss.backward()
         opt.step()
         if step == steps - 1:
             measured = _measure(kind, model, opt)  # after step(), before zero_grad()
+            measured["numel"] = sum(p.numel() for p in model.parameters())  # this rank's (its stage's part)
         opt.zero_grad()
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        mean_loss = loss.detach().float()
+        # The mean over every rank that computed a loss: all of them, or the last stage's under --pp.
+        mean_loss = loss.detach().float() if loss is not None else torch.zeros((), device=device)
         try:
             dist.all_reduce(mean_loss)
         except RuntimeError as e:
             raise _job_fault("the loss average", step + 1, args, e) from e
-        losses.append(mean_loss.item() / world)
+        losses.append(mean_loss.item() / (world // pp))
         bar.update(
             step, losses[-1], args.batch * seq * data_world / times[-1], _offloaded(opt) if bar.enabled else None
         )

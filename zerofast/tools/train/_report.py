@@ -17,20 +17,27 @@ def _median(xs):
 
 def report(args, measured_all, comm, numel, world, device: str) -> None:
     tp = getattr(args, "tp", None) or 1  # --tp: each rank holds 1/tp of the model, ZeRO over world/tp
-    # device: the model's device type; offloaded, the optimizer column is what stays on it
-    est = estimate_memory(
-        numel,
-        world,
-        args.stage,
-        mixed_precision=_precision(args),
-        offload=args.offload,
-        device=device,
-        tp=tp,
-        comm=CommPolicy(shard_size=args.shard_size),
-    )
+    pp = getattr(args, "pp", None) or 1  # --pp: each rank a stage's part (its own numel), ZeRO over its stage's
+    piped = bool(getattr(args, "pp", None))  # --pp 1 too: one stage, its parts kept gathered for the step
+
+    everyone = world
+
+    def estimate(count):  # device: the model's device type; offloaded, the optimizer column is what stays on it
+        return estimate_memory(
+            count,
+            everyone,
+            args.stage,
+            mixed_precision=_precision(args),
+            offload=args.offload,
+            device=device,
+            tp=tp,
+            pp=pp,
+            comm=CommPolicy(shard_size=args.shard_size),
+        )
+
     p_bytes = 2 if args.mixed_precision else 4
     phi = p_bytes * -(-numel // tp)
-    world //= tp
+    world //= tp * pp
     moments = "8" if args.state_bits == 32 else "2 + scales"
     table = f"2 + 2 + 4 + {moments}" if args.mixed_precision else f"4 + 4 + {moments}"
     print(
@@ -42,12 +49,15 @@ def report(args, measured_all, comm, numel, world, device: str) -> None:
         f"{'optimizer':>12s} {'(est)':>12s} {'buckets':>10s}"
     )
     for r, m in enumerate(measured_all):
+        est = estimate(m["numel"] if pp > 1 else numel)  # a DTensor's numel is the whole tensor's
         print(
             f"{r:4d} {m['params']:12,d} {est.params:12,d} {m['grads']:12,d} {est.grads:12,d} "
             f"{m['optimizer']:12,d} {est.optimizer:12,d} {m['buckets']:10,d}"
         )
     _offload_report(args, measured_all)
-    paper = 3 if args.stage == 3 else 2
+    # Stage 3 under --pp keeps the parts gathered from the step's first forward to its last backward
+    # ([Note: pipeline accumulation]): one gather a step, not the paper's two.
+    paper = 3 if args.stage == 3 and not piped else 2
     k = args.shard_size or world
     for group, formula, f_bytes in (("shard", f"{paper}Φ", paper * phi), ("replicate", f"Φ/K = Φ/{k}", phi // k)):
         mine = {name: v for name, v in comm.items() if name.startswith(group + "/")}
@@ -58,11 +68,14 @@ def report(args, measured_all, comm, numel, world, device: str) -> None:
             ("within each group of K ranks" if group == "shard" else "across machines, between the replicas")
             if k != world
             else ("between the data-parallel ranks of each tp rank" if tp > 1 else "between all ranks")
+            if pp == 1
+            else "between the data-parallel ranks of rank 0's pipeline stage"
         )
         print(
             f"communication per step, {group} ({where}): {moved:,d} bytes = {moved / phi:.2f} Φ (formula: "
             f"{formula} = {f_bytes:,d}; Φ = {phi:,d} bytes of {args.mixed_precision or 'fp32'} parameters"
-            f"{f' on each of {tp} tensor-parallel ranks' if tp > 1 else ''})  "
+            f"{f' on each of {tp} tensor-parallel ranks' if tp > 1 else ''}"
+            f"{' of the part rank 0 holds' if pp > 1 else ''})  "
             f"by collective: {mine}"
         )
 
