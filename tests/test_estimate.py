@@ -29,7 +29,7 @@ from zerofast.layout import ALIGN
 from zerofast.optim.placement import plan_layouts
 from zerofast.tools.estimate import main
 from zerofast.tools.models import make_gpt
-from zerofast.tools.quantities import format_bytes, parse_rate, parse_seconds
+from zerofast.tools.quantities import format_bytes, format_seconds, parse_rate, parse_seconds
 
 WORLD = 4
 MODELS = {"nested": Nested, "gpt": lambda: make_gpt("tiny")}
@@ -694,3 +694,94 @@ def test_the_time_table_takes_a_tp_degree(capsys):
     assert [line.split()[:3] for line in out.splitlines() if line.startswith("stage ")] == [
         ["stage", str(s), "1"] for s in (1, 2, 3)
     ], out
+
+
+def test_step_time_with_pipeline_parallelism():
+    """[Note: pipeline parallelism in the time model], by its formulas: ZeRO within a stage as over a
+    world of W/P ranks on ceil(Φ/P), once a step (the windows 1/M of the compute); the bubble
+    (P-1)/(V*M) of forward and backward; 2*V*M micro-batch activations a GPU on the "pp" link, the
+    fill and the drain's 2*(P*V-1) exposed; the same compute per GPU as without pipelining."""
+    from zerofast.estimate.traffic import traffic_ops
+
+    phi, world, tokens, hidden, c = 70 * 10**9, 64, 4096, 8192, Cluster()
+    plain = step_time(phi, world, 2, tokens, cluster=c)
+    assert step_time(phi, world, 2, tokens, cluster=c, pp=1) == plain
+    for pp, m, v in ((2, 8, 1), (4, 8, 1), (4, 32, 2)):
+        t = step_time(phi, world, 2, tokens, cluster=c, pp=pp, micro_batches=m, hidden=hidden, stages_per_rank=v)
+        part = -(-phi // pp)
+        assert t.forward + t.backward == pytest.approx(6 * part * tokens * pp / c.flops)  # 6 Φ tokens, cut rounding
+        assert t.bubble == pytest.approx((pp - 1) / (v * m) * (t.forward + t.backward))
+        assert t.step == pytest.approx(t.compute + t.exposed + t.bubble)
+        ops = traffic_ops(part, world, 2, mixed_precision="bf16", comm=CommPolicy(shard_size=world // pp), pp=pp)
+        dp = sum(op.nbytes for op in ops if op.group == "shard")  # one reduce, one gather: once a step
+        one = tokens * pp // m * hidden * 2  # a micro-batch's bf16 activations (tp 1)
+        on_pp = sum(op.nbytes for op in ops if op.group == "pp")
+        assert on_pp > 0 and t.bytes == {"inter-node": dp + on_pp + 2 * v * m * one}, t.bytes  # stages: 32+ GPUs
+        transfer = one / c.inter.bandwidth + c.inter.latency
+        flags = sum(collective_time(op.name, op.nbytes, op.calls, op.ranks, c.inter) for op in ops if op.group == "pp")
+        assert t.phases["pp"] == pytest.approx(flags + 2 * v * m * transfer)
+        shard = collective_time("reduce_scatter", dp // 2, 1, world // pp, c.inter)
+        assert t.exposed >= max(0.0, shard - t.backward / m) + 2 * (pp * v - 1) * transfer
+    # More micro-batches: a smaller bubble, the same compute and dp traffic.
+    few, many = (step_time(phi, world, 3, tokens, cluster=c, pp=4, micro_batches=m, hidden=hidden) for m in (4, 64))
+    assert many.bubble < few.bubble and many.compute == few.compute
+    # Under tensor parallelism: the stage's ceil(layers/P) layers' all_reduces on the tp link.
+    t = step_time(phi, world, 2, tokens, cluster=c, pp=2, micro_batches=8, hidden=hidden, tp=8, layers=80)
+    ops = traffic_ops(-(-phi // 2), world, 2, mixed_precision="bf16", comm=CommPolicy(shard_size=4), tp=8, pp=2)
+    agreement = sum(collective_time(op.name, op.nbytes, op.calls, op.ranks, c.intra) for op in ops if op.group == "tp")
+    assert t.phases["tp"] == pytest.approx(
+        agreement + 2 * collective_time("all_reduce", 2 * 40 * (tokens * 2 * 8) * hidden * 2, 2 * 40, 8, c.intra)
+    )
+    for kwargs, message in (
+        (dict(pp=3, hidden=hidden), "pp must be an integer >= 1 that divides world (64); got 3"),
+        (dict(pp=4, hidden=hidden, micro_batches=2), "micro_batches must be an integer >= pp (4"),
+        (dict(pp=4, micro_batches=4), "pp > 1 needs the model's hidden"),
+        (dict(pp=4, micro_batches=4, hidden=hidden, tp=2), "pp > 1 needs the model's layers"),
+        (dict(pp=4, micro_batches=4, hidden=hidden, stages_per_rank=0), "stages_per_rank must be an integer >= 1"),
+        (dict(pp=4, micro_batches=4, hidden=hidden, shard_size=3), "with pp=4 (over a stage's 16 data-parallel"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            step_time(phi, world, 2, tokens, cluster=c, **kwargs)
+
+
+def test_the_estimator_takes_a_pp_degree(capsys):
+    """--pp 2: each row the library's estimate of a stage's part (an even cut) with pp; the link table
+    a stage's traffic (within a node here: 8 consecutive ranks) and the step's all_reduces over "pp";
+    --time adds the pipeline's columns, each step_time's with pp."""
+    assert main(["--params", "7B", "--world", "16", "--pp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: pp 2 (each stage 1/2 of Φ, an even cut)" in out, out
+    rows = [estimate_memory(3_500_000_000, 16, s, mixed_precision="bf16", pp=2) for s in (0, 1, 2, 3)]
+    from zerofast.tools.estimate import format_table
+
+    assert format_table(rows) in out, out
+    lines = [line.split() for line in out.splitlines() if line.startswith("stage 3 ") and "/" in line]
+    assert [row[2] for row in lines] == ["shard/reduce_scatter", "shard/all_gather", "shard/all_reduce_flags",
+                                         "pp/all_reduce_flags"], lines  # fmt: skip
+    assert [row[-1] for row in lines] == ["intra-node"] * 3 + ["inter-node"], lines
+    assert lines[0][3:5] == lines[1][3:5], lines  # stage 3 under a pipeline: one gather a step, as the reduce
+    argv = ["--params", "70B", "--world", "64", "--pp", "4", "--time", "--hidden", "8192", "--micro-batches", "16"]
+    assert main([*argv, "--tokens-per-rank", "4096"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("stage ")]
+    # flat over a stage's 16 dp ranks (two nodes) and hybrid with a node per shard group
+    assert [r[:3] for r in rows] == [["stage", str(s), k] for s in (1, 2, 3) for k in ("16", "8")], out
+    for row in rows:
+        t = step_time(70 * 10**9, 64, int(row[1]), 4096, int(row[2]), Cluster(), pp=4, micro_batches=16, hidden=8192)
+        assert " ".join(row[-2:]) == format_seconds(t.bubble) and " ".join(row[-4:-2]) == format_seconds(
+            t.phases["pp"]
+        ), (row, t)
+    for extra, message in (
+        (["--pp", "3"], "--pp must be at least 1 and divide --world / --tp (64); got 3"),
+        (["--pp", "4", "--time", "--hidden", "8192", "--micro-batches", "2"], "--micro-batches must be at least 4"),
+        (["--pp", "4", "--time"], "--time --pp needs the model's --hidden"),
+        (
+            ["--pp", "4", "--shard-size", "3"],
+            "--shard-size 3 must divide the data-parallel ranks (--world / --pp = 16)",
+        ),
+        (["--stages-per-rank", "2"], "--stages-per-rank must be at least 1, and more only with --pp; got 2"),
+        (["--pp", "4", "--hidden", "8192"], "--layers and --hidden apply to --time with --tp"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["--params", "70B", "--world", "64", *extra])
+        assert message in capsys.readouterr().err, extra

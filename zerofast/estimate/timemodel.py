@@ -55,6 +55,32 @@ ranks, which see the same tokens and each hold 1/N of every split weight:
   - Their link: intra-node when N divides G (a machine's GPUs), else inter-node.
   - Compute: a GPU computes 1/N of every matmul of its tp group's tokens: 6 * Φ * tokens per GPU, as
     without tensor parallelism for the same global batch; the update streams its ZeRO shard of Φ/N.
+
+[Note: pipeline parallelism in the time model]
+With pp = P (step_time's pp; zerofast/pipelining.py trains so), "pp" outermost: a stage's ranks are
+W/P consecutive ones, each holding ceil(Φ/P) parameters (an even cut), and the P stages of one
+data-parallel replica (P * tp GPUs) see its tokens, P * tp times a GPU's share of the global batch,
+in M micro-batches (the schedule's n_microbatches):
+  - ZeRO runs within a stage exactly as over a world of W/P ranks (tensor parallelism inside it as
+    above, with the stage's ceil(layers/P) layers), but once a step whatever M ([Note: pipeline
+    accumulation]): one reduce, stage 3's units gathered once (the parts kept gathered for the step,
+    the default). The reduce overlaps the last micro-batch's backward only, stage 3's gathers the
+    first micro-batch's forward: each phase's window is 1/M of its compute. The step's agreement and
+    statistics all_reduce over "pp" (traffic_ops' "pp" ops), exposed whole.
+  - The bubble: a stage idles while the pipeline fills and drains, (P - 1) / (V * M) of its forward and
+    backward compute (GPipe and 1F1B: Narayanan et al. 2021; V stages per rank, interleaved: the bubble
+    shrinks V times). The zero-bubble schedules fill part of it with weight passes: this bounds them
+    from above.
+  - Point to point: each micro-batch's activations (its tokens x hidden, in the parameters' dtype) go
+    forward across every stage boundary and their gradients back, on each tp rank (torch's stages send
+    the whole local tensor): 2 * V * M transfers a GPU a step, counted as sent bytes on the "pp" link
+    (peers W/P ranks apart: intra-node only if the whole world is one node). They overlap the other
+    micro-batches' compute but for the fill and the drain, 2 * (P * V - 1) transfers on the critical
+    path, exposed; with overlap=False all of them.
+  - Compute: 6 * Φ * tokens per GPU as without pipelining (a GPU computes 1/P of the layers for P
+    times the tokens), plus the bubble.
+Not modelled: activation memory (M micro-batches in flight), an uneven cut (the embedding and the
+head on the end stages), and the stage-3 policy that gathers per micro-batch.
 """
 
 from __future__ import annotations
@@ -133,10 +159,11 @@ class StepTime:
     bytes: dict[str, int]  # bytes per step per link name (this rank)
     exposed: float  # communication not hidden behind compute
     phases: dict[str, float] = field(default_factory=dict)  # communication seconds per phase
+    bubble: float = 0.0  # pipeline parallelism: seconds a stage idles while the pipeline fills and drains
 
     @property
     def step(self) -> float:
-        return self.compute + self.exposed
+        return self.compute + self.exposed + self.bubble
 
 
 def predict(
@@ -211,12 +238,21 @@ def step_time(
     tp: int = 1,
     layers: int | None = None,
     hidden: int | None = None,
+    pp: int = 1,
+    stages_per_rank: int = 1,
 ) -> StepTime:
     """The predicted step of `params` parameters (or of `model`, exactly, when given) on `world`
     GPUs, `tokens` tokens per GPU per step (the global batch over `world`). tp: the tensor-parallel
     degree, with the model's `layers` and `hidden` size, whose activations cross the tp links
     ([Note: tensor parallelism in the time model]); ZeRO over the rest (shard_size: K of the world/tp
-    data-parallel ranks to a shard), a count of parameters."""
+    data-parallel ranks to a shard), a count of parameters. pp: pipeline stages over `micro_batches`
+    micro-batches (stages_per_rank: interleaved schedules), with the model's `hidden` size, whose
+    activations cross the stage boundaries ([Note: pipeline parallelism in the time model])."""
+    if pp != 1:
+        return _pp_step_time(
+            params, world, stage, tokens, shard_size, cluster, mixed_precision, backend, micro_batches, overlap,
+            model, comm, tp, layers, hidden, pp, stages_per_rank,
+        )  # fmt: skip
     if tp != 1:
         return _tp_step_time(
             params, world, stage, tokens, shard_size, cluster, mixed_precision, backend, micro_batches, overlap,
@@ -270,6 +306,72 @@ def _tp_step_time(
     update = (local / k if stage >= 1 else local) * cluster.update_bytes / cluster.update_bandwidth
     return predict(
         ops, world, k, cluster, flops / 3 / cluster.flops, 2 * flops / 3 / cluster.flops, update, overlap, tp
+    )
+
+
+def _pp_step_time(
+    params, world, stage, tokens, shard_size, cluster, mixed_precision, backend, micro_batches, overlap, model, comm,
+    tp, layers, hidden, pp, v,
+) -> StepTime:  # fmt: skip
+    """step_time with pipeline parallelism: [Note: pipeline parallelism in the time model]."""
+    who = "step_time"
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1 or world % pp:
+        raise ValueError(f"{who}: pp must be an integer >= 1 that divides world ({world}); got {pp!r}")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or (world // pp) % tp:
+        raise ValueError(f"{who}: tp must be an integer >= 1 that divides world / pp ({world // pp}); got {tp!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{who}: stages_per_rank must be an integer >= 1; got {v!r}")
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < pp:
+        raise ValueError(
+            f"{who}: micro_batches must be an integer >= pp ({pp}: a pipeline runs one micro-batch a stage at "
+            f"once); got {micro_batches!r}"
+        )
+    for name, value, needed in (("hidden", hidden, True), ("layers", layers, tp > 1)):
+        if needed and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(
+                f"{who}: pp > 1 needs the model's {name} (an integer >= 1: each micro-batch's tokens x hidden "
+                f"activations cross the stage boundaries{', and each layer the tp links' if tp > 1 else ''}); "
+                f"got {name}={value!r}"
+            )
+    if model is not None:
+        raise ValueError(f"{who}: with pp > 1 the model is a count of parameters; got model={type(model).__name__}")
+    m, part, stage_world = micro_batches, -(-params // pp), world // pp
+    dp = stage_world // tp
+    k = check_shard_size(shard_size, dp, f"{who} with pp={pp} (over a stage's {dp} data-parallel ranks)", comm)
+    ops = traffic_ops(
+        part, world, stage, mixed_precision=mixed_precision, comm=_sharded(comm, k), backend=backend, tp=tp, pp=pp
+    )  # once a step ([Note: pipeline accumulation]), and the step's all_reduces over "pp"
+    act_bytes = resolve_plan(stage, mixed_precision=mixed_precision).param_dtype.itemsize
+    replica_tokens = tokens * pp * tp
+    if tp > 1:
+        ops += tp_ops(-(-layers // pp), hidden, replica_tokens, tp, act_bytes)
+    flops = 6 * part * tokens * pp  # 6 * Φ * tokens per GPU, up to the cut's rounding
+    fwd, bwd = flops / 3 / cluster.flops, 2 * flops / 3 / cluster.flops
+    local = -(-part // tp)
+    update = (local / k if stage >= 1 else local) * cluster.update_bytes / cluster.update_bandwidth
+    pp_link = cluster.intra if world <= cluster.gpus_per_node else cluster.inter
+    on_pp = [op for op in ops if op.group == "pp"]
+    t = predict(
+        [op for op in ops if op.group != "pp"], stage_world, k, cluster, fwd / m, bwd / m, update, overlap, tp
+    )  # the windows: the last micro-batch's backward, the first's forward
+    comm_s, nbytes = dict(t.comm), dict(t.bytes)
+    flags = sum(collective_time(op.name, op.nbytes, op.calls, op.ranks, pp_link) for op in on_pp)
+    one = replica_tokens // m * hidden * act_bytes  # a micro-batch's activations (or their gradient)
+    transfer = one / pp_link.bandwidth + pp_link.latency
+    p2p = 2 * v * m * transfer
+    exposed_p2p = 2 * (pp * v - 1) * transfer if overlap else p2p
+    comm_s[pp_link.name] = comm_s.get(pp_link.name, 0.0) + flags + p2p
+    nbytes[pp_link.name] = nbytes.get(pp_link.name, 0) + sum(op.nbytes for op in on_pp) + 2 * v * m * one
+    return dataclasses.replace(
+        t,
+        compute=fwd + bwd + update,
+        forward=fwd,
+        backward=bwd,
+        comm=comm_s,
+        bytes=nbytes,
+        exposed=t.exposed + flags + exposed_p2p,  # predict's over the micro-batch windows, and the pipeline's
+        phases={**t.phases, "pp": flags + p2p},
+        bubble=(pp - 1) / (v * m) * (fwd + bwd),
     )
 
 

@@ -242,10 +242,12 @@ def traffic_ops(
         ops.append(
             Op("shard", reduce_name, reduces * reduce_numel * r_bytes, reduces * reduce_calls, "backward", shards)
         )
+        # Under a pipeline, stage 3's parts stay gathered for the step ([Note: pipeline accumulation]):
+        # each unit once, in forward.
         for phase, parts, times in (
             ("step", gather_step, 1),
-            ("forward", gather_fwd, micro_batches),
-            ("backward", gather_bwd, micro_batches),
+            ("forward", gather_fwd, 1 if pp > 1 else micro_batches),
+            ("backward", [] if pp > 1 else gather_bwd, micro_batches),
         ):
             if parts:
                 ops.append(
@@ -316,8 +318,9 @@ def estimate_traffic(model_or_param_count, world: int, stage: int, **options) ->
     and "pp/<collective>". pp: the pipeline degree ("pp" outermost in the mesh; the module is this
     rank's stage's part, `world` every rank): a stage reduces once a step whatever micro_batches, and
     adds the step's all_reduces over "pp" (the agreement's step counts and failure; the overflow flag
-    and norm when loss scaling or clipping); stage 3's gathers are counted as a plain loop's (a
-    schedule that runs other micro-batches between a forward and its backward gathers more).
+    and norm when loss scaling or clipping); stage 3 gathers each unit once a step, in the first
+    micro-batch's forward (ZeroPipelineStage's default, the parts kept gathered for the step; with
+    gather_per_micro_batch=True, or a zero-bubble schedule's split passes, it gathers more).
 
     Exact for an nn.Module: ZeroAdam's own layouts (zerofast.optim.placement), padding and agreement
     message included. Stage 3's gathers are those of the second step on, each gathering module run

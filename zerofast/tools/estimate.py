@@ -38,9 +38,11 @@ def format_table(rows: list[MemoryEstimate]) -> str:
 
 
 def _link_table(
-    params: int, world: int, stages, shard_size, precision, backend: str, gpus_per_node: int, offload=None
+    params: int, world: int, stages, shard_size, precision, backend: str, gpus_per_node: int, offload=None, pp=1
 ) -> str:
-    """Bytes per GPU per step of each collective, and the link it crosses (ranks numbered node by node)."""
+    """Bytes per GPU per step of each collective, and the link it crosses (ranks numbered node by node).
+    params: a stage's part (a tp rank's); world: a stage's data-parallel ranks; pp: the stages, "pp"
+    outermost (the step's all_reduces over "pp" cross nodes unless the whole world fits one)."""
     cluster = Cluster(gpus_per_node=gpus_per_node)
     k = world if shard_size is None else shard_size
     lines = [f"{'':10s} {'collective':28s} {'bytes/GPU/step':>15s}  link"]
@@ -50,14 +52,16 @@ def _link_table(
         totals: dict[str, list] = {}  # stage 3's forward and backward gathers: one row
         for op in traffic_ops(
             params,
-            world,
+            world * pp,
             s,
             mixed_precision=precision,
             backend=backend,
             offload=offload if s == 3 else _without_params(offload),
             comm=CommPolicy(shard_size=shard_size),
+            pp=pp,
         ):
-            row = totals.setdefault(op.key, [0, link_of(op.group, world, k, cluster).name])
+            link = link_of(op.group, world * pp if op.group == "pp" else world, k, cluster)
+            row = totals.setdefault(op.key, [0, link.name])
             row[0] += op.nbytes
         for key, (nbytes, link) in totals.items():
             lines.append(f"{'stage ' + str(s):10s} {key:28s} {format_bytes(nbytes):>15s}  {link}")
@@ -77,7 +81,7 @@ def _time_table(args, p) -> str:
         tokens = args.tokens_per_rank
     sizes = [args.shard_size] if args.shard_size is not None else [None]
     g = args.gpus_per_node
-    dp, node = args.world // args.tp, g // args.tp  # with --tp, K counts the data-parallel ranks: a node's
+    dp, node = args.world // args.tp // args.pp, g // args.tp  # with --tp, K counts the data-parallel ranks: a node's
     if args.shard_size is None and args.world > g and g % args.tp == 0 and dp % node == 0:
         sizes.append(node)  # flat against hybrid with a node per shard group
     stages = [args.stage] if args.stage is not None else [1, 2, 3]
@@ -93,12 +97,21 @@ def _time_table(args, p) -> str:
     ]
     if args.tp > 1:
         lines.append(
-            f"tp {args.tp} x dp {args.world // args.tp}: ZeRO over the dp ranks (K) on 1/{args.tp} of Φ; each of "
+            f"tp {args.tp} x dp {dp}: ZeRO over the dp ranks (K) on 1/{args.tp} of Φ; each of "
             f"{args.layers} layers all_reduces {args.tp} GPUs' tokens x {args.hidden} activations twice in forward "
             f"and twice in backward on the tp group's link, exposed"
         )
+    if args.pp > 1:
+        lines.append(
+            f"pp {args.pp} x {args.micro_batches} micro-batches ({args.stages_per_rank} stage(s) a rank): each stage "
+            f"1/{args.pp} of Φ, its gradients reduced once a step; the bubble (P-1)/(V*M) of the compute; each "
+            f"micro-batch's tokens x {args.hidden} activations across the stage boundaries (the pp column)"
+        )
+        head += f" {'pp t':>9s} {'bubble':>9s}"
     lines.append(head)
     tp = {} if args.tp == 1 else {"tp": args.tp, "layers": args.layers, "hidden": args.hidden}
+    if args.pp > 1:
+        tp.update(pp=args.pp, stages_per_rank=args.stages_per_rank, hidden=args.hidden)
     for s in stages:
         for k in sizes:
             kk = dp if k is None else k
@@ -117,12 +130,13 @@ def _time_table(args, p) -> str:
                     **tp,
                 )
                 mem = estimate_memory(
-                    args.params,
+                    -(-args.params // args.pp),  # a stage's part: an even cut
                     args.world,
                     s,
                     mixed_precision=_state_policy(args),
                     frozen_models=args.frozen_models,
                     tp=args.tp,
+                    pp=args.pp,
                     comm=CommPolicy(shard_size=k),
                 )
             except ValueError as e:
@@ -133,8 +147,13 @@ def _time_table(args, p) -> str:
                 f"{format_seconds(t.comm.get('intra-node', 0.0)):>9s} "
                 f"{format_seconds(t.comm.get('inter-node', 0.0)):>9s} {format_seconds(t.compute):>9s} "
                 f"{format_seconds(t.exposed):>9s} {format_seconds(t.step):>9s} {format_bytes(mem.total):>10s}"
+                + (f" {format_seconds(t.phases['pp']):>9s} {format_seconds(t.bubble):>9s}" if args.pp > 1 else "")
             )
     return "\n".join(lines)
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 _PRECISIONS = {"mixed": "bf16", "bf16": "bf16", "fp16": "fp16", "fp32": None}
@@ -222,6 +241,14 @@ def main(argv=None) -> int:
         help="tensor-parallel degree: each rank holds 1/tp of the model and ZeRO shards it over world/tp "
         "ranks; with --time, --layers and --hidden give the activations' traffic on the tp links",
     )
+    p.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline stages: each rank holds one stage's part, 1/pp of Φ (an even cut), and ZeRO shards it over "
+        "world/pp/tp ranks; with --time, --micro-batches (at least pp) and --hidden give the bubble and the "
+        "activations between the stages",
+    )
     p.add_argument("--stage", type=int, default=None, help="one stage (0 = DDP, 1, 2, 3); default: all")
     p.add_argument(
         "--shard-size",
@@ -302,7 +329,18 @@ def main(argv=None) -> int:
         default=None,
         help="tokens per step over all GPUs instead (a fixed global batch: 4M, 2e6)",
     )
-    t.add_argument("--micro-batches", type=int, default=1, help="backwards per step (default 1)")
+    t.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        help="backwards per step (default 1; with --pp, pp: the fewest 1F1B takes)",
+    )
+    t.add_argument(
+        "--stages-per-rank",
+        type=int,
+        default=1,
+        help="--time --pp: pipeline stages on each rank (interleaved schedules: the bubble shrinks as many times)",
+    )
     t.add_argument("--tflops", type=float, default=400.0, help="achieved TFLOP/s per GPU (default 400)")
     t.add_argument(
         "--intra-bw",
@@ -329,7 +367,7 @@ def main(argv=None) -> int:
         help="inter-node latency per hop (default 10us)",
     )
     t.add_argument("--layers", type=int, default=None, help="--time --tp: the model's transformer layers")
-    t.add_argument("--hidden", type=int, default=None, help="--time --tp: the model's hidden size")
+    t.add_argument("--hidden", type=int, default=None, help="--time --tp or --pp: the model's hidden size")
     t.add_argument(
         "--no-overlap",
         dest="overlap",
@@ -347,9 +385,13 @@ def main(argv=None) -> int:
         p.error(f"--shard-size must be at least 1; got {args.shard_size}")
     if args.tp < 1 or args.world % args.tp:
         p.error(f"--tp must be at least 1 and divide --world ({args.world}); got {args.tp}")
-    dp = args.world // args.tp  # the ranks --shard-size groups: with --tp, the data-parallel ones
+    if args.pp < 1 or (args.world // args.tp) % args.pp:
+        p.error(f"--pp must be at least 1 and divide --world / --tp ({args.world // args.tp}); got {args.pp}")
+    dp = args.world // args.tp // args.pp  # the ranks --shard-size groups: with --tp or --pp, the data-parallel ones
     if args.shard_size is not None and (args.shard_size > dp or dp % args.shard_size):
-        ranks = f"the data-parallel ranks (--world / --tp = {dp}) with --tp" if args.tp > 1 else f"--world {dp}"
+        over = "".join(f" / {flag}" for flag, n in (("--tp", args.tp), ("--pp", args.pp)) if n > 1)
+        with_ = " or ".join(flag for flag, n in (("--tp", args.tp), ("--pp", args.pp)) if n > 1)
+        ranks = f"the data-parallel ranks (--world{over} = {dp}) with {with_}" if over else f"--world {dp}"
         p.error(
             f"--shard-size {args.shard_size} must divide {ranks} (the ranks form groups of shard_size "
             f"consecutive ranks)"
@@ -362,8 +404,17 @@ def main(argv=None) -> int:
         p.error(f"--backend must be nccl or gloo; got {args.backend!r}")
     if args.gpus_per_node < 1:
         p.error(f"--gpus-per-node must be at least 1; got {args.gpus_per_node}")
-    if args.micro_batches < 1:
-        p.error(f"--micro-batches must be at least 1; got {args.micro_batches}")
+    if args.micro_batches is None:
+        args.micro_batches = args.pp
+    if args.micro_batches < args.pp:
+        p.error(
+            f"--micro-batches must be at least {args.pp} (with --pp {args.pp}: one a stage in flight); "
+            f"got {args.micro_batches}"
+            if args.pp > 1
+            else f"--micro-batches must be at least 1; got {args.micro_batches}"
+        )
+    if args.stages_per_rank < 1 or (args.stages_per_rank > 1 and args.pp == 1):
+        p.error(f"--stages-per-rank must be at least 1, and more only with --pp; got {args.stages_per_rank}")
     if not args.tflops > 0:
         p.error(f"--tflops must be > 0; got {args.tflops}")
     if args.global_tokens is not None and args.global_tokens < args.world:
@@ -393,8 +444,16 @@ def main(argv=None) -> int:
                     f"--time --tp needs the model's --layers and --hidden (each layer's tokens x hidden activations "
                     f"cross the tp links); got {flag} {value}"
                 )
-    elif args.layers is not None or args.hidden is not None:
-        p.error("--layers and --hidden apply to --time with --tp (the tp links' traffic)")
+    if args.pp > 1 and args.time and (args.hidden is None or args.hidden < 1):
+        p.error(
+            f"--time --pp needs the model's --hidden (each micro-batch's tokens x hidden activations cross the "
+            f"stage boundaries); got --hidden {args.hidden}"
+        )
+    if not args.time or (args.tp == 1 and args.pp == 1):
+        if args.layers is not None or args.hidden is not None:
+            p.error("--layers and --hidden apply to --time with --tp (the tp links' traffic) or --pp")
+    elif args.tp == 1 and args.layers is not None:
+        p.error("--layers applies to --time with --tp (the tp links' traffic)")
     if args.time:
         if args.stage == 0:
             p.error("--time models ZeRO stages 1-3; got --stage 0")
@@ -415,7 +474,7 @@ def main(argv=None) -> int:
         try:
             rows.append(
                 estimate_memory(
-                    args.params,
+                    -(-args.params // args.pp),  # a stage's part: an even cut
                     args.world,
                     s,
                     mixed_precision=_state_policy(args),
@@ -423,6 +482,7 @@ def main(argv=None) -> int:
                     # DDP keeps its state with the parameters; stages 1 and 2 their parameters whole
                     offload=None if s == 0 else offload if s == 3 else _without_params(offload),
                     tp=args.tp,
+                    pp=args.pp,
                     frozen_models=args.frozen_models,
                     device=args.device,
                 )
@@ -432,6 +492,8 @@ def main(argv=None) -> int:
     k = f", sharded over K = {args.shard_size} (x{dp // args.shard_size} replicas)" if args.shard_size else ""
     if args.tp > 1:
         k += f", tensor parallel: tp {args.tp} x dp {dp} (each rank 1/{args.tp} of Φ)"
+    if args.pp > 1:
+        k += f", pipeline: pp {args.pp} (each stage 1/{args.pp} of Φ, an even cut)"
     state = ", 8-bit Adam state" if args.state_bits == 8 else ""
     frozen = f", {len(args.frozen_models)} model(s) sharded for inference only" if args.frozen_models else ""
     where, columns = _offload_words(args)
@@ -446,14 +508,15 @@ def main(argv=None) -> int:
         print(f"\nCommunication per step ({args.backend}, {args.gpus_per_node} GPUs per node; a count: no padding)")
         print(
             _link_table(
-                -(-args.params // args.tp),  # the data-parallel links move one tp rank's part
-                args.world // args.tp,
+                _ceil(_ceil(args.params, args.pp), args.tp),  # the dp links move a tp rank's part of a stage
+                dp,
                 stages,
                 args.shard_size,
                 _PRECISIONS[args.precision],
                 args.backend,
                 max(1, args.gpus_per_node // args.tp),  # a node's dp ranks: tp innermost
                 offload,
+                args.pp,
             )
         )
     return 0
