@@ -541,6 +541,44 @@ def disk_bandwidth(folder: str, nbytes: int, block: int = 64 << 20) -> dict:
     return out
 
 
+def concurrent_cold_read(folder: str, nbytes: int, readers: int, block: int = 64 << 20) -> float:
+    """Bytes per second each of `readers` threads reads cold at once, each its own file of `nbytes`
+    (written, fsynced and dropped from the page cache first), `block`-sized calls: the disk's share
+    of one reader when `readers` processes read together, as the ranks of one machine do."""
+    import threading
+
+    nbytes = -(-nbytes // 4096) * 4096
+    paths = [os.path.join(folder, f"concurrent-probe-{i}") for i in range(readers)]
+    chunk = os.urandom(min(block, nbytes))
+    for path in paths:
+        with open(path, "wb") as f:
+            for done in range(0, nbytes, len(chunk)):
+                f.write(chunk[: min(len(chunk), nbytes - done)])
+    _flush(paths, drop=True)
+    seconds = [0.0] * readers
+
+    def read(i):
+        buf = bytearray(min(block, nbytes))
+        view = memoryview(buf)
+        fd = os.open(paths[i], os.O_RDONLY)
+        try:
+            t, done = time.perf_counter(), 0
+            while done < nbytes:
+                done += os.preadv(fd, [view[: min(len(buf), nbytes - done)]], done)
+            seconds[i] = time.perf_counter() - t
+        finally:
+            os.close(fd)
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(readers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for path in paths:
+        os.unlink(path)
+    return nbytes / max(seconds)
+
+
 def _large(root, layers, direct):
     """The state read and written with O_DIRECT (`direct`): three steps after two warm-up steps.
     Through the page cache: two steps with the state in the page cache (back to back), then two
@@ -647,6 +685,139 @@ def test_offload_large_state(benchmark, record_ratios):
         shutil.rmtree(root, ignore_errors=True)
     record_ratios("offload: a large state on disk, one process (ZeroAdam stage 2, fp32, world 1)", lines)
     benchmark.extra_info.update({k: v / 1e9 for k, v in disk.items()})
+
+
+# --- stage 3's shards on disk, cold: their I/O against the disk's own bandwidth ---------------------------
+
+COLD_STEPS = 2  # timed steps of each kind (warm, cold)
+
+
+def build_cold(root, rank, world):
+    """One rank: the GPT 1024 wide x 2 blocks (25.5M) at stage 3 with its state and its shards on disk
+    (ZeRO-Infinity, fp32); a step is forward + backward + opt.step() on the bench batch; info() gives
+    every step's seconds and the shards' explicit I/O in each phase (bytes and seconds by file:
+    forward's and backward's gathers read the parameter shard, the step reads the gradient shard and
+    writes the parameters), and the folders' files."""
+    from zerofast import OffloadPolicy, ZeroAdam
+    from zerofast.optim.zero_adam import parts_of
+    from zerofast.tools.models import make_gpt, random_batch
+
+    model = make_gpt("small", **WIDE)
+    path = os.path.join(root, f"rank{rank}")
+    opt = ZeroAdam(model, stage=3, offload=OffloadPolicy("disk", path, params="disk"), **HYPER)
+    shards = parts_of(opt).files
+    records = []
+
+    def io():
+        return {key: tuple(v) for key, v in shards.io.items()}
+
+    def step():
+        x, y = random_batch(model.cfg, BATCH, SEQ, seed=1000 * (len(records) % 4) + rank)
+        before = io()
+        t = time.perf_counter()
+        _, loss = model(x, y)
+        forward = io()
+        loss.backward()
+        backward = io()
+        opt.step()
+        opt.zero_grad()
+        t = time.perf_counter() - t
+        off = opt.report().offload
+        phases = {}
+        for phase, (a, b) in dict(
+            forward=(before, forward), backward=(forward, backward), step=(backward, io())
+        ).items():
+            for key, (nbytes, seconds) in b.items():
+                was = a.get(key, (0, 0.0))
+                if nbytes > was[0]:
+                    phases[(phase, *key)] = (nbytes - was[0], seconds - was[1])
+        records.append(
+            dict(
+                step=t,
+                phases=phases,
+                files=_state_files(off.params_folder) + _state_files(off.folder),
+                shard_file=max(os.path.getsize(f) for f in _state_files(off.params_folder)),
+            )
+        )
+
+    step.info = lambda: records
+    return step
+
+
+def _cold(root):
+    """Two steps back to back (the files in the page cache), then two with every rank's files of state
+    and shards flushed and dropped from it before the step (cold: each unit's first gather reads its
+    shard from the disk); each rank's records."""
+    pool = RankPool(functools.partial(build_cold, root), world=WORLD, timeout=1800)
+    kinds = []
+    try:
+        for _ in range(2):  # warm-up: the files written once
+            pool.step()
+        for kind in ["warm"] * COLD_STEPS + ["cold"] * COLD_STEPS:
+            if kind == "cold":
+                _flush([f for rank in pool.info() for f in rank[-1]["files"]], drop=True)
+            pool.step()
+            kinds.append(kind)
+        return kinds, pool.info()
+    finally:
+        pool.close()
+
+
+def _cold_lines(kinds, info, disk) -> list[str]:
+    lines = [
+        f"shard files {info[0][-1]['shard_file'] / 2**20:.1f} MiB per rank and kind (parameters, gradients); "
+        f"the filesystem, one file, sequential, 64 MiB calls: read cold {disk['read_cold'] / 1e9:.2f} GB/s "
+        f"(each of {len(info)} readers at once, as the ranks read: {disk['read_cold_each'] / 1e9:.2f}), "
+        f"read from the page cache {disk['read_cache'] / 1e9:.2f}, write to it {disk['write_cache'] / 1e9:.2f}",
+        f"{'step':8s} {'rank':>4s} {'step s':>7s}  "
+        + "  ".join(f"{name:>27s}" for name in ("forward: params read", "backward: params read", "step: grads read"))
+        + f"  {'step: params written':>20s}",
+        f"{'':8s} {'':4s} {'':7s}  "
+        + "  ".join(f"{'MB':>6s} {'s':>6s} {'GB/s':>5s} {'%':>5s}" for _ in range(3))
+        + f"  {'MB':>6s} {'s':>6s} {'GB/s':>5s}",
+    ]
+    for rank, records in enumerate(info):
+        for i, (kind, rec) in enumerate(zip(kinds, records[len(records) - len(kinds) :])):
+            cells = []
+            for key in (
+                ("forward", "read", "param_shard"),
+                ("backward", "read", "param_shard"),
+                ("step", "read", "grad_shard"),
+            ):
+                nbytes, seconds = rec["phases"].get(key, (0, 0.0))
+                # forward's reads come from the disk in a cold step; the rest from the page cache (the
+                # forward read the parameters, backward wrote the gradients)
+                bw = disk["read_cold_each"] if kind == "cold" and key[0] == "forward" else disk["read_cache"]
+                rate = nbytes / seconds if seconds else 0.0
+                cells.append(f"{nbytes / 1e6:6.1f} {seconds:6.3f} {rate / 1e9:5.2f} {100 * rate / bw:4.0f}%")
+            nbytes, seconds = rec["phases"].get(("step", "write", "param_shard"), (0, 0.0))
+            cells.append(f"{nbytes / 1e6:6.1f} {seconds:6.3f} {nbytes / seconds / 1e9 if seconds else 0:5.2f}")
+            lines.append(f"{kind + ' ' + str(i % COLD_STEPS + 1):8s} {rank:4d} {rec['step']:7.2f}  " + "  ".join(cells))
+    lines.append(
+        "the shards' explicit I/O by phase (report().offload.params_* sums them): each unit's gather reads its "
+        "parameter shard in forward and again in backward, the step reads the gradient shard and writes the "
+        "parameter shard. %: the read rate over the filesystem's, read cold with one reader a rank at once for "
+        "forward in the cold steps (the files dropped from the page cache before the step: the only reads "
+        "from the disk), from the page cache otherwise. The goal: >= 80% cold"
+    )
+    return lines
+
+
+def test_offload_params_cold(benchmark, record_ratios):
+    root = _offload_root()
+
+    def run():
+        kinds, info = _cold(root)
+        disk = disk_bandwidth(root, info[0][-1]["shard_file"])
+        disk["read_cold_each"] = concurrent_cold_read(root, info[0][-1]["shard_file"], WORLD)
+        return kinds, info, disk
+
+    try:
+        kinds, info, disk = benchmark.pedantic(run, rounds=1, iterations=1)
+        lines = _cold_lines(kinds, info, disk)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    record_ratios(f"{WIDE_GROUP}: the shards and the state on disk, warm and cold", lines)
 
 
 # --- window, threads and direct I/O on the large state (ZEROFAST_BENCH_OFFLOAD_SWEEP=1) ----------------

@@ -131,6 +131,7 @@ def _bitwise_cases(rank, world, root, cases):
             estimate=estimate,
             files=sorted(os.listdir(report.offload.params_folder)),
             frozen_in_files=parts.frozen is not None and parts.frozen.in_files,
+            state=state,
         )
         # "host" on a CPU model: the shards are in host memory already; the same optimizer, reported so
         host_policy = OffloadPolicy(state, path if state == "disk" else None, delayed_update=delayed, params="host")
@@ -174,6 +175,12 @@ def test_parameters_on_disk_are_bitwise_the_shards_in_memory(world, root):
             assert off.params_disk_bytes == got["estimate"].params_disk_bytes, (where, got["estimate"])
             assert got["estimate"].params == got["estimate"].grads == 0, where
             assert off.params_resident_bytes <= 3 * 4096, f"{where}: pages left resident after the step: {off}"
+            # The shards' explicit I/O: every step's forward gathers every unit from the file (and the
+            # no-grad forward once more); with the state on disk each step writes the parameter shard
+            # once, by explicit writes (else the kernel writes it through the mapping: no write counted).
+            assert off.params_read_bytes >= (STEPS + 2) * ram.params and off.params_read_seconds > 0, (where, off)
+            writes = (STEPS + 1) * ram.params if got["state"] == "disk" else 0
+            assert off.params_write_bytes == writes and (off.params_write_seconds > 0) == (writes > 0), (where, off)
             want = ["grad_shard", "lock", "param_shard"] + (["frozen_shard"] if got["frozen"] else [])
             assert got["files"] == sorted(want), where
             assert got["frozen_in_files"] == got["frozen"], where

@@ -15,6 +15,7 @@ import mmap
 import os
 import shutil
 import socket
+import threading
 import time
 import uuid
 import weakref
@@ -435,6 +436,10 @@ class ShardFiles:
         self._finalizer = weakref.finalize(self, _close_files, [self._fds, self._wfds], self.folder, self._lock)
         self.fail_read: Callable[[str], None] | None = None  # a test's fault: (file) -> raise
         self.fail_write: Callable[[str], None] | None = None
+        # The explicit reads and writes so far, by (kind, file): bytes, and seconds inside them summed
+        # over the calls (the prefetch's thread and the step's); report().offload shows their sums.
+        self.io: dict[tuple[str, str], list] = {}
+        self._io_lock = threading.Lock()
         need, free = file_bytes(self.specs), shutil.disk_usage(self.folder).free
         if need > free:
             self.close()
@@ -491,12 +496,24 @@ class ShardFiles:
         try:
             if fault is not None:
                 fault(path)
+            start = time.perf_counter()
             _whole_io(kind, (self._fds if kind == "read" else self._wfds)[name], _bytes_of(t, nbytes), offset)
+            seconds = time.perf_counter() - start
+            with self._io_lock:
+                counted = self.io.setdefault((kind, name), [0, 0.0])
+                counted[0] += nbytes
+                counted[1] += seconds
         except OSError as e:
             raise OffloadError(
                 f"OffloadPolicy(path={self.root!r}, params='disk'): rank {self.rank} could not {kind} {nbytes} bytes "
                 f"at byte {offset} of {path}: {e}"
             ) from e
+
+    def io_total(self, kind: str) -> tuple[int, float]:
+        """(bytes, seconds) of every explicit `kind` ("read" or "write") so far, over the files."""
+        with self._io_lock:
+            counts = [v for (k, _), v in self.io.items() if k == kind]
+        return sum(b for b, _ in counts), sum(s for _, s in counts)
 
     def let_go(self, name: str, lo: int = 0, numel: int | None = None) -> None:
         """Drop the resident pages of elements [lo, lo + numel) of `name` (None: to its end), the pages

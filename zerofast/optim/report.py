@@ -98,6 +98,14 @@ class OffloadReport:
     params_folder: str | None = None  # "disk": the shards' folder (removed with the optimizer)
     params_disk_bytes: int = 0  # "disk": the shards' files
     params_resident_bytes: int = 0  # "disk": of those, pages this process holds resident now
+    # "disk": the shards' explicit I/O since the optimizer was built (the gathers' reads and, with the
+    # state on disk, the step's gradient reads and parameter writes), and the seconds spent inside the
+    # reads and inside the writes (each call's, summed): bytes over seconds is the rate the shards'
+    # files were read and written at.
+    params_read_bytes: int = 0
+    params_write_bytes: int = 0
+    params_read_seconds: float = 0.0
+    params_write_seconds: float = 0.0
 
     @property
     def io_bandwidth(self) -> float:
@@ -140,7 +148,16 @@ def offload_report(parts) -> OffloadReport:
         params_folder=files.folder if files is not None else None,
         params_disk_bytes=files.disk_bytes if files is not None else 0,
         params_resident_bytes=files.resident_bytes() if files is not None else 0,
+        **_shard_io(files),
     )
+
+
+def _shard_io(files) -> dict:
+    """report().offload's params_read_* and params_write_* from the shards' files (none: zeros)."""
+    if files is None:
+        return {}
+    (rb, rs), (wb, ws) = files.io_total("read"), files.io_total("write")
+    return dict(params_read_bytes=rb, params_read_seconds=rs, params_write_bytes=wb, params_write_seconds=ws)
 
 
 def partition_report(layout, shard_size: int, step_costs: list[int] | None) -> PartitionReport:
