@@ -15,11 +15,9 @@ buckets' payload: every gradient once, no_sync in the other micro-batches); FSDP
 
 from __future__ import annotations
 
-import functools
 import statistics
-import time
 
-from rankpool import RankPool
+from rankpool import run_interleaved
 
 WORLD, PP, DP, MICRO = 4, 2, 2, 4
 BATCH, SEQ = 8, 64
@@ -117,29 +115,8 @@ def build(case, rank, world):
     return step
 
 
-def _interleaved(pools: dict, rounds: int) -> dict[str, list[float]]:
-    times = {case: [] for case in pools}
-    for pool in pools.values():  # warm-up: one step each
-        pool.step()
-    for r in range(rounds):
-        order = list(pools) if r % 2 == 0 else list(reversed(pools))
-        for case in order:
-            start = time.perf_counter()
-            pools[case].step()
-            times[case].append(time.perf_counter() - start)
-    return times
-
-
 def test_pp_against_ddp_and_fsdp2_interleaved(benchmark, record_ratios):
-    pools = {}
-    try:
-        for case in CASES:
-            pools[case] = RankPool(functools.partial(build, case), world=WORLD)
-        times = benchmark.pedantic(_interleaved, args=(pools, ROUNDS), rounds=1, iterations=1)
-        infos = {case: pool.info() for case, pool in pools.items()}
-    finally:
-        for pool in pools.values():
-            pool.close()
+    times, infos = run_interleaved(build, CASES, WORLD, ROUNDS, benchmark)
     base = statistics.median(times["ddp"])
     lines = [
         f"{'case':24s} {'step ms':>9s} {'x ddp':>7s} {'paired':>7s} {'state MiB/rank':>15s} "

@@ -12,11 +12,9 @@ process's peak resident memory.
 
 from __future__ import annotations
 
-import functools
 import statistics
-import time
 
-from rankpool import RankPool
+from rankpool import run_interleaved
 
 WORLD, DP, TP = 4, 2, 2
 BATCH, SEQ = 4, 64
@@ -49,7 +47,7 @@ def build(case, rank, world):
     if case == "fsdp2+tp":
         from torch.distributed.fsdp import fully_shard
 
-        for block in model.layers:
+        for block in model.layers.values():  # a ModuleDict (titan_cut keeps the indices)
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
         opt = torch.optim.AdamW(model.parameters(), **HYPER)
@@ -84,29 +82,8 @@ def build(case, rank, world):
     return step
 
 
-def _interleaved(pools: dict, rounds: int) -> dict[str, list[float]]:
-    times = {case: [] for case in pools}
-    for pool in pools.values():  # warm-up: one step each
-        pool.step()
-    for r in range(rounds):
-        order = list(pools) if r % 2 == 0 else list(reversed(pools))
-        for case in order:
-            start = time.perf_counter()
-            pools[case].step()
-            times[case].append(time.perf_counter() - start)
-    return times
-
-
 def test_tp_against_fsdp2_tp_interleaved(benchmark, record_ratios):
-    pools = {}
-    try:
-        for case in CASES:
-            pools[case] = RankPool(functools.partial(build, case), world=WORLD)
-        times = benchmark.pedantic(_interleaved, args=(pools, ROUNDS), rounds=1, iterations=1)
-        infos = {case: pool.info() for case, pool in pools.items()}
-    finally:
-        for pool in pools.values():
-            pool.close()
+    times, infos = run_interleaved(build, CASES, WORLD, ROUNDS, benchmark)
     base = statistics.median(times["fsdp2+tp"])
     lines = [
         f"{'case':18s} {'step ms':>9s} {'x fsdp2+tp':>11s} {'paired':>7s} {'state MiB/rank':>15s} {'peak RSS MiB':>13s}"

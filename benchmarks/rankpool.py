@@ -106,3 +106,34 @@ class RankPool:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+
+
+def run_interleaved(build, cases, world: int, rounds: int, benchmark) -> tuple[dict, dict]:
+    """One RankPool per case (`build(case, rank, world)` sets one rank up, as RankPool's build), all
+    alive together: a warm-up step each, then `rounds` rounds of one step per case, the order reversed
+    every other round, so that a change in the machine's load hits every case alike; timed once under
+    benchmark.pedantic. Returns each case's step seconds and each pool's info() by rank."""
+    import functools
+
+    pools = {}
+    try:
+        for case in cases:
+            pools[case] = RankPool(functools.partial(build, case), world=world)
+        times = benchmark.pedantic(_interleaved, args=(pools, rounds), rounds=1, iterations=1)
+        return times, {case: pool.info() for case, pool in pools.items()}
+    finally:
+        for pool in pools.values():
+            pool.close()
+
+
+def _interleaved(pools: dict, rounds: int) -> dict[str, list[float]]:
+    times = {case: [] for case in pools}
+    for pool in pools.values():  # warm-up: one step each
+        pool.step()
+    for r in range(rounds):
+        order = list(pools) if r % 2 == 0 else list(reversed(pools))
+        for case in order:
+            start = time.perf_counter()
+            pools[case].step()
+            times[case].append(time.perf_counter() - start)
+    return times
