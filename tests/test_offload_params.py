@@ -132,6 +132,7 @@ def _bitwise_cases(rank, world, root, cases):
             files=sorted(os.listdir(report.offload.params_folder)),
             frozen_in_files=parts.frozen is not None and parts.frozen.in_files,
             state=state,
+            delayed=delayed,
         )
         # "host" on a CPU model: the shards are in host memory already; the same optimizer, reported so
         host_policy = OffloadPolicy(state, path if state == "disk" else None, delayed_update=delayed, params="host")
@@ -174,12 +175,16 @@ def test_parameters_on_disk_are_bitwise_the_shards_in_memory(world, root):
             assert 0 <= off.params_disk_bytes - shards < 3 * 4096, (where, off, shards)  # each file: whole pages
             assert off.params_disk_bytes == got["estimate"].params_disk_bytes, (where, got["estimate"])
             assert got["estimate"].params == got["estimate"].grads == 0, where
+            if got["state"] is None:  # a master of its own in fp32 too, estimated: m, v and it, 12 bytes
+                trainable = sum(p.numel() for p in _nested(got["frozen"]).parameters() if p.requires_grad)
+                assert mem.master_copy > 0 and 2 * mem.master_copy == mem.optimizer, (where, mem)
+                assert got["estimate"].optimizer == 12 * -(-trainable // world), (where, got["estimate"])
             assert off.params_resident_bytes <= 3 * 4096, f"{where}: pages left resident after the step: {off}"
             # The shards' explicit I/O: every step's forward gathers every unit from the file (and the
-            # no-grad forward once more); with the state on disk each step writes the parameter shard
-            # once, by explicit writes (else the kernel writes it through the mapping: no write counted).
+            # no-grad forward once more); each step writes the parameter shard once, by explicit writes
+            # (the delayed update's thread writes it through the mapping: no write counted).
             assert off.params_read_bytes >= (STEPS + 2) * ram.params and off.params_read_seconds > 0, (where, off)
-            writes = (STEPS + 1) * ram.params if got["state"] == "disk" else 0
+            writes = (STEPS + 1) * ram.params if not got["delayed"] else 0
             assert off.params_write_bytes == writes and (off.params_write_seconds > 0) == (writes > 0), (where, off)
             want = ["grad_shard", "lock", "param_shard"] + (["frozen_shard"] if got["frozen"] else [])
             assert got["files"] == sorted(want), where
@@ -519,11 +524,13 @@ def test_a_failed_read_names_the_file_and_the_rank(root):
     assert unchanged  # nothing was applied
 
 
-def _failed_step_io(rank, world, root, which):
-    """State and shards on disk; at the second step the last rank fails to read its gradient shard
-    (which="read") or to write its parameter shard (which="write")."""
+def _failed_step_io(rank, world, root, which, state):
+    """Shards on disk, the state on disk or in memory (state=None: the step's two passes); at the second
+    step the last rank fails to read its gradient shard (which="read") or to write its parameter shard
+    (which="write"). window_mb=0.15: the step in several chunks, so a failure comes after some were
+    stepped."""
     runs = []
-    for policy in (None, OffloadPolicy("disk", os.path.join(root, "io"), window_mb=0.15, params="disk")):
+    for policy in (None, OffloadPolicy(state, os.path.join(root, "io"), window_mb=0.15, params="disk")):
         model = _nested()
         group = dist.new_group(list(range(world)))
         runs.append((model, ZeroAdam(model, **_options("bf16", 1.0), process_group=group, offload=policy)))
@@ -532,10 +539,13 @@ def _failed_step_io(rank, world, root, which):
     train_accumulated(b, ob, rank, 0, 1)
     before = state_snapshot(b, ob)
     files = parts_of(ob).files
+    calls = []
 
-    def fault(path):
+    def fault(path):  # the last rank's second chunk: after one was stepped and written
         if rank == world - 1 and os.path.basename(path) == ("grad_shard" if which == "read" else "param_shard"):
-            raise OSError(5, "Input/output error (simulated)", path)
+            calls.append(path)
+            if len(calls) == 2:
+                raise OSError(5, "Input/output error (simulated)", path)
 
     setattr(files, f"fail_{which}", fault)
     try:
@@ -554,9 +564,11 @@ def _failed_step_io(rank, world, root, which):
     )
 
 
+@pytest.mark.parametrize("state", ["disk", None])
 @pytest.mark.parametrize("which", ["read", "write"])
-def test_a_failed_read_or_write_in_the_step_applies_it_on_no_rank(which, root):
-    for rank, (raised, changed, differs, folder) in enumerate(run_ranks(_failed_step_io, 2, args=(root, which))):
+def test_a_failed_read_or_write_in_the_step_applies_it_on_no_rank(which, state, root):
+    out = run_ranks(_failed_step_io, 2, args=(root, which, state))
+    for rank, (raised, changed, differs, folder) in enumerate(out):
         assert raised is not None, f"rank {rank} did not raise"
         kind, message, notes = raised
         if rank == 1:

@@ -215,8 +215,10 @@ def estimate_memory(
         state_bits, state_block = plan.state_bits, plan.state_block
     p_bytes, r_bytes = param_dtype.itemsize, reduce_dtype.itemsize
     g_bytes = p_bytes if stage < 2 else r_bytes  # full gradients in the parameters' dtype
-    # m and v (fp32, or one byte each: [Note: quantized state]) and a separate fp32 master
-    o_bytes = (8 if state_bits == 32 else 2) + (4 if param_dtype != torch.float32 else 0)
+    # m and v (fp32, or one byte each: [Note: quantized state]) and a separate fp32 master (in fp32
+    # too with stage 3's shards in files: the values a failed step goes back to)
+    shards_in_files = stage == 3 and plan.offload.params == "disk"
+    o_bytes = (8 if state_bits == 32 else 2) + (4 if param_dtype != torch.float32 or shards_in_files else 0)
 
     def state_bytes(elements: int) -> int:  # 8-bit state adds one fp32 scale per block per moment
         return o_bytes * elements + (2 * 4 * num_blocks(elements, state_block) if state_bits == 8 else 0)

@@ -58,18 +58,18 @@ resident is bounded, not the model's size: a unit's shard is read as its gather 
 reads of the file into the unit buffer, as far ahead as stage 3 prefetches: no page of the mapping
 becomes resident, and a failed read is an OffloadError naming the file and the rank); the pages the
 reduces wrote are dropped at every unit's release (a reduce still in flight is safe: a shared file
-mapping's dirty pages stay in the page cache). The step, with the state on disk too, reads each
-window chunk's gradients and writes its updated parameters by explicit I/O, so a failure there is an
-OffloadError naming the file and the rank, settled all or none with the state's ([Note: the
-all-or-none offloaded step]); with the state in memory it runs the kernel over the mapped shards and
-drops each run's pages after it. So a rank holds the units in flight, the
-gradient buckets in flight and, state on disk, the window; the files and the page cache hold the rest
-(the kernel writes dirty pages back and reclaims clean ones under memory pressure). Not done here:
-with the state in memory (or the delayed update) the step has no all-or-none agreement and works
-through the mapping, where a failing disk is the kernel's SIGBUS; the reduces write the gradient
-shard through the mapping too; a write's error the kernel meets only at its writeback is reported by
-no call (as for the state's files: nothing is fsync'ed); the files are preallocated at construction,
-so a full disk is named then, with the bytes needed and free. The GPU's pinned buffers and side-stream
+mapping's dirty pages stay in the page cache). The step reads each window chunk's gradients and
+writes its updated parameters by explicit I/O, so a failure there is an OffloadError naming the file
+and the rank, and the step is applied on every rank or on none: with the state on disk, settled
+with the state's ([Note: the all-or-none offloaded step]); with the state in memory, in two passes
+([Note: the all-or-none step with the state in memory] in update.py; the master is then a tensor of
+its own in fp32 too). So a rank holds the units in flight, the gradient buckets in flight and, state
+on disk, the window; the files and the page cache hold the rest (the kernel writes dirty pages back
+and reclaims clean ones under memory pressure). Not done here: the delayed update's thread works
+through the mapping, where a failing disk is the kernel's SIGBUS, and so do the reduces that write
+the gradient shard in backward; a write's error the kernel meets only at its writeback is reported
+by no call (as for the state's files: nothing is fsync'ed); the files are preallocated at
+construction, so a full disk is named then, with the bytes needed and free. The GPU's pinned buffers and side-stream
 copies are not built (a CUDA model's params= is a named error).
 
 [Note: files of a killed job]

@@ -159,6 +159,10 @@ class DeviceState:
     def write(self, name: str, offset: int, values: torch.Tensor) -> None:
         self.tensors[name][offset : offset + values.numel()].copy_(values)
 
+    def commit(self) -> None:
+        """Nothing to switch: the state is updated in place (with stage 3's shards in files, by the
+        second pass of [Note: the all-or-none step with the state in memory])."""
+
     def close(self) -> None:
         pass
 

@@ -16,13 +16,24 @@ agreement through StepSide.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
 from ..errors import OffloadError, StepNotAppliedError
-from .stores import DeviceState, DiskState, HostState, ShardFiles, StateSpec, is_offloaded
+from .stores import (
+    DeviceState,
+    DiskState,
+    HostState,
+    OffloadStats,
+    ShardFiles,
+    StateSpec,
+    _views_of,
+    is_offloaded,
+    window_layout,
+)
 
 __all__ = ["OffloadedUpdate", "ShardSide", "StepSide", "open_store", "open_shard_files", "agreed", "shard_specs"]
 
@@ -163,6 +174,15 @@ class OffloadedUpdate:
         self.delayed = self.plan.offload.delayed_update
         self._pending_used: list[bool] | None = None  # an update written, not yet committed
         self._delayed: _Delayed | None = None
+        # Stage 3's shards in files, the state in memory: the step in two passes ([Note: the
+        # all-or-none step with the state in memory]), over chunks of the disk's window size; the
+        # gradients the first pass read, held for the second (lo, hi, hyper-parameters, gradient).
+        self.two_pass = shard.files is not None and not isinstance(store, DiskState) and not self.delayed
+        self._held: list[tuple[int, int, dict, torch.Tensor]] | None = None
+        self.chunk = getattr(store, "chunk", 0)  # DiskState's window chunk
+        if self.two_pass:
+            block = self.plan.state_block if self.plan.quantized_state else 1
+            self.chunk = window_layout(store.specs, shard_numel, int(self.plan.offload.window_mb * 2**20), block)[0]
         # The delayed update at stages 1 and 2: what zerofast last wrote into the owned parameters
         # (host, the parameters' dtype), against which the model's writes are found (_follow_writes).
         follows = shard.follows_params and self.delayed
@@ -236,9 +256,10 @@ class OffloadedUpdate:
             )
 
     def _settle(self, error: BaseException | None, what: str, side: StepSide) -> None:
-        """After an update was written (or failed) on this rank: on disk, the ranks agree whether every
-        one wrote it; then it is the state everywhere, or nowhere and this raises."""
-        failed = side.agree(error is not None, what, everyone=self.placement == "disk")
+        """After an update was written (or failed) on this rank: on disk (the state's files or the
+        shards'), the ranks agree whether every one wrote it; then it is the state everywhere, or
+        nowhere and this raises."""
+        failed = side.agree(error is not None, what, everyone=self.placement == "disk" or self.two_pass)
         if failed < 0:
             self._commit()
             return
@@ -253,6 +274,8 @@ class OffloadedUpdate:
         """Every rank wrote the update: it is the state now, and its steps count."""
         self.store.commit()
         self.shard.bind(self.store.views())
+        if self._held is not None:
+            self._second_pass()
         if self._pending_used is not None:
             self.shard.count_steps(self._pending_used)
         self._pending_used = None
@@ -260,7 +283,7 @@ class OffloadedUpdate:
     def _abort(self) -> None:
         """Some rank failed to write its update: the state stays the store's last generation, and the
         parameters this rank updated in memory go back to that master's rounding."""
-        self._pending_used = None
+        self._pending_used = self._held = None
         self.shard.sync_params_from_master()
         self.params_written()
 
@@ -291,7 +314,7 @@ class OffloadedUpdate:
 
         def buffer(name: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
             if name not in scratch or scratch[name].numel() < numel:
-                scratch[name] = torch.empty(max(numel, self.store.chunk), dtype=dtype)
+                scratch[name] = torch.empty(max(numel, self.chunk), dtype=dtype)
             return scratch[name][:numel]
 
         def step(payload, lo: int, hi: int, views: dict[str, torch.Tensor]) -> None:
@@ -326,6 +349,9 @@ class OffloadedUpdate:
             shard.let_go(lo, hi - lo)  # shards in files: this chunk's pages leave memory
 
         self._pending_used = list(used)
+        if self.two_pass:
+            self._first_pass(segments, buffer)
+            return
         if isinstance(self.store, DiskState):
             self.store.release()  # pages a checkpoint touched since the last step
         if not delayed:
@@ -334,6 +360,44 @@ class OffloadedUpdate:
         held = sum(g.numel() * g.element_size() for g in grads.values())
         held += sum(run.numel for run in runs) * self.plan.param_dtype.itemsize  # the staged parameters
         self._delayed = _Delayed(lambda: self.store.stream(segments, step), staged, held)
+
+    # [Note: the all-or-none step with the state in memory]
+    # Stage 3's shards in files with the state in host memory: the step's reads (the gradient shard)
+    # and writes (the parameter shard) can fail, and the state, updated in place, has no generation
+    # to go back to (DiskState's: [Note: the all-or-none offloaded step]). So the step runs twice.
+    # The first pass reads each chunk's gradients by explicit I/O (held), steps a copy of the chunk's
+    # state and writes the updated parameters to the file; nothing it did is the state yet. The ranks
+    # agree; if every one wrote its parameters, the second pass steps the state in place from the held
+    # gradients (no I/O, nothing that can fail: the same kernel on the same values, so the master is
+    # the rounding's source the file already holds); otherwise the parameters are written back from
+    # the untouched master. It costs a second kernel pass and, for the step, a copy of the gradient
+    # shard in host memory (its bytes are a third of the fp32 state's or less); the state on disk
+    # needs neither (its two generations are the undo).
+
+    def _first_pass(self, segments: list, buffer: Callable) -> None:
+        shard, files, store, chunk = self.shard, self.shard.files, self.store, self.chunk
+        state = store.views()
+        self._held = held = []
+        start = time.perf_counter()
+        for lo, hi, (_, hyper) in segments:
+            a = lo
+            while a < hi:
+                b = min(hi, (a // chunk + 1) * chunk)  # chunks at multiples of `chunk`: 8-bit blocks whole
+                grad = torch.empty(b - a, dtype=shard.grad_shard.dtype)
+                files.read_into("grad_shard", a, grad)
+                held.append((a, b, hyper, grad))
+                copies = {k: v.clone() for k, v in _views_of(store.specs, state, a, b).items()}
+                params = buffer("param", shard.param_shard.dtype, b - a)
+                shard.step_range(copies, grad, param_copy=params, follow_copy=False, **hyper)
+                files.write_from("param_shard", a, params)
+                a = b
+        store.stats = OffloadStats(seconds=time.perf_counter() - start)
+
+    def _second_pass(self) -> None:
+        state = self.store.views()
+        for a, b, hyper, grad in self._held:
+            self.shard.step_range(_views_of(self.store.specs, state, a, b), grad, param_copy=None, **hyper)
+        self._held = None
 
     def _grad_snapshot(self, runs: list) -> dict[int, torch.Tensor]:
         """Each run's reduced gradients copied to the host, by its first shard element: the next

@@ -148,8 +148,12 @@ def build(model: nn.Module, plan: Plan, process_group, rule: UpdateRule) -> Part
         model, plan, topology.shard_size, rule.partition_costs, list(zip(names, params)), tp.standin_of if tp else None
     )
     store, shard, files = _state(layouts, topology, names, params, plan, tp is not None, meta)
+    # Stage 3's shards in files take the offloaded step's path with the state in memory too: its
+    # explicit I/O and all-or-none agreement (zerofast/offload/update.py).
     offload = (
-        OffloadedUpdate(store, shard, layouts.layout.shard_numel(topology.shard_rank)) if store.offloaded else None
+        OffloadedUpdate(store, shard, layouts.layout.shard_numel(topology.shard_rank))
+        if store.offloaded or files is not None
+        else None
     )
     if tp is not None:
         tp.relink()
@@ -260,7 +264,7 @@ def _state(layouts, topology: Topology, names, params, plan: Plan, tp: bool, met
     # Offloaded, the master is a tensor of its own even in fp32 (ShardState.master_apart says why).
     device = meta or params[0].device  # meta: the device a model built on the meta device trains on
     offloaded = is_offloaded(plan.offload.state, plan.offload.delayed_update, device.type)
-    master_apart = plan.separate_master or offloaded
+    master_apart = plan.separate_master or offloaded or plan.offload.params == "disk"  # as ShardState's
     specs = state_specs(shard_numel, master_apart, plan.state_bits, plan.state_block)
 
     def build():

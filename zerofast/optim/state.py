@@ -79,7 +79,10 @@ class ShardState:
         # master is a tensor of its own: the parameters stay with the model, and a failed step is
         # undone from the master.
         self.offloaded = store.offloaded  # its tensors are not the model's device's: counted by the store
-        self.master_apart = plan.separate_master or self.offloaded
+        # Shards in files too (zerofast/offload/update.py's [Note: the all-or-none step with the state
+        # in memory]): the step writes the parameter file before the ranks agree, and the master holds
+        # the values a failed step goes back to.
+        self.master_apart = plan.separate_master or self.offloaded or files is not None
         # Stages 1 and 2: the parameters the model holds are written by users too (nn.init,
         # load_state_dict); the master follows them in the step's kernel ([Note: the master follows
         # the copy] in csrc/adam_math.h) and in follow_params(). Stage 3's writes reach the master
