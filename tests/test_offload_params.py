@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
 import os
 import shutil
 import tempfile
@@ -352,6 +353,57 @@ def test_bad_input_is_named_at_construction(root, monkeypatch):
     folder = files.folder
     files.close()
     assert not os.path.exists(folder)
+
+
+def _kept_files(rank, world, root):
+    """OffloadPolicy(keep_files=True), state and shards on disk, after 2 steps: the tensors the
+    optimizer held, then what its folders hold once it is collected; a later optimizer under the same
+    path, then the same without keep_files."""
+    model = _nested()
+    policy = OffloadPolicy("disk", root, params="disk", keep_files=True)
+    opt = ZeroAdam(model, **_options("bf16", 1.0), offload=policy)
+    train_accumulated(model, opt, rank, 0, 2)
+    parts = parts_of(opt)
+    held = {n: t.clone() for n, t in parts.store.views().items() if t.numel()}
+    held.update({n: t.clone() for n, t in parts.files.tensors.items() if t.numel()})
+    folders = sorted({parts.store.folder, parts.files.folder})
+    del parts, opt, model
+    gc.collect()
+    kept = {}
+    for folder in folders:
+        with open(os.path.join(folder, "kept.json")) as f:
+            kept[folder] = json.load(f)
+    read = {}
+    for folder, manifest in kept.items():
+        for name, what in manifest["files"].items():
+            dtype = getattr(torch, what["dtype"])
+            read[what["tensor"]] = torch.from_file(os.path.join(folder, name), size=what["numel"], dtype=dtype)
+    listed = {folder: sorted(os.listdir(folder)) for folder in folders}
+    model = _nested()  # a later optimizer under the same path removes stale folders, never kept ones
+    opt = ZeroAdam(model, **_options("bf16", 1.0), offload=OffloadPolicy("disk", root, params="disk"))
+    train_accumulated(model, opt, rank, 0, 1)
+    still = all(os.path.exists(f) for f in folders)
+    mine = sorted({parts_of(opt).store.folder, parts_of(opt).files.folder})
+    del opt, model
+    gc.collect()
+    return held, read, kept, listed, still, [os.path.exists(f) for f in mine]
+
+
+def test_files_kept_on_purpose_stay_and_hold_the_last_state(root):
+    [(held, read, kept, listed, still, removed_later)] = run_ranks(_kept_files, 1, args=(root,))
+    assert sorted(read) == sorted(held), (sorted(read), sorted(held))
+    for name, want in held.items():  # the live generation's state and the shards, bitwise
+        assert torch.equal(read[name], want), f"{name}: the kept file differs from the optimizer's tensor"
+    for folder, manifest in kept.items():
+        assert manifest["errors"] == {}, manifest
+        files = sorted(manifest["files"])
+        assert listed[folder] == sorted([*files, "kept.json", "lock"]), (listed[folder], files)  # one generation
+    assert still, "a later optimizer removed a folder kept on purpose"
+    assert removed_later == [False, False], "without keep_files the files go with the optimizer"
+    with pytest.raises(ValueError, match="keep_files applies to state='disk' or params='disk'.*state='host'"):
+        OffloadPolicy("host", keep_files=True)
+    with pytest.raises(TypeError, match="keep_files must be True or False; got 'yes'"):
+        OffloadPolicy("disk", root, keep_files="yes")
 
 
 def test_the_estimators_cli_counts_the_shards_on_disk(capsys):

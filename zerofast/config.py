@@ -276,6 +276,11 @@ class OffloadPolicy:
       moves) or "disk" (files under `path`, mapped: a unit's shard is read as its gather starts, a
       gradient's as the step reads it, and each leaves resident memory then: [Note: parameters on
       disk] in zerofast/offload/__init__.py). Stage 3 only: stages 1 and 2 hold whole parameters.
+    keep_files: "disk": leave the files when the optimizer is closed or the process exits (flushed to
+      the disk, with kept.json naming each file's tensor, dtype and element count: [Note: files kept
+      on purpose] in zerofast/offload/__init__.py), for reading the run's last state after it ended;
+      no later optimizer removes them. False (default): removed. A run continues from a checkpoint
+      (zerofast.checkpoint), never from these.
     `offload="host"` / `offload="disk:PATH"` on ZeroAdam are shortcuts for the state's policy;
     `offload="infinity:PATH"` for OffloadPolicy("disk", PATH, params="disk"): the state and stage 3's
     parameters and gradients on disk.
@@ -289,6 +294,7 @@ class OffloadPolicy:
     direct_io: bool = False
     delayed_update: bool = False
     params: str | None = None
+    keep_files: bool = False
 
     def __post_init__(self):
         if self.state not in OFFLOAD_STATES:
@@ -318,6 +324,12 @@ class OffloadPolicy:
         _check_bool("OffloadPolicy", "pin_memory", self.pin_memory)
         _check_bool("OffloadPolicy", "direct_io", self.direct_io)
         _check_bool("OffloadPolicy", "delayed_update", self.delayed_update)
+        _check_bool("OffloadPolicy", "keep_files", self.keep_files)
+        if self.keep_files and not on_disk:
+            raise ValueError(
+                f"OffloadPolicy: keep_files applies to state='disk' or params='disk' (the files); got keep_files=True "
+                f"with state={self.state!r}, params={self.params!r}"
+            )
         if self.delayed_update and self.state is None:
             raise ValueError("OffloadPolicy: delayed_update=True needs state='host' or 'disk'; got state=None")
 

@@ -77,6 +77,17 @@ Each optimizer writes under PATH/zerofast-<host>-<pid>-<id>/ with a lock file it
 its life; the folder is removed when the optimizer is collected or the process exits. A folder
 whose lock nobody holds belongs to a process that died: it is never read (an optimizer reads only
 files it created and wrote) and a new optimizer under the same PATH removes it.
+
+[Note: files kept on purpose]
+OffloadPolicy(keep_files=True): when the optimizer is closed (collected, or at the process's exit)
+its folder stays. Each file is fsync'ed first (so what is kept is on the disk, and a write the
+kernel could not put there is found: listed under "errors" in kept.json and warned about, since a
+finalizer cannot raise); of the state's two generations the one holding the last applied step is
+kept, the other removed; kept.json names each file's tensor, dtype and element count (the files are
+flat arrays of that dtype, padded to a page: numpy.fromfile or torch.from_file read them). The lock
+is released, and a folder with kept.json is never removed as stale: it is the user's. It is the
+last state of a run for reading after it ended (a post-mortem, a comparison); a run continues from a
+checkpoint, which holds what these files lack (the layout, the step counts, the loss scale).
 """
 
 from .stores import (

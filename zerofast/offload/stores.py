@@ -8,8 +8,10 @@ as named flat tensors (`views()`: what checkpoints read and write); the offloade
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import ctypes
 import fcntl
+import json
 import math
 import mmap
 import os
@@ -18,6 +20,7 @@ import socket
 import threading
 import time
 import uuid
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -222,6 +225,7 @@ class DiskState:
         io_threads: int,
         align: int,
         direct_io: bool = False,
+        keep: bool = False,
     ):
         self.empty = {s.name: torch.zeros(0, dtype=s.dtype) for s in specs if not s.numel}
         self.specs, self.shard, self.root = [s for s in specs if s.numel], shard, root
@@ -232,7 +236,10 @@ class DiskState:
         self._pool = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="zerofast-offload-io")
         # Closed when the optimizer is collected or at exit (weakref.finalize runs at exit too): its I/O
         # threads told to end, its files closed and removed ([Note: clean exit] in csrc/work_keeper.cpp).
-        self._finalizer = weakref.finalize(self, _close, self._fds, self._direct, self.folder, self._lock, self._pool)
+        self._kept = _kept(self.specs, lambda s: f"{s.name}.{{g}}") if keep else None
+        self._finalizer = weakref.finalize(
+            self, _close, self._fds, self._direct, self.folder, self._lock, self._pool, self._kept
+        )
         need = 2 * file_bytes(self.specs)
         free = shutil.disk_usage(self.folder).free
         if need > free:
@@ -329,6 +336,8 @@ class DiskState:
     def commit(self) -> None:
         """Every rank wrote its next generation: it is the state now."""
         self.gen = 1 - self.gen
+        if self._kept is not None:
+            self._kept["generation"] = self.gen
 
     def stream(self, segments: list[Segment], step: Step) -> None:
         """Generation 1-g = generation g with `step` applied to every segment, through the window:
@@ -432,12 +441,13 @@ class ShardFiles:
 
     placement = "disk"
 
-    def __init__(self, specs: list[StateSpec], root: str, rank: int):
+    def __init__(self, specs: list[StateSpec], root: str, rank: int, keep: bool = False):
         self.specs, self.root, self.rank = [s for s in specs if s.numel], root, rank
         self.folder, self._lock = _make_folder(root)
         self._fds: dict[str, int] = {}  # read-only: the gathers' explicit reads (read_into)
         self._wfds: dict[str, int] = {}  # the offloaded step's explicit writes (write_from)
-        self._finalizer = weakref.finalize(self, _close_files, [self._fds, self._wfds], self.folder, self._lock)
+        kept = _kept(self.specs, lambda s: s.name) if keep else None
+        self._finalizer = weakref.finalize(self, _close_files, [self._fds, self._wfds], self.folder, self._lock, kept)
         self.fail_read: Callable[[str], None] | None = None  # a test's fault: (file) -> raise
         self.fail_write: Callable[[str], None] | None = None
         # The explicit reads and writes so far, by (kind, file): bytes, and seconds inside them summed
@@ -635,6 +645,9 @@ def _remove_stale(root: str) -> None:
             fd = os.open(os.path.join(entry.path, "lock"), os.O_RDWR)
         except OSError:
             continue  # being created, or not ours
+        if os.path.exists(os.path.join(entry.path, KEPT)):
+            os.close(fd)
+            continue  # kept on purpose (OffloadPolicy(keep_files=True)): the user's to remove
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -654,7 +667,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _close(fds: dict, direct: dict, folder: str, lock: int, pool: cf.ThreadPoolExecutor) -> None:
+def _close(fds: dict, direct: dict, folder: str, lock: int, pool: cf.ThreadPoolExecutor, kept: dict | None) -> None:
     # Without waiting: this may run from the garbage collector in any thread, one of the pool's own
     # included (a join there never returns), and a collected store's pool has no work left to wait for
     # (concurrent.futures joins idle workers at the interpreter's exit).
@@ -663,20 +676,61 @@ def _close(fds: dict, direct: dict, folder: str, lock: int, pool: cf.ThreadPoolE
         os.close(fd)
     fds.clear()
     direct.clear()
-    _remove_folder(folder, lock)
+    _remove_folder(folder, lock, kept)
 
 
-def _close_files(tables: list[dict], folder: str, lock: int) -> None:
+def _close_files(tables: list[dict], folder: str, lock: int, kept: dict | None) -> None:
     for fds in tables:
         for fd in fds.values():
             os.close(fd)
         fds.clear()
-    _remove_folder(folder, lock)
+    _remove_folder(folder, lock, kept)
 
 
-def _remove_folder(folder: str, lock: int) -> None:
-    shutil.rmtree(folder, ignore_errors=True)
+KEPT = "kept.json"  # in a folder kept on purpose: what its files hold ([Note: files kept on purpose])
+
+
+def _kept(specs: list[StateSpec], file_of: Callable[[StateSpec], str]) -> dict:
+    """What a kept folder's KEPT file will say: each file's tensor (name, dtype, elements)."""
+    files = {
+        file_of(s): {"tensor": s.name, "dtype": str(s.dtype).removeprefix("torch."), "numel": s.numel} for s in specs
+    }
+    return {"files": files, "generation": 0}
+
+
+def _remove_folder(folder: str, lock: int, kept: dict | None = None) -> None:
+    if kept is None:
+        shutil.rmtree(folder, ignore_errors=True)
+    else:
+        _keep(folder, kept)
     try:
-        os.close(lock)
+        os.close(lock)  # the flock goes with it
     except OSError:
         pass
+
+
+def _keep(folder: str, kept: dict) -> None:
+    """[Note: files kept on purpose]: each file flushed to the disk (a write the kernel could not put
+    there is named in KEPT's "errors", since nothing can raise in a finalizer), then KEPT written
+    (whole or not at all: a temporary file renamed)."""
+    generation, errors = kept["generation"], {}
+    files = {name.format(g=generation): what for name, what in kept["files"].items()}
+    for name in kept["files"]:  # the state on disk: the other generation is no step's state
+        if "{g}" in name:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, name.format(g=1 - generation)))
+    for name in files:
+        try:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            errors[name] = str(e)
+    if errors:
+        warnings.warn(f"OffloadPolicy(keep_files=True): files in {folder} could not be flushed: {errors}", stacklevel=1)
+    temporary = os.path.join(folder, KEPT + ".tmp")
+    with open(temporary, "w") as f:
+        json.dump({"files": files, "errors": errors}, f, indent=1)
+    os.replace(temporary, os.path.join(folder, KEPT))

@@ -104,6 +104,7 @@ def _open_store(specs: list[StateSpec], shard_numel: int, plan, device: torch.de
         policy.io_threads,
         plan.state_block if plan.quantized_state else 1,
         policy.direct_io,
+        policy.keep_files,
     )
 
 
@@ -137,7 +138,7 @@ def open_shard_files(plan, shard_numel: int, frozen_numel: int, device: torch.de
         )
     if policy.params == "host":
         return None
-    return ShardFiles(shard_specs(plan, shard_numel, frozen_numel), policy.path, rank)
+    return ShardFiles(shard_specs(plan, shard_numel, frozen_numel), policy.path, rank, policy.keep_files)
 
 
 def agreed(build: Callable[[], tuple], plan, rank: int, agree: Callable[[int], int]) -> tuple:

@@ -143,7 +143,7 @@ def shard_frozen(
             )
         if placement.params == "disk":
             spec = StateSpec("frozen_shard", params[0].dtype, layout.shard_numel(rank))
-            files = ShardFiles([spec], placement.path, dist.get_rank())
+            files = ShardFiles([spec], placement.path, dist.get_rank(), placement.keep_files)
     shard = files.tensors["frozen_shard"] if files is not None else None
     frozen, comm = frozen_part(
         named, layout, bucket_of, rank, group, second_group(group, group), params[0].dtype, shard=shard
