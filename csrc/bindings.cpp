@@ -6,6 +6,7 @@
 #include "adam_cpu.h"
 #include "buckets.h"
 #include "grad_path.h"
+#include "unit_pool.h"
 #include "work_keeper.h"
 
 namespace zerofast {
@@ -181,6 +182,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("limit_s"), py::call_guard<py::gil_scoped_release>(),
       "At exit: wait for the kept Works in flight (limit_s in all), release those done, keep the rest for good");
+
+  // Stage 3's unit buffers on the CPU ([Note: unit buffer pool] in csrc/unit_pool.cpp).
+  m.def("pool_unit_storage", &zerofast::pool_unit_storage, py::arg("buffer"), py::arg("limit"),
+        "The buffer's storage allocates through the unit pool, which keeps up to `limit` bytes released");
+  m.def(
+      "unit_pool_stats",
+      [] {
+        auto s = zerofast::unit_pool_stats();
+        return py::dict(py::arg("kept_bytes") = s.kept_bytes, py::arg("limit") = s.limit,
+                        py::arg("allocated") = s.allocated, py::arg("reused") = s.reused);
+      },
+      "The unit pool's bytes kept, limit, allocations from the system and reuses");
 
   using zerofast::GradPath;
   py::class_<GradPath>(m, "GradPath", "The per-gradient path of phase 1 and its state (see csrc/grad_path.h)")

@@ -264,6 +264,36 @@ def test_what_stays_resident_is_the_units_in_flight(root):
     assert kept_peak - peak >= 0.75 * disk // 2, (peak, kept_peak, disk)
 
 
+# --- the unit buffer pool -------------------------------------------------------------------------------
+
+
+def _pooled(rank, world, root):
+    """Units read from the files: the unit pool's counts after each of 4 steps (16 units, one per block
+    and the root's, released and gathered again between forward and backward)."""
+    from zerofast import _ops
+
+    model = _nested()
+    opt = ZeroAdam(model, **_options(None, None), offload=OffloadPolicy(path=root, params="disk"))
+    counts = []
+    for step in range(4):
+        train_accumulated(model, opt, rank, step, 1)
+        counts.append(_ops.unit_pool_stats())
+    return counts, len(parts_of(opt).units.buffers.parts[0].buffers)
+
+
+def test_gathers_from_the_files_reuse_the_unit_buffers_memory(root):
+    """[Note: unit buffer pool] in csrc/unit_pool.cpp: after the first step no gather takes memory from
+    the system (each takes what a release kept, its pages faulted in already), and what is kept stays
+    within the limit (the three largest units)."""
+    for rank, (counts, units) in enumerate(run_ranks(_pooled, 2, args=(root,), fresh=True)):
+        first, last = counts[0], counts[-1]
+        assert first["allocated"] <= units, (rank, counts)  # at most one allocation per unit buffer
+        assert last["allocated"] == first["allocated"], f"rank {rank}: gathers after the first step allocated: {counts}"
+        gathers = last["reused"] - first["reused"]
+        assert gathers >= 3 * 2 * units, (rank, counts)  # 3 steps, each unit gathered in forward and backward
+        assert 0 < last["kept_bytes"] <= last["limit"], (rank, counts)
+
+
 # --- checkpoints ----------------------------------------------------------------------------------------
 
 

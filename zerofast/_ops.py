@@ -9,7 +9,15 @@ import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.zerofast.*)
 
-__all__ = ["fused_adam_", "fused_adam_8bit_", "nonfinite_check_", "has_cuda_kernels", "cpu_isa"]
+__all__ = [
+    "fused_adam_",
+    "fused_adam_8bit_",
+    "nonfinite_check_",
+    "has_cuda_kernels",
+    "cpu_isa",
+    "pool_unit_storage",
+    "unit_pool_stats",
+]
 
 
 def has_cuda_kernels() -> bool:
@@ -21,6 +29,18 @@ def cpu_isa() -> str:
     """The instruction set of the CPU loop that fused_adam_ runs now (avx512, avx2 or portable): the
     widest the CPU supports, unless ZEROFAST_CPU_ISA forces one."""
     return _C.cpu_isa()
+
+
+def pool_unit_storage(buffer: torch.Tensor, limit: int) -> None:
+    """From now on `buffer`'s storage (a CPU stage-3 unit buffer) allocates through the unit pool,
+    which keeps up to `limit` bytes of released buffers for the next gather ([Note: unit buffer pool]
+    in csrc/unit_pool.cpp)."""
+    _C.pool_unit_storage(buffer, int(limit))
+
+
+def unit_pool_stats() -> dict[str, int]:
+    """The unit pool's kept_bytes, limit, allocated (from the system) and reused (from what it kept)."""
+    return dict(_C.unit_pool_stats())
 
 
 def _check_devices(op: str, param: torch.Tensor, named: dict) -> None:

@@ -56,9 +56,10 @@ unit gathers, the reduces in the compiled BucketComm, the fused kernel, the guar
 checkpoints, generation) runs unchanged and the run is bitwise the same as in memory. What stays
 resident is bounded, not the model's size: a unit's shard is read as its gather starts (explicit
 reads of the file into the unit buffer, as far ahead as stage 3 prefetches: no page of the mapping
-becomes resident, and a failed read is an OffloadError naming the file and the rank); the pages the
-reduces wrote are dropped at every unit's release (a reduce still in flight is safe: a shared file
-mapping's dirty pages stay in the page cache). The step reads each window chunk's gradients and
+becomes resident, and a failed read is an OffloadError naming the file and the rank; the unit
+buffer's memory comes from a pool, faulted in once: [Note: unit buffer pool] in csrc/unit_pool.cpp);
+the pages the reduces wrote are dropped at every unit's release (a reduce still in flight is safe: a
+shared file mapping's dirty pages stay in the page cache). The step reads each window chunk's gradients and
 writes its updated parameters by explicit I/O, so a failure there is an OffloadError naming the file
 and the rank, and the step is applied on every rank or on none: with the state on disk, settled
 with the state's ([Note: the all-or-none offloaded step]); with the state in memory, in two passes

@@ -321,6 +321,6 @@ def _shard_params(
         empty=shard.meta,
     )
     for part, name in zip(buffers.parts, ("param_shard", "frozen_shard")) if files is not None else ():
-        part.read = files.reader(name)
+        part.read_from(files.reader(name))
     buffers.shard_out()
     return UnitTracker(model, hook_needs(model, layouts.unit_params, layouts.unit_plan), buffers)

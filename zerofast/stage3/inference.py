@@ -151,7 +151,7 @@ def shard_frozen(
     let_go = files.let_go_all if files is not None else None
     buffers = UnitBuffers(frozen.buffers, frozen.shard, frozen.layout, rank, comm, frozen.bucket_of, let_go=let_go)
     if files is not None:
-        buffers.parts[0].read = files.reader("frozen_shard")
+        buffers.parts[0].read_from(files.reader("frozen_shard"))
     buffers.shard_out()
     # [Note: the model stays a torch model] in zerofast/guard/__init__.py
     slots = manage(named, WHO)

@@ -92,6 +92,19 @@ class UnitPart:
     # the shard in a file: read (offset, into) by explicit reads, a failure named ([Note: parameters on disk])
     read: Callable[[int, torch.Tensor], None] | None = None
 
+    def read_from(self, read: Callable[[int, torch.Tensor], None]) -> None:
+        """The shard is in a file, which `read` reads: each gather reads its range of it into the unit
+        buffer, whose memory comes from the unit pool, kept across releases up to the three largest
+        units' bytes (a forward holds the root's unit and two others at once: faulted in once, not at
+        every gather: [Note: unit buffer pool] in csrc/unit_pool.cpp)."""
+        from .. import _ops
+
+        self.read = read
+        limit = sum(sorted((b.numel() * b.element_size() for b in self.buffers), reverse=True)[:3])
+        for b in self.buffers:
+            if b.device.type == "cpu":
+                _ops.pool_unit_storage(b, limit)
+
 
 class UnitBuffers:
     """Stage 3's parameter memory: one flat buffer per unit (bucket), with storage only while the unit
