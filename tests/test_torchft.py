@@ -231,6 +231,34 @@ def test_the_main_job_shows_a_group_lost_and_healed():
     assert "every replica group's state bitwise equal to group 0's, rank by rank: True" in log, log
 
 
+def test_the_main_job_ends_at_once_when_a_group_dies_on_its_own(tmp_path):
+    """A replica group whose processes end before they report (here: group 1's rank 0 exits as it
+    starts, through a sitecustomize on its path) ends the job at once, naming the group, its exit code
+    and its log, instead of waiting for events that cannot come (the job waited out its 600 s)."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        "if os.environ.get('ZEROFAST_REPLICA_GROUP') == '1' and os.environ.get('LOCAL_RANK') == '0':\n"
+        "    print('group 1 rank 0 exits as it starts (the test)', file=sys.stderr, flush=True)\n"
+        "    os._exit(3)\n"
+    )
+    env = dict(ENV, PYTHONPATH=str(tmp_path) + os.pathsep + ENV["PYTHONPATH"])
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "zerofast.train", "--replica-groups", "2", "--nproc", "2", "--model", "tiny"]
+        + ["--batch", "2", "--steps", "9", "--timeout", "5"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    took = time.monotonic() - start
+    assert out.returncode != 0, out.stdout + out.stderr[-3000:]
+    assert "replica group 1's torchrun exited with code" in out.stderr, out.stderr[-3000:]
+    assert "group 1 rank 0 exits as it starts (the test)" in out.stderr, out.stderr[-3000:]
+    assert took < 120, f"the job took {took:.0f} s to notice"  # the group's torchrun ends in seconds
+
+
 def _muon_alone_and_flat(rank, world):
     import torch.distributed as dist
     from torchft.coordination import LighthouseServer

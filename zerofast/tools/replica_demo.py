@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -133,26 +134,44 @@ class _Group:
     def __init__(self, index: int, argv: list[str], nproc: int, lighthouse: str, events: list, cond, gate: dict):
         env = dict(os.environ, ZEROFAST_REPLICA_GROUP=str(index), TORCHFT_LIGHTHOUSE=lighthouse, OMP_NUM_THREADS="1")
         env.update(gate)
-        self.index = index
+        self.index, self.killed, self.read_all = index, False, False
+        self.log = tempfile.TemporaryFile(mode="w+")  # torchft's and gloo's logs: shown if the group fails
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
             + ["-m", "zerofast.train", *argv],
             env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,  # torchft's and gloo's logs; the events come on stdout
+            stdout=subprocess.PIPE,  # the events
+            stderr=self.log,
             text=True,
         )
         threading.Thread(target=self._read, args=(events, cond), daemon=True).start()
 
     def _read(self, events, cond):
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                with cond:
-                    events.append(json.loads(line))
-                    cond.notify_all()
+        try:
+            for line in self.proc.stdout:
+                if line.startswith("{"):
+                    with cond:
+                        events.append(json.loads(line))
+                        cond.notify_all()
+        finally:
+            with cond:
+                self.read_all = True  # every event it printed is in `events`
+                cond.notify_all()
+
+    def failed(self, events: list) -> str | None:
+        """Why this group's torchrun ended before it said "done" (None: it runs, finished, or was
+        killed here): its exit code and the last lines of its log."""
+        if self.killed or not self.read_all or self.proc.poll() is None:
+            return None
+        if any(e["event"] == "done" and e["group"] == self.index for e in events):
+            return None
+        self.log.seek(0)
+        tail = "".join(self.log.readlines()[-60:])
+        return f"replica group {self.index}'s torchrun exited with code {self.proc.returncode}; its log ends:\n{tail}"
 
     def kill(self) -> None:
         """SIGKILL torchrun and its workers (they run in sessions of their own), as a lost machine."""
+        self.killed = True
         for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -162,8 +181,6 @@ class _Group:
 
 
 def run(args, argv: list[str]) -> int:
-    import tempfile
-
     os.environ.setdefault("RUST_LOG", "warn")  # the Lighthouse's log of every quorum
     from torchft.coordination import LighthouseServer
 
@@ -186,7 +203,8 @@ def run(args, argv: list[str]) -> int:
     shown = 0
 
     def show_until(pred, since=0, timeout=600.0) -> dict:
-        """Print the events as they come until one from events[since:] satisfies pred; return it."""
+        """Print the events as they come until one from events[since:] satisfies pred; return it. A
+        group whose processes ended on their own before it is a RuntimeError at once, not a wait."""
         nonlocal shown
         deadline = time.monotonic() + timeout
         with cond:
@@ -197,8 +215,12 @@ def run(args, argv: list[str]) -> int:
                 hit = next((e for e in events[since:] if pred(e)), None)
                 if hit is not None:
                     return hit
-                if not cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+                failed = [why for grp in groups if (why := grp.failed(events))]
+                if failed:
+                    raise RuntimeError("\n".join(failed))
+                if time.monotonic() > deadline:
                     raise TimeoutError("the replica groups stopped reporting")
+                cond.wait(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
 
     worker_argv = _without(argv, "--lose-group-at")  # argv: without --nproc already (torchrun's own)
     print(
