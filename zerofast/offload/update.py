@@ -387,7 +387,8 @@ class OffloadedUpdate:
                 grad = torch.empty(b - a, dtype=shard.grad_shard.dtype)
                 files.read_into("grad_shard", a, grad)
                 held.append((a, b, hyper, grad))
-                copies = {k: v.clone() for k, v in _views_of(store.specs, state, a, b).items()}
+                views = _views_of(store.specs, state, a, b).items()
+                copies = {k: buffer(k, v.dtype, v.numel()).copy_(v) for k, v in views}  # reused: faulted in once
                 params = buffer("param", shard.param_shard.dtype, b - a)
                 shard.step_range(copies, grad, param_copy=params, follow_copy=False, **hyper)
                 files.write_from("param_shard", a, params)
