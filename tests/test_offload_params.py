@@ -9,7 +9,10 @@ offload_param: [Note: parameters on disk] in zerofast/offload/__init__.py), on r
 - report() and estimate_memory() agree on the bytes on disk; the files go with the optimizer;
 - checkpoints move between runs with the shards on disk and in memory, across world sizes, bitwise;
 - bad input is named at construction: stages 1 and 2, a CUDA model, tensor parallelism, a disk
-  without room (both numbers).
+  without room (both numbers);
+- a failed read or write in the step applies it on no rank, the state on disk or in memory (the two
+  passes), 8-bit state in memory in several chunks bitwise; files kept on purpose hold the last
+  state; gathers reuse the unit pool's memory.
 The comparisons are bitwise because both runs do the same arithmetic on the same elements in the same
 order: only where the shards' bytes live differs (in-memory stage 3 is itself checked against
 torch.optim.AdamW in tests/test_zero_adam.py).
@@ -191,6 +194,29 @@ def test_parameters_on_disk_are_bitwise_the_shards_in_memory(world, root):
             assert got["files"] == sorted(want), where
             assert got["frozen_in_files"] == got["frozen"], where
             assert got["removed"], f"{where}: the shards' folder outlived its optimizer"
+
+
+def _eight_bit(rank, world, root):
+    """8-bit state in memory, the shards on disk, the step in chunks of 4096 elements (window_mb=0.15:
+    the two passes cut the shard at multiples of the chunk, each a whole number of 8-bit blocks),
+    against the same run with the shards in memory."""
+    from zerofast import MixedPrecisionPolicy
+
+    snapshots = []
+    for policy in (None, OffloadPolicy(path=root, window_mb=0.15, params="disk")):
+        model = _nested()
+        precision = MixedPrecisionPolicy(torch.bfloat16, state_bits=8, state_block=64)
+        options = dict(zero_options(3, min_unit_mb=0, mixed_precision=precision), max_grad_norm=1.0, **HYPER)
+        opt = ZeroAdam(model, **options, process_group=dist.new_group(list(range(world))), offload=policy)
+        train_accumulated(model, opt, rank, 0, STEPS)
+        snapshots.append(state_snapshot(model, opt))
+    return snapshot_differs(*snapshots), parts_of(opt).offload.chunk, parts_of(opt).shard.param_shard.numel()
+
+
+def test_eight_bit_state_in_memory_with_the_shards_on_disk_is_bitwise(root):
+    for rank, (differs, chunk, shard) in enumerate(run_ranks(_eight_bit, 2, args=(root,))):
+        assert differs == [], f"rank {rank}: {differs} differ from the run with the shards in memory"
+        assert chunk == 4096 and shard > 2 * chunk, (chunk, shard)  # several chunks a step
 
 
 # --- what stays resident --------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ __all__ = [
     "is_offloaded",
     "state_specs",
     "file_bytes",
+    "views_of",
     "window_layout",
 ]
 
@@ -139,7 +140,8 @@ def _aligned(nbytes: int, dtype: torch.dtype) -> torch.Tensor:
     return raw[skip : skip + nbytes].view(dtype)
 
 
-def _views_of(specs: list[StateSpec], tensors: Views, lo: int, hi: int, base: int = 0) -> Views:
+def views_of(specs: list[StateSpec], tensors: Views, lo: int, hi: int, base: int = 0) -> Views:
+    """Each spec's tensor over shard elements [lo, hi), the tensors holding the shard from `base`."""
     return {s.name: tensors[s.name][s.range(lo - base, hi - base)] for s in specs}
 
 
@@ -190,7 +192,7 @@ class HostState:
     def stream(self, segments: list[Segment], step: Step) -> None:
         start = time.perf_counter()
         for lo, hi, payload in segments:
-            step(payload, lo, hi, _views_of(self.specs, self.tensors, lo, hi))
+            step(payload, lo, hi, views_of(self.specs, self.tensors, lo, hi))
         self.stats = OffloadStats(seconds=time.perf_counter() - start)
 
     def commit(self) -> None:
@@ -385,7 +387,7 @@ class DiskState:
                     io("read", k + 1)
                 wait("read", k)
                 for lo, hi, payload in work[k]:
-                    step(payload, lo, hi, _views_of(self.specs, self._slots[k % 3], lo, hi, c_lo))
+                    step(payload, lo, hi, views_of(self.specs, self._slots[k % 3], lo, hi, c_lo))
                 io("write", k)
             for key in sorted(pending, key=lambda kk: kk[1]):
                 wait(*key)

@@ -30,8 +30,8 @@ from .stores import (
     OffloadStats,
     ShardFiles,
     StateSpec,
-    _views_of,
     is_offloaded,
+    views_of,
     window_layout,
 )
 
@@ -387,7 +387,7 @@ class OffloadedUpdate:
                 grad = torch.empty(b - a, dtype=shard.grad_shard.dtype)
                 files.read_into("grad_shard", a, grad)
                 held.append((a, b, hyper, grad))
-                views = _views_of(store.specs, state, a, b).items()
+                views = views_of(store.specs, state, a, b).items()
                 copies = {k: buffer(k, v.dtype, v.numel()).copy_(v) for k, v in views}  # reused: faulted in once
                 params = buffer("param", shard.param_shard.dtype, b - a)
                 shard.step_range(copies, grad, param_copy=params, follow_copy=False, **hyper)
@@ -398,7 +398,7 @@ class OffloadedUpdate:
     def _second_pass(self) -> None:
         state = self.store.views()
         for a, b, hyper, grad in self._held:
-            self.shard.step_range(_views_of(self.store.specs, state, a, b), grad, param_copy=None, **hyper)
+            self.shard.step_range(views_of(self.store.specs, state, a, b), grad, param_copy=None, **hyper)
         self._held = None
 
     def _grad_snapshot(self, runs: list) -> dict[int, torch.Tensor]:
