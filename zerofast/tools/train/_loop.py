@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ...checkpoint import latest, load, save
+from ... import checkpoint  # its names import DCP (and DTensor: ~2.5 s a process) when first used
 from ...comm import CollectiveError
 from ...config import CommPolicy, MixedPrecisionPolicy, precision_policy
 from ...optim.base import ZeroOptimizer
@@ -231,7 +231,7 @@ def run(kind: str, args, device, steps: int, progress: bool, stage: int | None =
         )
         if checkpoints and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps):
             try:
-                written = save(
+                written = checkpoint.save(
                     os.path.join(args.save_dir, f"step-{step + 1:06d}"),
                     model,
                     opt,
@@ -268,12 +268,12 @@ def _resuming(args) -> bool:
 
 def _resume(args, model, opt, rank: int) -> int:
     """Load the newest complete checkpoint in --save-dir, if any; the step to continue from."""
-    path = latest(args.save_dir)
+    path = checkpoint.latest(args.save_dir)
     if path is None:
         if rank == 0:
             log.info("no checkpoint in %s: starting from step 0", args.save_dir)
         return 0
-    extra = load(path, model, opt)
+    extra = checkpoint.load(path, model, opt)
     torch.set_rng_state(extra["rng"])
     if rank == 0:
         log.info("resumed from %s at step %d", path, extra["step"])
