@@ -8,6 +8,7 @@ torchrun on 1 process loads that state at another world size and stage, and chec
 errors. (A plain Accelerator on one process, with no DDP to wrap the model, moves ZeroAdam's state and
 meets ChunkedTensor's error naming ZeroAccelerator: tests/test_checkpoint_format.py.)"""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,8 +19,11 @@ import torch
 from harness import launch_env
 from tolerances import fp32_tol, lp_param_tol, norm_rel_tol
 
-pytest.importorskip("accelerate")
-pytest.importorskip("peft")
+# Present, not imported here (peft alone is 9 s of a process: every pytest-xdist worker collects this
+# module, and only one runs it; the launches import them).
+for _package in ("accelerate", "peft"):
+    if importlib.util.find_spec(_package) is None:
+        pytest.skip(f"{_package} is not installed", allow_module_level=True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "tests", "jobs", "accelerate_job.py")

@@ -244,7 +244,7 @@ def test_the_main_job_ends_at_once_when_a_group_dies_on_its_own(tmp_path):
     env = dict(ENV, PYTHONPATH=str(tmp_path) + os.pathsep + ENV["PYTHONPATH"])
     start = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-m", "zerofast.train", "--replica-groups", "2", "--nproc", "2", "--model", "tiny"]
+        [sys.executable, "-m", "zerofast.train", "--replica-groups", "2", "--nproc", "1", "--model", "tiny"]
         + ["--batch", "2", "--steps", "9", "--timeout", "5"],
         cwd=ROOT,
         env=env,
